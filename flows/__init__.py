@@ -1,0 +1,1 @@
+"""gpumigrate.flows — see DESIGN.md for what this folder owns."""

@@ -1,0 +1,3 @@
+from gpumigrate.cli import main
+
+main()

@@ -1,0 +1,65 @@
+"""The ``gpumigrate`` command line.
+
+The CLI is the application layer: it sits above every subpackage and imports them lazily inside
+commands, so ``gpumigrate --help`` stays fast and a missing optional piece fails one command only.
+Every :class:`~gpumigrate.errors.GpumigrateError` becomes its documented exit code and a one-line
+message; anything else becomes exit 1 with a message (the traceback only with GPUMIGRATE_DEBUG=1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from gpumigrate.cli import (
+    cost_cmd,
+    demo_cmd,
+    hosts_cmd,
+    image_cmd,
+    migration_cmd,
+    parity_cmd,
+    plan_cmd,
+    snapshot_cmd,
+    traffic_cmd,
+)
+from gpumigrate.cli.output import fail
+from gpumigrate.errors import EXIT_FAILURE, GpumigrateError
+
+app = typer.Typer(
+    name="gpumigrate",
+    help="Move running GPU workloads between hosts and clouds with no downtime.\n\n"
+    "Exit codes: 0 completed, 2 invalid input or denied by policy (nothing moved), "
+    "3 rolled back (the source still serves), 1 any other failure.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(plan_cmd.app, name="plan")
+migration_cmd.register(app)
+app.add_typer(hosts_cmd.app, name="hosts")
+demo_cmd.register(app)
+app.add_typer(image_cmd.app, name="image")
+app.add_typer(parity_cmd.app, name="parity")
+cost_cmd.register(app)
+app.add_typer(traffic_cmd.app, name="traffic")
+app.add_typer(snapshot_cmd.app, name="snapshot")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=True)
+    except GpumigrateError as exc:
+        fail(str(exc))
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        fail("interrupted")
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as exc:  # the last line of defence: no traceback for users
+        if os.environ.get("GPUMIGRATE_DEBUG"):
+            raise
+        fail(f"unexpected {type(exc).__name__}: {exc} (set GPUMIGRATE_DEBUG=1 for the traceback)")
+        sys.exit(EXIT_FAILURE)

@@ -1,0 +1,15 @@
+"""``gpumigrate image``: owned by the image work (see the issue); says plainly what is not built yet."""
+
+from __future__ import annotations
+
+import typer
+
+from gpumigrate.errors import NotBuiltError
+
+app = typer.Typer(help="image commands (not built yet).", no_args_is_help=True)
+
+
+@app.command("info")
+def info() -> None:
+    """Say what is not built yet."""
+    raise NotBuiltError("'gpumigrate image' is not built yet")

@@ -1,0 +1,89 @@
+"""``gpumigrate migrate|rollback|status|audit``: one migration's life."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from gpumigrate.cli.output import console, emit_json
+from gpumigrate.errors import IntegrityError
+from gpumigrate.state import Migration
+
+
+def register(app: typer.Typer) -> None:
+    app.command("migrate")(migrate)
+    app.command("rollback")(rollback)
+    app.command("status")(status)
+    app.command("audit")(audit)
+
+
+def migrate(
+    plan_file: Path = typer.Argument(..., help="Plan file (YAML)."),
+    migration_id: str | None = typer.Option(None, "--id", help="Migration id (default: generated)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the migration with this --id where it stopped."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result JSON as the last line of stdout."),
+) -> None:
+    """Run a migration as a Prefect flow (ephemeral API unless PREFECT_API_URL is set)."""
+    from gpumigrate.flows.run import run_migration_cli
+
+    result = run_migration_cli(plan_file, migration_id=migration_id, resume=resume)
+    if json_out:
+        emit_json(result)
+    raise typer.Exit(result.exit_code)
+
+
+def rollback(
+    migration_id: str = typer.Argument(..., help="Migration id."),
+    reason: str = typer.Option("manual rollback requested", "--reason"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Roll a migration back: traffic to the source, target torn down. Acts within one analysis interval."""
+    from gpumigrate.flows.run import rollback_cli
+
+    outcome = rollback_cli(migration_id, reason=reason)
+    if json_out:
+        emit_json(outcome)
+    raise typer.Exit(outcome.get("exit_code", 0))
+
+
+def status(
+    migration_id: str = typer.Argument(..., help="Migration id."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Show a migration's phases and result."""
+    state = Migration.open(migration_id).read()
+    if json_out:
+        emit_json(state)
+        return
+    table = Table(title=f"migration {migration_id}: {state.get('status')}")
+    for col in ("phase", "status", "seconds"):
+        table.add_column(col)
+    from gpumigrate.state import PHASES
+
+    for name in PHASES:
+        ph = state.get("phases", {}).get(name, {"status": "pending"})
+        table.add_row(name, ph.get("status", "pending"), f"{ph['seconds']:.2f}" if ph.get("seconds") is not None else "")
+    console.print(table)
+
+
+def audit(
+    migration_id: str = typer.Argument(..., help="Migration id."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Verify the audit chain and summarise it. Exit 1 naming the first bad record if tampered."""
+    from gpumigrate.audit_report import build_report, render_report
+
+    migration = Migration.open(migration_id)
+    try:
+        head = migration.verify_audit()
+    except IntegrityError as exc:
+        if json_out:
+            emit_json({"migration_id": migration_id, "chain_verified": False, "error": str(exc)})
+        raise
+    report = build_report(migration, head)
+    if json_out:
+        emit_json(report)
+    else:
+        render_report(report, console)

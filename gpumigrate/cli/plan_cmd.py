@@ -1,0 +1,59 @@
+"""``gpumigrate plan validate|show``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+import yaml
+from rich.table import Table
+
+from gpumigrate.cli.output import console, emit_json
+from gpumigrate.errors import PlanError
+from gpumigrate.plan import load_plan
+
+app = typer.Typer(help="Check and inspect migration plans.", no_args_is_help=True)
+
+
+@app.command("validate")
+def validate(
+    plans: list[Path] = typer.Argument(..., help="One or more plan files."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object as the last line of stdout."),
+) -> None:
+    """Validate plan files: exit 0 if all are valid, 2 with field paths if any is not."""
+    results = []
+    errors: list[PlanError] = []
+    for path in plans:
+        try:
+            plan = load_plan(path)
+            results.append({"plan": str(path), "valid": True, "workload": plan.workload.name})
+            console.print(f"[green]valid[/] {path}")
+        except PlanError as exc:
+            errors.append(exc)
+            results.append({"plan": str(path), "valid": False, "problems": [{"field": f, "message": m} for f, m in exc.problems]})
+            console.print(f"[red]invalid[/] {path}")
+            for field, msg in exc.problems:
+                console.print(f"  [bold]{field}[/]: {msg}", soft_wrap=True)
+    if json_out:
+        emit_json({"valid": not errors, "plans": results})
+    if errors:
+        raise typer.Exit(2)
+
+
+@app.command("show")
+def show(
+    plan_file: Path = typer.Argument(..., help="Plan file."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Show a plan with all defaults filled in."""
+    plan = load_plan(plan_file)
+    data = plan.model_dump(mode="json")
+    if json_out:
+        emit_json(data)
+        return
+    table = Table(title=f"plan {plan_file}", show_header=True)
+    table.add_column("section")
+    table.add_column("settings")
+    for section, value in data.items():
+        table.add_row(section, yaml.safe_dump(value, sort_keys=False).strip() if isinstance(value, dict) else str(value))
+    console.print(table)

@@ -1,0 +1,15 @@
+"""``gpumigrate snapshot``: owned by the snapshot work (see the issue); says plainly what is not built yet."""
+
+from __future__ import annotations
+
+import typer
+
+from gpumigrate.errors import NotBuiltError
+
+app = typer.Typer(help="snapshot commands (not built yet).", no_args_is_help=True)
+
+
+@app.command("info")
+def info() -> None:
+    """Say what is not built yet."""
+    raise NotBuiltError("'gpumigrate snapshot' is not built yet")

@@ -1,0 +1,194 @@
+"""The small interfaces the subpackages implement and the flows wire together.
+
+They live in the core so that siblings never import each other: ``snapshot/`` writes into an
+:class:`ImageWriter` that ``transfer/`` implements; ``traffic/`` calls a :class:`OutputComparator`
+that ``parity/`` implements; ``flows/`` (or a workload embedding the agent) passes the concrete
+objects in. A new cloud, snapshot backend or store is one new module implementing one Protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+# ----------------------------------------------------------------------------- infra
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """What to provision. ``name`` is stable per migration so a retried provision finds its host."""
+
+    name: str
+    provider: str
+    region: str
+    zone: str | None = None
+    instance_type: str | None = None
+    gpu_model: str = "none"
+    gpu_count: int = 0
+    image: str | None = None
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Host:
+    """A provisioned host. ``address`` is where its services listen; ``ports`` names them."""
+
+    name: str
+    provider: str
+    region: str
+    address: str
+    instance_id: str | None = None
+    zone: str | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    workdir: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Jurisdiction:
+    country: str  # ISO 3166 alpha-2, or LOCAL for this machine's test regions
+    blocs: tuple[str, ...]  # e.g. ("EU", "EEA")
+    source: str  # where the mapping comes from
+
+
+@runtime_checkable
+class Provider(Protocol):
+    name: str
+
+    def check_capacity(self, spec: HostSpec) -> None:
+        """Raise CapacityError (exit 2) when the type, zone or quota cannot take ``spec``. Launches nothing."""
+
+    def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
+        """Launch (or find the host already launched for this migration: idempotent)."""
+
+    def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host: ...
+
+    def terminate(self, host: Host) -> None:
+        """Idempotent; never raises for a host that is already gone."""
+
+    def jurisdiction(self, region: str) -> Jurisdiction:
+        """Raise ResidencyError for a region unknown to the map: denied, not guessed."""
+
+    def price(self, spec: HostSpec) -> float:
+        """USD per hour for ``spec`` in its region."""
+
+
+# ----------------------------------------------------------------------------- images
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """One named region of an image: a tensor, a file, or a blob of opaque state."""
+
+    name: str
+    nbytes: int
+    kind: Literal["tensor", "file", "blob"] = "tensor"
+    dtype: str | None = None  # torch/numpy dtype name for tensors: "bfloat16", "float32", ...
+    shape: tuple[int, ...] | None = None
+    device: str | None = None  # where it lived on the source ("cuda:0", "cpu"), informational
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """A committed image in a store. ``id`` is the manifest's BLAKE3 digest."""
+
+    id: str
+    store: str
+    parent: str | None = None
+    bytes_image: int = 0  # logical bytes of all regions
+    bytes_sent: int = 0  # bytes that crossed to the store in this commit (after dedup, compression)
+    bytes_stored: int = 0  # bytes the store holds for this image's new chunks
+
+
+@runtime_checkable
+class ImageWriter(Protocol):
+    """Builds one image. Thread-safe: several threads may call put_chunk at once (that is the overlap)."""
+
+    chunk_size: int
+
+    def add_region(self, info: RegionInfo) -> None: ...
+
+    def put_chunk(self, region: str, index: int, data: memoryview) -> str:
+        """Hash, compress, encrypt and store chunk ``index`` of ``region``; return its chunk id.
+
+        Returns once ``data`` may be reused by the caller (so pinned ring buffers can be recycled).
+        """
+
+    def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
+        """Chunk unchanged since the parent image: reference it without sending bytes."""
+
+    def set_metadata(self, key: str, value: Any) -> None:
+        """Small JSON-able state (step counters, RNG state, environment facts). Never secrets."""
+
+    def commit(self) -> ImageRef: ...
+
+
+@runtime_checkable
+class ImageReader(Protocol):
+    """Reads a verified image: the manifest's signature is checked when the reader opens."""
+
+    ref: ImageRef
+
+    def regions(self) -> Sequence[RegionInfo]: ...
+
+    def metadata(self) -> Mapping[str, Any]: ...
+
+    def chunk_count(self, region: str) -> int: ...
+
+    def read_chunk_into(self, region: str, index: int, out: memoryview) -> int:
+        """Fetch, verify (BLAKE3), decrypt and decompress into ``out``; return bytes written."""
+
+
+# ----------------------------------------------------------------------------- snapshot
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    round: int
+    chunks_total: int
+    chunks_dirty: int
+    bytes_dirty: int
+    seconds: float
+
+
+@runtime_checkable
+class Snapshotter(Protocol):
+    """Source side of a capture. The agent, the CUDA driver and CRIU backends implement it."""
+
+    def precopy(self, writer: ImageWriter) -> RoundStats:
+        """One live round while the workload runs: ship chunks whose fingerprint changed."""
+
+    def freeze(self) -> None:
+        """Stop the workload at a safe point (between requests or steps)."""
+
+    def final(self, writer: ImageWriter) -> ImageRef:
+        """Ship the last dirty set while frozen and commit the image."""
+
+    def resume(self) -> None:
+        """Un-freeze the source (rollback). Idempotent."""
+
+
+@runtime_checkable
+class Restorer(Protocol):
+    """Target side: rebuild the state from a verified image before the service reports ready."""
+
+    def restore(self, reader: ImageReader) -> dict[str, Any]: ...
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    passed: bool
+    cases: int
+    max_abs_err: float | None
+    failures: tuple[str, ...] = ()  # readable reasons, one per failing case/column
+
+
+@runtime_checkable
+class OutputComparator(Protocol):
+    """Compares the outputs of source and target for the same inputs (parity/ implements it)."""
+
+    def compare(self, source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> ParityReport: ...

@@ -1,0 +1,286 @@
+"""The migration plan: a YAML file validated into typed pydantic models.
+
+Every validation problem is reported with its field path (``target.region``,
+``traffic.stages[2].weight``) and what is allowed, and the CLI turns it into exit code 2.
+The plan never holds secrets: encryption keys are named by reference (an env var or a file).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from gpumigrate.errors import PlanError
+
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_HOSTPORT_RE = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Endpoint(_Model):
+    """Where a workload listens: ``http://host:port``."""
+
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+(:\d+)?(/.*)?$", v):
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
+        return v.rstrip("/")
+
+
+class Workload(_Model):
+    name: str = Field(description="Stable name of the workload, used in tags and audit records.")
+    kind: Literal["inference", "training"]
+    source_host: str = Field(description="Name of the source host (a local host name or a cloud instance id).")
+    endpoint: str | None = Field(default=None, description="Service URL of the source (inference).")
+    agent: str | None = Field(default=None, description="host:port of the snapshot agent's control address.")
+    source_region: str = Field(default="local-a", description="Region the source runs in (for residency).")
+    source_provider: Literal["local", "aws", "gcp"] = "local"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _ID_RE.match(v):
+            raise ValueError("must be lowercase letters, digits and '-', 1-63 characters, starting alphanumeric")
+        return v
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+(:\d+)?(/.*)?$", v):
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
+        return v.rstrip("/") if v else v
+
+    @field_validator("agent")
+    @classmethod
+    def _agent(cls, v: str | None) -> str | None:
+        if v is not None and not _HOSTPORT_RE.match(v):
+            raise ValueError("must be host:port, such as 127.0.0.1:7070")
+        if v is not None and not 0 < int(v.rsplit(":", 1)[1]) < 65536:
+            raise ValueError("port must be 1-65535")
+        return v
+
+    @model_validator(mode="after")
+    def _inference_needs_endpoint(self) -> Workload:
+        if self.kind == "inference" and not self.endpoint:
+            raise ValueError("an inference workload needs 'endpoint' (the URL clients call)")
+        return self
+
+
+GPU_MODELS = ("none", "T4", "L4", "A10G", "A100-40GB", "A100-80GB", "H100", "H200", "B200")
+
+
+class Target(_Model):
+    provider: Literal["local", "aws", "gcp"]
+    region: str
+    zone: str | None = None
+    instance_type: str | None = Field(default=None, description="Cloud machine type, e.g. p5.48xlarge or a3-highgpu-8g.")
+    gpu_model: Literal["none", "T4", "L4", "A10G", "A100-40GB", "A100-80GB", "H100", "H200", "B200"] = "none"
+    gpu_count: Annotated[int, Field(ge=0, le=16)] = 0
+    host: str | None = Field(default=None, description="Local provider: name of the target host.")
+    image: str | None = Field(default=None, description="Machine image (AMI id or GCE image) for cloud targets.")
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        if not re.match(r"^[a-z][a-z0-9-]{1,40}$", v):
+            raise ValueError("must be a region name such as eu-central-1, europe-west4 or local-b")
+        return v
+
+    @model_validator(mode="after")
+    def _cloud_fields(self) -> Target:
+        if self.provider in ("aws", "gcp") and not self.instance_type:
+            raise ValueError(f"provider {self.provider} needs 'instance_type'")
+        if self.provider == "gcp" and not self.zone:
+            raise ValueError("provider gcp needs 'zone' (e.g. europe-west4-a)")
+        if self.zone and not self.zone.startswith(self.region):
+            raise ValueError(f"zone {self.zone!r} is not in region {self.region!r}")
+        if self.gpu_model == "none" and self.gpu_count:
+            raise ValueError("gpu_count > 0 needs a gpu_model")
+        return self
+
+
+class DataPolicy(_Model):
+    classification: Literal["public", "internal", "confidential", "restricted"]
+    allowed_jurisdictions: list[str] = Field(
+        min_length=1, description="Countries (ISO 3166 alpha-2, e.g. DE) or blocs (EU, EEA, US, ...) the data may live in."
+    )
+
+    @field_validator("allowed_jurisdictions")
+    @classmethod
+    def _codes(cls, v: list[str]) -> list[str]:
+        for code in v:
+            if not re.match(r"^[A-Z]{2,5}$|^ANY$|^LOCAL$", code):
+                raise ValueError(f"{code!r} is not a jurisdiction code: use ISO country codes (DE) or blocs (EU, EEA, US), ANY or LOCAL")
+        return v
+
+
+class Snapshot(_Model):
+    backend: Literal["agent", "cuda-driver", "criu"] = "agent"
+    precopy_rounds: Annotated[int, Field(ge=0, le=50)] = 3
+    max_downtime_ms: Annotated[int, Field(gt=0, le=600_000)] = 500
+
+
+_STORE_RE = re.compile(r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|gs://[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9](/.*)?|stream://[A-Za-z0-9_.\-\[\]:]+:\d{1,5})$")
+
+
+class KeyRef(_Model):
+    """Where the encryption key lives. Exactly one of env/file; the key itself never enters the plan."""
+
+    env: str | None = None
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> KeyRef:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of 'env' (an environment variable name) or 'file' (a path)")
+        if self.env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.env):
+            raise ValueError("'env' must be an environment variable name")
+        return self
+
+
+class Transfer(_Model):
+    store: str = Field(description="file:///path, s3://bucket/prefix, gs://bucket/prefix or stream://host:port")
+    compression: Literal["auto", "none", "zstd", "float"] = "auto"
+    encryption_key: KeyRef | None = None
+    parallelism: Annotated[int, Field(ge=1, le=64)] = 4
+    store_region: str | None = Field(default=None, description="Region of the store (bucket) for residency checks.")
+
+    @field_validator("store")
+    @classmethod
+    def _store(cls, v: str) -> str:
+        if not _STORE_RE.match(v):
+            raise ValueError("must be file:///path, s3://bucket[/prefix], gs://bucket[/prefix] or stream://host:port")
+        return v
+
+
+class Parity(_Model):
+    golden_inputs: str | None = Field(default=None, description="JSONL file of golden inputs, relative to the plan.")
+    atol: Annotated[float, Field(ge=0)] = 1e-5
+    rtol: Annotated[float, Field(ge=0)] = 1e-4
+    environment: dict[str, Literal["must_match", "may_differ"]] = Field(default_factory=dict)
+
+
+class Stage(_Model):
+    weight: Annotated[float, Field(gt=0, le=100, description="Percent of traffic to the target.")]
+    hold_s: Annotated[float, Field(ge=0, le=86_400)] = 10
+
+
+class Gates(_Model):
+    min_success_rate: Annotated[float, Field(ge=0, le=1)] = 0.999
+    max_p99_ratio: Annotated[float, Field(ge=1)] = 1.5
+    max_p99_ms: Annotated[float, Field(gt=0)] | None = None
+    min_requests: Annotated[int, Field(ge=1)] = 20
+    failures_to_rollback: Annotated[int, Field(ge=1, le=10)] = 1
+
+
+def _default_stages() -> list[Stage]:
+    return [Stage(weight=w) for w in (1, 5, 25, 50, 100)]
+
+
+class Traffic(_Model):
+    stages: list[Stage] = Field(default_factory=_default_stages, min_length=1)
+    gates: Gates = Field(default_factory=Gates)
+    analysis_interval_s: Annotated[float, Field(gt=0, le=600)] = 2.0
+    rollback_window_s: Annotated[float, Field(ge=0, le=7 * 86_400)] = 600
+    manual_gate: bool = False
+
+    @field_validator("stages")
+    @classmethod
+    def _increasing(cls, v: list[Stage]) -> list[Stage]:
+        weights = [s.weight for s in v]
+        if any(b <= a for a, b in zip(weights, weights[1:])):
+            raise ValueError(f"stage weights must strictly increase, got {weights}")
+        if weights[-1] != 100:
+            raise ValueError(f"the last stage must be the cutover at weight 100, got {weights[-1]}")
+        return v
+
+
+class Cost(_Model):
+    horizon_hours: Annotated[float, Field(gt=0, le=24 * 365)] = 24 * 30
+    min_savings_usd: Annotated[float, Field(ge=0)] = 0
+    schedule: str | None = Field(default=None, description="cron expression for scheduled cost-driven moves")
+    candidates: list[str] = Field(default_factory=list, description="provider:region[:instance_type] the cost planner may propose")
+
+
+class Plan(_Model):
+    version: Literal[1] = 1
+    workload: Workload
+    target: Target
+    data: DataPolicy
+    snapshot: Snapshot = Field(default_factory=Snapshot)
+    transfer: Transfer
+    parity: Parity = Field(default_factory=Parity)
+    traffic: Traffic = Field(default_factory=Traffic)
+    cost: Cost = Field(default_factory=Cost)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Plan:
+        if self.snapshot.backend == "cuda-driver" and self.target.provider != "local":
+            raise ValueError("snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts")
+        return self
+
+
+def _loc(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("function-after", "function-before") or str(part).startswith(("function-", "literal[")):
+            continue
+        else:
+            path += ("." if path else "") + str(part)
+    return path or "(plan)"
+
+
+def parse_plan(data: object, source: str = "<plan>") -> Plan:
+    """Validate already-parsed YAML/JSON data. Raises :class:`PlanError` with field paths."""
+    if not isinstance(data, dict):
+        raise PlanError(source, [("(plan)", "the plan must be a YAML mapping with workload, target, data and transfer")])
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors(include_url=False):
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field (check the spelling; see examples/ for the allowed fields)"
+            elif err["type"] == "missing":
+                msg = "required field is missing"
+            problems.append((_loc(err["loc"]), msg))
+        raise PlanError(source, problems) from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(str(p), [("(file)", "no such file")])
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise PlanError(str(p), [("(yaml)", f"not valid YAML: {first}")]) from None
+    return parse_plan(data, str(p))
+
+
+def resolve_relative(plan_path: str | Path, value: str) -> Path:
+    """Paths inside a plan are relative to the plan file."""
+    v = Path(value)
+    return v if v.is_absolute() else (Path(plan_path).parent / v).resolve()

@@ -1,0 +1,58 @@
+"""The JSON contract of ``migrate`` and ``demo`` (last line of stdout with ``--json``).
+
+Fields not reached are ``None`` (JSON null), never invented.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class PhaseResult(BaseModel):
+    status: str
+    seconds: float | None = None
+
+
+class Requests(BaseModel):
+    total: int | None = None
+    failed: int | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+
+
+class Bytes(BaseModel):
+    image: int | None = None
+    sent: int | None = None
+    stored: int | None = None
+
+
+class ParitySummary(BaseModel):
+    passed: bool | None = None
+    cases: int | None = None
+    max_abs_err: float | None = None
+
+
+class RollbackSummary(BaseModel):
+    triggered: bool | None = None
+    reason: str | None = None
+    seconds_to_detect: float | None = None
+
+
+class MigrationResult(BaseModel):
+    migration_id: str | None = None
+    status: Literal["completed", "rolled_back", "denied", "failed"]
+    phases: dict[str, PhaseResult] = Field(default_factory=dict)
+    requests: Requests = Field(default_factory=Requests)
+    downtime_ms: float | None = None
+    bytes: Bytes = Field(default_factory=Bytes)
+    parity: ParitySummary = Field(default_factory=ParitySummary)
+    rollback: RollbackSummary = Field(default_factory=RollbackSummary)
+    error: str | None = None
+    report: str | None = Field(default=None, description="Path of the human report (markdown/HTML).")
+    chart: str | None = Field(default=None, description="Path of the ramp chart (PNG).")
+
+    @property
+    def exit_code(self) -> int:
+        return {"completed": 0, "denied": 2, "rolled_back": 3, "failed": 1}[self.status]

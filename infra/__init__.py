@@ -1,0 +1,1 @@
+"""gpumigrate.infra — see DESIGN.md for what this folder owns."""

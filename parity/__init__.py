@@ -1,0 +1,1 @@
+"""gpumigrate.parity — see DESIGN.md for what this folder owns."""

@@ -1,0 +1,1 @@
+"""gpumigrate.snapshot — see DESIGN.md for what this folder owns."""

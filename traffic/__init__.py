@@ -1,0 +1,1 @@
+"""gpumigrate.traffic — see DESIGN.md for what this folder owns."""

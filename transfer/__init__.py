@@ -1,0 +1,1 @@
+"""gpumigrate.transfer — see DESIGN.md for what this folder owns."""

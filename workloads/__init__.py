@@ -1,0 +1,1 @@
+"""gpumigrate.workloads — see DESIGN.md for what this folder owns."""
