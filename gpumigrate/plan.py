@@ -205,7 +205,7 @@ class Traffic(_Model):
     @classmethod
     def _increasing(cls, v: list[Stage]) -> list[Stage]:
         weights = [s.weight for s in v]
-        if any(b <= a for a, b in zip(weights, weights[1:])):
+        if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
             raise ValueError(f"stage weights must strictly increase, got {weights}")
         if weights[-1] != 100:
             raise ValueError(f"the last stage must be the cutover at weight 100, got {weights[-1]}")
