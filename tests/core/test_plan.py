@@ -1,0 +1,133 @@
+"""Plan validation: the examples pass; every bad plan exits 2 naming its field path."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpumigrate.errors import PlanError
+from gpumigrate.plan import load_plan, parse_plan
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+BASE = yaml.safe_load((REPO / "examples" / "local-demo.yaml").read_text())
+
+
+def test_examples_exist_for_each_provider() -> None:
+    providers = {load_plan(p).target.provider for p in EXAMPLES}
+    assert {"local", "aws", "gcp"} <= providers
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate(path: Path) -> None:
+    plan = load_plan(path)
+    assert plan.version == 1
+    assert plan.traffic.stages[-1].weight == 100
+
+
+def _set(doc: dict, dotted: str, value: object) -> dict:
+    doc = copy.deepcopy(doc)
+    node = doc
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node[int(part)] if part.isdigit() else node[part]
+    last = parts[-1]
+    if value is _DELETE:
+        del node[last]
+    elif last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return doc
+
+
+_DELETE = object()
+
+# (case id, dotted path to change, new value, field path expected in the message)
+BAD_PLANS = [
+    ("missing-workload", "workload", _DELETE, "workload"),
+    ("bad-kind", "workload.kind", "batch", "workload.kind"),
+    ("bad-name", "workload.name", "Tiny LM!", "workload.name"),
+    ("bad-endpoint", "workload.endpoint", "ftp://x", "workload.endpoint"),
+    ("bad-agent", "workload.agent", "nohostport", "workload.agent"),
+    ("agent-port-range", "workload.agent", "127.0.0.1:70000", "workload.agent"),
+    ("bad-provider", "target.provider", "azure", "target.provider"),
+    ("bad-region", "target.region", "EU Central", "target.region"),
+    ("gpu-count-range", "target.gpu_count", 99, "target.gpu_count"),
+    ("gpu-model", "target.gpu_model", "RTX9999", "target.gpu_model"),
+    ("no-jurisdictions", "data.allowed_jurisdictions", [], "data.allowed_jurisdictions"),
+    ("bad-jurisdiction", "data.allowed_jurisdictions", ["europe"], "data.allowed_jurisdictions"),
+    ("bad-classification", "data.classification", "secret-ish", "data.classification"),
+    ("bad-backend", "snapshot.backend", "vmotion", "snapshot.backend"),
+    ("negative-rounds", "snapshot.precopy_rounds", -1, "snapshot.precopy_rounds"),
+    ("zero-downtime-budget", "snapshot.max_downtime_ms", 0, "snapshot.max_downtime_ms"),
+    ("bad-store", "transfer.store", "ftp://host/x", "transfer.store"),
+    ("key-in-plan", "transfer.encryption_key", {"value": "00ff"}, "transfer.encryption_key.value"),
+    ("key-two-refs", "transfer.encryption_key", {"env": "A", "file": "/k"}, "transfer.encryption_key"),
+    ("parallelism", "transfer.parallelism", 0, "transfer.parallelism"),
+    ("bad-compression", "transfer.compression", "lzma", "transfer.compression"),
+    ("negative-atol", "parity.atol", -1, "parity.atol"),
+    ("bad-env-policy", "parity.environment", {"torch": "ignore"}, "parity.environment.torch"),
+    ("weight-over-100", "traffic.stages.0.weight", 150, "traffic.stages[0].weight"),
+    ("weights-decrease", "traffic.stages", [{"weight": 50}, {"weight": 25}, {"weight": 100}], "traffic.stages"),
+    ("no-cutover", "traffic.stages", [{"weight": 10}, {"weight": 50}], "traffic.stages"),
+    ("interval-zero", "traffic.analysis_interval_s", 0, "traffic.analysis_interval_s"),
+    ("success-rate-range", "traffic.gates.min_success_rate", 1.5, "traffic.gates.min_success_rate"),
+    ("unknown-field", "traffic.speed", "fast", "traffic.speed"),
+    ("bad-version", "version", 2, "version"),
+]
+
+
+@pytest.mark.parametrize(("case", "path", "value", "field"), BAD_PLANS, ids=[b[0] for b in BAD_PLANS])
+def test_bad_plan_names_field(case: str, path: str, value: object, field: str) -> None:
+    with pytest.raises(PlanError) as info:
+        parse_plan(_set(BASE, path, value), case)
+    fields = [f for f, _ in info.value.problems]
+    assert field in fields, f"{case}: expected {field} in {fields}"
+
+
+def test_cross_field_rules() -> None:
+    aws = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
+    with pytest.raises(PlanError) as info:
+        parse_plan(_set(aws, "target.instance_type", _DELETE), "aws")
+    assert any("instance_type" in m for _, m in info.value.problems)
+    with pytest.raises(PlanError) as info:
+        parse_plan(_set(aws, "target.zone", "us-east-1a"), "aws")
+    assert any("not in region" in m for _, m in info.value.problems)
+    with pytest.raises(PlanError) as info:
+        parse_plan(_set(aws, "snapshot.backend", "cuda-driver"), "aws")
+    assert any("cuda-driver" in m for _, m in info.value.problems)
+
+
+def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("workload: [unclosed\n")
+    with pytest.raises(PlanError) as info:
+        load_plan(broken)
+    assert info.value.problems[0][0] == "(yaml)"
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- a\n- b\n")
+    with pytest.raises(PlanError):
+        load_plan(listy)
+    with pytest.raises(PlanError) as info:
+        load_plan(tmp_path / "missing.yaml")
+    assert "no such file" in info.value.problems[0][1]
+
+
+def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str]) -> None:
+    ok = subprocess.run([*cli_cmd, "plan", "validate", *map(str, EXAMPLES)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(_set(BASE, "traffic.stages.0.weight", 150)))
+    out = subprocess.run([*cli_cmd, "plan", "validate", str(bad), "--json"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "traffic.stages[0].weight" in out.stderr
+    assert "Traceback" not in out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["valid"] is False
+    assert doc["plans"][0]["problems"][0]["field"] == "traffic.stages[0].weight"
