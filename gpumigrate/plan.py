@@ -52,6 +52,9 @@ class Workload(_Model):
     agent: str | None = Field(default=None, description="host:port of the snapshot agent's control address.")
     source_region: str = Field(default="local-a", description="Region the source runs in (for residency).")
     source_provider: Literal["local", "aws", "gcp"] = "local"
+    source_instance_type: str | None = Field(
+        default=None, description="Machine type the source runs on (for the cost model); default: the target's type."
+    )
 
     @field_validator("name")
     @classmethod

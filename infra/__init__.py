@@ -1,1 +1,100 @@
-"""gpumigrate.infra — see DESIGN.md for what this folder owns."""
+"""gpumigrate.infra — providers (local, AWS, GCP), capacity and quota, residency, pricing and cost.
+
+The registry resolves a provider name to its class lazily, so importing this package pulls in
+neither boto3 nor google-cloud-compute. :func:`provision_host` is the one call the flows make to
+get a target: residency of the region first, then capacity and quota, then the launch — so a
+denial provisions nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from importlib import import_module
+from typing import Any
+
+from gpumigrate.errors import InvalidInputError, ProviderError
+from gpumigrate.interfaces import Host, HostSpec, Provider
+
+# name -> "module:Class", imported on first use
+PROVIDERS: dict[str, str] = {
+    "local": "gpumigrate.infra.local:LocalProvider",
+    "aws": "gpumigrate.infra.aws:AwsProvider",
+    "gcp": "gpumigrate.infra.gcp:GcpProvider",
+}
+
+
+def get_provider(name: str, **options: Any) -> Provider:
+    """Build the provider called ``name`` with its options (e.g. ``endpoint_url`` for aws)."""
+    target = PROVIDERS.get(name)
+    if target is None:
+        raise InvalidInputError(f"unknown provider {name!r}: allowed are {', '.join(sorted(PROVIDERS))}")
+    module_name, _, class_name = target.partition(":")
+    try:
+        cls = getattr(import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ProviderError(f"provider {name!r} is not available here: {exc}") from None
+    return cls(**options)
+
+
+def provider_options_from_env(name: str) -> dict[str, Any]:
+    """Options the CLI passes to a provider: endpoints and project from the environment, never secrets.
+
+    aws: ``AWS_ENDPOINT_URL`` (boto3 reads it too). gcp: ``GPUMIGRATE_GCP_ENDPOINT`` (a Compute
+    Engine API endpoint) and ``GOOGLE_CLOUD_PROJECT``. Credentials stay with the standard chains.
+    """
+    if name == "aws" and os.environ.get("AWS_ENDPOINT_URL"):
+        return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    if name == "gcp":
+        opts: dict[str, Any] = {}
+        if os.environ.get("GPUMIGRATE_GCP_ENDPOINT"):
+            opts["api_endpoint"] = os.environ["GPUMIGRATE_GCP_ENDPOINT"]
+        if os.environ.get("GOOGLE_CLOUD_PROJECT"):
+            opts["project"] = os.environ["GOOGLE_CLOUD_PROJECT"]
+        return opts
+    return {}
+
+
+def spec_from_plan(plan: Any, *, migration_id: str) -> HostSpec:
+    """The target HostSpec of a plan; its name is stable per migration so a retry finds its host."""
+    t = plan.target
+    name = (t.host or f"gm-{plan.workload.name}-{migration_id}").lower()
+    if len(name) > 63:  # cloud name limits; the digest keeps two long ids apart
+        name = name[:50].rstrip("-") + "-" + hashlib.sha256(name.encode()).hexdigest()[:12]
+    return HostSpec(
+        name=name,
+        provider=t.provider,
+        region=t.region,
+        zone=t.zone,
+        instance_type=t.instance_type,
+        gpu_model=t.gpu_model,
+        gpu_count=t.gpu_count,
+        image=t.image,
+        tags={"gpumigrate:workload": plan.workload.name},
+    )
+
+
+def provision_host(
+    provider: Provider,
+    spec: HostSpec,
+    *,
+    migration_id: str,
+    allowed_jurisdictions: list[str] | tuple[str, ...],
+    record: Any = None,
+) -> Host:
+    """Residency (exit 2), then capacity/quota (exit 2), then launch. Nothing is launched on a denial."""
+    from gpumigrate.infra.residency import check_region
+
+    check_region(spec.provider, spec.region, allowed_jurisdictions, point="provision", record=record)
+    provider.check_capacity(spec)
+    if record is not None:
+        record("infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "zone": spec.zone,
+                                      "instance_type": spec.instance_type})
+    host = provider.provision(spec, migration_id=migration_id)
+    if record is not None:
+        record("infra.provisioned", {"provider": host.provider, "region": host.region, "host": host.name,
+                                     "instance_id": host.instance_id})
+    return host
+
+
+__all__ = ["PROVIDERS", "get_provider", "provider_options_from_env", "provision_host", "spec_from_plan"]

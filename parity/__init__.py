@@ -1,1 +1,43 @@
-"""gpumigrate.parity — see DESIGN.md for what this folder owns."""
+"""gpumigrate.parity: proof that the target answers like the source before user traffic reaches it.
+
+Public API (imported lazily: importing this package costs nothing; Great Expectations is imported
+only when a GX check runs):
+
+- :func:`check_environment(source_info, target_info, policy) -> EnvironmentReport`; its
+  ``raise_if_forbidden()`` raises :class:`EnvironmentParityError` (a policy denial, exit 2).
+- :func:`fetch_info(url)`, :func:`run_probe(command)`: environment facts from a service or a host.
+- :func:`run_output_parity(source_url, target_url, inputs_path, *, atol, rtol, out_dir) -> OutputParityResult`:
+  the golden set against both services directly, judged by the GX suite, reports in ``out_dir``.
+- :class:`ToleranceComparator`: the fast :class:`~gpumigrate.interfaces.OutputComparator` for live probes
+  (same rules, no GX); :class:`GXComparator`: the same through GX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "check_environment": "environment",
+    "EnvironmentReport": "environment",
+    "EnvironmentParityError": "environment",
+    "DEFAULT_POLICY": "environment",
+    "fetch_info": "environment",
+    "run_probe": "environment",
+    "run_output_parity": "output",
+    "compare_outputs": "output",
+    "load_golden": "output",
+    "OutputParityResult": "output",
+    "ToleranceComparator": "comparator",
+    "GXComparator": "comparator",
+    "Rules": "rules",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpumigrate.parity' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"gpumigrate.parity.{module}"), name)

@@ -1,1 +1,48 @@
-"""gpumigrate.transfer — see DESIGN.md for what this folder owns."""
+"""gpumigrate.transfer: checkpoint images (FORMAT.md) and the engine that moves them (TRANSPORTS.md).
+
+Importing this package is cheap: the public names load their modules on first use.
+
+- ``open_writer(store_url, *, key, parent=None, compression="auto", parallelism=4, chunk_size=None, source=None)``
+- ``open_reader(store_url, image_id, *, key)``
+- ``resolve_key(env=None, file=None) -> bytes``, ``generate_key() -> str``
+- ``pack_paths(paths, store_url, *, key, parent=None, ...) -> ImageRef``, ``unpack(store_url, image_id, out_dir, *, key)``
+- ``push(src_url, dst_url, image_id, *, key, parallelism=4, progress=None) -> TransferStats``
+- ``verify(store_url, image_id, *, key) -> TransferStats``
+- ``serve_stream(listen, store_url, *, key=None) -> StreamServer`` (``.port``, ``.close()``)
+- ``store_region(store_url) -> str | None``
+- ``ProgressCallback = Callable[[bytes_done, bytes_total], None]``
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "open_writer": "api",
+    "open_reader": "api",
+    "resolve_key": "keys",
+    "generate_key": "keys",
+    "pack_paths": "pack",
+    "unpack": "pack",
+    "push": "push",
+    "verify": "push",
+    "store_region": "push",
+    "serve_stream": "stream",
+    "StreamServer": "stream",
+    "ProgressCallback": "progress",
+    "TransferStats": "progress",
+    "open_store": "stores",
+    "parse_image_url": "stores",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,16 +1,32 @@
-"""``gpumigrate demo``: not built yet; says so plainly."""
+"""``gpumigrate demo``: the whole migration on this machine (see gpumigrate.flows.demo)."""
 
 from __future__ import annotations
 
 import typer
 
-from gpumigrate.errors import NotBuiltError
+from gpumigrate.cli.output import emit_json
 
 
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
 
 
-def demo() -> None:
-    """Not built yet."""
-    raise NotBuiltError("'gpumigrate demo' is not built yet")
+def demo(
+    fault: str | None = typer.Option(
+        None, "--fault",
+        help="Break the target during the ramp to show the automatic rollback (exit 3): "
+        "target-errors, target-slow, target-drift or target-crash.",
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the result JSON as the last line of stdout."),
+    no_live: bool = typer.Option(False, "--no-live", help="Plain lines instead of the live view (logs, CI)."),
+) -> None:
+    """Two local hosts, the tiny inference server, Envoy, a load generator, then the migrate flow to cutover.
+
+    Prints where the report and the ramp chart are. Exit 0 completed, 3 rolled back.
+    """
+    from gpumigrate.flows.demo import run_demo
+
+    result = run_demo(fault=fault, live=not no_live)
+    if json_out:
+        emit_json(result)
+    raise typer.Exit(result.exit_code)

@@ -1,15 +1,304 @@
-"""``gpumigrate image``: owned by the image work (see the issue); says plainly what is not built yet."""
+"""``gpumigrate image``: pack, push, verify, unpack and receive checkpoint images (transfer/).
+
+An IMAGE URL is ``STORE_URL#IMAGE_ID``; the id may be a unique prefix, or left out when the store
+holds one image. Store URLs: file:///abs/dir, file://relative/dir, s3://bucket/prefix,
+gs://bucket/prefix, stream://host:port (push/pack destination only; a receiver writes it to its store).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import typer
 
-from gpumigrate.errors import NotBuiltError
+from gpumigrate.cli.output import console, emit_json
+from gpumigrate.errors import InvalidInputError
 
-app = typer.Typer(help="image commands (not built yet).", no_args_is_help=True)
+app = typer.Typer(
+    help="Checkpoint images: pack files, push between stores (file://, s3://, gs://, stream://), verify, unpack.\n\n"
+    "IMAGE URLs are STORE_URL#IMAGE_ID (a unique id prefix is enough; the id may be left out when the store "
+    "holds one image), e.g. file:///data/images#3fa2c1. The key (32 bytes: hex, base64 or raw) comes from "
+    "--key-env VAR, --key-file FILE, or GPUMIGRATE_IMAGE_KEY; --no-key writes/reads unencrypted, unsigned images.\n\n"
+    "Exit codes: 0 ok, 2 bad input (wrong key, bad URL, missing file), 1 integrity or transfer failure.",
+    no_args_is_help=True,
+)
+
+DEFAULT_KEY_ENV = "GPUMIGRATE_IMAGE_KEY"
+KeyEnv = typer.Option(None, "--key-env", help="environment variable holding the image key")
+KeyFile = typer.Option(None, "--key-file", help="file holding the image key (hex, base64 or raw 32 bytes)")
+NoKey = typer.Option(False, "--no-key", help="no encryption or signature (integrity by BLAKE3 ids only)")
+JsonOut = typer.Option(False, "--json", help="print a JSON summary as the last stdout line")
+Parallelism = typer.Option(4, "--parallelism", "-j", min=1, max=64, help="worker threads / parallel connections")
+Endpoint = typer.Option(None, "--endpoint-url", help="S3/GCS API endpoint (default: AWS_ENDPOINT_URL / GPUMIGRATE_GCS_ENDPOINT)")
+Quiet = typer.Option(False, "--quiet", "-q", help="no progress bar")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)(?:/s)?\s*$", re.IGNORECASE)
 
 
-@app.command("info")
-def info() -> None:
-    """Say what is not built yet."""
-    raise NotBuiltError("'gpumigrate image' is not built yet")
+def parse_rate(text: str | None) -> float | None:
+    """'100MB', '1GiB', '50M', '125000000' → bytes per second."""
+    if not text:
+        return None
+    m = _SIZE.match(text)
+    if not m:
+        raise InvalidInputError(f"rate {text!r} is not a size per second", hint="e.g. 100MB, 1GiB, 50M")
+    num, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
+    power = "_kmgt".index(unit) if unit else 0
+    value = num * ((1024 if binary else 1000) ** power)
+    if value <= 0:
+        raise InvalidInputError(f"rate {text!r} must be positive")
+    return value
+
+
+def _key(key_env: str | None, key_file: Path | None, no_key: bool) -> bytes | None:
+    import os
+
+    from gpumigrate.transfer import resolve_key
+
+    if no_key:
+        if key_env or key_file:
+            raise InvalidInputError("--no-key cannot be combined with --key-env/--key-file")
+        return None
+    if key_env or key_file:
+        return resolve_key(env=key_env, file=str(key_file) if key_file else None)
+    if os.environ.get(DEFAULT_KEY_ENV):
+        return resolve_key(env=DEFAULT_KEY_ENV)
+    raise InvalidInputError(
+        "no image key given", hint=f"use --key-env VAR, --key-file FILE, set {DEFAULT_KEY_ENV}, or --no-key for an unencrypted image"
+    )
+
+
+def _image_url(text: str) -> tuple[str, str | None]:
+    from gpumigrate.transfer.stores import parse_image_url
+
+    return parse_image_url(text)
+
+
+@contextlib.contextmanager
+def _progress(label: str, quiet: bool) -> Iterator[Any]:
+    """A rich bar on stderr with bytes/s; yields the (done, total) callback the transfer API takes."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+        console=console, transient=False,
+    ) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _summary(obj: dict[str, Any], as_json: bool, line: str) -> None:
+    if as_json:
+        emit_json(obj)
+    else:
+        console.print(line)
+
+
+@app.command("keygen")
+def keygen(
+    out: Path = typer.Option(..., "--out", help="file to write the new key to (mode 0600; must not exist)"),
+    as_json: bool = JsonOut,
+) -> None:
+    """Write a fresh random image key to a file (never to the terminal)."""
+    import os
+
+    from gpumigrate.transfer.keys import derive_keys, generate_key
+
+    key_hex = generate_key()
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise InvalidInputError(f"{out} exists: refusing to overwrite a key") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key_hex + "\n")
+    key_id = derive_keys(bytes.fromhex(key_hex)).key_id
+    _summary({"key_file": str(out), "key_id": key_id}, as_json, f"wrote a new key to {out} (key id {key_id})")
+
+
+@app.command("pack")
+def pack(
+    paths: list[Path] = typer.Argument(..., help="files and directories to pack"),
+    out: str = typer.Option(..., "--out", help="store URL to write the image to"),
+    parent: str | None = typer.Option(None, "--parent", help="parent image id (in the same store): unchanged chunks cost nothing"),
+    compression: str = typer.Option("auto", "--compression", help="auto | none | zstd | byteplane"),
+    dtype: str | None = typer.Option(None, "--dtype", help="treat file contents as this float dtype (bfloat16, float16, float32)"),
+    chunk_size: int | None = typer.Option(None, "--chunk-size", help="fixed chunk size in bytes (default 4 MiB)"),
+    key_env: str | None = KeyEnv,
+    key_file: Path | None = KeyFile,
+    no_key: bool = NoKey,
+    parallelism: int = Parallelism,
+    endpoint_url: str | None = Endpoint,
+    quiet: bool = Quiet,
+    as_json: bool = JsonOut,
+) -> None:
+    """Pack PATHS into a new image in the store --out names."""
+    import time
+
+    from gpumigrate.transfer import pack_paths
+
+    key = _key(key_env, key_file, no_key)
+    t0 = time.monotonic()
+    with _progress("pack", quiet) as cb:
+        ref = pack_paths(paths, out, key=key, parent=parent, compression=compression, parallelism=parallelism,
+                         chunk_size=chunk_size, dtype=dtype, endpoint_url=endpoint_url, progress=cb)
+    secs = time.monotonic() - t0
+    summary = {"image": f"{ref.store}#{ref.id}", "image_id": ref.id, "parent": ref.parent, "bytes_image": ref.bytes_image,
+               "bytes_sent": ref.bytes_sent, "bytes_stored": ref.bytes_stored, "seconds": round(secs, 3)}
+    _summary(summary, as_json, f"packed {ref.bytes_image} bytes into {ref.store}#{ref.id} ({ref.bytes_sent} bytes sent)")
+
+
+@app.command("push")
+def push(
+    src: str = typer.Argument(..., help="IMAGE URL to copy (STORE_URL#IMAGE_ID)"),
+    dst: str = typer.Argument(..., help="destination store URL (file://, s3://, gs://, stream://host:port)"),
+    key_env: str | None = KeyEnv,
+    key_file: Path | None = KeyFile,
+    no_key: bool = NoKey,
+    parallelism: int = Parallelism,
+    rate_limit: str | None = typer.Option(None, "--rate-limit", help="cap on bytes/s, e.g. 100MB, 1GiB"),
+    verify_existing: bool = typer.Option(False, "--verify-existing", help="re-verify chunks the destination already holds"),
+    endpoint_url: str | None = Endpoint,
+    quiet: bool = Quiet,
+    as_json: bool = JsonOut,
+) -> None:
+    """Copy an image and whichever of its chunks DST lacks (resumable: re-run moves only the rest)."""
+    from gpumigrate.transfer import push as do_push
+
+    store, image = _image_url(src)
+    key = _key(key_env, key_file, no_key)
+    with _progress("push", quiet) as cb:
+        stats = do_push(store, dst, image or "", key=key, parallelism=parallelism, progress=cb,
+                        check_existing="full" if verify_existing else "size", rate_limit=parse_rate(rate_limit),
+                        endpoint_url=endpoint_url)
+    _summary(stats.as_dict(), as_json,
+             f"pushed {stats.image_id[:16]}: {stats.chunks_sent} chunks sent ({stats.bytes_sent} bytes), "
+             f"{stats.chunks_skipped} already there, in {stats.seconds:.2f}s")
+
+
+@app.command("verify")
+def verify(
+    image_url: str = typer.Argument(..., help="IMAGE URL (STORE_URL#IMAGE_ID)"),
+    key_env: str | None = KeyEnv,
+    key_file: Path | None = KeyFile,
+    no_key: bool = NoKey,
+    parallelism: int = Parallelism,
+    endpoint_url: str | None = Endpoint,
+    quiet: bool = Quiet,
+    as_json: bool = JsonOut,
+) -> None:
+    """Check the manifest signature and every chunk (authentication, decoding, BLAKE3). Exit 1 on any failure."""
+    from gpumigrate.transfer import verify as do_verify
+
+    store, image = _image_url(image_url)
+    key = _key(key_env, key_file, no_key)
+    with _progress("verify", quiet) as cb:
+        stats = do_verify(store, image or "", key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb)
+    _summary({**stats.as_dict(), "ok": True}, as_json, f"image {stats.image_id[:16]} verified: {stats.chunks_total} chunks ok")
+
+
+@app.command("unpack")
+def unpack(
+    image_url: str = typer.Argument(..., help="IMAGE URL (STORE_URL#IMAGE_ID)"),
+    out_dir: Path = typer.Argument(..., help="directory to restore the files under"),
+    key_env: str | None = KeyEnv,
+    key_file: Path | None = KeyFile,
+    no_key: bool = NoKey,
+    parallelism: int = Parallelism,
+    endpoint_url: str | None = Endpoint,
+    quiet: bool = Quiet,
+    as_json: bool = JsonOut,
+) -> None:
+    """Restore a packed image's files; nothing appears in OUT_DIR unless every chunk verified."""
+    from gpumigrate.transfer import unpack as do_unpack
+
+    store, image = _image_url(image_url)
+    key = _key(key_env, key_file, no_key)
+    with _progress("unpack", quiet) as cb:
+        summary = do_unpack(store, image or "", out_dir, key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb)
+    _summary(summary, as_json, f"unpacked {summary['files']} files ({summary['bytes']} bytes) into {out_dir}")
+
+
+@app.command("receive")
+def receive(
+    listen: str = typer.Option(..., "--listen", help="host:port to listen on (port 0 picks a free one)"),
+    store: str = typer.Option(..., "--store", help="store URL the received images are written to"),
+    key_env: str | None = KeyEnv,
+    key_file: Path | None = KeyFile,
+    no_key: bool = typer.Option(False, "--no-key", help="accept chunks without decrypting them (header checks only)"),
+    exit_after: int = typer.Option(0, "--exit-after", min=0, help="exit after this many images arrived (0: run until SIGTERM/SIGINT)"),
+    endpoint_url: str | None = Endpoint,
+) -> None:
+    """Receive stream:// pushes into a local store. Prints one JSON line with the sender URL, then a summary on exit."""
+    from gpumigrate.transfer import serve_stream
+
+    key = _key(key_env, key_file, no_key)
+    server = serve_stream(listen, store, key=key, endpoint_url=endpoint_url)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        emit_json({"listening": f"{server.host}:{server.port}", "port": server.port, "url": server.url,
+                   "fingerprint": server.fingerprint, "store": store})
+        while not stop.is_set():
+            if exit_after and len(server.manifests) >= exit_after:
+                break
+            server.manifest_event.wait(0.2)
+            server.manifest_event.clear()
+    finally:
+        server.close()
+    emit_json({"images": server.manifests, "chunks_received": server.chunks_received,
+               "chunks_rejected": server.chunks_rejected, "bytes_received": server.bytes_received})
+
+
+@app.command("ls")
+def ls(
+    store: str = typer.Argument(..., help="store URL"),
+    endpoint_url: str | None = Endpoint,
+    as_json: bool = JsonOut,
+) -> None:
+    """List the images in a store (unverified: use `image verify` before trusting one)."""
+    import json as _json
+
+    from gpumigrate.transfer.stores import open_store
+
+    st = open_store(store, endpoint_url=endpoint_url)
+    rows = []
+    for image_id in st.list_manifests():
+        try:
+            body = _json.loads(st.get_manifest(image_id))["body"]
+        except (ValueError, KeyError):
+            rows.append({"image_id": image_id, "error": "unreadable manifest"})
+            continue
+        rows.append({"image_id": image_id, "created": body.get("created"), "parent": body.get("parent"),
+                     "bytes": sum(int(r["nbytes"]) for r in body.get("regions", [])), "encryption": body.get("encryption")})
+    if as_json:
+        emit_json({"store": store, "images": rows})
+    else:
+        for r in rows:
+            console.print(f"{r['image_id']}  {r.get('created')}  {r.get('bytes')} bytes  parent={r.get('parent')}")
+
+
+@app.command("region")
+def region(
+    store: str = typer.Argument(..., help="store URL"),
+    endpoint_url: str | None = Endpoint,
+    as_json: bool = JsonOut,
+) -> None:
+    """Where a store's bucket lives (for residency checks); none for file:// and stream://."""
+    from gpumigrate.transfer import store_region
+
+    where = store_region(store, endpoint_url=endpoint_url)
+    _summary({"store": store, "region": where}, as_json, f"{store}: {where or 'no cloud region'}")

@@ -9,7 +9,7 @@ import yaml
 from rich.table import Table
 
 from gpumigrate.cli.output import console, emit_json
-from gpumigrate.errors import PlanError
+from gpumigrate.errors import PlanError, PolicyDeniedError
 from gpumigrate.plan import load_plan
 
 app = typer.Typer(help="Check and inspect migration plans.", no_args_is_help=True)
@@ -22,10 +22,13 @@ def validate(
 ) -> None:
     """Validate plan files: exit 0 if all are valid, 2 with field paths if any is not."""
     results = []
-    errors: list[PlanError] = []
+    errors: list[PlanError | PolicyDeniedError] = []
     for path in plans:
         try:
             plan = load_plan(path)
+            from gpumigrate.infra.residency import policy_audit_log, validate_plan_residency
+
+            validate_plan_residency(plan, record=policy_audit_log().append)  # exit 2 on a forbidden region
             results.append({"plan": str(path), "valid": True, "workload": plan.workload.name})
             console.print(f"[green]valid[/] {path}")
         except PlanError as exc:
@@ -34,6 +37,11 @@ def validate(
             console.print(f"[red]invalid[/] {path}")
             for field, msg in exc.problems:
                 console.print(f"  [bold]{field}[/]: {msg}", soft_wrap=True)
+        except PolicyDeniedError as exc:
+            errors.append(exc)
+            denial = {"rule": exc.rule, "region": exc.region, "message": str(exc)}
+            results.append({"plan": str(path), "valid": False, "denied": denial})
+            console.print(f"[red]denied[/] {path}: {exc}", soft_wrap=True)
     if json_out:
         emit_json({"valid": not errors, "plans": results})
     if errors:

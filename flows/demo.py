@@ -1,0 +1,186 @@
+"""``gpumigrate demo``: the whole path on this machine, on the embedded Prefect default.
+
+Two local hosts; the reference inference server (tiny model) on the source; our control plane and a
+real Envoy in front of it; a load generator through Envoy for the whole run; then the migrate flow
+to cutover with a live view. ``fault`` breaks the target at the right moment (via its
+``/admin/fault``) to show the automatic rollback. Everything started here is stopped in ``finally``.
+The demo's encryption key is generated per run into the migration's directory (mode 0600) and
+referenced by file: it is never printed, logged or put in the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from gpumigrate.flows.events import emit, listening
+
+from gpumigrate.atomic import atomic_write_bytes
+from gpumigrate.errors import InvalidInputError
+from gpumigrate.result import MigrationResult
+from gpumigrate.settings import migrations_dir
+
+WORKLOAD = "tiny-lm"
+FAULTS = {
+    # --fault name: (target fault body, the event after which it is injected)
+    "target-errors": ({"kind": "errors", "rate": 1.0}, "ramp25"),
+    "target-slow": ({"kind": "slow", "delay_ms": 500}, "ramp25"),
+    "target-drift": ({"kind": "drift"}, "ramp25"),
+    "target-crash": ({"kind": "crash", "rate": 1.0}, "ramp25"),
+}
+DEMO_RPS = 50.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def golden_inputs(dest: Path) -> Path:
+    """The demo's golden set: examples/golden/tiny-lm.jsonl when present, else a small built-in one."""
+    shipped = REPO / "examples" / "golden" / "tiny-lm.jsonl"
+    if shipped.is_file():
+        return shipped
+    lines = [json.dumps({"id": f"g{i:02d}", "prompt": p, "max_new_tokens": 8})
+             for i, p in enumerate(["Hello", "The GPU", "Migrate me", "zero downtime", "Envoy says", "abc"])]
+    atomic_write_bytes(dest, ("\n".join(lines) + "\n").encode())
+    return dest
+
+
+def demo_plan(*, source: Any, target_host: str, store: Path, key_file: Path, golden: Path) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "workload": {"name": WORKLOAD, "kind": "inference", "source_host": source.name, "source_provider": "local",
+                     "source_region": "local-a", "endpoint": f"http://{source.address}:{source.ports['service']}",
+                     "agent": f"{source.address}:{source.ports['agent']}"},
+        "target": {"provider": "local", "region": "local-b", "host": target_host},
+        "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+        "snapshot": {"backend": "agent", "precopy_rounds": 2, "max_downtime_ms": 500},
+        "transfer": {"store": f"file://{store}", "compression": "auto", "encryption_key": {"file": str(key_file)},
+                     "parallelism": 2},
+        "parity": {"golden_inputs": str(golden), "atol": 1e-4, "rtol": 1e-3,
+                   "environment": {"torch": "must_match", "weights_digest": "must_match", "driver": "may_differ"}},
+        "traffic": {"stages": [{"weight": w, "hold_s": 2} for w in (5, 25, 50, 100)],
+                    "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 5},
+                    "analysis_interval_s": 1.0, "rollback_window_s": 0},
+    }
+
+
+class FaultInjector:
+    """Listens to the migration's events and breaks the target once, at the planned moment."""
+
+    def __init__(self, migration: Any, fault: str | None) -> None:
+        self.migration = migration
+        self.fault = fault
+        self.done = False
+        self.endpoint: str | None = None
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        if self.fault is None or self.done:
+            return
+        if event == "phase.provision.completed":
+            self.endpoint = data.get("endpoint")
+        body, moment = FAULTS[self.fault]
+        due = moment == "ramp25" and event == "traffic.stage" and float(data.get("weight") or 0) >= 25
+        if due and self.endpoint:
+            self.done = True
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(self.endpoint + "/admin/fault", json=body, timeout=5, trust_env=False)
+            emit(self.migration, "fault.injected", {"fault": self.fault, "at": event, **body})
+
+
+def _start_source(provider: Any, migration_id: str, name: str) -> Any:
+    from gpumigrate.flows.wiring import wait_ready
+
+    from gpumigrate.interfaces import HostSpec
+
+    host = provider.provision(HostSpec(name=name, provider="local", region="local-a"), migration_id=migration_id)
+    host = provider.wait_ready(host, timeout_s=60)
+    argv = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address,
+            "--port", str(host.ports["service"]), "--agent-port", str(host.ports["agent"]), "--seed", "0",
+            "--size", "tiny", "--device", "cpu", "--name", name]
+    provider.spawn(host, argv, name="workload")
+    wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
+    return host
+
+
+def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
+    """Run the demo end to end; returns the result contract (requests/downtime from the load generator)."""
+    if fault is not None and fault not in FAULTS:
+        raise InvalidInputError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
+    from gpumigrate.flows import prefect_env
+
+    prefect_env.configure(quiet_console=True)
+    from gpumigrate.flows.frontdoor import FrontDoor
+    from gpumigrate.flows.live import LiveView, PhaseLines
+    from gpumigrate.flows.report import merge_result
+    from gpumigrate.flows.run import create_migration, run_migration
+    from gpumigrate.infra import get_provider
+    from gpumigrate.traffic.loadgen import LoadProcess
+    from gpumigrate.transfer import generate_key
+
+    from gpumigrate.state import Migration, new_migration_id
+
+    mid = new_migration_id(WORKLOAD)
+    suffix = mid.rsplit("-", 1)[-1]
+    mdir = migrations_dir() / mid
+    mdir.mkdir(parents=True, exist_ok=True)
+    key_file = mdir / "demo.key"
+    atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
+    provider = get_provider("local")
+    source = door = load = None
+    target_name = f"demo-b-{suffix}"
+    try:
+        source = _start_source(provider, mid, f"demo-a-{suffix}")
+        door = FrontDoor.start(mdir / "traffic", source_host=source.address, source_port=source.ports["service"],
+                               node_id=f"demo-envoy-{suffix}")
+        plan = demo_plan(source=source, target_host=target_name, store=mdir / "store", key_file=key_file,
+                         golden=golden_inputs(mdir / "golden.jsonl"))
+        plan_path = mdir / "demo-plan.yaml"
+        atomic_write_bytes(plan_path, yaml.safe_dump(plan, sort_keys=False).encode())
+        create_migration(plan_path, migration_id=mid, resume=False,
+                         runtime={"traffic_state_dir": str(mdir / "traffic"), "demo": True})
+        m = Migration.open(mid)
+        # Its own process: a load generator sharing this process's GIL with the flow would measure itself.
+        load = LoadProcess(door.url + "/v1/generate", rps=DEMO_RPS, seconds=600,
+                           body={"prompt": "hello", "max_new_tokens": 4})
+        injector = FaultInjector(m, fault)
+        view = LiveView(mid, None, enabled=live)
+        lines = PhaseLines(mid)
+        with listening(mid, injector.on_event), listening(mid, view.on_event), view:
+            result = run_migration(mid)
+        load.stop()
+        report = load.wait(timeout_s=60)
+        merge_result(m, requests={"total": report.total, "failed": report.failed, "p50_ms": report.p50_ms,
+                                  "p99_ms": report.p99_ms}, downtime_ms=report.downtime_ms)
+        from gpumigrate.flows.context import RunContext
+        from gpumigrate.flows.phases import write_outputs
+
+        result = write_outputs(RunContext.load(mid), status=result.status, error=result.error)
+        lines.summary(result)
+        return result
+    finally:
+        if load is not None:
+            with contextlib.suppress(Exception):
+                load.kill()
+        _teardown(provider, mid, target_name, source, door)
+
+
+def _teardown(provider: Any, migration_id: str, target_name: str, source: Any, door: Any) -> None:
+    """Stop everything the demo started, even after a failure; never raises.
+
+    Not an undo: the migration's record keeps its outcome; only the processes go away.
+    """
+    if door is not None:
+        door.stop()
+    with contextlib.suppress(Exception):
+        from gpumigrate.flows.context import RunContext
+        from gpumigrate.flows.wiring import terminate_target
+
+        ctx = RunContext.load(migration_id)
+        if ctx.get("target_host"):
+            terminate_target(ctx)
+    if source is not None:
+        with contextlib.suppress(Exception):
+            provider.terminate(source)

@@ -1,0 +1,136 @@
+"""Progress views on stderr, fed by migration events (:mod:`gpumigrate.flows.events`).
+
+``PhaseLines`` prints one line per phase change (``gpumigrate migrate``); ``LiveView`` redraws a
+table of phases, the ramp's weight and gate verdicts, and the load generator's figures
+(``gpumigrate demo``). Both only read events; a view that fails never touches the migration.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from gpumigrate.result import MigrationResult
+from gpumigrate.state import PHASES
+
+# Human output goes to stderr so that a --json result stays alone on stdout.
+console = Console(stderr=True, highlight=False)
+
+_STYLE = {"completed": "green", "running": "yellow", "failed": "red", "rolled_back": "magenta", "skipped": "cyan"}
+
+
+class PhaseLines:
+    def __init__(self, migration_id: str) -> None:
+        self.migration_id = migration_id
+        self._last_pct = -1
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        if event.startswith("phase.") and event.count(".") == 2:
+            _, name, what = event.split(".")
+            extra = ""
+            if what == "completed":
+                extra = "  " + ", ".join(f"{k}={v}" for k, v in list(data.items())[:4] if isinstance(v, (str, int, float)))
+            console.print(f"[{_STYLE.get(what, 'white')}]{what:>9}[/] {name}{extra}", soft_wrap=True)
+        elif event == "transfer.progress" and data.get("total"):
+            pct = int(100 * data["done"] / data["total"]) // 25 * 25
+            if pct != self._last_pct:
+                self._last_pct = pct
+                console.print(f"          transfer {pct}% of {data['total']} bytes")
+        elif event.startswith(("traffic.stage", "rollback.", "traffic.cutover", "traffic.gate")):
+            console.print(f"          {event} {data}", soft_wrap=True)
+
+    def summary(self, result: MigrationResult) -> None:
+        color = {"completed": "green", "rolled_back": "magenta", "denied": "yellow"}.get(result.status, "red")
+        console.print(f"[bold {color}]{result.status}[/] migration {result.migration_id} (exit {result.exit_code})")
+        if result.error:
+            console.print(f"  {result.error}", soft_wrap=True)
+        if result.report:
+            console.print(f"  report: {result.report}")
+        if result.chart:
+            console.print(f"  chart:  {result.chart}")
+
+
+class LiveView:
+    """A rich Live panel for the demo: phases, ramp, load. ``load_stats`` is polled on each redraw."""
+
+    def __init__(self, migration_id: str, load_stats: Callable[[], dict[str, Any]] | None = None,
+                 *, enabled: bool = True) -> None:
+        self.migration_id = migration_id
+        self.load_stats = load_stats
+        self.phases: dict[str, str] = dict.fromkeys(PHASES, "pending")
+        self.notes: dict[str, str] = {}
+        self.ramp: dict[str, Any] = {}
+        self.events: list[str] = []
+        self._lock = threading.Lock()
+        self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False) if enabled else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def on_event(self, event: str, data: dict[str, Any]) -> None:
+        with self._lock:
+            if event.startswith("phase.") and event.count(".") == 2:
+                _, name, what = event.split(".")
+                if name in self.phases and what in ("started", "completed", "failed", "skipped"):
+                    self.phases[name] = "running" if what == "started" else what
+            elif event == "transfer.progress" and data.get("total"):
+                self.notes["transfer"] = f"{100 * data['done'] / data['total']:.0f}% of {data['total']:,} B"
+            elif event == "snapshot.precopy":
+                self.notes["snapshot"] = f"pre-copy round {data.get('round')}: {data.get('bytes_dirty', 0):,} B dirty"
+            elif event == "traffic.interval":
+                self.ramp = data
+            elif event.startswith(("traffic.stage", "traffic.cutover", "rollback.", "fault.", "traffic.gate")):
+                self.events.append(f"{time.strftime('%H:%M:%S')} {event} "
+                                   + " ".join(f"{k}={v}" for k, v in data.items() if isinstance(v, (str, int, float)))[:110])
+                self.events = self.events[-6:]
+
+    def _render(self) -> Group:
+        t = Table(title=f"migration {self.migration_id}", expand=False)
+        t.add_column("phase")
+        t.add_column("status")
+        t.add_column("")
+        for name, st in self.phases.items():
+            t.add_row(name, Text(st, style=_STYLE.get(st, "dim")), self.notes.get(name, ""))
+        parts: list[Any] = [t]
+        if self.ramp:
+            r = self.ramp
+            parts.append(Text(f"ramp: target weight {r.get('weight', 0):.0f}%  target errors "
+                              f"{100 * (r.get('error_rate') or 0):.2f}%  p99 target {r.get('p99_ms') or 0:.1f} ms / "
+                              f"source {r.get('source_p99_ms') or 0:.1f} ms  verdict {r.get('verdict', '')}"))
+        if self.load_stats is not None:
+            try:
+                s = self.load_stats()
+                parts.append(Text(f"load: {s.get('total', 0)} requests, {s.get('failed', 0)} failed, "
+                                  f"p99 {s.get('p99_ms') or 0:.1f} ms"))
+            except Exception:
+                pass
+        parts += [Text(e, style="dim") for e in self.events]
+        return Group(*parts)
+
+    def __enter__(self) -> LiveView:
+        if self._live is not None:
+            self._live.start()
+
+            def loop() -> None:
+                while not self._stop.wait(0.25):
+                    with self._lock:
+                        self._live.update(self._render())  # type: ignore[union-attr]
+
+            self._thread = threading.Thread(target=loop, name="live-view", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self._live is not None:
+            with self._lock:
+                self._live.update(self._render())
+            self._live.stop()

@@ -1,0 +1,156 @@
+"""What a migration leaves behind for people: the result contract, a markdown report and a ramp chart.
+
+Everything here reads the migration's state record and the ramp samples; nothing needs Prefect, so
+the CLI, the demo and tests build the same report. :mod:`gpumigrate.flows.prefect_artifacts`
+publishes the same content as Prefect artifacts when running inside a flow.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from gpumigrate.atomic import atomic_write_bytes
+from gpumigrate.result import (
+    Bytes,
+    MigrationResult,
+    ParitySummary,
+    PhaseResult,
+    Requests,
+    RollbackSummary,
+)
+from gpumigrate.state import PHASES, Migration
+
+Sample = dict[str, Any]  # {"t": s since ramp start, "weight": %, "error_rate": 0..1, "p99_ms": ms | None}
+
+
+def ramp_chart(samples: list[Sample], path: Path, *, title: str = "") -> Path | None:
+    """Plot target weight, target error rate and p99 (source and target) over the ramp. None if no samples."""
+    if not samples:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display here, and never a GUI backend inside a flow
+    import matplotlib.pyplot as plt
+
+    t = [s.get("t", i) for i, s in enumerate(samples)]
+    fig, (ax_w, ax_e, ax_p) = plt.subplots(3, 1, figsize=(8, 7), sharex=True)
+    ax_w.step(t, [s.get("weight") or 0 for s in samples], where="post", color="tab:blue")
+    ax_w.set_ylabel("target weight %")
+    ax_w.set_ylim(-5, 105)
+    ax_e.plot(t, [100 * (s.get("error_rate") or 0) for s in samples], color="tab:red", marker=".")
+    ax_e.set_ylabel("target errors %")
+    for key, label, color in (("p99_ms", "target p99", "tab:purple"), ("source_p99_ms", "source p99", "tab:gray")):
+        ys = [s.get(key) for s in samples]
+        if any(y is not None for y in ys):
+            ax_p.plot(t, [y if y is not None else float("nan") for y in ys], label=label, color=color, marker=".")
+    ax_p.set_ylabel("p99 ms")
+    ax_p.set_xlabel("seconds since ramp start")
+    if ax_p.get_legend_handles_labels()[0]:
+        ax_p.legend(loc="upper left")
+    for s_t, s in zip(t, samples, strict=False):
+        if s.get("verdict") == "fail":
+            for ax in (ax_w, ax_e, ax_p):
+                ax.axvline(s_t, color="red", linestyle="--", linewidth=1)
+    fig.suptitle(title or "traffic ramp")
+    fig.tight_layout()
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def build_result(migration: Migration, *, status: str | None = None, error: str | None = None) -> MigrationResult:
+    """The JSON contract from the state record. Fields that no phase reached stay null."""
+    state = migration.read()
+    phases = state.get("phases", {})
+    res = state.get("result", {})
+    final_status = status or state.get("status")
+    if final_status not in ("completed", "rolled_back", "denied", "failed"):
+        final_status = "failed"
+    return MigrationResult(
+        migration_id=migration.id,
+        status=final_status,
+        phases={n: PhaseResult(status=p.get("status", "pending"), seconds=p.get("seconds")) for n, p in phases.items() if n in PHASES},
+        requests=Requests(**res.get("requests", {})),
+        downtime_ms=res.get("downtime_ms"),
+        bytes=Bytes(**res.get("bytes", {})),
+        parity=ParitySummary(**res.get("parity", {})),
+        rollback=RollbackSummary(**res.get("rollback", {})),
+        error=error or res.get("error"),
+        report=res.get("report"),
+        chart=res.get("chart"),
+    )
+
+
+def merge_result(migration: Migration, **sections: Any) -> None:
+    """Fold fields into ``state.result`` (dicts are merged one level deep, None never overwrites)."""
+    state = migration.read()
+    res = state.setdefault("result", {})
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            current = res.setdefault(key, {})
+            current.update({k: v for k, v in value.items() if v is not None})
+        elif value is not None:
+            res[key] = value
+    migration.update(result=res)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def phase_rows(migration: Migration) -> list[dict[str, Any]]:
+    phases = migration.read().get("phases", {})
+    rows = []
+    for name in PHASES:
+        p = phases.get(name, {"status": "pending"})
+        detail = {k: v for k, v in (p.get("result") or {}).items() if isinstance(v, (str, int, float, bool))}
+        rows.append({"phase": name, "status": p.get("status", "pending"), "seconds": p.get("seconds"),
+                     "detail": ", ".join(f"{k}={_fmt(v)}" for k, v in list(detail.items())[:6])})
+    return rows
+
+
+def summary_markdown(migration: Migration, result: MigrationResult) -> str:
+    state = migration.read()
+    created = dt.datetime.fromtimestamp(state.get("created", 0), dt.UTC).isoformat(timespec="seconds")
+    lines = [
+        f"# Migration `{migration.id}`: **{result.status}**",
+        "",
+        f"Started {created}. Exit code {result.exit_code}.",
+        "",
+        "| phase | status | seconds | detail |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {r['phase']} | {r['status']} | {_fmt(r['seconds'])} | {r['detail']} |" for r in phase_rows(migration)]
+    rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
+    lines += [
+        "",
+        "## Figures",
+        "",
+        f"- requests: {_fmt(rq.total)} total, {_fmt(rq.failed)} failed, p50 {_fmt(rq.p50_ms)} ms, p99 {_fmt(rq.p99_ms)} ms",
+        f"- downtime: {_fmt(result.downtime_ms)} ms",
+        f"- bytes: image {_fmt(by.image)}, sent {_fmt(by.sent)}, stored {_fmt(by.stored)}",
+        f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
+        f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}, detected in {_fmt(rb.seconds_to_detect)} s",
+    ]
+    if result.error:
+        lines += ["", f"**Error:** {result.error}"]
+    if result.chart:
+        lines += ["", "## Ramp", "", f"![traffic ramp]({Path(result.chart).resolve().as_uri()})"]
+    lines += ["", f"Audit: `gpumigrate audit {migration.id}`.", ""]
+    return "\n".join(lines)
+
+
+def write_report(migration: Migration, result: MigrationResult) -> Path:
+    path = migration.artifacts / "report.md"
+    atomic_write_bytes(path, summary_markdown(migration, result).encode())
+    return path

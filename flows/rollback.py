@@ -1,0 +1,83 @@
+"""The rollback button: one path for ``gpumigrate rollback``, the ``rollback`` deployment and the gate.
+
+While the migrate flow runs, a rollback is a request (``Migration.request_rollback``) that the ramp
+controller polls every analysis interval; the flow's transaction hooks then undo in order. After the
+flow ended, inside the rollback window, this module does the undo itself: traffic back to the
+source in one update, then the target torn down, then the source's agent resumed.
+"""
+
+from __future__ import annotations
+
+from gpumigrate.flows import prefect_env
+
+prefect_env.configure()
+
+import os  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from gpumigrate.flows import phases  # noqa: E402
+from gpumigrate.flows.context import RunContext  # noqa: E402
+from gpumigrate.flows.events import emit  # noqa: E402
+from gpumigrate.flows.report import merge_result  # noqa: E402
+from prefect import flow  # noqa: E402
+
+from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError  # noqa: E402
+
+
+def _flow_alive(ctx: RunContext) -> bool:
+    """Is the process that runs this migration's flow still alive (same machine)?"""
+    pid = ctx.get("flow_pid")
+    if not pid or ctx.get("flow_host") != os.uname().nodename:
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, PermissionError, ValueError):
+        return False
+    return True
+
+
+def rollback_migration(migration_id: str, *, reason: str, actor: str | None = None,
+                       wait_s: float | None = None) -> dict[str, Any]:
+    """Roll a migration back. Idempotent. Returns ``{"status", "how", "exit_code", ...}``."""
+    ctx = RunContext.load(migration_id)
+    m, plan = ctx.migration, ctx.plan
+    status = m.read().get("status")
+    if status == "rolled_back":
+        return {"migration_id": m.id, "status": "rolled_back", "how": "already rolled back", "exit_code": EXIT_OK}
+    if status == "denied":
+        return {"migration_id": m.id, "status": "denied", "how": "denied before anything moved: nothing to undo",
+                "exit_code": EXIT_OK}
+    if status == "completed":
+        deadline = ctx.get("rollback_deadline")
+        if deadline is not None and time.time() > deadline:
+            raise InvalidInputError(
+                f"migration {m.id} cut over and its rollback window ({plan.traffic.rollback_window_s:.0f}s) is over: "
+                "the source may be zeroized; migrate back with a new plan instead")
+    m.request_rollback(reason, actor=actor)
+    if status in ("running", "paused") and _flow_alive(ctx):
+        # The running flow acts on the request within one analysis interval and undoes in order.
+        limit = wait_s if wait_s is not None else max(15.0, 5 * plan.traffic.analysis_interval_s)
+        deadline_t = time.monotonic() + limit
+        while time.monotonic() < deadline_t:
+            if m.read().get("status") not in ("running", "paused"):
+                break
+            time.sleep(0.1)
+        final = m.read().get("status")
+        how = "requested; the running flow rolled back" if final == "rolled_back" else f"requested; flow is {final}"
+        return {"migration_id": m.id, "status": final, "how": how,
+                "exit_code": EXIT_OK if final == "rolled_back" else EXIT_FAILURE}
+    # No flow is acting on it (it ended, or its process died): undo here, in the same order.
+    phases.undo_all(migration_id, reason=reason)
+    m.update(status="rolled_back")
+    merge_result(m, rollback={"triggered": True, "reason": reason[:300]})
+    emit(m, "rollback.completed", {"reason": reason[:300], "after": status}, actor=actor)
+    phases.write_outputs(ctx, status="rolled_back", error=f"rolled back: {reason}")
+    return {"migration_id": m.id, "status": "rolled_back", "how": "traffic to source, target torn down",
+            "exit_code": EXIT_OK}
+
+
+@flow(name="rollback", flow_run_name="rollback-{migration_id}", persist_result=False)
+def rollback_flow(migration_id: str, reason: str = "rollback requested from the Prefect UI") -> dict[str, Any]:
+    """The rollback button: traffic to the source, the target torn down. Same path as the CLI."""
+    return rollback_migration(migration_id, reason=reason)

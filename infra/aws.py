@@ -1,0 +1,345 @@
+"""AWS provider: EC2 GPU capacity, vCPU quota, idempotent launch, readiness, terminate (boto3).
+
+Credentials come from boto3's standard chain (environment, shared profile, SSO, instance role);
+this module never reads, logs or stores them. ``endpoint_url`` (or ``AWS_ENDPOINT_URL``, which
+boto3 honours itself) points every client at another endpoint, such as moto's server in tests.
+
+Idempotency: every instance carries the tags ``gpumigrate:migration-id`` and ``gpumigrate:host``;
+a retried :meth:`AwsProvider.provision` finds the live instance by those tags and launches nothing.
+``ClientToken`` is also set, which makes EC2 itself deduplicate a retried RunInstances call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from gpumigrate.infra import pricing, residency
+
+from gpumigrate.errors import CapacityError, GpumigrateError, InvalidInputError, ProviderError
+from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TAG_MIGRATION = "gpumigrate:migration-id"
+TAG_HOST = "gpumigrate:host"
+LIVE_STATES = ("pending", "running", "stopping", "stopped")
+
+# Service Quotas codes of the EC2 On-Demand vCPU quotas, by instance family prefix.
+QUOTA_CODES: dict[str, tuple[str, str]] = {
+    "p": ("L-417A185B", "Running On-Demand P instances"),
+    "g": ("L-DB2E81BA", "Running On-Demand G and VT instances"),
+    "vt": ("L-DB2E81BA", "Running On-Demand G and VT instances"),
+    "dl": ("L-6E869C2A", "Running On-Demand DL instances"),
+    "inf": ("L-1945791B", "Running On-Demand Inf instances"),
+    "trn": ("L-2C3B7624", "Running On-Demand Trn instances"),
+    "f": ("L-74FC7D96", "Running On-Demand F instances"),
+    "x": ("L-7295265B", "Running On-Demand X instances"),
+}
+STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances")
+
+CAPACITY_CODES = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity", "Unsupported"}
+QUOTA_ERROR_CODES = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
+GONE_CODES = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
+QUOTA_UNAVAILABLE = {"NoSuchResourceException", "UnknownOperationException", "AccessDeniedException", "ServiceException"}
+# The Deep Learning Base AMI (NVIDIA driver) published by AWS as an SSM public parameter.
+DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+
+
+def family_of(instance_type: str) -> str:
+    m = re.match(r"^([a-z]+)", instance_type)
+    return m.group(1) if m else ""
+
+
+def quota_for(instance_type: str) -> tuple[str, str]:
+    """(quota code, quota name) of the vCPU quota that ``instance_type`` counts against."""
+    fam = family_of(instance_type)
+    for prefix in sorted(QUOTA_CODES, key=len, reverse=True):
+        if fam == prefix or (len(prefix) == 1 and fam.startswith(prefix) and fam not in QUOTA_CODES):
+            return QUOTA_CODES[prefix]
+    return STANDARD_QUOTA
+
+
+def _gpu_matches(plan_model: str, aws_name: str) -> bool:
+    return plan_model.split("-")[0].lower() in aws_name.lower()
+
+
+def _translate(exc: Exception, what: str, region: str) -> GpumigrateError:
+    """An AWS failure as our error: capacity and quota refusals are policy denials (exit 2)."""
+    if isinstance(exc, NoCredentialsError):
+        return ProviderError(
+            "no AWS credentials found in the standard chain (environment, shared profile, SSO, instance role)"
+        )
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code, msg = err.get("Code", "Unknown"), err.get("Message", "")
+        if code in CAPACITY_CODES:
+            return CapacityError(f"AWS has no capacity for {what} in {region}: {code}: {msg}", region=region)
+        if code in QUOTA_ERROR_CODES:
+            return CapacityError(f"AWS quota refuses {what} in {region}: {code}: {msg}", region=region, rule="quota")
+        return ProviderError(f"AWS {what} in {region} failed: {code}: {msg}")
+    return ProviderError(f"AWS {what} in {region} failed: {type(exc).__name__}: {exc}")
+
+
+class AwsProvider:
+    """EC2 behind the :class:`gpumigrate.interfaces.Provider` interface."""
+
+    name = "aws"
+
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None = None,
+        session: boto3.session.Session | None = None,
+        profile: str | None = None,
+        poll_interval_s: float = 5.0,
+        check_quota: bool = True,
+        default_image: str | None = None,
+    ) -> None:
+        try:
+            self._session = session or boto3.session.Session(profile_name=profile)
+        except BotoCoreError as exc:  # e.g. AWS_PROFILE names a profile that does not exist
+            raise ProviderError(f"AWS session could not be created: {exc}") from None
+        self.endpoint_url = endpoint_url
+        self.poll_interval_s = poll_interval_s
+        self.check_quota = check_quota
+        self.default_image = default_image
+        self._clients: dict[tuple[str, str], Any] = {}
+        self.last_capacity: dict[str, Any] = {}
+
+    # -- plumbing ---------------------------------------------------------------------
+    def client(self, service: str, region: str) -> Any:
+        """One cached boto3 client per (service, region); tests attach botocore event hooks to it."""
+        key = (service, region)
+        if key not in self._clients:
+            kwargs: dict[str, Any] = {"region_name": region, "config": Config(retries={"mode": "standard"})}
+            if self.endpoint_url:
+                kwargs["endpoint_url"] = self.endpoint_url
+            self._clients[key] = self._session.client(service, **kwargs)
+        return self._clients[key]
+
+    def _call(self, what: str, region: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        """Run one API call; turn AWS errors into our errors (capacity/quota → exit 2)."""
+        try:
+            return fn(**kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, what, region) from None
+
+    # -- capacity and quota -------------------------------------------------------------
+    def instance_type_info(self, instance_type: str, region: str) -> dict[str, Any]:
+        ec2 = self.client("ec2", region)
+        try:
+            return ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidInstanceType":
+                raise CapacityError(f"instance type {instance_type!r} does not exist in AWS {region}", region=region) from None
+            raise _translate(exc, "DescribeInstanceTypes", region) from None
+        except BotoCoreError as exc:
+            raise _translate(exc, "DescribeInstanceTypes", region) from None
+
+    def offered_zones(self, instance_type: str, region: str) -> list[str]:
+        ec2 = self.client("ec2", region)
+        resp = self._call(
+            f"DescribeInstanceTypeOfferings {instance_type}",
+            region,
+            ec2.describe_instance_type_offerings,
+            LocationType="availability-zone",
+            Filters=[{"Name": "instance-type", "Values": [instance_type]}],
+        )
+        return sorted(o["Location"] for o in resp.get("InstanceTypeOfferings", []))
+
+    def vcpu_quota(self, instance_type: str, region: str) -> float | None:
+        """The family's On-Demand vCPU quota, or None where Service Quotas cannot answer (e.g. moto)."""
+        code, _ = quota_for(instance_type)
+        sq = self.client("service-quotas", region)
+        try:
+            return float(sq.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in QUOTA_UNAVAILABLE:
+                return None
+            raise ProviderError(f"AWS Service Quotas in {region} failed: {exc.response.get('Error', {}).get('Code')}") from None
+        except NoCredentialsError as exc:
+            raise _translate(exc, "GetServiceQuota", region) from None
+        except BotoCoreError:
+            return None  # e.g. no Service Quotas endpoint here: the quota stays unchecked, the launch still enforces it
+
+    def vcpus_in_use(self, instance_type: str, region: str) -> int:
+        """vCPUs of live instances counting against the same quota as ``instance_type``."""
+        code, _ = quota_for(instance_type)
+        ec2 = self.client("ec2", region)
+        pages = ec2.get_paginator("describe_instances").paginate(
+            Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
+        )
+        types: list[str] = []
+        try:
+            for page in pages:
+                for res in page.get("Reservations", []):
+                    types += [i["InstanceType"] for i in res["Instances"] if quota_for(i["InstanceType"])[0] == code]
+        except (ClientError, BotoCoreError) as exc:
+            raise _translate(exc, "DescribeInstances", region) from None
+        total = 0
+        for itype in set(types):
+            vcpus = self.instance_type_info(itype, region)["VCpuInfo"]["DefaultVCpus"]
+            total += vcpus * types.count(itype)
+        return total
+
+    def check_capacity(self, spec: HostSpec) -> dict[str, Any]:
+        """Type exists with the GPUs asked for, is offered in the zone, and the vCPU quota has room.
+
+        Raises CapacityError (rule capacity or quota, exit 2). Launches nothing. Returns what it saw.
+        """
+        if not spec.instance_type:
+            raise InvalidInputError("an AWS target needs target.instance_type (e.g. p5.48xlarge)")
+        region, itype = spec.region, spec.instance_type
+        info = self.instance_type_info(itype, region)
+        gpus = (info.get("GpuInfo") or {}).get("Gpus") or []
+        gpu_count = sum(int(g.get("Count", 0)) for g in gpus)
+        gpu_name = gpus[0]["Name"] if gpus else "none"
+        if spec.gpu_count and gpu_count < spec.gpu_count:
+            raise CapacityError(f"{itype} has {gpu_count} GPUs, the target asks for {spec.gpu_count}", region=region)
+        if spec.gpu_count and spec.gpu_model != "none" and not _gpu_matches(spec.gpu_model, gpu_name):
+            raise CapacityError(f"{itype} carries {gpu_name} GPUs, the target asks for {spec.gpu_model}", region=region)
+        zones = self.offered_zones(itype, region)
+        if not zones:
+            raise CapacityError(f"instance type {itype} is not offered in any zone of {region}", region=region)
+        if spec.zone and spec.zone not in zones:
+            raise CapacityError(
+                f"instance type {itype} is not offered in zone {spec.zone}: offered in {', '.join(zones)}", region=region
+            )
+        vcpus = int(info["VCpuInfo"]["DefaultVCpus"])
+        code, qname = quota_for(itype)
+        report: dict[str, Any] = {"instance_type": itype, "gpus": f"{gpu_count} x {gpu_name}", "zones": zones,
+                                  "vcpus": vcpus, "quota_code": code}
+        limit = self.vcpu_quota(itype, region) if self.check_quota else None
+        if limit is None:
+            report["quota"] = "unchecked: Service Quotas did not answer here; a launch over quota fails with rule quota"
+        else:
+            used = self.vcpus_in_use(itype, region)
+            report.update(quota_limit=limit, quota_in_use=used)
+            if used + vcpus > limit:
+                raise CapacityError(
+                    f"{itype} needs {vcpus} vCPUs of quota {code} ({qname}) in {region}: limit {limit:g}, "
+                    f"in use {used}; request an increase in Service Quotas",
+                    region=region,
+                    rule="quota",
+                )
+        self.last_capacity = report
+        return report
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def find(self, *, region: str, migration_id: str, host_name: str | None = None) -> list[dict[str, Any]]:
+        """Live instances launched for ``migration_id`` (and ``host_name``), found by their tags."""
+        filters = [
+            {"Name": f"tag:{TAG_MIGRATION}", "Values": [migration_id]},
+            {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+        ]
+        if host_name:
+            filters.append({"Name": f"tag:{TAG_HOST}", "Values": [host_name]})
+        ec2 = self.client("ec2", region)
+        resp = self._call("DescribeInstances", region, ec2.describe_instances, Filters=filters)
+        return [i for r in resp.get("Reservations", []) for i in r["Instances"]]
+
+    def _image(self, spec: HostSpec) -> str:
+        if spec.image or self.default_image:
+            return str(spec.image or self.default_image)
+        ssm = self.client("ssm", spec.region)
+        try:
+            return str(ssm.get_parameter(Name=DLAMI_PARAMETER)["Parameter"]["Value"])
+        except (ClientError, BotoCoreError):
+            raise InvalidInputError(
+                f"no machine image for the AWS target: set target.image (an AMI id in {spec.region}); "
+                f"the AWS Deep Learning AMI parameter {DLAMI_PARAMETER} could not be read"
+            ) from None
+
+    def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
+        """Launch one instance for ``spec``, or return the one already launched for this migration."""
+        existing = self.find(region=spec.region, migration_id=migration_id, host_name=spec.name)
+        if existing:
+            log.info("aws: %s already launched for %s: %s", spec.name, migration_id, existing[0]["InstanceId"])
+            return self._host(spec.name, spec.region, existing[0])
+        if not spec.instance_type:
+            raise InvalidInputError("an AWS target needs target.instance_type (e.g. p5.48xlarge)")
+        tags = {"Name": spec.name, TAG_MIGRATION: migration_id, TAG_HOST: spec.name, **dict(spec.tags)}
+        token = hashlib.sha256(f"{migration_id}/{spec.name}".encode()).hexdigest()[:64]
+        kwargs: dict[str, Any] = {
+            "ImageId": self._image(spec),
+            "InstanceType": spec.instance_type,
+            "MinCount": 1,
+            "MaxCount": 1,
+            "ClientToken": token,
+            "TagSpecifications": [
+                {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+            ],
+        }
+        if spec.zone:
+            kwargs["Placement"] = {"AvailabilityZone": spec.zone}
+        ec2 = self.client("ec2", spec.region)
+        resp = self._call(f"RunInstances {spec.instance_type}", spec.region, ec2.run_instances, **kwargs)
+        inst = resp["Instances"][0]
+        log.info("aws: launched %s (%s) for %s", inst["InstanceId"], spec.instance_type, migration_id)
+        return self._host(spec.name, spec.region, inst)
+
+    def _host(self, name: str, region: str, inst: dict[str, Any]) -> Host:
+        return Host(
+            name=name,
+            provider="aws",
+            region=region,
+            address=inst.get("PublicIpAddress") or inst.get("PrivateIpAddress") or "",
+            instance_id=inst["InstanceId"],
+            zone=(inst.get("Placement") or {}).get("AvailabilityZone"),
+            meta={"state": inst["State"]["Name"], "instance_type": inst.get("InstanceType")},
+        )
+
+    def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host:
+        """Until the instance runs and both EC2 status checks pass; ProviderError on timeout or death."""
+        ec2 = self.client("ec2", host.region)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            resp = self._call("DescribeInstances", host.region, ec2.describe_instances, InstanceIds=[host.instance_id])
+            inst = resp["Reservations"][0]["Instances"][0]
+            state = inst["State"]["Name"]
+            if state in ("shutting-down", "terminated", "stopping", "stopped"):
+                raise ProviderError(f"AWS instance {host.instance_id} is {state} while waiting for it to run")
+            if state == "running":
+                st = self._call(
+                    "DescribeInstanceStatus", host.region, ec2.describe_instance_status,
+                    InstanceIds=[host.instance_id], IncludeAllInstances=True,
+                )["InstanceStatuses"]
+                checks = [st[0]["InstanceStatus"]["Status"], st[0]["SystemStatus"]["Status"]] if st else []
+                if checks and all(c == "ok" for c in checks):
+                    ready = self._host(host.name, host.region, inst)
+                    ready.meta["status_checks"] = "ok"
+                    return ready
+            if time.monotonic() >= deadline:
+                raise ProviderError(f"AWS instance {host.instance_id} not ready after {timeout_s:g} s (state {state})")
+            time.sleep(min(self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+
+    def terminate(self, host: Host) -> None:
+        """Terminate; an instance that is already gone is fine."""
+        if not host.instance_id:
+            return
+        ec2 = self.client("ec2", host.region)
+        try:
+            ec2.terminate_instances(InstanceIds=[host.instance_id])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in GONE_CODES:
+                return
+            raise _translate(exc, "TerminateInstances", host.region) from None
+        except BotoCoreError as exc:
+            raise _translate(exc, "TerminateInstances", host.region) from None
+        log.info("aws: terminated %s", host.instance_id)
+
+    # -- policy and price -----------------------------------------------------------------
+    def jurisdiction(self, region: str) -> Jurisdiction:
+        return residency.jurisdiction("aws", region)
+
+    def price(self, spec: HostSpec) -> float:
+        return pricing.hourly("aws", spec.region, spec.instance_type)

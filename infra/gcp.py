@@ -1,0 +1,352 @@
+"""GCP provider: GPU machine types and accelerators in the zone, regional GPU quotas, instance
+insert with guest accelerators (``on_host_maintenance=TERMINATE``: GPU VMs cannot live-migrate),
+operation wait, delete — through google-cloud-compute's REST transport.
+
+Credentials come from ``google.auth.default()`` (ADC: GOOGLE_APPLICATION_CREDENTIALS, gcloud, the
+metadata server) unless ``credentials`` is given; this module never reads, logs or stores a token.
+``api_endpoint`` points every client elsewhere (a loopback fake in tests); a plain ``http://``
+endpoint gets anonymous credentials unless ``credentials`` is given, because a bearer token must
+never travel unencrypted.
+
+Idempotency: the instance name is derived from the host name and carries the label
+``gpumigrate-migration``; a retried provision finds it and inserts nothing. ``request_id`` is set
+too, so GCE itself deduplicates a retried insert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from google.api_core import exceptions as gexc
+from google.api_core.client_options import ClientOptions
+from google.cloud import compute_v1
+from gpumigrate.infra import pricing, residency
+
+from gpumigrate.errors import CapacityError, GpumigrateError, InvalidInputError, ProviderError
+from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LABEL_MIGRATION = "gpumigrate-migration"
+LABEL_HOST = "gpumigrate-host"
+# Plan GPU model -> GCE accelerator type and its regional quota metric.
+ACCELERATORS: dict[str, tuple[str, str]] = {
+    "T4": ("nvidia-tesla-t4", "NVIDIA_T4_GPUS"),
+    "L4": ("nvidia-l4", "NVIDIA_L4_GPUS"),
+    "A100-40GB": ("nvidia-tesla-a100", "NVIDIA_A100_GPUS"),
+    "A100-80GB": ("nvidia-a100-80gb", "NVIDIA_A100_80GB_GPUS"),
+    "H100": ("nvidia-h100-80gb", "NVIDIA_H100_GPUS"),
+    "H200": ("nvidia-h200-141gb", "NVIDIA_H200_GPUS"),
+    "B200": ("nvidia-b200", "NVIDIA_B200_GPUS"),
+}
+CAPACITY_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", "RESOURCE_POOL_EXHAUSTED")
+QUOTA_CODES = ("QUOTA_EXCEEDED",)
+_QUOTA_TEXT = re.compile(r"Quota '[A-Z0-9_]+' exceeded|quotaExceeded")
+DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu124-ubuntu-2204-py310"
+
+
+def label_value(text: str) -> str:
+    """A GCE label value (lowercase letters, digits, '-', '_', at most 63) that stays unique."""
+    v = re.sub(r"[^a-z0-9_-]", "-", text.lower())
+    return v if len(v) <= 63 else v[:50] + "-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def instance_name(host_name: str) -> str:
+    """A valid GCE instance name: [a-z]([-a-z0-9]{0,61}[a-z0-9])?"""
+    v = re.sub(r"[^a-z0-9-]", "-", host_name.lower())
+    if not v or not v[0].isalpha():
+        v = "gm-" + v
+    if len(v) > 63:
+        v = v[:50] + "-" + hashlib.sha256(host_name.encode()).hexdigest()[:12]
+    return v.rstrip("-") or "gm-host"
+
+
+def _op_error_codes(op: compute_v1.Operation) -> list[tuple[str, str]]:
+    return [(e.code, e.message) for e in (op.error.errors if op.error else [])]
+
+
+def _translate(exc: Exception, what: str, region: str) -> GpumigrateError:
+    """A GCE failure as our error: capacity and quota refusals are policy denials (exit 2).
+
+    Operation errors carry codes (QUOTA_EXCEEDED); an HTTP 403 on insert says "Quota 'X' exceeded".
+    """
+    text = str(exc)
+    if any(code in text for code in QUOTA_CODES) or _QUOTA_TEXT.search(text):
+        return CapacityError(f"GCP quota refuses {what} in {region}: {text}", region=region, rule="quota")
+    if any(code in text for code in CAPACITY_CODES):
+        return CapacityError(f"GCP has no capacity for {what} in {region}: {text}", region=region)
+    return ProviderError(f"GCP {what} in {region} failed: {type(exc).__name__}: {text}")
+
+
+class GcpProvider:
+    """Compute Engine behind the :class:`gpumigrate.interfaces.Provider` interface."""
+
+    name = "gcp"
+
+    def __init__(
+        self,
+        *,
+        project: str | None = None,
+        api_endpoint: str | None = None,
+        credentials: Any = None,
+        poll_interval_s: float = 2.0,
+        network: str = "global/networks/default",
+        boot_disk_gb: int = 200,
+    ) -> None:
+        self.api_endpoint = api_endpoint
+        if credentials is None and api_endpoint and api_endpoint.startswith("http://"):
+            from google.auth.credentials import AnonymousCredentials
+
+            credentials = AnonymousCredentials()
+        if credentials is None:
+            credentials, project = self._default_credentials(project)
+        self._credentials = credentials
+        if not project:
+            raise InvalidInputError("no GCP project: set GOOGLE_CLOUD_PROJECT or pass the project option")
+        self.project = project
+        self.poll_interval_s = poll_interval_s
+        self.network = network
+        self.boot_disk_gb = boot_disk_gb
+        self._clients: dict[str, Any] = {}
+        self.last_capacity: dict[str, Any] = {}
+
+    @staticmethod
+    def _default_credentials(project: str | None) -> tuple[Any, str | None]:
+        import google.auth
+        from google.auth.exceptions import DefaultCredentialsError
+
+        try:
+            creds, found = google.auth.default(scopes=["https://www.googleapis.com/auth/cloud-platform"])
+        except DefaultCredentialsError:
+            raise ProviderError(
+                "no Google credentials in the standard chain (GOOGLE_APPLICATION_CREDENTIALS, gcloud ADC, metadata server)"
+            ) from None
+        return creds, project or found
+
+    def _client(self, cls: type[T]) -> T:
+        key = cls.__name__
+        if key not in self._clients:
+            opts = ClientOptions(api_endpoint=self.api_endpoint) if self.api_endpoint else None
+            self._clients[key] = cls(credentials=self._credentials, client_options=opts)
+        return self._clients[key]
+
+    def _call(self, what: str, where: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        try:
+            return fn(**kwargs)
+        except gexc.GoogleAPICallError as exc:
+            raise _translate(exc, what, where) from None
+
+    @staticmethod
+    def _region_of(spec: HostSpec) -> str:
+        if not spec.zone:
+            raise InvalidInputError("a GCP target needs target.zone (e.g. europe-west4-a)")
+        return spec.region
+
+    # -- capacity and quota -------------------------------------------------------------
+    def machine_type(self, zone: str, machine_type: str, region: str) -> compute_v1.MachineType:
+        client = self._client(compute_v1.MachineTypesClient)
+        try:
+            return client.get(project=self.project, zone=zone, machine_type=machine_type)
+        except gexc.NotFound:
+            raise CapacityError(f"machine type {machine_type} is not offered in zone {zone}", region=region) from None
+        except gexc.GoogleAPICallError as exc:
+            raise _translate(exc, f"machine type {machine_type}", region) from None
+
+    def accelerators_in_zone(self, zone: str, region: str) -> dict[str, int]:
+        """Accelerator type name -> maximum cards per instance, for the zone."""
+        client = self._client(compute_v1.AcceleratorTypesClient)
+        items = self._call("list accelerator types", region, client.list, project=self.project, zone=zone)
+        return {a.name: a.maximum_cards_per_instance for a in items}
+
+    def gpu_quota(self, region: str, metric: str) -> tuple[float, float] | None:
+        """(limit, usage) of a regional quota metric, or None when the region lists no such metric."""
+        client = self._client(compute_v1.RegionsClient)
+        reg = self._call(f"get region {region}", region, client.get, project=self.project, region=region)
+        for q in reg.quotas:
+            if q.metric == metric:
+                return float(q.limit), float(q.usage)
+        return None
+
+    def _gpus_of(self, spec: HostSpec, mt: compute_v1.MachineType) -> tuple[str, int, bool]:
+        """(accelerator type, count, built into the machine type?) for ``spec``."""
+        if mt.accelerators:
+            acc = mt.accelerators[0]
+            return acc.guest_accelerator_type, int(acc.guest_accelerator_count), True
+        if spec.gpu_count == 0:
+            return "", 0, False
+        if spec.gpu_model not in ACCELERATORS:
+            raise CapacityError(f"GCP has no accelerator for GPU model {spec.gpu_model}", region=spec.region)
+        return ACCELERATORS[spec.gpu_model][0], spec.gpu_count, False
+
+    def check_capacity(self, spec: HostSpec) -> dict[str, Any]:
+        """Machine type and GPUs offered in the zone, and the regional GPU quota has room. Raises
+        CapacityError (rule capacity or quota, exit 2); inserts nothing. Returns what it saw."""
+        region = self._region_of(spec)
+        if not spec.instance_type:
+            raise InvalidInputError("a GCP target needs target.instance_type (e.g. a2-highgpu-1g)")
+        zone = str(spec.zone)
+        mt = self.machine_type(zone, spec.instance_type, region)
+        acc_type, count, built_in = self._gpus_of(spec, mt)
+        report: dict[str, Any] = {"machine_type": spec.instance_type, "zone": zone, "gpus": f"{count} x {acc_type or 'none'}"}
+        if spec.gpu_count and spec.gpu_model in ACCELERATORS and acc_type != ACCELERATORS[spec.gpu_model][0]:
+            raise CapacityError(
+                f"{spec.instance_type} carries {acc_type or 'no GPUs'}, the target asks for {spec.gpu_model}", region=region
+            )
+        if spec.gpu_count and count < spec.gpu_count:
+            raise CapacityError(f"{spec.instance_type} has {count} GPUs, the target asks for {spec.gpu_count}", region=region)
+        if count:
+            offered = self.accelerators_in_zone(zone, region)
+            if acc_type not in offered:
+                names = ", ".join(sorted(offered)) or "none"
+                raise CapacityError(f"zone {zone} offers no {acc_type} (offers: {names})", region=region)
+            if not built_in and count > offered[acc_type]:
+                raise CapacityError(
+                    f"{acc_type} allows at most {offered[acc_type]} per instance, the target asks for {count}", region=region
+                )
+            metric = next((m for a, m in ACCELERATORS.values() if a == acc_type), None)
+            quota = self.gpu_quota(region, metric) if metric else None
+            if metric and quota is None:
+                raise CapacityError(f"region {region} has no {metric} quota: request one", region=region, rule="quota")
+            if quota is not None:
+                limit, usage = quota
+                report.update(quota_metric=metric, quota_limit=limit, quota_usage=usage)
+                if usage + count > limit:
+                    raise CapacityError(
+                        f"{count} x {acc_type} needs quota {metric} in {region}: limit {limit:g}, in use {usage:g}; "
+                        "request an increase in IAM & Admin > Quotas",
+                        region=region,
+                        rule="quota",
+                    )
+        self.last_capacity = report
+        return report
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def _get(self, zone: str, name: str, region: str) -> compute_v1.Instance | None:
+        client = self._client(compute_v1.InstancesClient)
+        try:
+            return client.get(project=self.project, zone=zone, instance=name)
+        except gexc.NotFound:
+            return None
+        except gexc.GoogleAPICallError as exc:
+            raise _translate(exc, f"get instance {name}", region) from None
+
+    def wait_operation(self, op: compute_v1.Operation, zone: str, region: str, *, timeout_s: float = 600) -> None:
+        """Wait for a zonal operation with our own client (it honours the endpoint); raise its error."""
+        ops = self._client(compute_v1.ZoneOperationsClient)
+        deadline = time.monotonic() + timeout_s
+        while op.status != compute_v1.Operation.Status.DONE:
+            if time.monotonic() >= deadline:
+                raise ProviderError(f"GCP operation {op.name} in {zone} not done after {timeout_s:g} s")
+            op = self._call("wait operation", region, ops.wait, project=self.project, zone=zone, operation=op.name)
+        errors = _op_error_codes(op)
+        if errors:
+            text = "; ".join(f"{c}: {m}" for c, m in errors)
+            raise _translate(ProviderError(text), f"operation {op.operation_type or op.name}", region)
+
+    def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
+        """Insert one instance for ``spec``, or return the one this migration already inserted."""
+        region = self._region_of(spec)
+        zone, name = str(spec.zone), instance_name(spec.name)
+        found = self._get(zone, name, region)
+        if found is not None:
+            if found.labels.get(LABEL_MIGRATION) != label_value(migration_id):
+                raise ProviderError(f"instance {name} in {zone} exists but was not launched by migration {migration_id}")
+            log.info("gcp: %s already inserted for %s", name, migration_id)
+            return self._host(spec.name, region, zone, found)
+        if not spec.instance_type:
+            raise InvalidInputError("a GCP target needs target.instance_type (e.g. a2-highgpu-1g)")
+        mt = self.machine_type(zone, spec.instance_type, region)
+        acc_type, count, built_in = self._gpus_of(spec, mt)
+        labels = {LABEL_MIGRATION: label_value(migration_id), LABEL_HOST: label_value(spec.name)}
+        labels.update({label_value(k): label_value(v) for k, v in spec.tags.items()})
+        instance = compute_v1.Instance(
+            name=name,
+            machine_type=f"zones/{zone}/machineTypes/{spec.instance_type}",
+            labels=labels,
+            metadata=compute_v1.Metadata(items=[compute_v1.Items(key="gpumigrate-migration-id", value=migration_id)]),
+            scheduling=compute_v1.Scheduling(on_host_maintenance="TERMINATE", automatic_restart=True),
+            disks=[
+                compute_v1.AttachedDisk(
+                    boot=True,
+                    auto_delete=True,
+                    initialize_params=compute_v1.AttachedDiskInitializeParams(
+                        source_image=spec.image or DEFAULT_IMAGE, disk_size_gb=self.boot_disk_gb
+                    ),
+                )
+            ],
+            network_interfaces=[compute_v1.NetworkInterface(network=self.network)],
+        )
+        if count and not built_in:
+            instance.guest_accelerators = [
+                compute_v1.AcceleratorConfig(
+                    accelerator_type=f"zones/{zone}/acceleratorTypes/{acc_type}", accelerator_count=count
+                )
+            ]
+        request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpumigrate:{migration_id}/{name}"))
+        client = self._client(compute_v1.InstancesClient)
+        op = self._call(
+            f"insert {spec.instance_type}", region, client.insert_unary,
+            request={"project": self.project, "zone": zone, "instance_resource": instance, "request_id": request_id},
+        )
+        self.wait_operation(op, zone, region)
+        created = self._get(zone, name, region)
+        if created is None:
+            raise ProviderError(f"GCP reported instance {name} inserted in {zone} but it cannot be found")
+        log.info("gcp: inserted %s (%s) for %s", name, spec.instance_type, migration_id)
+        return self._host(spec.name, region, zone, created)
+
+    def _host(self, host_name: str, region: str, zone: str, inst: compute_v1.Instance) -> Host:
+        nic = inst.network_interfaces[0] if inst.network_interfaces else None
+        return Host(
+            name=host_name,
+            provider="gcp",
+            region=region,
+            address=nic.network_i_p if nic else "",
+            instance_id=inst.name,
+            zone=zone,
+            meta={"status": inst.status, "machine_type": inst.machine_type.rsplit("/", 1)[-1]},
+        )
+
+    def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host:
+        """Until the instance is RUNNING; ProviderError on timeout or when it stops."""
+        deadline = time.monotonic() + timeout_s
+        zone = str(host.zone)
+        while True:
+            inst = self._get(zone, str(host.instance_id), host.region)
+            if inst is None:
+                raise ProviderError(f"GCP instance {host.instance_id} in {zone} disappeared while waiting for it")
+            if inst.status == "RUNNING":
+                return self._host(host.name, host.region, zone, inst)
+            if inst.status in ("STOPPING", "STOPPED", "TERMINATED", "SUSPENDED"):
+                raise ProviderError(f"GCP instance {host.instance_id} is {inst.status} while waiting for it to run")
+            if time.monotonic() >= deadline:
+                raise ProviderError(f"GCP instance {host.instance_id} not running after {timeout_s:g} s ({inst.status})")
+            time.sleep(min(self.poll_interval_s, max(0.0, deadline - time.monotonic())))
+
+    def terminate(self, host: Host) -> None:
+        """Delete the instance; one that is already gone is fine."""
+        if not host.instance_id or not host.zone:
+            return
+        client = self._client(compute_v1.InstancesClient)
+        try:
+            op = client.delete_unary(project=self.project, zone=host.zone, instance=host.instance_id)
+        except gexc.NotFound:
+            return
+        except gexc.GoogleAPICallError as exc:
+            raise _translate(exc, f"delete {host.instance_id}", host.region) from None
+        self.wait_operation(op, host.zone, host.region)
+        log.info("gcp: deleted %s", host.instance_id)
+
+    # -- policy and price -----------------------------------------------------------------
+    def jurisdiction(self, region: str) -> Jurisdiction:
+        return residency.jurisdiction("gcp", region)
+
+    def price(self, spec: HostSpec) -> float:
+        return pricing.hourly("gcp", spec.region, spec.instance_type)

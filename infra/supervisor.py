@@ -1,0 +1,259 @@
+"""The supervisor of one local host: the process that *is* the host.
+
+    python -m gpumigrate.infra.supervisor --name local-a --workdir DIR --socket NAME [--parent-fd FD] [--netns NS]
+
+It runs the host's processes (each in its own process group, inside the host's network namespace
+if it has one) and guarantees none outlives the host:
+
+* every child is started with ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` from this single-threaded
+  process, so if the supervisor dies, even by SIGKILL, the kernel kills its children;
+* in attached mode (``--parent-fd``) the supervisor holds the read end of a pipe whose write end
+  only the launching process holds; EOF means that process is gone (however it died, whichever
+  thread started us), and the supervisor shuts the host down: children, then the namespace;
+* what it started is written to ``DIR/supervisor.json`` (atomic), so a reaper can finish the job
+  after a SIGKILL of the supervisor itself (see ``infra/local.py``).
+
+Control: an abstract Unix socket (no path length limit, nothing to delete), one JSON request per
+connection, one JSON reply; only the same uid may connect. Protocol in ``infra/LOCAL.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gpumigrate.atomic import atomic_write_json
+
+PR_SET_PDEATHSIG = 1
+CLONE_NEWNET = 0x40000000
+MARKER_ENV = "GPUMIGRATE_LOCAL_HOST_TOKEN"  # in every child's environment: lets a reaper prove ownership
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def child_preexec(supervisor_pid: int, netns_path: str | None) -> Any:
+    """Runs in the forked child before exec: own process group, die with the supervisor, enter the netns."""
+
+    def preexec() -> None:
+        os.setsid()
+        libc = _libc()
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != supervisor_pid:  # the supervisor died before prctl took effect
+            os._exit(1)
+        if netns_path:
+            fd = os.open(netns_path, os.O_RDONLY)
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                os._exit(126)
+            os.close(fd)
+
+    return preexec
+
+
+class Supervisor:
+    def __init__(self, name: str, workdir: Path, sock_name: str, parent_fd: int | None, netns: str | None) -> None:
+        self.name = name
+        self.workdir = workdir
+        self.sock_name = sock_name
+        self.parent_fd = parent_fd
+        self.netns = netns
+        self.token = os.environ.get(MARKER_ENV, "")
+        self.children: dict[int, dict[str, Any]] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.stopping = False
+        self.sel = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + sock_name)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+        if parent_fd is not None:
+            self.sel.register(parent_fd, selectors.EVENT_READ, "parent")
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+        self._save()
+
+    def _save(self) -> None:
+        atomic_write_json(
+            self.workdir / "supervisor.json",
+            {"pid": os.getpid(), "name": self.name, "netns": self.netns, "children": list(self.children.values())},
+        )
+
+    # ------------------------------------------------------------------ requests
+    def spawn(self, req: dict[str, Any]) -> dict[str, Any]:
+        argv = req.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            return {"ok": False, "error": "argv must be a non-empty list of strings"}
+        label = str(req.get("name") or Path(argv[0]).name)
+        env = dict(os.environ)
+        env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+        env[MARKER_ENV] = self.token
+        log_path = self.workdir / "logs" / f"{label}-{int(time.time() * 1000)}.log"
+        netns_path = f"/var/run/netns/{self.netns}" if self.netns else None
+        with open(log_path, "ab") as log:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    cwd=req.get("cwd") or str(self.workdir),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=child_preexec(os.getpid(), netns_path),  # noqa: PLW1509 - single-threaded by design
+                    close_fds=True,
+                )
+            except OSError as exc:
+                return {"ok": False, "error": f"cannot start {argv[0]!r}: {exc}"}
+        self.procs[proc.pid] = proc
+        self.children[proc.pid] = {
+            "pid": proc.pid,
+            "name": label,
+            "argv": argv,
+            "log": str(log_path),
+            "started": time.time(),
+            "returncode": None,
+        }
+        self._save()
+        return {"ok": True, "pid": proc.pid, "log": str(log_path)}
+
+    def signal_child(self, req: dict[str, Any]) -> dict[str, Any]:
+        pid, sig = req.get("pid"), int(req.get("sig", signal.SIGTERM))
+        if pid not in self.procs:
+            return {"ok": False, "error": f"pid {pid!r} is not a process of host {self.name}"}
+        if self.procs[pid].poll() is None:
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                pass
+        return {"ok": True}
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        self.reap()
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid(), "name": self.name, "netns": self.netns}
+        if op == "spawn":
+            return self.spawn(req)
+        if op == "signal":
+            return self.signal_child(req)
+        if op == "list":
+            return {"ok": True, "children": list(self.children.values())}
+        if op == "shutdown":
+            self.stopping = True
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}; allowed: ping, spawn, signal, list, shutdown"}
+
+    def _serve_client(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                conn.sendall(b'{"ok": false, "error": "permission denied"}\n')
+                return
+            buf = b""
+            while not buf.endswith(b"\n"):
+                part = conn.recv(65536)
+                if not part:
+                    break
+                buf += part
+            try:
+                req = json.loads(buf or b"{}")
+                reply = self.handle(req if isinstance(req, dict) else {})
+            except ValueError as exc:
+                reply = {"ok": False, "error": f"bad request: {exc}"}
+            conn.sendall((json.dumps(reply) + "\n").encode())
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    # ------------------------------------------------------------------ lifecycle
+    def reap(self) -> None:
+        changed = False
+        for pid, proc in self.procs.items():
+            rc = proc.poll()
+            if rc is not None and self.children[pid]["returncode"] is None:
+                self.children[pid]["returncode"] = rc
+                changed = True
+        if changed:
+            self._save()
+
+    def run(self) -> None:
+        while not self.stopping:
+            for key, _ in self.sel.select(timeout=0.5):
+                if key.data == "listen":
+                    try:
+                        conn, _ = self.listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(True)
+                    self._serve_client(conn)
+                elif key.data == "parent":
+                    if not os.read(self.parent_fd, 4096):  # EOF: the launching process is gone
+                        self.stopping = True
+            self.reap()
+        self.shutdown()
+
+    def shutdown(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child's group, SIGKILL what is left after ``grace_s``, drop the namespace."""
+        self.sel.close()
+        self.listener.close()
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        for p in live:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():
+            try:  # the group too: grandchildren outlive a leader that already exited
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            if p.poll() is None:
+                p.wait(timeout=5)
+        self.reap()
+        if self.netns:
+            subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, check=False)
+        self._save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpumigrate.infra.supervisor")
+    p.add_argument("--name", required=True)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--socket", required=True, help="abstract Unix socket name")
+    p.add_argument("--parent-fd", type=int, default=None, help="exit when this pipe reaches EOF")
+    p.add_argument("--netns", default=None, help="network namespace to run children in (deleted on exit)")
+    args = p.parse_args(argv)
+    sup = Supervisor(args.name, Path(args.workdir), args.socket, args.parent_fd, args.netns)
+
+    def on_term(signum: int, frame: Any) -> None:
+        sup.stopping = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    print(json.dumps({"event": "supervising", "pid": os.getpid(), "name": args.name}), flush=True)
+    sup.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Output parity: the golden set run against source and target directly, judged by the rules.
+
+The flows call :func:`run_output_parity` in the parity phase with the services' own URLs (never
+through Envoy, so a half-shifted split cannot hide a difference). Results go to the directory the
+caller gives (the migration's ``artifacts/``): ``parity.json``, ``parity.html`` and GX's validation
+result ``parity-gx-validation.json``. The golden-input format is specified in FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from gpumigrate.parity.rules import Rules, build_frame, evaluate
+
+from gpumigrate.errors import InvalidInputError, ParityError
+
+MAX_CASES = 10_000
+DEFAULT_PATH = "/v1/generate"
+
+
+@dataclass(frozen=True)
+class GoldenCase:
+    id: str
+    request: dict[str, Any]  # the body POSTed to the service: the line without its "id"
+
+
+@dataclass
+class OutputParityResult:
+    passed: bool
+    cases: int
+    max_abs_err: float | None
+    failures: list[str]
+    seconds: float  # the whole check: querying both sides, judging, writing reports
+    judge_seconds: float  # building the frame and validating it (GX included when used)
+    judged_by: str  # "great_expectations" or "rules" (the fast path)
+    artifacts: dict[str, str] = field(default_factory=dict)  # name -> path
+
+    def summary(self) -> dict[str, Any]:
+        """The ``parity`` fields of the CLI's JSON contract (gpumigrate.result.ParitySummary)."""
+        return {"passed": self.passed, "cases": self.cases, "max_abs_err": self.max_abs_err}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.summary(), "failures": self.failures, "seconds": round(self.seconds, 4),
+                "judge_seconds": round(self.judge_seconds, 4), "judged_by": self.judged_by,
+                "artifacts": self.artifacts}  # fmt: skip
+
+
+def redact_url(url: str) -> str:
+    """Drop user:password@ from a URL before it reaches reports or logs."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def load_golden(path: str | Path) -> list[GoldenCase]:
+    """Read a golden-input JSONL file. Raises InvalidInputError naming the line that is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise InvalidInputError(f"golden inputs {p}: no such file")
+    cases: list[GoldenCase] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"golden inputs {p} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InvalidInputError(f"{where}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise InvalidInputError(f"{where}: must be a JSON object such as "
+                                    '{"id": "c1", "prompt": "hello", "max_new_tokens": 8}')  # fmt: skip
+        cid = obj.get("id")
+        if not isinstance(cid, str | int) or isinstance(cid, bool) or str(cid) == "":
+            raise InvalidInputError(f"{where}: 'id' must be a non-empty string (or integer)")
+        if str(cid) in seen:
+            raise InvalidInputError(f"{where}: duplicate id {cid!r}: ids must be unique")
+        if "prompt" in obj and not isinstance(obj["prompt"], str):
+            raise InvalidInputError(f"{where}: 'prompt' must be a string")
+        mnt = obj.get("max_new_tokens", 1)
+        if not isinstance(mnt, int) or isinstance(mnt, bool) or not 1 <= mnt <= 4096:
+            raise InvalidInputError(f"{where}: 'max_new_tokens' must be an integer from 1 to 4096")
+        request = {k: v for k, v in obj.items() if k != "id"}
+        if not request:
+            raise InvalidInputError(f"{where}: nothing to send besides 'id' (add 'prompt' and 'max_new_tokens')")
+        seen.add(str(cid))
+        cases.append(GoldenCase(id=str(cid), request=request))
+        if len(cases) > MAX_CASES:
+            raise InvalidInputError(f"golden inputs {p}: more than {MAX_CASES} cases; a smoke test needs tens")
+    if not cases:
+        raise InvalidInputError(f"golden inputs {p}: no cases (one JSON object per line)")
+    return cases
+
+
+def check_url(url: str, side: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidInputError(f"{side} URL {url!r} is not valid: use http(s)://host:port, e.g. http://127.0.0.1:8000")
+    return url.rstrip("/")
+
+
+def query_outputs(
+    url: str, cases: Sequence[GoldenCase], *, path: str = DEFAULT_PATH, timeout_s: float = 30.0
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """POST every case to ``url + path`` in order. Returns (rows with their case id, errors by case id)."""
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    with httpx.Client(base_url=url, timeout=timeout_s, trust_env=False) as client:
+        for case in cases:
+            try:
+                resp = client.post(path, json=case.request)
+            except httpx.HTTPError as exc:
+                errors[case.id] = f"request failed: {type(exc).__name__}: {exc}"
+                continue
+            if resp.status_code != 200:
+                errors[case.id] = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                continue
+            try:
+                body = resp.json()
+            except ValueError:
+                errors[case.id] = "response is not JSON"
+                continue
+            if not isinstance(body, dict):
+                errors[case.id] = "response is not a JSON object"
+                continue
+            rows.append({**body, "id": case.id})
+    return rows, errors
+
+
+def compare_outputs(
+    source_rows: Sequence[Mapping[str, Any]],
+    target_rows: Sequence[Mapping[str, Any]],
+    *,
+    rules: Rules,
+    out_dir: str | Path | None = None,
+    use_gx: bool = True,
+    target_errors: Mapping[str, str] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    started: float | None = None,
+) -> OutputParityResult:
+    """Judge rows already collected (by GX or the fast path) and write the reports to ``out_dir``.
+
+    ``started`` is the ``time.perf_counter()`` at which the caller began (querying included).
+    """
+    t0 = time.perf_counter()
+    frame = build_frame(source_rows, target_rows, rules)
+    verdict = evaluate(frame, rules)
+    gx_outcome = None
+    passed = verdict.passed
+    failures = list(verdict.failures)
+    for cid, err in (target_errors or {}).items():
+        failures.append(f"case {cid}: the target did not answer: {err}")
+        if cid in verdict.per_case:
+            verdict.per_case[cid].reasons.append(f"the target did not answer: {err}")
+    if use_gx:
+        from gpumigrate.parity.gx_suite import validate_frame
+
+        gx_outcome = validate_frame(frame)
+        if gx_outcome.success != verdict.passed:
+            failures.append(
+                f"GX suite and rules disagree (gx={gx_outcome.success}, rules={verdict.passed}): failing closed"
+            )
+        passed = passed and gx_outcome.success
+    judge_seconds = time.perf_counter() - t0
+    result = OutputParityResult(
+        passed=passed, cases=verdict.cases, max_abs_err=verdict.max_abs_err, failures=failures,
+        seconds=time.perf_counter() - (started if started is not None else t0), judge_seconds=judge_seconds,
+        judged_by="great_expectations" if use_gx else "rules",
+    )  # fmt: skip
+    if out_dir is not None:
+        from gpumigrate.parity.report import write_reports
+
+        result.artifacts = write_reports(
+            Path(out_dir), result=result, verdict=verdict, rules=rules, gx_outcome=gx_outcome,
+            source_rows=source_rows, target_rows=target_rows, meta=dict(meta or {}),
+        )  # fmt: skip
+    return result
+
+
+def run_output_parity(
+    source_url: str,
+    target_url: str,
+    inputs_path: str | Path,
+    *,
+    atol: float,
+    rtol: float,
+    out_dir: str | Path | None,
+    use_gx: bool = True,
+    path: str = DEFAULT_PATH,
+    timeout_s: float = 30.0,
+    rules: Rules | None = None,
+) -> OutputParityResult:
+    """Run the golden set against both services directly and compare.
+
+    Raises InvalidInputError (exit 2) for a bad URL or golden file, ParityError (exit 1) when the
+    source itself cannot answer (nothing to compare against). A target that fails a case is a
+    parity failure of that case, reported in the result, not an exception.
+    """
+    t0 = time.perf_counter()
+    source_url, target_url = check_url(source_url, "source"), check_url(target_url, "target")
+    rules = rules or Rules(atol=atol, rtol=rtol)
+    cases = load_golden(inputs_path)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="parity-query") as pool:
+        src_future = pool.submit(query_outputs, source_url, cases, path=path, timeout_s=timeout_s)
+        tgt_future = pool.submit(query_outputs, target_url, cases, path=path, timeout_s=timeout_s)
+        source_rows, source_errors = src_future.result()
+        target_rows, target_errors = tgt_future.result()
+    if source_errors:
+        first = next(iter(source_errors.items()))
+        raise ParityError(
+            f"the source {redact_url(source_url)} failed {len(source_errors)} of {len(cases)} golden cases "
+            f"(first: case {first[0]}: {first[1]}): nothing to compare the target against"
+        )
+    meta = {"source_url": redact_url(source_url), "target_url": redact_url(target_url),
+            "inputs": str(Path(inputs_path).resolve()), "path": path}  # fmt: skip
+    result = compare_outputs(
+        source_rows,
+        target_rows,
+        rules=rules,
+        out_dir=out_dir,
+        use_gx=use_gx,
+        target_errors=target_errors,
+        meta=meta,
+        started=t0,
+    )
+    return result

@@ -1,0 +1,385 @@
+"""The in-process snapshot agent: embedded in a workload, it captures and restores its tracked state.
+
+Source side (:class:`~gpumigrate.interfaces.Snapshotter`): ``precopy`` rounds while the workload
+runs ship only chunks whose on-device fingerprint changed since the last shipped image (the rest are
+``reuse_chunk`` references to it); ``freeze`` stops the workload at its safe point; ``final`` ships
+the last dirty set and commits; ``resume`` un-freezes on rollback; ``zeroize`` wipes tracked memory
+after cutover. Target side (:class:`~gpumigrate.interfaces.Restorer`): ``restore`` checks the image
+against the live model (names, shapes, dtypes) and the environment policy, loads the chunks that
+differ from what is already loaded, and only then reports ready.
+
+The agent never sees a key: ``precopy_to``/``final_to``/``restore_from`` take a store URL and a key
+*reference*, and the factories given at construction (``workloads/agent_hook.py`` wires the transfer
+engine) resolve it locally.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from gpumigrate.snapshot import tracked as tr
+from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks
+from gpumigrate.snapshot.environment import check_policy, env_facts
+from gpumigrate.snapshot.errors import ImageMismatchError
+from gpumigrate.snapshot.pipeline import Job, Pipeline
+
+from gpumigrate.errors import SnapshotError
+from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo, RoundStats
+
+FORMAT = 1
+META_KEY = "snapshot"
+
+WriterFactory = Callable[[str, Mapping[str, str], "str | None"], ImageWriter]
+ReaderFactory = Callable[[str, str, Mapping[str, str]], ImageReader]
+
+
+@dataclass
+class _Shipped:
+    nbytes: int
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    fingerprints: list[int]
+    ids: list[str]
+
+
+class Agent:
+    """Tracks a workload's state and moves it through ImageWriter/ImageReader objects."""
+
+    def __init__(
+        self,
+        *,
+        writer_factory: WriterFactory | None = None,
+        reader_factory: ReaderFactory | None = None,
+        freezer: Any = None,
+        set_ready: Callable[[bool], None] | None = None,
+        workers: int = 4,
+        streams: int = 2,
+    ) -> None:
+        self.writer_factory = writer_factory
+        self.reader_factory = reader_factory
+        self.freezer = freezer  # anything with freeze()/resume(): a SafePoint, a training callback
+        self.set_ready = set_ready
+        self.workers = workers
+        self.streams = streams
+        self.items: list[tr.Item] = []
+        self.frozen = False
+        self.ready: bool | None = None
+        self.rounds = 0
+        self.last_image: ImageRef | None = None
+        self._shipped: dict[str, _Shipped] = {}
+        self._loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
+        self._pipelines: dict[tuple[str, int], Pipeline] = {}
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ tracking API
+    def _add(self, item: tr.Item) -> tr.Item:
+        for other in self.items:
+            if other.prefix == item.prefix or other.prefix.startswith(item.prefix + "/") or item.prefix.startswith(other.prefix + "/"):
+                raise SnapshotError(f"tracked name {item.prefix!r} overlaps {other.prefix!r}: pick distinct names")
+        self.items.append(item)
+        return item
+
+    def track_module(self, name: str, module: torch.nn.Module) -> None:
+        self._add(tr.ModuleItem(name, module))
+
+    def track_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        self._add(tr.OptimizerItem(name, optimizer))
+
+    def track_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        self._add(tr.TensorsItem(name, lambda: {"": tensor}))
+
+    def track_tensors(self, name: str, tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self._add(tr.TensorsItem(name, tensors if callable(tensors) else (lambda: tensors)))
+
+    def track_state(self, name: str, getter: Callable[[], Any], setter: Callable[[Any], None], *, raw: bool = False) -> None:
+        """Arbitrary state: JSON values by default, bytes with ``raw=True``."""
+        self._add(tr.BlobItem(name, getter, setter) if raw else tr.json_blob(name, getter, setter))
+
+    def track_rng(self, name: str = "rng") -> None:
+        for item in tr.rng_items(name):
+            self._add(item)
+
+    # ------------------------------------------------------------------ inspection
+    def _live(self) -> dict[str, tuple[tr.Item, torch.Tensor]]:
+        out: dict[str, tuple[tr.Item, torch.Tensor]] = {}
+        for item in self.items:
+            for name, tensor in item.tensors().items():
+                out[name] = (item, tensor)
+        return out
+
+    @staticmethod
+    def _info(name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:
+        blob = isinstance(item, tr.BlobItem)
+        return RegionInfo(
+            name=name, nbytes=t.numel() * t.element_size(), kind="blob" if blob else "tensor",
+            dtype=None if blob else tr.dtype_name(t.dtype), shape=None if blob else tuple(t.shape), device=str(t.device),
+        )
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            regions = [self._info(n, it, t) for n, (it, t) in self._live().items()]
+        return {
+            "regions": [asdict(r) for r in regions],
+            "bytes_total": sum(r.nbytes for r in regions),
+            "environment": env_facts(),
+            "frozen": self.frozen,
+            "ready": self.ready,
+            "rounds": self.rounds,
+            "last_image": self.last_image.id if self.last_image else None,
+        }
+
+    # ------------------------------------------------------------------ source side
+    def _pipeline(self, device: torch.device, chunk_size: int) -> Pipeline:
+        key = (str(device), chunk_size)
+        p = self._pipelines.get(key)
+        if p is None:
+            p = Pipeline(device, chunk_size, streams=self.streams, workers=self.workers)
+            self._pipelines[key] = p
+        return p
+
+    def _round(self, writer: ImageWriter, *, frozen: bool) -> tuple[RoundStats, ImageRef]:
+        t0 = time.perf_counter()
+        cs = int(writer.chunk_size)
+        if cs <= 0 or cs % 8:
+            raise SnapshotError(f"writer chunk size {cs} is not a positive multiple of 8 bytes")
+        live = self._live()
+        views = {n: byte_view(t) for n, (_, t) in live.items()}
+        infos = {n: self._info(n, it, t) for n, (it, t) in live.items()}
+        for info in infos.values():
+            writer.add_region(info)
+        # Fingerprint every chunk where it lives; one host copy per device at the end.
+        dev_fps = {n: fingerprint_chunks(v, cs) for n, v in views.items()}
+        host_fps = _fps_to_host(dev_fps)
+        jobs_by_device: dict[str, list[Job]] = {}
+        new: dict[str, _Shipped] = {}
+        total = dirty_chunks = dirty_bytes = 0
+        for name, view in views.items():
+            info, fps = infos[name], host_fps[name]
+            prev = self._shipped.get(name)
+            same_shape = prev is not None and (prev.nbytes, prev.dtype, prev.shape) == (info.nbytes, info.dtype, info.shape)
+            ids: list[str] = [""] * len(fps)
+            for i, fp in enumerate(fps):
+                total += 1
+                if same_shape and prev.fingerprints[i] == fp:  # type: ignore[union-attr]
+                    writer.reuse_chunk(name, i, prev.ids[i])  # type: ignore[union-attr]
+                    ids[i] = prev.ids[i]  # type: ignore[union-attr]
+                    continue
+                piece = view[i * cs : (i + 1) * cs]
+                jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, piece))
+                dirty_chunks += 1
+                dirty_bytes += piece.numel()
+            new[name] = _Shipped(info.nbytes, info.dtype, info.shape, list(fps), ids)
+        for device, jobs in jobs_by_device.items():
+            sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
+            for k, job in enumerate(jobs):
+                new[job.region].ids[job.index] = sent_ids[k]
+                if not frozen:  # the fingerprint of the bytes actually shipped
+                    new[job.region].fingerprints[job.index] = sent_fps[k]
+        writer.set_metadata(META_KEY, {
+            "format": FORMAT,
+            "chunk_size": cs,
+            "round": self.rounds + 1,
+            "final": frozen,
+            "environment": env_facts(),
+            "items": {it.prefix: it.meta() for it in self.items},
+            "chunks": {n: s.ids for n, s in new.items()},
+        })
+        ref = writer.commit()
+        self._shipped = new
+        self.last_image = ref
+        self.rounds += 1
+        stats = RoundStats(self.rounds, total, dirty_chunks, dirty_bytes, time.perf_counter() - t0)
+        return stats, ref
+
+    def precopy(self, writer: ImageWriter) -> RoundStats:
+        """One live round. The writer's parent must be :attr:`last_image` (or a store holding its chunks)."""
+        with self._lock:
+            return self._round(writer, frozen=self.frozen)[0]
+
+    def freeze(self) -> None:
+        with self._lock:
+            if self.freezer is not None and not self.frozen:
+                self.freezer.freeze()
+            self.frozen = True
+
+    def final(self, writer: ImageWriter) -> ImageRef:
+        with self._lock:
+            if not self.frozen:
+                raise SnapshotError("final() needs a frozen workload: call freeze() first")
+            return self._round(writer, frozen=True)[1]
+
+    def resume(self) -> None:
+        with self._lock:
+            if self.frozen and self.freezer is not None:
+                self.freezer.resume()
+            self.frozen = False
+
+    def forget_shipped(self) -> None:
+        """Next round ships everything (e.g. a new store that holds none of the earlier chunks)."""
+        with self._lock:
+            self._shipped = {}
+
+    # ------------------------------------------------------------------ target side
+    def restore(self, reader: ImageReader, *, policy: Mapping[str, str] | None = None, ready: bool = True) -> dict[str, Any]:
+        """Load a verified image into the tracked state; with ``ready`` report ready afterwards.
+
+        ``ready=False`` pre-loads a pre-copy image while the source still serves; the next restore
+        then loads only chunks whose ids changed (the target has not served, so nothing else did).
+        """
+        with self._lock:
+            t0 = time.perf_counter()
+            meta = reader.metadata().get(META_KEY)
+            if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
+                raise SnapshotError(f"image {reader.ref.id} is not a gpumigrate snapshot image of format {FORMAT}")
+            env = check_policy(meta.get("environment") or {}, env_facts(), policy)
+            regions = {r.name: r for r in reader.regions()}
+            cs = int(meta["chunk_size"])
+            table: dict[str, list[str]] = {k: list(v) for k, v in meta["chunks"].items()}
+            targets = self._targets(regions, meta)
+            jobs_by_device: dict[str, list[Job]] = {}
+            skipped = 0
+            for name, dst in targets.items():
+                view = byte_view(dst)
+                n = chunk_count(view.numel(), cs)
+                if reader.chunk_count(name) != n or len(table.get(name, ())) != n:
+                    raise ImageMismatchError(f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected")
+                prev = self._loaded.get(name)
+                # Skip a chunk only if it went into this very tensor before and its content id is unchanged.
+                have = prev[1] if prev is not None and prev[0] == dst.data_ptr() and regions[name].kind != "blob" else None
+                for i in range(n):
+                    if have is not None and have[i] == table[name][i]:
+                        skipped += 1
+                        continue
+                    jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, view[i * cs : (i + 1) * cs]))
+            self._loaded = {}  # unknown until this load completes
+            if self.set_ready is not None:
+                self.set_ready(False)
+            self.ready = False
+            loaded = 0
+            for device, jobs in jobs_by_device.items():
+                loaded += self._pipeline(torch.device(device), cs).restore(reader, jobs)
+            for item in self.items:
+                mine = {k: v for k, v in targets.items() if _owned(item, k)}
+                item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, mine)
+            self._loaded = {} if ready else {k: (targets[k].data_ptr(), ids) for k, ids in table.items() if k in targets}
+            self.last_image = reader.ref
+            if ready:
+                if self.set_ready is not None:
+                    self.set_ready(True)
+                self.ready = True
+            return {
+                "image": reader.ref.id, "bytes_loaded": loaded, "chunks_loaded": sum(len(j) for j in jobs_by_device.values()),
+                "chunks_skipped": skipped, "ready": ready, "seconds": time.perf_counter() - t0, "environment": env,
+            }
+
+    def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        targets: dict[str, torch.Tensor] = {}
+        for item in self.items:
+            mine = {k: v for k, v in regions.items() if _owned(item, k)}
+            targets.update(item.targets(mine, (meta.get("items") or {}).get(item.prefix) or {}))
+        missing = sorted(set(targets) - set(regions))
+        extra = sorted(set(regions) - set(targets))
+        if missing or extra:
+            raise ImageMismatchError(
+                "image does not fit this workload: "
+                + (f"missing in image: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; " if missing else "")
+                + (f"not tracked here: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "")
+            )
+        problems = []
+        for name, dst in targets.items():
+            info = regions[name]
+            if info.kind == "blob":
+                continue
+            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != tuple(dst.shape):
+                problems.append(f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}")
+        if problems:
+            raise ImageMismatchError("image shapes/dtypes do not match the model: " + "; ".join(problems[:5]))
+        return targets
+
+    # ------------------------------------------------------------------ after cutover
+    def zeroize(self) -> dict[str, Any]:
+        """Overwrite tracked tensors (and the ring buffers) with zeros, read back, return an audit record."""
+        with self._lock:
+            t0 = time.perf_counter()
+            regions = 0
+            nbytes = 0
+            failed: list[str] = []
+            devices: set[str] = set()
+            for item in self.items:
+                if isinstance(item, tr.BlobItem):
+                    continue  # opaque state lives in the workload's own objects, not tracked memory
+                for name, t in item.tensors().items():
+                    view = byte_view(t)
+                    view.zero_()
+                    if bool(view.any()):
+                        failed.append(name)
+                    regions += 1
+                    nbytes += view.numel()
+                    devices.add(str(view.device))
+            for p in self._pipelines.values():
+                p.ring.zeroize()
+            self._shipped = {}
+            self._loaded = {}
+            if failed:
+                raise SnapshotError(f"zeroize read-back found non-zero bytes in {', '.join(failed[:5])}")
+            return {"zeroized_regions": regions, "zeroized_bytes": nbytes, "verified": True,
+                    "devices": sorted(devices), "seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ wire-level operations
+    def precopy_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None) -> dict[str, Any]:
+        with self._lock:
+            writer = self._open_writer(store, key_ref, parent)
+            stats, ref = self._round(writer, frozen=self.frozen)
+            return {"stats": asdict(stats), "image": asdict(ref)}
+
+    def final_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None) -> dict[str, Any]:
+        with self._lock:
+            if not self.frozen:
+                raise SnapshotError("final needs a frozen workload: send freeze first")
+            writer = self._open_writer(store, key_ref, parent)
+            stats, ref = self._round(writer, frozen=True)
+            return {"stats": asdict(stats), "image": asdict(ref)}
+
+    def restore_from(self, store: str, image_id: str, key_ref: Mapping[str, str], *, policy: Mapping[str, str] | None = None,
+                     ready: bool = True) -> dict[str, Any]:
+        if self.reader_factory is None:
+            raise SnapshotError("this agent has no image reader: the workload did not wire the transfer engine")
+        return self.restore(self.reader_factory(store, image_id, key_ref), policy=policy, ready=ready)
+
+    def _open_writer(self, store: str, key_ref: Mapping[str, str], parent: str | None) -> ImageWriter:
+        if self.writer_factory is None:
+            raise SnapshotError("this agent has no image writer: the workload did not wire the transfer engine")
+        if parent is None and self.last_image is not None and self.last_image.store == store:
+            parent = self.last_image.id
+        if parent is None or self.last_image is None or parent != self.last_image.id:
+            self._shipped = {}  # the parent holds none of our chunk ids: ship everything
+        return self.writer_factory(store, key_ref, parent)
+
+    def close(self) -> None:
+        for p in self._pipelines.values():
+            p.close()
+        self._pipelines.clear()
+
+
+def _owned(item: tr.Item, region: str) -> bool:
+    return region == item.prefix or region.startswith(item.prefix + "/")
+
+
+def _fps_to_host(dev_fps: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+    by_device: dict[str, list[str]] = {}
+    for name, t in dev_fps.items():
+        by_device.setdefault(str(t.device), []).append(name)
+    out: dict[str, list[int]] = {}
+    for names in by_device.values():
+        flat = torch.cat([dev_fps[n] for n in names]).cpu().tolist() if names else []
+        pos = 0
+        for n in names:
+            k = dev_fps[n].numel()
+            out[n] = flat[pos : pos + k]
+            pos += k
+    return out

@@ -1,0 +1,13 @@
+"""Snapshot-specific errors (no torch import here: the CLI and the client load this module)."""
+
+from __future__ import annotations
+
+from gpumigrate.errors import SnapshotError
+
+
+class ImageMismatchError(SnapshotError):
+    """The image does not fit this workload: missing/extra regions, other shapes or dtypes."""
+
+
+class EnvironmentMismatchError(SnapshotError):
+    """The image's source environment differs from this one where the plan forbids it."""

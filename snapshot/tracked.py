@@ -1,0 +1,196 @@
+"""What the agent captures: modules, optimizers, named tensors and opaque state, as named regions.
+
+Every tracked item answers three questions: which tensors hold its state now (capture), which
+pre-allocated tensors the image's bytes go into (restore, straight onto the right device and dtype),
+and what small JSON metadata rides along (optimizer hyper-parameters, step counters). Opaque state
+(RNG states, counters) is a getter/setter pair whose value travels as a ``blob`` region.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from gpumigrate.errors import SnapshotError
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    )
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Item:
+    """Base of tracked items. ``prefix`` namespaces region names (``prefix/...``)."""
+
+    prefix: str
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def targets(self, regions: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Destination tensors for restore, keyed like :meth:`tensors`. Default: the live tensors."""
+        return self.tensors()
+
+    def after_restore(self, meta: Mapping[str, Any], loaded: Mapping[str, torch.Tensor]) -> None:
+        return None
+
+
+class TensorsItem(Item):
+    def __init__(self, prefix: str, getter: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self.prefix = prefix
+        self._get = getter
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{self.prefix}/{k}" if k else self.prefix: t for k, t in self._get().items()}
+
+
+class ModuleItem(Item):
+    """Parameters and buffers of an ``nn.Module``, restored in place (same storage the model uses)."""
+
+    def __init__(self, prefix: str, module: torch.nn.Module) -> None:
+        self.prefix = prefix
+        self.module = module
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{self.prefix}/{k}": v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+class OptimizerItem(Item):
+    """An optimizer's per-parameter state tensors plus its param groups (JSON metadata).
+
+    On a fresh target the optimizer has no state yet (Adam allocates lazily): :meth:`targets`
+    allocates it on each parameter's device, and :meth:`after_restore` loads it with
+    ``load_state_dict`` so the next step continues exactly where the source stopped.
+    """
+
+    def __init__(self, prefix: str, optimizer: torch.optim.Optimizer) -> None:
+        self.prefix = prefix
+        self.optimizer = optimizer
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for i, p in enumerate(self._params()):
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{self.prefix}/state/{i}/{key}"] = value
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        sd = self.optimizer.state_dict()
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+        scalars = {
+            str(i): {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)} for i, st in sd["state"].items()
+        }
+        return {"param_groups": groups, "scalars": scalars}
+
+    def targets(self, regions: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        live = self.tensors()
+        params = self._params()
+        out: dict[str, torch.Tensor] = {}
+        for name, info in regions.items():
+            if not name.startswith(self.prefix + "/state/"):
+                continue
+            if name in live:
+                out[name] = live[name]
+                continue
+            index = int(name.split("/")[-2])
+            if index >= len(params):
+                raise SnapshotError(f"image has optimizer state for parameter {index}; this optimizer has {len(params)}")
+            # 'step' lives on the CPU in torch's optimizers unless capturable/fused; keep the source's placement.
+            device = params[index].device if (info.device or "cpu") != "cpu" else torch.device("cpu")
+            out[name] = torch.empty(info.shape or (), dtype=DTYPES[info.dtype], device=device)
+        return out
+
+    def after_restore(self, meta: Mapping[str, Any], loaded: Mapping[str, torch.Tensor]) -> None:
+        state: dict[int, dict[str, Any]] = {}
+        for name, tensor in loaded.items():
+            _, _, index, key = name.rsplit("/", 3)
+            state.setdefault(int(index), {})[key] = tensor
+        for index, scalars in (meta.get("scalars") or {}).items():
+            state.setdefault(int(index), {}).update(scalars)
+        groups = [dict(g) for g in meta["param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+class BlobItem(Item):
+    """Opaque state through a getter/setter pair; the value is bytes on the wire."""
+
+    def __init__(self, name: str, getter: Callable[[], bytes], setter: Callable[[bytes], None]) -> None:
+        self.prefix = name
+        self._get = getter
+        self._set = setter
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        data = bytes(self._get())
+        return {self.prefix: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)}
+
+    def targets(self, regions: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        info = regions[self.prefix]
+        return {self.prefix: torch.empty(info.nbytes, dtype=torch.uint8)}
+
+    def after_restore(self, meta: Mapping[str, Any], loaded: Mapping[str, torch.Tensor]) -> None:
+        self._set(loaded[self.prefix].numpy().tobytes())
+
+
+def json_blob(name: str, getter: Callable[[], Any], setter: Callable[[Any], None]) -> BlobItem:
+    """A BlobItem whose value is JSON (never pickle: restoring must not run code from an image)."""
+    return BlobItem(
+        name,
+        lambda: json.dumps(getter(), sort_keys=True).encode(),
+        lambda raw: setter(json.loads(raw.decode())),
+    )
+
+
+def rng_items(prefix: str = "rng") -> list[BlobItem]:
+    """Torch CPU/CUDA and Python ``random`` generator states, so the next step draws the same numbers."""
+    items = [
+        BlobItem(
+            f"{prefix}/torch",
+            lambda: torch.get_rng_state().numpy().tobytes(),
+            lambda raw: torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8)),
+        ),
+        json_blob(
+            f"{prefix}/python",
+            lambda: _py_state_to_json(random.getstate()),
+            lambda v: random.setstate((v[0], tuple(v[1]), v[2])),
+        ),
+    ]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        n = torch.cuda.device_count()
+
+        def get_cuda() -> bytes:
+            return b"".join(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all())
+
+        def set_cuda(raw: bytes) -> None:
+            size = len(raw) // n
+            torch.cuda.set_rng_state_all(
+                [torch.frombuffer(bytearray(raw[i * size : (i + 1) * size]), dtype=torch.uint8) for i in range(n)]
+            )
+
+        items.append(BlobItem(f"{prefix}/cuda", get_cuda, set_cuda))
+    return items
+
+
+def _py_state_to_json(state: tuple[Any, ...]) -> list[Any]:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]

@@ -1,0 +1,56 @@
+"""Golden-input files: the shipped one loads; bad ones are exit-2 errors naming the line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gpumigrate.parity.output import check_url, load_golden, redact_url
+
+from gpumigrate.errors import EXIT_INVALID, InvalidInputError
+from gpumigrate.plan import load_plan, resolve_relative
+
+
+def test_the_demo_plans_golden_file_loads(repo: Path) -> None:
+    plan_path = repo / "examples" / "local-demo.yaml"
+    plan = load_plan(plan_path)
+    assert plan.parity.golden_inputs
+    cases = load_golden(resolve_relative(plan_path, plan.parity.golden_inputs))
+    assert len(cases) >= 5
+    assert all("prompt" in c.request and "id" not in c.request for c in cases)
+
+
+def test_comments_and_blank_lines_are_skipped(tmp_path: Path) -> None:
+    f = tmp_path / "g.jsonl"
+    f.write_text('# golden set\n\n{"id": 1, "prompt": "a", "max_new_tokens": 2}\n{"id": "b", "prompt": "b"}\n')
+    cases = load_golden(f)
+    assert [c.id for c in cases] == ["1", "b"]
+    assert cases[0].request == {"prompt": "a", "max_new_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "line 2: duplicate id"),
+        ('{"prompt": "x"}\n', "line 1: 'id' must be"),
+        ('{"id": "a", "prompt": 3}\n', "line 1: 'prompt' must be a string"),
+        ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "line 1: 'max_new_tokens' must be an integer"),
+        ('{"id": "a"}\n', "nothing to send"),
+        ("[1, 2]\n", "must be a JSON object"),
+        ("{broken\n", "not valid JSON"),
+        ("\n# only comments\n", "no cases"),
+    ],
+)
+def test_bad_golden_files_name_the_problem(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "g.jsonl"
+    f.write_text(text)
+    with pytest.raises(InvalidInputError, match=needle) as info:
+        load_golden(f)
+    assert info.value.exit_code == EXIT_INVALID
+
+
+def test_urls_are_checked_and_redacted() -> None:
+    assert check_url("http://127.0.0.1:8000/", "source") == "http://127.0.0.1:8000"
+    with pytest.raises(InvalidInputError, match="target URL"):
+        check_url("127.0.0.1:8000", "target")
+    assert redact_url("https://alice:pw@example.com:8443/v1?token=x") == "https://example.com:8443/v1"

@@ -1,0 +1,151 @@
+"""GPU tests (run on the lent GPU machine with `pytest -m gpu tests/snapshot`): the CUDA agent path
+and the CUDA driver checkpoint backend. Skipped where CUDA is absent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
+from gpumigrate.snapshot.memimage import MemoryStore
+
+from gpumigrate.errors import SnapshotError
+
+pytestmark = pytest.mark.gpu
+KEY = b"g" * 32
+
+
+def test_fused_fingerprint_matches_eager_and_sees_changes() -> None:
+    t = torch.randn(64 << 20, device="cuda")  # 256 MiB
+    v = byte_view(t)
+    fused = fingerprint_chunks(v, 4 << 20)
+    eager = fingerprint_chunks(v, 4 << 20, fused=False)
+    assert torch.equal(fused, eager)
+    t.view(torch.int32)[(5 << 20) + 3] ^= 1
+    after = fingerprint_chunks(v, 4 << 20)
+    assert (after != fused).nonzero().flatten().tolist() == [5]
+
+
+def test_cuda_training_roundtrip_bit_identical() -> None:
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 256, device=dev), torch.randn(64, 16, device=dev)
+
+    def step(m: torch.nn.Module, o: torch.optim.Optimizer) -> float:
+        o.zero_grad()
+        loss = torch.nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        return float(loss.item())
+
+    for _ in range(3):
+        step(model, opt)
+    store = MemoryStore()
+    src = Agent()
+    src.track_module("model", model)
+    src.track_optimizer("opt", opt)
+    src.track_rng()
+    src.precopy(store.writer(KEY, chunk_size=1 << 20))
+    step(model, opt)
+    src.freeze()
+    ref = src.final(store.writer(KEY, chunk_size=1 << 20))
+    assert any(r.device.startswith("cuda") for r in store.reader(ref.id, KEY).regions())
+    expected = step(model, opt)
+
+    torch.manual_seed(123)
+    model2 = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)).to(dev)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
+    dst = Agent()
+    dst.track_module("model", model2)
+    dst.track_optimizer("opt", opt2)
+    dst.track_rng()
+    dst.restore(store.reader(ref.id, KEY))
+    assert all(p.is_cuda for p in model2.parameters())
+    assert step(model2, opt2) == expected
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    rec = src.zeroize()
+    assert rec["verified"] and "cuda:0" in rec["devices"]
+    assert all(int(p.count_nonzero()) == 0 for p in model.parameters())
+
+
+def test_cuda_live_precopy_ships_only_dirty_chunks() -> None:
+    t = torch.randn(16 << 20, device="cuda")  # 64 MiB = 64 chunks of 1 MiB
+    store = MemoryStore()
+    a = Agent()
+    a.track_tensor("t", t)
+    assert a.precopy(store.writer(KEY, chunk_size=1 << 20)).chunks_dirty == 64
+    t[: 3 << 18] += 1  # first 3 MiB
+    assert a.precopy(store.writer(KEY, chunk_size=1 << 20)).chunks_dirty == 3
+    assert a.precopy(store.writer(KEY, chunk_size=1 << 20)).chunks_dirty == 0
+    out = torch.empty_like(t)
+    b = Agent()
+    b.track_tensor("t", out)
+    b.restore(store.reader(a.last_image.id, KEY))
+    assert torch.equal(out, t)
+
+
+HOLDER = r"""
+import json, sys, torch
+t = torch.arange(1 << 26, dtype=torch.int32, device="cuda")  # 256 MiB
+torch.cuda.synchronize()
+print(json.dumps({"sum": int(t.sum().item())}), flush=True)
+sys.stdin.readline()
+print(json.dumps({"sum": int(t.sum().item())}), flush=True)
+"""
+
+
+def test_cuda_driver_checkpoint_suspend_and_resume() -> None:
+    from gpumigrate.snapshot import cuda_driver
+
+    try:
+        cuda_driver.driver()
+    except cuda_driver.CudaCheckpointUnavailable as exc:
+        pytest.skip(str(exc))
+    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        before = json.loads(child.stdout.readline())
+        proc = cuda_driver.CudaProcess(child.pid)
+        assert proc.state() == "running"
+        with pytest.raises(SnapshotError, match="its CUDA state is running, checkpoint needs locked"):
+            proc.checkpoint()
+        with pytest.raises(SnapshotError, match="unlock needs locked"):
+            proc.unlock()
+        proc.suspend(timeout_ms=5000)
+        assert proc.state() == "checkpointed"
+        with pytest.raises(SnapshotError, match="lock needs running"):
+            proc.lock()
+        uuids = cuda_driver.gpu_uuids()
+        proc.resume({u: u for u in uuids})  # restore with gpuPairs mapping every GPU onto itself
+        assert proc.state() == "running"
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert json.loads(child.stdout.readline()) == before
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdin.close()
+        child.stdout.close()
+
+
+def test_cuda_driver_refuses_non_cuda_pid() -> None:
+    from gpumigrate.snapshot import cuda_driver
+
+    try:
+        cuda_driver.driver()
+    except cuda_driver.CudaCheckpointUnavailable as exc:
+        pytest.skip(str(exc))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        with pytest.raises(SnapshotError):
+            cuda_driver.CudaProcess(sleeper.pid).lock(timeout_ms=100)
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)

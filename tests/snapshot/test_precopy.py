@@ -1,0 +1,144 @@
+"""Dirty tracking: fingerprints catch every change, pre-copy converges, restore loads only deltas."""
+
+from __future__ import annotations
+
+import torch
+from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
+from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.precopy import converge
+
+from gpumigrate.interfaces import RoundStats
+
+KEY = b"p" * 32
+
+
+def test_fingerprint_sees_any_single_word_change() -> None:
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(8 * 1024, generator=g)  # 32 KiB = 8 chunks of 4 KiB
+    base = fingerprint_chunks(byte_view(t), 4096).tolist()
+    assert fingerprint_chunks(byte_view(t.clone()), 4096).tolist() == base
+    for pos in (0, 1023, 1024, 5000, 8191):
+        u = t.clone()
+        u.view(torch.int32)[pos] ^= 1 << (pos % 31)  # flip one bit
+        fps = fingerprint_chunks(byte_view(u), 4096).tolist()
+        changed = [i for i, (a, b) in enumerate(zip(base, fps, strict=True)) if a != b]
+        assert changed == [pos // 1024]
+    # Swapping two words inside a chunk changes the weighted sum too (position matters).
+    u = t.clone()
+    w = u.view(torch.int32)
+    w[10], w[11] = int(w[11]), int(w[10])
+    assert fingerprint_chunks(byte_view(u), 4096).tolist()[0] != base[0]
+
+
+def test_fingerprint_short_and_unaligned_tails() -> None:
+    t = torch.arange(10_003, dtype=torch.uint8)
+    fps = fingerprint_chunks(byte_view(t), 4096)
+    assert fps.numel() == 3
+    u = t.clone()
+    u[-1] += 1
+    assert fingerprint_chunks(byte_view(u), 4096).tolist()[:2] == fps.tolist()[:2]
+    assert fingerprint_chunks(byte_view(u), 4096).tolist()[2] != fps.tolist()[2]
+    odd = byte_view(torch.arange(9000, dtype=torch.uint8))[1:]  # storage offset 1: unaligned
+    assert fingerprint_chunks(odd, 4096).numel() == 3
+
+
+def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
+    store = MemoryStore()
+    weights = torch.randn(256 * 1024)  # 1 MiB: 64 chunks of 16 KiB
+    chunks = 64
+    agent = Agent(workers=2)
+    agent.track_tensor("w", weights)
+    step = {"n": 0}
+
+    def workload_step(fraction: float) -> None:
+        # Touch `fraction` of the chunks, a different set each step.
+        per = 4096
+        k = max(1, int(chunks * fraction))
+        for j in range(k):
+            c = (step["n"] * 7 + j * 13) % chunks
+            weights[c * per] += 1.0
+        step["n"] += 1
+
+    dirty_per_round: list[int] = []
+    # The workload takes one step per round (5% dirty per step); rounds continue while it runs.
+    fractions = iter([0.05] * 20)
+
+    def one_round() -> RoundStats:
+        stats = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+        dirty_per_round.append(stats.chunks_dirty)
+        workload_step(next(fractions))
+        return stats
+
+    conv = converge(one_round, max_rounds=10, max_downtime_ms=10_000)
+    assert dirty_per_round[0] == chunks  # the first round ships everything
+    assert all(d <= int(chunks * 0.05) for d in dirty_per_round[1:])  # then only what the step touched
+    assert 2 <= len(conv.rounds) < 10 and "fits" in conv.reason
+    agent.freeze()
+    final = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+    assert final.chunks_dirty == int(chunks * 0.05)
+
+
+def test_converge_stops_when_dirty_bytes_stop_shrinking() -> None:
+    seq = iter([RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 9, 950, 1.0), RoundStats(3, 10, 9, 940, 1.0)])
+    conv = converge(lambda: next(seq), max_rounds=5, max_downtime_ms=1)
+    assert len(conv.rounds) == 2 and "stopped shrinking" in conv.reason
+    seq2 = iter([RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 5, 500, 1.0), RoundStats(3, 10, 2, 200, 1.0)])
+    conv = converge(lambda: next(seq2), max_rounds=3, max_downtime_ms=1)
+    assert len(conv.rounds) == 3 and "3 pre-copy rounds" in conv.reason
+    assert converge(lambda: RoundStats(1, 1, 1, 1, 1.0), max_rounds=0, max_downtime_ms=1).rounds == []
+
+
+def test_chunk_changed_during_copy_and_changed_back_is_resent() -> None:
+    """The recorded fingerprint is that of the bytes shipped, so an A→B→A change is still caught."""
+    store = MemoryStore()
+    buf = torch.zeros(4096, dtype=torch.int32)  # 16 KiB: 4 chunks
+
+    agent = Agent(workers=1)
+    agent.track_tensor("buf", buf)
+    agent.precopy(store.writer(KEY, chunk_size=4096))
+    buf[0] = 7  # B: dirty, shipped in round 2
+    inner = store.writer(KEY, chunk_size=4096)
+    real_put = inner.put_chunk
+
+    def put(region, index, data):  # the workload changes back to A while the chunk is on its way
+        cid = real_put(region, index, data)
+        buf[0] = 0
+        return cid
+
+    inner.put_chunk = put
+    agent.precopy(inner)
+    # Round 3: content is A again, the target holds B: the fingerprint of the shipped B differs.
+    stats = agent.precopy(store.writer(KEY, chunk_size=4096))
+    assert stats.chunks_dirty == 1
+    out = torch.ones_like(buf)
+    dst = Agent(workers=1)
+    dst.track_tensor("buf", out)
+    dst.restore(store.reader(agent.last_image.id, KEY))
+    assert torch.equal(out, buf)
+
+
+def test_incremental_restore_loads_only_changed_chunks() -> None:
+    store = MemoryStore()
+    w = torch.randn(64 * 1024)  # 256 KiB: 16 chunks of 16 KiB
+    src = Agent(workers=2)
+    src.track_tensor("w", w)
+    first = src.precopy(store.writer(KEY, chunk_size=16 << 10))
+    img1 = src.last_image.id
+    w[5] = 42.0
+    w[40_000] = -1.0
+    src.freeze()
+    src.precopy(store.writer(KEY, chunk_size=16 << 10))
+    img2 = src.last_image.id
+    assert first.chunks_dirty == 16
+
+    out = torch.zeros_like(w)
+    flags: list[bool] = []
+    dst = Agent(workers=2, set_ready=flags.append)
+    dst.track_tensor("w", out)
+    pre = dst.restore(store.reader(img1, KEY), ready=False)
+    assert pre["chunks_loaded"] == 16 and not pre["ready"] and flags == [False]
+    fin = dst.restore(store.reader(img2, KEY))
+    assert fin["chunks_loaded"] == 2 and fin["chunks_skipped"] == 14
+    assert flags == [False, False, True]
+    assert torch.equal(out, w)

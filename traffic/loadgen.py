@@ -1,0 +1,239 @@
+"""Open-loop load generator (async httpx): a fixed request rate, whatever the latency.
+
+Open loop matters: a closed loop (next request after the last answer) slows down when the
+server does and hides exactly the stalls a migration can cause. Requests start on a fixed
+schedule; each records (start, latency, ok). The report has totals, failures, latency percentiles
+overall and per second, and ``downtime_ms``: the longest stretch in which no request succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class LoadReport:
+    url: str
+    rps: float
+    seconds: float
+    total: int
+    ok: int
+    failed: int
+    errors: dict[str, int]
+    p50_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    downtime_ms: float
+    per_second: list[dict[str, Any]] = field(default_factory=list)
+    achieved_rps: float = 0.0
+    started_at: float | None = None  # epoch seconds of the first request (to line up fault windows)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LoadReport:
+        return cls(**d)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def failures_between(self, t_from: float, t_to: float) -> tuple[int, int]:
+        """(failed, total) for requests started in [t_from, t_to) seconds since the load began."""
+        failed = total = 0
+        for b in self.per_second:
+            if t_from <= b["t"] < t_to:
+                failed += b["failed"]
+                total += b["total"]
+        return failed, total
+
+
+def _pct(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    i = min(len(sorted_vals) - 1, max(0, int(round(q * (len(sorted_vals) - 1)))))
+    return round(sorted_vals[i], 3)
+
+
+class LoadGenerator:
+    """``run()`` blocks; ``start()``/``stop()`` run it on a background thread (tests, bench, demo)."""
+
+    def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None,
+                 timeout_s: float = 30.0, max_in_flight: int = 4096, connections: int = 64,
+                 bucket_s: float = 1.0) -> None:
+        if rps <= 0 or seconds <= 0:
+            raise ValueError("rps and seconds must be positive")
+        self.url = url
+        self.rps = rps
+        self.seconds = seconds
+        self.body = body or {"prompt": "hello", "max_new_tokens": 4}
+        self.timeout_s = timeout_s
+        self.max_in_flight = max_in_flight
+        self.connections = connections
+        self.bucket_s = bucket_s
+        self.records: list[tuple[float, float, bool, str]] = []  # (start s, latency ms, ok, error kind)
+        self.started_at: float | None = None  # epoch seconds of the first request
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.report: LoadReport | None = None
+        self.on_start: Any = None  # called with the epoch of the first request
+
+    async def _one(self, client: httpx.AsyncClient, t0: float, sem: asyncio.Semaphore) -> None:
+        start = time.monotonic()
+        try:
+            r = await client.post(self.url, json=self.body)
+            ok, kind = r.status_code == 200, ("" if r.status_code == 200 else f"http_{r.status_code}")
+        except httpx.HTTPError as exc:
+            ok, kind = False, type(exc).__name__
+        finally:
+            sem.release()
+        self.records.append((start - t0, (time.monotonic() - start) * 1000, ok, kind))
+
+    async def _run(self) -> None:
+        limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
+        sem = asyncio.Semaphore(self.max_in_flight)
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            t0 = time.monotonic()
+            self.started_at = time.time()
+            if self.on_start is not None:
+                self.on_start(self.started_at)
+            tasks = []
+            n = int(self.rps * self.seconds)
+            for i in range(n):
+                if self._stop.is_set():
+                    break
+                delay = t0 + i / self.rps - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if sem.locked():  # too many in flight: count it as a failure instead of queueing silently
+                    self.records.append((time.monotonic() - t0, 0.0, False, "overload"))
+                    continue
+                await sem.acquire()
+                tasks.append(asyncio.create_task(self._one(client, t0, sem)))
+            if tasks:
+                await asyncio.gather(*tasks)
+            self._elapsed = time.monotonic() - t0
+
+    def run(self) -> LoadReport:
+        self._elapsed = 0.0
+        asyncio.run(self._run())
+        self.report = self._summarise()
+        return self.report
+
+    def start(self) -> LoadGenerator:
+        self._thread = threading.Thread(target=self.run, daemon=True, name="loadgen")
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while self.started_at is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def wait(self, timeout_s: float | None = None) -> LoadReport:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if self.report is None:
+            raise RuntimeError("load generator did not finish")
+        return self.report
+
+    def elapsed(self) -> float:
+        """Seconds since the first request (for marking fault windows)."""
+        return 0.0 if self.started_at is None else time.time() - self.started_at
+
+    def _summarise(self) -> LoadReport:
+        recs = sorted(self.records)
+        lat = sorted(r[1] for r in recs if r[2])
+        errors: dict[str, int] = {}
+        for r in recs:
+            if not r[2]:
+                errors[r[3]] = errors.get(r[3], 0) + 1
+        buckets: dict[int, list[tuple[float, float, bool, str]]] = {}
+        for r in recs:
+            buckets.setdefault(int(r[0] // self.bucket_s), []).append(r)
+        per_second = []
+        for b in sorted(buckets):
+            rows = buckets[b]
+            bl = sorted(r[1] for r in rows if r[2])
+            per_second.append({"t": round(b * self.bucket_s, 3), "total": len(rows), "failed": sum(1 for r in rows if not r[2]),
+                               "p50_ms": _pct(bl, 0.5), "p99_ms": _pct(bl, 0.99)})
+        # Downtime: longest gap between successive successful completions (and the run's edges).
+        done = sorted(r[0] + r[1] / 1000 for r in recs if r[2])
+        edges = [0.0, *done, max(self._elapsed, done[-1] if done else 0.0)]
+        gap = max((b - a for a, b in zip(edges, edges[1:], strict=False)), default=0.0)
+        ok = sum(1 for r in recs if r[2])
+        return LoadReport(url=self.url, rps=self.rps, seconds=self.seconds, total=len(recs), ok=ok,
+                          failed=len(recs) - ok, errors=errors, p50_ms=_pct(lat, 0.5), p99_ms=_pct(lat, 0.99),
+                          max_ms=_pct(lat, 1.0), downtime_ms=round(gap * 1000, 1), per_second=per_second,
+                          achieved_rps=round(len(recs) / self._elapsed, 1) if self._elapsed else 0.0,
+                          started_at=self.started_at)
+
+
+class LoadProcess:
+    """The load generator in its own process, so its timing is not coupled to the caller's GIL."""
+
+    def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None) -> None:
+        cmd = [sys.executable, "-m", "gpumigrate.traffic.loadgen", url, "--rps", str(rps), "--seconds", str(seconds)]
+        if body is not None:
+            cmd += ["--body", json.dumps(body)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.started_at: float | None = None
+        line = self.proc.stdout.readline() if self.proc.stdout else b""  # "started <epoch>"
+        if line.startswith(b"started "):
+            self.started_at = float(line.split()[1])
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started_at is None else time.time() - self.started_at
+
+    def stop(self) -> None:
+        """Stop scheduling new requests; in-flight ones finish and are counted."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGINT)
+
+    def wait(self, timeout_s: float = 60.0) -> LoadReport:
+        try:
+            out, err = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError("load generator did not finish") from None
+        lines = out.decode().strip().splitlines()
+        if self.proc.returncode != 0 or not lines:
+            raise RuntimeError(f"load generator failed ({self.proc.returncode}): {err.decode()[-500:]}")
+        return LoadReport.from_json(json.loads(lines[-1]))
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m gpumigrate.traffic.loadgen", description="open-loop HTTP load")
+    ap.add_argument("url")
+    ap.add_argument("--rps", type=float, required=True)
+    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--body", default=None, help="JSON body to POST")
+    args = ap.parse_args(argv)
+    gen = LoadGenerator(args.url, rps=args.rps, seconds=args.seconds,
+                        body=json.loads(args.body) if args.body else None)
+    signal.signal(signal.SIGINT, lambda *_: gen.stop())
+    signal.signal(signal.SIGTERM, lambda *_: gen.stop())
+    gen.on_start = lambda t: print(f"started {t}", flush=True)
+    report = gen.run()
+    print(json.dumps(report.to_json()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

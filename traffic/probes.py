@@ -1,0 +1,87 @@
+"""Parity probes: golden inputs sent through Envoy to each side by the header-matched route.
+
+Every side gets the same inputs; the injected :class:`~gpumigrate.interfaces.OutputComparator`
+(``parity/`` implements it; the traffic layer never imports ``parity``) judges the outputs.
+Rounds run on their own thread so a slow target never delays the analysis clock: the analysis
+takes the latest finished round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+from gpumigrate.traffic.resources import PROBE_HEADER
+
+from gpumigrate.interfaces import OutputComparator, ParityReport
+
+
+class Prober:
+    def __init__(self, envoy_url: str, inputs: Sequence[Mapping[str, Any]], comparator: OutputComparator, *,
+                 source: str = "source", target: str = "target", path: str = "/v1/generate",
+                 every_s: float = 1.0, timeout_s: float = 5.0) -> None:
+        self.url = envoy_url.rstrip("/") + path
+        self.inputs = list(inputs)
+        self.comparator = comparator
+        self.source, self.target = source, target
+        self.every_s = every_s
+        self.timeout_s = timeout_s
+        self.rounds = 0
+        self._latest: tuple[float, ParityReport] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _ask(self, client: httpx.Client, side: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            r = client.post(self.url, json=dict(body), headers={PROBE_HEADER: side})
+        except httpx.HTTPError as exc:
+            return {"_error": f"{side}: {type(exc).__name__}"}
+        if r.status_code != 200:
+            return {"_error": f"{side}: HTTP {r.status_code}"}
+        try:
+            return dict(r.json())
+        except ValueError:
+            return {"_error": f"{side}: response is not JSON"}
+
+    def run_round(self) -> ParityReport:
+        """One round: every input to both sides, then compare. Errors count as disagreement."""
+        with httpx.Client(timeout=self.timeout_s) as client:
+            src = [self._ask(client, self.source, b) for b in self.inputs]
+            tgt = [self._ask(client, self.target, b) for b in self.inputs]
+        errors = tuple(row["_error"] for row in src + tgt if "_error" in row)
+        if errors:
+            report = ParityReport(passed=False, cases=len(self.inputs), max_abs_err=None,
+                                  failures=tuple(f"probe failed: {e}" for e in errors))
+        else:
+            report = self.comparator.compare(src, tgt)
+        with self._lock:
+            self._latest = (time.monotonic(), report)
+            self.rounds += 1
+        return report
+
+    def latest(self, newer_than: float = 0.0) -> ParityReport | None:
+        """The last finished round, if it finished after ``newer_than`` (monotonic seconds)."""
+        with self._lock:
+            if self._latest is None or self._latest[0] < newer_than:
+                return None
+            return self._latest[1]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.run_round()
+            self._stop.wait(max(0.0, self.every_s - (time.monotonic() - started)))
+
+    def start(self) -> Prober:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="parity-probes")
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s * 2 + 1)

@@ -1,0 +1,295 @@
+"""The ramp controller: stages from the plan, analysis every interval, rollback on the first failed gate.
+
+    baseline (0%) → stage 1 (1%) → … → stage n (100%): completed
+                         └─ fail gate / rollback signal / external rollback → 100% source, rolled_back
+
+A stage passes when its hold has elapsed and the latest analysis passes. Inconclusive analyses
+hold the stage; after ``max_inconclusive`` of them past the hold, ``inconclusive_policy`` decides
+(default ``rollback``: a canary nobody could judge is not promoted). A fail counts toward
+``failures_to_rollback`` consecutive fails, then the controller writes 100% source in one state
+version (= one RDS update) and waits for Envoy's ACK. Re-running against a state that already
+sends traffic to the target resumes at the first stage at or above the current weight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from gpumigrate.traffic.analysis import Analysis, GateSettings, Measurement, Verdict, analyze
+from gpumigrate.traffic.envoy import EnvoyAdmin
+from gpumigrate.traffic.probes import Prober
+from gpumigrate.traffic.state import StateStore, rollback_to_source, split
+from gpumigrate.traffic.stats import ClusterWindow, StatsSnapshot, merge, parse_stats, window
+
+from gpumigrate.errors import TrafficError
+
+
+@dataclass(frozen=True)
+class RampSettings:
+    stages: tuple[tuple[float, float], ...]  # (target weight percent, hold seconds)
+    interval_s: float = 2.0
+    gates: GateSettings = field(default_factory=GateSettings)
+    baseline_intervals: int = 2
+    max_inconclusive: int = 20
+    inconclusive_policy: Literal["rollback", "hold"] = "rollback"
+    apply_timeout_s: float = 20.0
+
+    @classmethod
+    def from_plan(cls, traffic: Any, **extra: Any) -> RampSettings:
+        """From ``gpumigrate.plan.Traffic``; ``extra`` may set any other field (gate extras via ``gates``)."""
+        gates = extra.pop("gates", None) or GateSettings.from_plan(traffic.gates)
+        return cls(stages=tuple((s.weight, s.hold_s) for s in traffic.stages), interval_s=traffic.analysis_interval_s,
+                   gates=gates, **extra)
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the ramp started
+    ts: float  # epoch seconds
+    stage: int  # -1 for the baseline
+    weight: float
+    clusters: dict[str, dict[str, Any]]  # per upstream, over this interval alone
+    window_s: float  # the analysis window (may span several intervals at low traffic)
+    analysis: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"t": round(self.t, 3), "ts": self.ts, "stage": self.stage, "weight": self.weight,
+                "clusters": self.clusters, "window_s": round(self.window_s, 3), "analysis": self.analysis}
+
+
+@dataclass
+class StageRecord:
+    index: int
+    weight: float
+    hold_s: float
+    started_t: float
+    ended_t: float | None = None
+    intervals: int = 0
+    inconclusive: int = 0
+    outcome: str = "running"  # passed | rolled_back | running
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "weight": self.weight, "hold_s": self.hold_s, "started_t": round(self.started_t, 3),
+                "ended_t": None if self.ended_t is None else round(self.ended_t, 3), "intervals": self.intervals,
+                "inconclusive": self.inconclusive, "outcome": self.outcome}
+
+
+@dataclass
+class RampResult:
+    status: Literal["completed", "rolled_back"]
+    stages: list[StageRecord]
+    samples: list[Sample]
+    baseline_p99_ms: float | None
+    reason: str | None = None
+    trigger: str | None = None  # gate | manual | external | inconclusive
+    seconds_to_detect: float | None = None  # start of the first failing window → rollback decided
+    rolled_back_at: float | None = None  # epoch seconds when 100% source was written
+    rollback_applied_s: float | None = None  # write → every Envoy ACKed
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "reason": self.reason, "trigger": self.trigger,
+                "seconds_to_detect": None if self.seconds_to_detect is None else round(self.seconds_to_detect, 3),
+                "rolled_back_at": self.rolled_back_at, "rollback_applied_s": self.rollback_applied_s,
+                "baseline_p99_ms": self.baseline_p99_ms, "seconds": round(self.seconds, 3),
+                "stages": [s.to_json() for s in self.stages], "samples": [s.to_json() for s in self.samples]}
+
+
+class _RolledBack(Exception):
+    def __init__(self, reason: str, trigger: str, detect_from: float | None) -> None:
+        super().__init__(reason)
+        self.reason, self.trigger, self.detect_from = reason, trigger, detect_from
+
+
+class RampController:
+    """Drive one ramp. ``admin_urls``: every Envoy in front of the service (stats are summed)."""
+
+    def __init__(self, state_dir: str | Path, admin_urls: list[str], settings: RampSettings, *,
+                 nodes: list[str] | None = None, source: str = "source", target: str = "target",
+                 prober: Prober | None = None, rollback_signal: Callable[[], Any] | None = None,
+                 on_interval: Callable[[Sample], None] | None = None) -> None:
+        self.store = StateStore(state_dir)
+        self.admins = [EnvoyAdmin(u) for u in admin_urls]
+        self.settings = settings
+        self.nodes = nodes or []
+        self.source, self.target = source, target
+        self.prober = prober
+        self.rollback_signal = rollback_signal
+        self.on_interval = on_interval
+        self.samples: list[Sample] = []
+        self.stages: list[StageRecord] = []
+        self.baseline_p99: float | None = None
+        self._t0 = 0.0
+        self._weight = 0.0
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def _snapshot(self) -> StatsSnapshot:
+        ups = [self.source, self.target]
+        return merge([parse_stats(a.stats(ups), ups, ts=time.monotonic()) for a in self.admins])
+
+    def _apply(self, weight: float) -> None:
+        try:
+            state = self.store.set_weights(split(self.source, self.target, weight))
+        except TrafficError as exc:  # someone rolled back from outside between two intervals
+            raise _RolledBack(str(exc), "external", None) from None
+        self._weight = weight
+        if self.nodes:
+            self.store.wait_applied(state.version, self.nodes, timeout_s=self.settings.apply_timeout_s)
+
+    def _check_signals(self) -> None:
+        if self.rollback_signal is not None:
+            sig = self.rollback_signal()
+            if sig:
+                why = sig.get("reason") if isinstance(sig, dict) else None
+                raise _RolledBack(f"manual rollback: {why or 'requested'}", "manual", None)
+        state = self.store.read()
+        if state.rolled_back:
+            raise _RolledBack(f"rolled back from outside: {state.rolled_back.get('reason')}", "external", None)
+
+    def _sleep_to(self, deadline: float) -> None:
+        while True:
+            left = deadline - self._now()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+    def _record(self, stage: int, prev: StatsSnapshot, cur: StatsSnapshot, window_s: float, analysis: Analysis) -> Sample:
+        per = {u: w.to_json() for u, w in window(prev, cur).items()}
+        sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
+        self.samples.append(sample)
+        if self.on_interval is not None:
+            try:
+                self.on_interval(sample)
+            except Exception:  # a broken progress view must not stop (or roll back) a ramp
+                pass
+        return sample
+
+    # -- phases -----------------------------------------------------------------------
+    def _baseline(self) -> None:
+        """Measure the source alone before any traffic moves: its p99 is the latency baseline."""
+        g = self.settings.gates
+        start = self._snapshot()
+        prev = start
+        for _ in range(self.settings.baseline_intervals):
+            self._sleep_to(self._now() + self.settings.interval_s)
+            self._check_signals()
+            cur = self._snapshot()
+            src = window(start, cur)[self.source]
+            if src.requests >= g.min_requests and src.p99_ms is not None:
+                self.baseline_p99 = src.p99_ms
+            a = Analysis(Verdict.INCONCLUSIVE, [Measurement("baseline_p99_ms", Verdict.PASS if self.baseline_p99 else
+                                                            Verdict.INCONCLUSIVE, self.baseline_p99, None,
+                                                            f"source p99 over {src.requests} requests")])
+            self._record(-1, prev, cur, cur.ts - start.ts, a)
+            prev = cur
+
+    def _analysis_window(self, snaps: list[StatsSnapshot]) -> tuple[dict[str, ClusterWindow], float]:
+        """Shortest trailing window (in intervals, within the stage) with min_requests target requests."""
+        cur = snaps[-1]
+        for old in reversed(snaps[:-1]):
+            w = window(old, cur)
+            if w[self.target].requests >= self.settings.gates.min_requests:
+                return w, cur.ts - old.ts
+        return window(snaps[0], cur), cur.ts - snaps[0].ts
+
+    def _stage(self, index: int, weight: float, hold_s: float) -> None:
+        s = self.settings
+        rec = StageRecord(index, weight, hold_s, self._now())
+        self.stages.append(rec)
+        self._apply(weight)
+        started = time.monotonic()
+        snaps = [self._snapshot()]
+        fails = 0
+        fail_from: float | None = None
+        next_tick = self._now() + s.interval_s
+        while True:
+            self._sleep_to(next_tick)
+            next_tick += s.interval_s
+            self._check_signals()
+            try:
+                snaps.append(self._snapshot())
+                if len(snaps) > 600:  # bound memory on long holds; keep the stage's first snapshot
+                    del snaps[1]
+            except TrafficError as exc:  # an unreadable admin makes this interval inconclusive, not a pass
+                rec.intervals += 1
+                rec.inconclusive += 1
+                self.samples.append(Sample(self._now(), time.time(), index, weight, {}, 0.0,
+                                           {"verdict": "inconclusive", "reason": str(exc), "measurements": []}))
+                continue
+            w, window_s = self._analysis_window(snaps)
+            src = w[self.source]
+            base = src.p99_ms if src.requests >= s.gates.min_requests and src.p99_ms is not None else self.baseline_p99
+            probe = self.prober.latest(newer_than=started) if self.prober else None
+            a = analyze(w[self.target], base, s.gates, probe=probe, probes_expected=self.prober is not None,
+                        target_name=self.target)
+            self._record(index, snaps[-2], snaps[-1], window_s, a)
+            rec.intervals += 1
+            if a.verdict == Verdict.FAIL:
+                fails += 1
+                fail_from = fail_from if fail_from is not None else time.monotonic() - window_s
+                if fails >= s.gates.failures_to_rollback:
+                    rec.outcome = "rolled_back"
+                    raise _RolledBack(f"gate failed at {weight:g}%: {a.reason}", "gate", fail_from)
+                continue
+            fails, fail_from = 0, None
+            if time.monotonic() - started + 1e-3 < hold_s:
+                continue
+            if a.verdict == Verdict.PASS:
+                rec.outcome, rec.ended_t = "passed", self._now()
+                return
+            rec.inconclusive += 1
+            if rec.inconclusive > s.max_inconclusive and s.inconclusive_policy == "rollback":
+                rec.outcome = "rolled_back"
+                raise _RolledBack(f"stage {weight:g}% stayed inconclusive for {rec.inconclusive} intervals after its hold: "
+                                  f"{a.reason}", "inconclusive", None)
+
+    def run(self) -> RampResult:
+        self._t0 = time.monotonic()
+        state = self.store.read()
+        self._weight = state.weights.get(self.target, 0.0)
+        if self.prober is not None:
+            self.prober.start()
+        try:
+            if state.rolled_back:
+                raise _RolledBack(f"already rolled back: {state.rolled_back.get('reason')}", "external", None)
+            if self._weight <= 0:
+                self._baseline()
+            for i, (weight, hold) in enumerate(self.settings.stages):
+                if weight < self._weight:
+                    continue  # resumed: stages already behind us
+                self._stage(i, weight, hold)
+            return RampResult("completed", self.stages, self.samples, self.baseline_p99, seconds=self._now())
+        except _RolledBack as rb:
+            return self._roll_back(rb)
+        finally:
+            if self.prober is not None:
+                self.prober.stop()
+
+    def _roll_back(self, rb: _RolledBack) -> RampResult:
+        decided = time.monotonic()
+        rollback_to_source(self.store.dir, rb.reason, actor="gpumigrate-ramp")
+        rolled_at = time.time()
+        applied: float | None = None
+        try:
+            state = self.store.read()
+            if self.nodes:
+                self.store.wait_applied(state.version, self.nodes, timeout_s=self.settings.apply_timeout_s)
+            applied = round(time.monotonic() - decided, 3)
+        except TrafficError:
+            applied = None  # written; Envoy picks it up when the control plane is back
+        self._weight = 0.0
+        for rec in self.stages:
+            if rec.outcome == "running":
+                rec.outcome = "rolled_back"
+            rec.ended_t = rec.ended_t or self._now()
+        detect = None if rb.detect_from is None else decided - rb.detect_from
+        return RampResult("rolled_back", self.stages, self.samples, self.baseline_p99, reason=rb.reason,
+                          trigger=rb.trigger, seconds_to_detect=detect, rolled_back_at=rolled_at,
+                          rollback_applied_s=applied, seconds=self._now())

@@ -1,0 +1,203 @@
+"""The control plane's desired state, kept in a directory so any process can read and change it.
+
+Format: ``traffic/STATE_FORMAT.md``. The ramp controller writes weights here; the control plane
+(in-process or ``gpumigrate traffic serve``) watches the file and pushes the change to every
+Envoy over ADS; ``rollback_to_source`` works from any process (``gpumigrate rollback ID`` after
+the flow ended). Writes are atomic (temp file, fsync, rename) and serialised by an flock, so two
+writers never lose each other's update and a restarted control plane resends exactly this state.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpumigrate.atomic import atomic_write_json
+from gpumigrate.errors import InvalidInputError, TrafficError
+
+DESIRED = "desired.json"
+STATUS_DIR = "status"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Upstream:
+    name: str
+    host: str
+    port: int
+    health_path: str = "/readyz"
+
+
+@dataclass
+class DesiredState:
+    """What every Envoy should run. ``version`` increases by one on every change."""
+
+    upstreams: dict[str, Upstream]
+    weights: dict[str, float]  # percent of client traffic per upstream; sums to 100
+    primary: str = "source"  # where a rollback sends all traffic
+    idempotent: bool = True  # retry resets and 5xx on the other side (inference calls are pure)
+    version: int = 0
+    rolled_back: dict[str, Any] | None = None  # {"reason", "actor", "ts"} once rolled back
+    updated: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["format"] = FORMAT_VERSION
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DesiredState:
+        if d.get("format") != FORMAT_VERSION:
+            raise TrafficError(f"traffic state format {d.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+        ups = {k: Upstream(**v) for k, v in d["upstreams"].items()}
+        return cls(upstreams=ups, weights={k: float(v) for k, v in d["weights"].items()}, primary=d["primary"],
+                   idempotent=bool(d.get("idempotent", True)), version=int(d["version"]),
+                   rolled_back=d.get("rolled_back"), updated=float(d.get("updated", 0)))
+
+    def validate(self) -> None:
+        if self.primary not in self.upstreams:
+            raise InvalidInputError(f"primary upstream {self.primary!r} is not one of {sorted(self.upstreams)}")
+        unknown = set(self.weights) - set(self.upstreams)
+        if unknown:
+            raise InvalidInputError(f"weights name unknown upstreams {sorted(unknown)}; allowed: {sorted(self.upstreams)}")
+        if any(w < 0 or w > 100 for w in self.weights.values()):
+            raise InvalidInputError(f"weights must be 0..100 percent, got {self.weights}")
+        if abs(sum(self.weights.values()) - 100.0) > 1e-6:
+            raise InvalidInputError(f"weights must sum to 100 percent, got {self.weights}")
+        for u in self.upstreams.values():
+            if not u.name.replace("-", "").replace("_", "").isalnum() or "." in u.name:
+                raise InvalidInputError(f"upstream name {u.name!r}: use letters, digits, '-' and '_'")
+
+
+def split(primary: str, other: str, other_weight: float) -> dict[str, float]:
+    """Weights for a two-way split: ``other_weight`` percent to ``other``, the rest to ``primary``."""
+    if not 0 <= other_weight <= 100:
+        raise InvalidInputError(f"weight must be 0..100 percent, got {other_weight}")
+    return {primary: round(100.0 - other_weight, 4), other: round(float(other_weight), 4)}
+
+
+class StateStore:
+    """One control plane's state directory."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.dir = Path(state_dir)
+
+    @property
+    def path(self) -> Path:
+        return self.dir / DESIRED
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def read(self) -> DesiredState:
+        try:
+            return DesiredState.from_json(json.loads(self.path.read_text()))
+        except FileNotFoundError:
+            raise TrafficError(f"no traffic state in {self.dir} (nothing was set up there)") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise TrafficError(f"traffic state {self.path} is unreadable: {exc}") from None
+
+    def version(self) -> int:
+        """Cheap read of the current version (-1 when there is no state yet)."""
+        try:
+            return int(json.loads(self.path.read_text())["version"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return -1
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.dir / ".lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def init(self, state: DesiredState) -> DesiredState:
+        """Write the first state (or replace the upstreams of an existing one), bumping the version."""
+        state.validate()
+        with self._locked():
+            state.version = self.version() + 1 if self.exists() else 1
+            state.updated = time.time()
+            atomic_write_json(self.path, state.to_json())
+        return state
+
+    def update(self, change: Callable[[DesiredState], None]) -> DesiredState:
+        """Read, apply ``change`` in place, validate, write with version + 1, all under the lock."""
+        with self._locked():
+            state = self.read()
+            change(state)
+            state.validate()
+            state.version += 1
+            state.updated = time.time()
+            atomic_write_json(self.path, state.to_json())
+        return state
+
+    def set_weights(self, weights: dict[str, float], *, allow_after_rollback: bool = False) -> DesiredState:
+        def change(s: DesiredState) -> None:
+            if s.rolled_back and not allow_after_rollback:
+                raise TrafficError(f"traffic was rolled back ({s.rolled_back.get('reason')}); weights stay on {s.primary}")
+            s.weights = dict(weights)
+
+        return self.update(change)
+
+    # -- per-Envoy status written by the control plane -------------------------------
+    def write_status(self, node: str, status: dict[str, Any]) -> None:
+        atomic_write_json(self.dir / STATUS_DIR / f"{_safe(node)}.json", status)
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        d = self.dir / STATUS_DIR
+        if d.is_dir():
+            for p in d.glob("*.json"):
+                try:
+                    out[p.stem] = json.loads(p.read_text())
+                except json.JSONDecodeError:
+                    continue  # being replaced right now; the next poll reads it
+        return out
+
+    def wait_applied(self, version: int, nodes: list[str], *, timeout_s: float = 10.0) -> None:
+        """Block until every node ACKed ``version`` (or later). A NACK raises :class:`TrafficError`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.statuses()
+            pending = []
+            for node in nodes:
+                s = st.get(_safe(node), {})
+                nack = s.get("nack")
+                if nack and int(nack.get("version", -1)) >= version:
+                    raise TrafficError(f"envoy {node} rejected config version {nack['version']} ({nack.get('type')}): "
+                                       f"{nack.get('error')}; it keeps serving its last good config")
+                if int(s.get("applied", -1)) < version:
+                    pending.append(node)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TrafficError(f"envoy {', '.join(pending)} did not apply traffic config version {version} "
+                                   f"within {timeout_s:.0f}s (is the control plane running?)")
+            time.sleep(0.02)
+
+
+def rollback_to_source(state_dir: str | Path, reason: str, *, actor: str | None = None) -> DesiredState:
+    """Send 100% of traffic to the primary (source) in one update. Works from any process; idempotent."""
+    from gpumigrate.settings import operator
+
+    store = StateStore(state_dir)
+
+    def change(s: DesiredState) -> None:
+        s.weights = {name: (100.0 if name == s.primary else 0.0) for name in s.upstreams}
+        if not s.rolled_back:
+            s.rolled_back = {"reason": reason, "actor": actor or operator(), "ts": time.time()}
+
+    return store.update(change)
+
+
+def _safe(node: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in node)[:100]

@@ -1,0 +1,265 @@
+"""ADS control plane (state of the world) on loopback, serving any number of Envoys.
+
+The desired state lives in a directory (:mod:`gpumigrate.traffic.state`); this server watches it
+and pushes changes over one aggregated gRPC stream per Envoy. Per stream and per change it keeps
+the safe order of NOTES.md: clusters first (old ∪ new), then the route, then the clusters no route
+references any more are removed, each step sent only after Envoy ACKed the previous one. A NACK
+(``error_detail``) stops the sequence, Envoy keeps its last good config, and the rejection is
+written to ``status/<node>.json`` where :meth:`StateStore.wait_applied` raises it as an error.
+
+Run it in-process (:class:`ControlPlane`) or as its own process::
+
+    python -m gpumigrate.traffic.xds --state-dir D --port P     # or: gpumigrate traffic serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import queue
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumigrate.traffic import resources as res
+from gpumigrate.traffic.state import DesiredState, StateStore
+
+from gpumigrate.errors import TrafficError
+
+log = logging.getLogger("gpumigrate.traffic.xds")
+
+CDS, RDS = res.CLUSTER_TYPE, res.ROUTE_TYPE
+_WATCH_S = 0.03  # how often the state file is polled: bounds the time from a weight change to the push
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Resources for one state version, built once and shared by every stream."""
+
+    version: int
+    clusters: dict[str, dict[str, Any]]
+    route: dict[str, Any]
+
+
+def build_snapshot(state: DesiredState) -> Snapshot:
+    ups = {n: (u.host, u.port, u.health_path) for n, u in state.upstreams.items()}
+    names = list(state.upstreams)
+    # The primary goes first so that its probe route and failover order are stable.
+    names.sort(key=lambda n: (n != state.primary, n))
+    return Snapshot(state.version, res.clusters_for({n: ups[n] for n in names}),
+                    res.route_config(names, state.weights, idempotent=state.idempotent))
+
+
+class _Stream:
+    """One Envoy's ADS stream: what it has ACKed, what is in flight, what comes next."""
+
+    def __init__(self, plane: ControlPlane, request_iterator: Any, context: Any) -> None:
+        self.plane = plane
+        self.context = context
+        self.requests: queue.Queue[Any] = queue.Queue()
+        self.node = ""
+        self.subscribed: dict[str, list[str]] = {}
+        self.acked: dict[str, Any] = {CDS: None, RDS: None}  # resources Envoy runs now, per type
+        self.acked_version: dict[str, str] = {}
+        self.inflight: tuple[str, str, Any, int] | None = None  # (type, nonce, resources, state version)
+        self.nacked_version = -1
+        self.nack: dict[str, Any] | None = None
+        self.applied = -1
+        self.nonce = 0
+        threading.Thread(target=self._read, args=(request_iterator,), daemon=True).start()
+
+    def _read(self, request_iterator: Any) -> None:
+        try:
+            for req in request_iterator:
+                self.requests.put(req)
+        except Exception:  # the stream was cancelled: Envoy went away or we stop
+            pass
+        self.requests.put(None)
+
+    def run(self) -> Any:
+        from envoy.service.discovery.v3 import discovery_pb2
+
+        try:
+            while not self.plane.stopping.is_set():
+                try:
+                    req = self.requests.get(timeout=_WATCH_S)
+                except queue.Empty:
+                    req = False
+                if req is None:
+                    break
+                if req is not False:
+                    self._on_request(req)
+                if self.inflight is None:
+                    step = self._next_step(self.plane.snapshot())
+                    if step is not None:
+                        type_url, resources, version = step
+                        self.nonce += 1
+                        nonce = str(self.nonce)
+                        self.inflight = (type_url, nonce, resources, version)
+                        yield discovery_pb2.DiscoveryResponse(
+                            version_info=str(version), type_url=type_url, nonce=nonce,
+                            resources=[res.to_any(r, type_url) for r in _as_list(type_url, resources)])
+        finally:
+            if self.node:
+                self._write_status(connected=False)
+
+    def _on_request(self, req: Any) -> None:
+        if not self.node and req.node.id:
+            self.node = req.node.id
+            log.info("envoy %s connected", self.node)
+            self._write_status(connected=True)
+        type_url = req.type_url
+        if type_url not in (CDS, RDS):
+            return
+        self.subscribed[type_url] = list(req.resource_names)
+        if not req.response_nonce:
+            # A new subscription (or a re-subscription): it gets the current resources in full.
+            self.acked[type_url] = None
+            return
+        if self.inflight is None or req.response_nonce != self.inflight[1] or type_url != self.inflight[0]:
+            return  # a reply to an older response: superseded
+        _, _, resources, version = self.inflight
+        self.inflight = None
+        if req.HasField("error_detail") and req.error_detail.code != 0:
+            self.nacked_version = version
+            self.nack = {"type": "CDS" if type_url == CDS else "RDS", "version": version,
+                         "error": req.error_detail.message[:2000]}
+            log.warning("envoy %s NACKed %s version %s: %s", self.node, self.nack["type"], version, self.nack["error"])
+        else:
+            self.acked[type_url] = resources
+            self.acked_version[type_url] = req.version_info
+        self._write_status(connected=True)
+
+    def _next_step(self, snap: Snapshot | None) -> tuple[str, Any, int] | None:
+        if snap is None or snap.version == self.nacked_version:
+            return None
+        cds = self.acked[CDS]
+        if CDS in self.subscribed:
+            current = cds or {}
+            if cds is None or any(current.get(k) != v for k, v in snap.clusters.items()):
+                return CDS, {**current, **snap.clusters}, snap.version  # add/modify first, remove nothing
+        if RDS in self.subscribed and self.acked[RDS] != snap.route:
+            return RDS, snap.route, snap.version
+        if CDS in self.subscribed and cds is not None and set(cds) - set(snap.clusters):
+            return CDS, dict(snap.clusters), snap.version  # no route references these any more
+        if CDS in self.subscribed and RDS in self.subscribed and self.applied != snap.version:
+            self.applied = snap.version
+            self.nack = None
+            self._write_status(connected=True)
+        return None
+
+    def _write_status(self, *, connected: bool) -> None:
+        try:
+            self.plane.store.write_status(self.node, {
+                "node": self.node, "connected": connected, "applied": self.applied,
+                "acked": {"cds": self.acked_version.get(CDS), "rds": self.acked_version.get(RDS)},
+                "nack": self.nack, "updated": time.time()})
+        except OSError as exc:  # a full disk must not take the stream (and Envoy's config) down
+            log.warning("cannot write status for %s: %s", self.node, exc)
+
+
+def _as_list(type_url: str, resources: Any) -> list[dict[str, Any]]:
+    return list(resources.values()) if type_url == CDS else [resources]
+
+
+class ControlPlane:
+    """The gRPC ADS server plus the watcher of the state directory."""
+
+    def __init__(self, state_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.store = StateStore(state_dir)
+        self.host = host
+        self.port = port
+        self.stopping = threading.Event()
+        self._snap: Snapshot | None = None
+        self._lock = threading.Lock()
+        self._server: Any = None
+        self._watcher: threading.Thread | None = None
+
+    def snapshot(self) -> Snapshot | None:
+        with self._lock:
+            return self._snap
+
+    def _refresh(self) -> None:
+        version = self.store.version()
+        if version < 0 or (self._snap is not None and self._snap.version == version):
+            return
+        try:
+            snap = build_snapshot(self.store.read())
+        except TrafficError as exc:
+            log.error("ignoring unreadable state: %s", exc)
+            return
+        with self._lock:
+            self._snap = snap
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(_WATCH_S):
+            self._refresh()
+
+    def start(self) -> ControlPlane:
+        import grpc
+        from envoy.service.discovery.v3 import ads_pb2_grpc
+
+        plane = self
+
+        class Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
+            def StreamAggregatedResources(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+                yield from _Stream(plane, request_iterator, context).run()
+
+        self._refresh()
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=[
+            ("grpc.keepalive_time_ms", 10_000), ("grpc.so_reuseport", 0)])
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(), self._server)
+        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+        if bound == 0:
+            raise TrafficError(f"control plane cannot listen on {self.host}:{self.port} (port in use?)")
+        self.port = bound
+        self._server.start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="xds-watch")
+        self._watcher.start()
+        log.info("control plane on %s:%d, state %s", self.host, self.port, self.store.dir)
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self._server is not None:
+            self._server.stop(grace=0).wait(5)
+            self._server = None
+        if self._watcher is not None:
+            self._watcher.join(timeout=2)
+
+    def __enter__(self) -> ControlPlane:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(state_dir: str | Path, port: int, host: str = "127.0.0.1") -> None:
+    """Run a control plane until SIGTERM/SIGINT. Prints ``listening <port>`` once ready."""
+    plane = ControlPlane(state_dir, host=host, port=port).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"listening {plane.port}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        done.wait()
+    plane.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m gpumigrate.traffic.xds", description=__doc__.splitlines()[0])
+    ap.add_argument("--state-dir", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    serve(args.state_dir, args.port, args.host)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""open_writer / open_reader: the entry points the snapshot agent and the flows use."""
+
+from __future__ import annotations
+
+from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.progress import ProgressCallback
+from gpumigrate.transfer.reader import StoreImageReader
+from gpumigrate.transfer.stores import Store, open_store, resolve_image_id
+from gpumigrate.transfer.writer import StoreImageWriter
+
+
+def _store(store_url: str | Store, endpoint_url: str | None, parallelism: int = 4) -> Store:
+    if isinstance(store_url, Store):
+        return store_url
+    return open_store(store_url, endpoint_url=endpoint_url, parallelism=parallelism)
+
+
+def open_writer(
+    store_url: str | Store,
+    *,
+    key: bytes | None,
+    parent: str | None = None,
+    compression: str = "auto",
+    parallelism: int = 4,
+    chunk_size: int | None = None,
+    source: str | None = None,
+    delta: bool = False,
+    parent_store: str | None = None,
+    endpoint_url: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> StoreImageWriter:
+    """An ImageWriter into ``store_url``. With ``parent``, chunks the parent holds cost no bytes.
+
+    ``parent`` is read (and verified) from ``parent_store`` or, by default, the same store; a
+    ``stream://`` destination needs ``parent_store`` to name a readable copy of the parent.
+    ``delta=True`` stores changed chunks as XOR deltas against the parent's chunk at the same index.
+    """
+    store = _store(store_url, endpoint_url, parallelism)
+    sealer = Sealer(key)
+    parent_body = None
+    parent_reader = None
+    if parent:
+        pstore = store if parent_store is None else _store(parent_store, endpoint_url)
+        parent_id = resolve_image_id(pstore, parent)
+        parent_reader = StoreImageReader(pstore, parent_id, sealer)
+        parent_body = parent_reader.body
+        parent = parent_id
+    return StoreImageWriter(
+        store,
+        sealer,
+        parent=parent_body,
+        parent_id=parent,
+        parent_reader=parent_reader,
+        compression=compression,
+        parallelism=parallelism,
+        chunk_size=chunk_size,
+        source=source,
+        delta=delta,
+        progress=progress,
+    )
+
+
+def open_reader(store_url: str | Store, image_id: str, *, key: bytes | None, endpoint_url: str | None = None) -> StoreImageReader:
+    """A verified ImageReader: the manifest's id, key id and signature are checked here."""
+    store = _store(store_url, endpoint_url)
+    return StoreImageReader(store, resolve_image_id(store, image_id), Sealer(key))

@@ -1,0 +1,119 @@
+"""``gs://bucket/prefix`` through google-cloud-storage.
+
+The API endpoint comes from ``endpoint_url`` or ``GPUMIGRATE_GCS_ENDPOINT`` (tests serve a small
+fake of the JSON and upload APIs on loopback); with an endpoint set, anonymous credentials are used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gpumigrate.transfer.chunkobj import HEADER_SIZE
+from gpumigrate.transfer.stores import STORE_MARKER, STORE_MARKER_BODY, Store, chunk_key, manifest_key, split_url
+
+from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
+
+
+class GcsStore(Store):
+    def __init__(self, url: str, *, endpoint_url: str | None = None) -> None:
+        from google.cloud import storage
+
+        _, bucket, path, query = split_url(url)
+        if not bucket:
+            raise InvalidInputError(f"GCS URL {url!r} names no bucket (gs://bucket/prefix)")
+        self.url = url
+        self.prefix = path.strip("/")
+        endpoint = endpoint_url or (query.get("endpoint") or [None])[0] or os.environ.get("GPUMIGRATE_GCS_ENDPOINT")
+        try:
+            if endpoint:
+                from google.auth.credentials import AnonymousCredentials
+
+                self._client = storage.Client(
+                    project="gpumigrate", credentials=AnonymousCredentials(), client_options={"api_endpoint": endpoint}
+                )
+            else:
+                self._client = storage.Client()
+        except Exception as exc:  # google.auth.exceptions.DefaultCredentialsError and friends
+            raise InvalidInputError(f"cannot open {url}: {exc}") from None
+        self._bucket = self._client.bucket(bucket)
+        self._marker_done = False
+
+    def _key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _err(self, exc: Exception, what: str) -> Exception:
+        from google.api_core import exceptions as gexc
+
+        if isinstance(exc, gexc.NotFound):
+            return NotFoundError(f"{what} not found in {self.url}")
+        return TransferError(f"GCS {what} failed in {self.url}: {exc}")
+
+    def _put(self, rel: str, data: bytes | bytearray | memoryview, what: str) -> None:
+        try:
+            # A single-request upload: the object appears whole or not at all.
+            self._bucket.blob(self._key(rel)).upload_from_string(bytes(data), content_type="application/octet-stream")
+        except Exception as exc:
+            raise self._err(exc, what) from None
+
+    def _get(self, rel: str, what: str, **kwargs: Any) -> bytes:
+        try:
+            return self._bucket.blob(self._key(rel)).download_as_bytes(**kwargs)
+        except Exception as exc:
+            err = self._err(exc, what)
+            if isinstance(err, NotFoundError) and what.startswith("chunk"):
+                raise TransferError(err.message) from None
+            raise err from None
+
+    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
+        self._put(chunk_key(chunk_id), blob, f"chunk {chunk_id[:16]}")
+
+    def get_chunk(self, chunk_id: str) -> bytes:
+        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}")
+
+    def chunk_header(self, chunk_id: str) -> bytes:
+        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}", start=0, end=HEADER_SIZE - 1, checksum=None)
+
+    def chunk_size(self, chunk_id: str) -> int | None:
+        try:
+            blob = self._bucket.get_blob(self._key(chunk_key(chunk_id)))
+        except Exception as exc:
+            raise self._err(exc, f"chunk {chunk_id[:16]}") from None
+        return None if blob is None else int(blob.size or 0)
+
+    def _list(self, rel_prefix: str) -> dict[str, int]:
+        try:
+            return {
+                b.name.rsplit("/", 1)[-1]: int(b.size or 0)
+                for b in self._client.list_blobs(self._bucket, prefix=self._key(rel_prefix))
+            }
+        except Exception as exc:
+            raise self._err(exc, "listing") from None
+
+    def list_chunks(self) -> dict[str, int]:
+        return self._list("chunks/")
+
+    def put_manifest(self, image_id: str, data: bytes) -> None:
+        if not self._marker_done:
+            self._put(STORE_MARKER, STORE_MARKER_BODY, "store marker")
+            self._marker_done = True
+        self._put(manifest_key(image_id), data, f"manifest {image_id[:16]}")
+
+    def get_manifest(self, image_id: str) -> bytes:
+        try:
+            return self._get(manifest_key(image_id), f"image {image_id}")
+        except NotFoundError:
+            raise NotFoundError(f"no image {image_id} in {self.url}") from None
+
+    def list_manifests(self) -> list[str]:
+        return sorted(self._list("manifests/"))
+
+    def region(self) -> str | None:
+        try:
+            bucket = self._client.get_bucket(self._bucket.name)
+        except Exception as exc:
+            raise self._err(exc, "bucket location") from None
+        return (bucket.location or "").lower() or None
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,168 @@
+"""push (copy an image between stores, resumable), verify, and store_region.
+
+Push lists the destination once and copies only objects it lacks or holds at the wrong size; each
+object is authenticated and its BLAKE3 recomputed before it is sent (a corrupt source chunk is never
+copied), a ``stream://`` receiver checks it again before acknowledging, and the manifest goes last,
+so an interrupted push leaves only whole, reusable chunks and a re-run sends the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from gpumigrate.transfer.api import _store
+from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
+from gpumigrate.transfer.reader import StoreImageReader
+from gpumigrate.transfer.stores import Store, resolve_image_id
+
+from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError
+
+CHECK_EXISTING = ("size", "full")
+
+
+class _Scratch(threading.local):
+    buf: bytearray | None = None
+
+    def get(self, n: int) -> memoryview:
+        if self.buf is None or len(self.buf) < n:
+            self.buf = bytearray(n)
+        return memoryview(self.buf)[:n]
+
+
+def _check_object(reader: StoreImageReader, scratch: _Scratch, chunk_id: str, blob: bytes) -> None:
+    """Authenticate and hash one stored object without keeping its plaintext."""
+    from gpumigrate.transfer.chunkobj import parse_header
+
+    raw_len = parse_header(blob, chunk_id).raw_len
+    reader.sealer.open_into(chunk_id, blob, scratch.get(raw_len), reader.read_object)
+
+
+def push(
+    src_url: str | Store,
+    dst_url: str | Store,
+    image_id: str,
+    *,
+    key: bytes | None,
+    parallelism: int = 4,
+    progress: ProgressCallback | None = None,
+    check_existing: str = "size",
+    rate_limit: float | None = None,
+    endpoint_url: str | None = None,
+) -> TransferStats:
+    """Copy image ``image_id`` and whichever of its chunks ``dst_url`` lacks; returns what moved.
+
+    ``check_existing="full"`` also re-reads and verifies every chunk the destination already holds
+    (catches a flipped bit there, at the cost of reading it); the default trusts a chunk of the
+    right size, which catches truncation. ``rate_limit`` caps bytes/s.
+    """
+    if check_existing not in CHECK_EXISTING:
+        raise InvalidInputError(f"check_existing={check_existing!r}", hint=f"allowed: {', '.join(CHECK_EXISTING)}")
+    t0 = time.monotonic()
+    src = _store(src_url, endpoint_url)
+    dst = _store(dst_url, endpoint_url, parallelism)
+    image_id = resolve_image_id(src, image_id)
+    sealer = Sealer(key)
+    reader = StoreImageReader(src, image_id, sealer)
+    manifest = src.get_manifest(image_id)
+    objects: dict[str, list[Any]] = reader.objects
+    stats = TransferStats(image_id=image_id, chunks_total=len(objects), bytes_logical=reader.ref.bytes_image)
+    have = dst.list_chunks()
+    scratch = _Scratch()
+    todo: list[str] = []
+    invalid: list[str] = []
+    for cid, entry in objects.items():
+        size = have.get(cid)
+        if size is None:
+            todo.append(cid)
+        elif size != int(entry[0]):
+            invalid.append(cid)
+        elif check_existing == "full" and dst.readable:
+            try:
+                _check_object(reader, scratch, cid, dst.get_chunk(cid))
+            except GpumigrateError:
+                invalid.append(cid)
+    todo += invalid
+    stats.chunks_resent_invalid = len(invalid)
+    stats.chunks_skipped = len(objects) - len(todo)
+    counter = ProgressCounter(progress, sum(int(objects[c][0]) for c in todo))
+    limiter = RateLimiter(rate_limit)
+    lock = threading.Lock()
+
+    def copy_one(cid: str) -> None:
+        blob = src.get_chunk(cid)
+        _check_object(reader, scratch, cid, blob)
+        limiter.take(len(blob))
+        dst.put_chunk(cid, blob)
+        with lock:
+            stats.chunks_sent += 1
+            stats.bytes_sent += len(blob)
+        counter.add(len(blob))
+
+    try:
+        # Delta bases go before the deltas built on them, so a receiver can verify every delta on arrival.
+        bases_first = [c for c in todo if not objects[c][2]], [c for c in todo if objects[c][2]]
+        with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-push") as pool:
+            for phase in bases_first:
+                for fut in [pool.submit(copy_one, cid) for cid in phase]:
+                    fut.result()
+        dst.flush()
+        dst.put_manifest(image_id, manifest)
+        stats.bytes_sent += len(manifest)
+    finally:
+        dst.close()
+    counter.finish()
+    stats.seconds = time.monotonic() - t0
+    return stats
+
+
+def verify(
+    store_url: str | Store,
+    image_id: str,
+    *,
+    key: bytes | None,
+    parallelism: int = 4,
+    endpoint_url: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> TransferStats:
+    """Check the manifest and every chunk (authenticate, decode, BLAKE3); raise IntegrityError naming the bad ones."""
+    t0 = time.monotonic()
+    store = _store(store_url, endpoint_url)
+    image_id = resolve_image_id(store, image_id)
+    reader = StoreImageReader(store, image_id, Sealer(key))
+    objects = reader.objects
+    stats = TransferStats(image_id=image_id, chunks_total=len(objects), bytes_logical=reader.ref.bytes_image)
+    for reg in reader.body["regions"]:
+        for i, cid in enumerate(reg["chunks"]):
+            if cid not in objects:
+                stats.errors.append(f"{reg['name']}[{i}] names chunk {cid[:16]} that the manifest's objects lack")
+    scratch = _Scratch()
+    counter = ProgressCounter(progress, sum(int(e[0]) for e in objects.values()))
+    lock = threading.Lock()
+
+    def check(cid: str) -> None:
+        try:
+            blob = store.get_chunk(cid)
+            _check_object(reader, scratch, cid, blob)
+            counter.add(len(blob))
+        except GpumigrateError as exc:
+            with lock:
+                stats.errors.append(exc.message)
+
+    with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-verify") as pool:
+        list(pool.map(check, objects))
+    counter.finish()
+    stats.seconds = time.monotonic() - t0
+    if stats.errors:
+        shown = "; ".join(sorted(stats.errors)[:10])
+        more = f" (and {len(stats.errors) - 10} more)" if len(stats.errors) > 10 else ""
+        raise IntegrityError(f"image {image_id[:16]} in {store.url} failed verification: {shown}{more}")
+    return stats
+
+
+def store_region(store_url: str, *, endpoint_url: str | None = None) -> str | None:
+    """The cloud region a store's bucket lives in (S3 location, GCS location), None for file/stream."""
+    return _store(store_url, endpoint_url).region()

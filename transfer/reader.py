@@ -1,0 +1,128 @@
+"""The ImageReader: opens a manifest only after its id, key and signature check out; verifies every chunk."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpumigrate.transfer.chunkobj import Sealer, parse_header
+from gpumigrate.transfer.manifest import open_manifest
+from gpumigrate.transfer.stores import Store
+
+from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
+from gpumigrate.interfaces import ImageRef, RegionInfo
+
+
+class StoreImageReader:
+    """Implements :class:`gpumigrate.interfaces.ImageReader` over a :class:`Store`."""
+
+    def __init__(self, store: Store, image_id: str, sealer: Sealer) -> None:
+        self.store = store
+        self.sealer = sealer
+        self.body: dict[str, Any] = open_manifest(store.get_manifest(image_id), image_id, sealer)
+        self.image_id = image_id
+        self.chunk_size: int = int(self.body["chunk_size"])
+        self._regions = {r["name"]: r for r in self.body["regions"]}
+        self.objects: dict[str, list[Any]] = self.body["objects"]
+        self._base_cache: dict[str, bytes] = {}
+        self._base_lock = threading.Lock()
+        self.ref = ImageRef(
+            id=image_id,
+            store=store.url,
+            parent=self.body.get("parent"),
+            bytes_image=sum(int(r["nbytes"]) for r in self.body["regions"]),
+            bytes_stored=sum(int(e[0]) for e in self.objects.values()),
+        )
+
+    def regions(self) -> Sequence[RegionInfo]:
+        return [
+            RegionInfo(
+                name=r["name"],
+                nbytes=int(r["nbytes"]),
+                kind=r.get("kind", "tensor"),
+                dtype=r.get("dtype"),
+                shape=tuple(r["shape"]) if r.get("shape") is not None else None,
+                device=r.get("device"),
+            )
+            for r in self.body["regions"]
+        ]
+
+    def metadata(self) -> Mapping[str, Any]:
+        return dict(self.body.get("metadata") or {})
+
+    def _region(self, name: str) -> dict[str, Any]:
+        try:
+            return self._regions[name]
+        except KeyError:
+            raise InvalidInputError(f"image {self.image_id[:16]} has no region {name!r}") from None
+
+    def chunk_count(self, region: str) -> int:
+        return len(self._region(region)["chunks"])
+
+    def chunk_ids(self, region: str) -> list[str]:
+        return list(self._region(region)["chunks"])
+
+    def chunk_length(self, region: str, index: int) -> int:
+        reg = self._region(region)
+        if not 0 <= index < len(reg["chunks"]):
+            raise InvalidInputError(f"region {region!r} has {len(reg['chunks'])} chunks, not index {index}")
+        if reg.get("sizes"):
+            return int(reg["sizes"][index])
+        return min(self.chunk_size, int(reg["nbytes"]) - index * self.chunk_size)
+
+    def chunk_offset(self, region: str, index: int) -> int:
+        reg = self._region(region)
+        if reg.get("sizes"):
+            return sum(int(n) for n in reg["sizes"][:index])
+        return index * self.chunk_size
+
+    def _fetch(self, chunk_id: str) -> bytes:
+        if not self.store.readable:
+            raise InvalidInputError(f"{self.store.url} is write-only: read the image's chunks from the receiver's store")
+        try:
+            return self.store.get_chunk(chunk_id)
+        except TransferError as exc:
+            raise IntegrityError(f"image {self.image_id[:16]}: {exc.message}") from None
+
+    def read_object(self, chunk_id: str) -> bytes:
+        """Verified plaintext of one object by id (used for delta bases; cached, bases are few)."""
+        with self._base_lock:
+            cached = self._base_cache.get(chunk_id)
+        if cached is not None:
+            return cached
+        blob = self._fetch(chunk_id)
+        raw_len = parse_header(blob, chunk_id).raw_len
+        if raw_len > max(self.chunk_size, 64 << 20):
+            raise IntegrityError(f"object {chunk_id[:16]} claims {raw_len} bytes, more than any chunk of this image")
+        out = bytearray(raw_len)
+        n = self.sealer.open_into(chunk_id, blob, memoryview(out), self.read_object)
+        plain = bytes(out[:n])
+        with self._base_lock:
+            if len(self._base_cache) > 64:
+                self._base_cache.clear()
+            self._base_cache[chunk_id] = plain
+        return plain
+
+    def read_chunk_into(self, region: str, index: int, out: memoryview) -> int:
+        length = self.chunk_length(region, index)
+        out = memoryview(out)
+        if out.format != "B" or out.ndim != 1:
+            out = out.cast("B")
+        if len(out) < length:
+            raise InvalidInputError(f"buffer of {len(out)} bytes is too small for {region}[{index}] ({length} bytes)")
+        chunk_id = self._region(region)["chunks"][index]
+        n = self.sealer.open_into(chunk_id, self._fetch(chunk_id), out, self.read_object, where=f" ({region}[{index}])")
+        if n != length:
+            raise IntegrityError(f"chunk {region}[{index}] holds {n} bytes, the manifest says {length}")
+        return n
+
+    def read_region(self, region: str) -> bytearray:
+        """A whole region in one buffer (convenience for small regions and tests)."""
+        reg = self._region(region)
+        buf = bytearray(int(reg["nbytes"]))
+        view = memoryview(buf)
+        for i in range(len(reg["chunks"])):
+            off = self.chunk_offset(region, i)
+            self.read_chunk_into(region, i, view[off : off + self.chunk_length(region, i)])
+        return buf

@@ -1,0 +1,240 @@
+"""Chunk stores behind one interface: where the objects of FORMAT.md live.
+
+``open_store(url)`` picks the backend by scheme: ``file://`` (here), ``s3://`` (s3store),
+``gs://`` (gcsstore), ``stream://`` (stream, write-only towards a receiver). Every put is atomic:
+an object is either absent or complete.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from gpumigrate.transfer.chunkobj import HEADER_SIZE
+
+from gpumigrate.atomic import fsync_dir
+from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
+
+SCHEMES = ("file", "s3", "gs", "stream")
+STORE_MARKER = "gpumigrate-store.json"
+STORE_MARKER_BODY = b'{"format": "gpumigrate-store", "version": 1}\n'
+
+
+def chunk_key(chunk_id: str) -> str:
+    return f"chunks/{chunk_id[:2]}/{chunk_id}"
+
+
+def manifest_key(image_id: str) -> str:
+    return f"manifests/{image_id}"
+
+
+class Store:
+    """The operations the writer, reader and push need. Subclasses implement the ``_`` primitives."""
+
+    url: str
+    readable = True
+
+    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
+        raise NotImplementedError
+
+    def get_chunk(self, chunk_id: str) -> bytes:
+        raise NotImplementedError
+
+    def chunk_size(self, chunk_id: str) -> int | None:
+        """Stored size of a chunk object, or None when the store does not hold it."""
+        raise NotImplementedError
+
+    def chunk_header(self, chunk_id: str) -> bytes:
+        """The first HEADER_SIZE bytes of a chunk object (codec, base) without reading the rest."""
+        return self.get_chunk(chunk_id)[:HEADER_SIZE]
+
+    def list_chunks(self) -> dict[str, int]:
+        """Every chunk id the store holds, with its stored size (one listing, not one call per chunk)."""
+        raise NotImplementedError
+
+    def put_manifest(self, image_id: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def get_manifest(self, image_id: str) -> bytes:
+        raise NotImplementedError
+
+    def list_manifests(self) -> list[str]:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Make every put so far durable (before a manifest that names the chunks is written)."""
+
+    def region(self) -> str | None:
+        """Where the store's data lives (cloud region), for residency checks; None when not a cloud."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileStore(Store):
+    """A directory. Objects are written to a hidden temp file and renamed; fsynced before a manifest."""
+
+    def __init__(self, root: Path, url: str, *, sync_chunks: bool = True) -> None:
+        self.root = root
+        self.url = url
+        self.sync_chunks = sync_chunks
+        self._unsynced: list[Path] = []
+        self._lock = threading.Lock()
+        self._made_dirs: set[str] = set()
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def _write(self, key: str, data: bytes | bytearray | memoryview, *, durable: bool) -> None:
+        path = self._path(key)
+        parent = str(path.parent)
+        if parent not in self._made_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made_dirs.add(parent)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if durable:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        with self._lock:
+            self._unsynced.append(path)  # its directory entry is made durable at flush()
+
+    def _ensure_marker(self) -> None:
+        marker = self.root / STORE_MARKER
+        if not marker.exists():
+            self._write(STORE_MARKER, STORE_MARKER_BODY, durable=True)
+            fsync_dir(marker.parent)
+
+    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
+        # fdatasync before the rename, in the upload thread: the disk flush overlaps the next chunks'
+        # CPU work, and a crash can never leave a renamed-but-empty chunk behind.
+        self._write(chunk_key(chunk_id), blob, durable=self.sync_chunks)
+
+    def get_chunk(self, chunk_id: str) -> bytes:
+        try:
+            return self._path(chunk_key(chunk_id)).read_bytes()
+        except FileNotFoundError:
+            raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
+
+    def chunk_header(self, chunk_id: str) -> bytes:
+        try:
+            with open(self._path(chunk_key(chunk_id)), "rb") as fh:
+                return fh.read(HEADER_SIZE)
+        except FileNotFoundError:
+            raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
+
+    def chunk_size(self, chunk_id: str) -> int | None:
+        try:
+            return self._path(chunk_key(chunk_id)).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def list_chunks(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        base = self.root / "chunks"
+        if not base.is_dir():
+            return found
+        for sub in os.scandir(base):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                if not entry.name.startswith(".") and entry.is_file():
+                    found[entry.name] = entry.stat().st_size
+        return found
+
+    def put_manifest(self, image_id: str, data: bytes) -> None:
+        self._ensure_marker()
+        self._write(manifest_key(image_id), data, durable=True)
+        fsync_dir(self._path(manifest_key(image_id)).parent)
+
+    def get_manifest(self, image_id: str) -> bytes:
+        try:
+            return self._path(manifest_key(image_id)).read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(f"no image {image_id} in {self.url}") from None
+
+    def list_manifests(self) -> list[str]:
+        base = self.root / "manifests"
+        if not base.is_dir():
+            return []
+        return sorted(e.name for e in os.scandir(base) if not e.name.startswith("."))
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._unsynced = self._unsynced, []
+        for d in {path.parent for path in pending}:
+            fsync_dir(d)
+
+
+def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
+    """(scheme, netloc, path, query) of a store URL, with a clear error for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES or "://" not in url:
+        raise InvalidInputError(
+            f"unsupported store URL {url!r}",
+            hint="allowed: file:///abs/dir, file://relative/dir, s3://bucket/prefix, gs://bucket/prefix, stream://host:port",
+        )
+    return parts.scheme, parts.netloc, parts.path, parse_qs(parts.query)
+
+
+def file_root(url: str) -> Path:
+    rest = url[len("file://") :].split("?", 1)[0]
+    if not rest:
+        raise InvalidInputError(f"store URL {url!r} names no directory")
+    return Path(rest).expanduser().resolve()
+
+
+def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 4) -> Store:
+    """Open the store a URL names. Creates nothing until the first write."""
+    scheme = split_url(url)[0]
+    if scheme == "file":
+        return FileStore(file_root(url), url)
+    if scheme == "s3":
+        from gpumigrate.transfer.s3store import S3Store
+
+        return S3Store(url, endpoint_url=endpoint_url, parallelism=parallelism)
+    if scheme == "gs":
+        from gpumigrate.transfer.gcsstore import GcsStore
+
+        return GcsStore(url, endpoint_url=endpoint_url)
+    from gpumigrate.transfer.stream import StreamStore
+
+    return StreamStore(url, connections=parallelism)
+
+
+def parse_image_url(text: str) -> tuple[str, str | None]:
+    """``STORE_URL#IMAGE_ID`` → (store URL, image id or None)."""
+    store, sep, image = text.partition("#")
+    return store, (image or None) if sep else None
+
+
+def resolve_image_id(store: Store, image: str | None) -> str:
+    """A full id, a unique prefix of one, or None/"latest" for the store's only/newest image."""
+    if image and len(image) == 64:
+        return image
+    ids = store.list_manifests()
+    if not image or image == "latest":
+        if len(ids) == 1:
+            return ids[0]
+        raise InvalidInputError(
+            f"{store.url} holds {len(ids)} images; name one as URL#IMAGE_ID", hint="ids: " + ", ".join(i[:12] for i in ids)
+        )
+    matches = [i for i in ids if i.startswith(image)]
+    if len(matches) != 1:
+        raise NotFoundError(f"{'no' if not matches else 'more than one'} image in {store.url} matches {image!r}")
+    return matches[0]

@@ -1,0 +1,302 @@
+"""The ImageWriter: hash → dedup → encode → seal in the caller's thread, store in an upload pool.
+
+Callers (the snapshot agent's ring-buffer threads, ``pack_paths``' readers) call ``put_chunk`` from
+several threads; each call does the CPU work on its own thread (BLAKE3, zstd, numpy and AES-GCM all
+release the GIL) and hands the sealed object to a bounded upload pool, so the caller's buffer is
+free as soon as the object is sealed and network/disk writes overlap the next chunk's CPU work.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from gpumigrate.transfer import codecs
+from gpumigrate.transfer.chunkobj import Sealer, chunk_id_of, parse_header
+from gpumigrate.transfer.manifest import seal_manifest
+from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
+from gpumigrate.transfer.stores import Store
+
+from gpumigrate.errors import InvalidInputError, TransferError
+from gpumigrate.interfaces import ImageRef, RegionInfo
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+
+
+@dataclass
+class _Region:
+    info: RegionInfo
+    chunks: dict[int, str] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+
+
+class StoreImageWriter:
+    """Implements :class:`gpumigrate.interfaces.ImageWriter` over a :class:`Store`."""
+
+    def __init__(
+        self,
+        store: Store,
+        sealer: Sealer,
+        *,
+        parent: dict[str, Any] | None = None,
+        parent_id: str | None = None,
+        parent_reader: Any = None,
+        compression: str = "auto",
+        parallelism: int = 4,
+        chunk_size: int | None = None,
+        source: str | None = None,
+        delta: bool = False,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        self.store = store
+        self.sealer = sealer
+        self.compression = codecs.check_mode(compression)
+        self.chunk_size = int(chunk_size or (parent or {}).get("chunk_size") or DEFAULT_CHUNK_SIZE)
+        if self.chunk_size <= 0 or self.chunk_size % 8:
+            raise InvalidInputError(f"chunk size {self.chunk_size} must be a positive multiple of 8 bytes")
+        self.source = source
+        self.parent_id = parent_id
+        self._parent_objects: dict[str, list[Any]] = dict((parent or {}).get("objects", {}))
+        self._parent_chunks: dict[tuple[str, int], str] = {}
+        for reg in (parent or {}).get("regions", []):
+            for i, cid in enumerate(reg["chunks"]):
+                self._parent_chunks[(reg["name"], i)] = cid
+        self._parent_reader = parent_reader if delta else None
+        self._regions: dict[str, _Region] = {}
+        self._objects: dict[str, list[Any]] = {}
+        self._metadata: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max(2, parallelism * 2))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-upload")
+        self._futures: list[Future[None]] = []
+        self._errors: list[BaseException] = []
+        self._committed = False
+        self._t0 = time.monotonic()
+        self.bytes_sent = 0
+        self.bytes_logical = 0
+        self.chunks_new = 0
+        self.chunks_reused = 0
+        self._progress = ProgressCounter(progress, 0)
+
+    # -- regions and metadata
+
+    def add_region(self, info: RegionInfo) -> None:
+        with self._lock:
+            if info.name in self._regions:
+                raise InvalidInputError(f"region {info.name!r} was added twice")
+            self._regions[info.name] = _Region(info)
+        self._progress.grow(info.nbytes)
+
+    def set_metadata(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._metadata[key] = value
+
+    def _region(self, name: str) -> _Region:
+        try:
+            return self._regions[name]
+        except KeyError:
+            raise InvalidInputError(f"unknown region {name!r}: call add_region first") from None
+
+    # -- chunks
+
+    def _record(self, region: _Region, index: int, chunk_id: str, length: int) -> None:
+        if index < 0:
+            raise InvalidInputError(f"chunk index {index} of region {region.info.name!r} is negative")
+        region.chunks[index] = chunk_id
+        region.lengths[index] = length
+
+    def _known_entry(self, chunk_id: str) -> list[Any] | None:
+        """An object the image can reference without sending: already in it, in the parent, or in the store."""
+        entry = self._objects.get(chunk_id) or self._parent_objects.get(chunk_id)
+        if entry is not None:
+            return entry
+        size = self.store.chunk_size(chunk_id)
+        if size is None:
+            return None
+        header = parse_header(self.store.chunk_header(chunk_id), chunk_id)
+        return [size, header.codec, header.base]
+
+    def _add_object(self, chunk_id: str, entry: list[Any]) -> None:
+        self._objects[chunk_id] = entry
+        base = entry[2]
+        if base and base not in self._objects:
+            base_entry = self._parent_objects.get(base)
+            if base_entry is None:
+                size = self.store.chunk_size(base)
+                if size is None:
+                    raise TransferError(f"delta base {base[:16]} of chunk {chunk_id[:16]} is missing from {self.store.url}")
+                base_entry = [size, codecs.NONE, None]
+            self._objects[base] = base_entry
+
+    def put_chunk(self, region: str, index: int, data: memoryview | bytes | bytearray) -> str:
+        self._check_open()
+        reg = self._region(region)
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        chunk_id = chunk_id_of(view)
+        with self._lock:
+            self._record(reg, index, chunk_id, len(view))
+            self.bytes_logical += len(view)
+            entry = self._objects.get(chunk_id)
+        if entry is None:
+            entry = self._known_entry(chunk_id)
+            if entry is None:
+                self._send(reg, index, chunk_id, view)
+                self._progress.add(len(view))
+                return chunk_id
+            with self._lock:
+                self.chunks_reused += 1
+                self._add_object(chunk_id, entry)
+        self._progress.add(len(view))
+        return chunk_id
+
+    def _send(self, reg: _Region, index: int, chunk_id: str, view: memoryview) -> None:
+        base_id = None
+        payload_src = view
+        if self._parent_reader is not None:
+            parent_cid = self._parent_chunks.get((reg.info.name, index))
+            parent_entry = self._parent_objects.get(parent_cid or "")
+            if parent_cid and parent_cid != chunk_id and parent_entry and not parent_entry[2]:
+                base_plain = self._parent_reader.read_object(parent_cid)
+                payload_src = memoryview(codecs.xor_with_base(view, base_plain))
+                base_id = parent_cid
+        codec, payload = codecs.encode(payload_src, mode=self.compression, dtype=reg.info.dtype)
+        if base_id:
+            codec |= codecs.DELTA_FLAG
+        blob = self.sealer.seal(chunk_id, codec, len(view), payload, base_id)
+        with self._lock:
+            if chunk_id in self._objects:  # another thread sent the same content meanwhile
+                return
+            self._add_object(chunk_id, [len(blob), codec, base_id])
+            self.chunks_new += 1
+            self.bytes_sent += len(blob)
+        self._slots.acquire()
+        try:
+            fut = self._pool.submit(self._upload, chunk_id, blob)
+        except BaseException:
+            self._slots.release()
+            raise
+        with self._lock:
+            self._futures.append(fut)
+
+    def _upload(self, chunk_id: str, blob: bytearray) -> None:
+        try:
+            self.store.put_chunk(chunk_id, blob)
+        except BaseException as exc:
+            with self._lock:
+                self._errors.append(exc)
+            raise
+        finally:
+            self._slots.release()
+
+    def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
+        self._check_open()
+        reg = self._region(region)
+        with self._lock:
+            entry = self._objects.get(chunk_id) or self._parent_objects.get(chunk_id)
+        if entry is None:
+            entry = self._known_entry(chunk_id)
+        if entry is None:
+            raise InvalidInputError(
+                f"reuse_chunk: chunk {chunk_id[:16]} ({region}[{index}]) is neither in the parent image nor in {self.store.url}"
+            )
+        length = self._chunk_length(reg, index)
+        with self._lock:
+            self._record(reg, index, chunk_id, length)
+            self._add_object(chunk_id, entry)
+            self.chunks_reused += 1
+            self.bytes_logical += length
+        self._progress.add(length)
+
+    def _chunk_length(self, reg: _Region, index: int) -> int:
+        start = index * self.chunk_size
+        if start >= reg.info.nbytes:
+            raise InvalidInputError(f"chunk index {index} is past the end of region {reg.info.name!r}")
+        return min(self.chunk_size, reg.info.nbytes - start)
+
+    # -- commit
+
+    def _check_open(self) -> None:
+        if self._committed:
+            raise InvalidInputError("this image writer was already committed")
+
+    def _wait_uploads(self) -> None:
+        for fut in list(self._futures):
+            try:
+                fut.result()
+            except BaseException:
+                pass
+        if self._errors:
+            exc = self._errors[0]
+            raise TransferError(f"storing chunks in {self.store.url} failed: {exc}") from exc
+
+    def _region_doc(self, reg: _Region) -> dict[str, Any]:
+        info = reg.info
+        count = len(reg.chunks)
+        missing = [i for i in range(count) if i not in reg.chunks]
+        if missing or (count == 0 and info.nbytes > 0):
+            raise TransferError(f"region {info.name!r} is missing chunks {missing[:10] or [0]}")
+        lengths = [reg.lengths[i] for i in range(count)]
+        if sum(lengths) != info.nbytes:
+            raise TransferError(f"region {info.name!r}: chunks hold {sum(lengths)} bytes, the region declares {info.nbytes}")
+        fixed = count == math.ceil(info.nbytes / self.chunk_size) and all(
+            n == self._chunk_length(reg, i) for i, n in enumerate(lengths)
+        )
+        return {
+            "name": info.name,
+            "kind": info.kind,
+            "nbytes": info.nbytes,
+            "dtype": info.dtype,
+            "shape": list(info.shape) if info.shape is not None else None,
+            "device": info.device,
+            "chunks": [reg.chunks[i] for i in range(count)],
+            "sizes": None if fixed else lengths,
+        }
+
+    def commit(self) -> ImageRef:
+        self._check_open()
+        try:
+            self._wait_uploads()
+        finally:
+            self._pool.shutdown(wait=True)
+        self._committed = True
+        regions = [self._region_doc(r) for r in self._regions.values()]
+        self.store.flush()
+        body = {
+            "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "source": self.source,
+            "parent": self.parent_id,
+            "chunk_size": self.chunk_size,
+            "encryption": "aes-256-gcm" if self.sealer.encrypted else "none",
+            "key_id": self.sealer.key_id,
+            "regions": regions,
+            "objects": {cid: self._objects[cid] for cid in sorted(self._objects)},
+            "metadata": self._metadata,
+        }
+        image_id, data = seal_manifest(body, self.sealer)
+        self.store.put_manifest(image_id, data)
+        self._progress.finish()
+        bytes_stored = sum(e[0] for e in self._objects.values())
+        return ImageRef(
+            id=image_id,
+            store=self.store.url,
+            parent=self.parent_id,
+            bytes_image=sum(r["nbytes"] for r in regions),
+            bytes_sent=self.bytes_sent + len(data),
+            bytes_stored=bytes_stored,
+        )
+
+    def abort(self) -> None:
+        """Stop without writing a manifest (chunks already stored stay, harmless and reusable)."""
+        self._committed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def seconds(self) -> float:
+        return time.monotonic() - self._t0

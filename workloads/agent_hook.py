@@ -1,0 +1,118 @@
+"""Glue that embeds the snapshot agent in the reference workloads and wires the transfer engine in.
+
+``workloads/`` may import anything, so this is where ``gpumigrate.snapshot`` (which must not import
+``gpumigrate.transfer``) gets its image writer/reader factories: the agent passes a store URL and a
+key *reference*; :func:`open_writer`/:func:`open_reader` resolve the key here, in the workload.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.server import AgentServer, serve
+from gpumigrate.snapshot.stepgate import StepGate
+
+from gpumigrate.interfaces import ImageReader, ImageWriter
+
+
+def _key(key_ref: Mapping[str, str]) -> bytes:
+    from gpumigrate import transfer
+
+    return transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file"))
+
+
+def open_writer(store: str, key_ref: Mapping[str, str], parent: str | None) -> ImageWriter:
+    from gpumigrate import transfer
+
+    workers = int(os.environ.get("GPUMIGRATE_SNAPSHOT_PARALLELISM", "4"))
+    return transfer.open_writer(store, key=_key(key_ref), parent=parent, parallelism=workers, source="agent")
+
+
+def open_reader(store: str, image_id: str, key_ref: Mapping[str, str]) -> ImageReader:
+    from gpumigrate import transfer
+
+    return transfer.open_reader(store, image_id, key=_key(key_ref))
+
+
+class AgentHandle:
+    """What a workload keeps: the agent and its control server. ``close()`` stops both."""
+
+    def __init__(self, agent: Agent, server: AgentServer) -> None:
+        self.agent = agent
+        self.server = server
+        self.address = server.address
+
+    def close(self) -> None:
+        self.server.stop()
+        self.agent.close()
+
+
+def make_agent(**kwargs: Any) -> Agent:
+    return Agent(writer_factory=open_writer, reader_factory=open_reader, **kwargs)
+
+
+def start_inference_agent(state: Any, port: int, host: str = "127.0.0.1") -> AgentHandle:
+    """Embed an agent in the inference server: the model's tensors, frozen at the request SafePoint."""
+    agent = make_agent(freezer=state.safe_point, set_ready=state.set_ready)
+    agent.track_module("model", state.model)
+    return AgentHandle(agent, serve(agent, port, host))
+
+
+def training_callback(state: Any = None, port: int = 0, *, host: str = "127.0.0.1", await_restore: bool = False) -> Any:
+    """A Lightning Callback that embeds the agent in a training job.
+
+    Tracks the LightningModule, its optimizers, the RNG states and the step counter; freezes between
+    steps (after ``on_train_batch_end``); with ``await_restore`` the first step waits until a restore
+    made the agent ready. ``state`` may carry ``step`` (an int attribute the job keeps) to migrate.
+    """
+    import pytorch_lightning as pl
+
+    class SnapshotCallback(pl.Callback):
+        def __init__(self) -> None:
+            self.gate = StepGate()
+            self.agent = make_agent(freezer=self.gate, set_ready=self._set_ready)
+            self.handle: AgentHandle | None = None
+            self._ready = threading.Event()
+            if not await_restore:
+                self._ready.set()
+            self.restored_step: int | None = None
+
+        @property
+        def address(self) -> str | None:
+            return self.handle.address if self.handle else None
+
+        def _set_ready(self, ready: bool) -> None:
+            (self._ready.set if ready else self._ready.clear)()
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            if self.handle is not None:
+                return
+            self.agent.track_module("model", pl_module)
+            self.agent.track_rng("rng")
+            if state is not None and hasattr(state, "step"):
+                self.agent.track_state("step", lambda: int(state.step), lambda v: setattr(state, "step", int(v)))
+            self.handle = AgentHandle(self.agent, serve(self.agent, port, host))
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            for i, opt in enumerate(trainer.optimizers):
+                self.agent.track_optimizer(f"optim{i}", opt)
+            self.gate.loop_running = True
+            self._ready.wait()  # a target job waits here until its state is restored
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.gate.checkpoint()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.gate.stop_loop()
+
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self.gate.stop_loop()
+            if self.handle is not None:
+                self.handle.close()
+                self.handle = None
+
+    return SnapshotCallback()

@@ -1,0 +1,287 @@
+"""The reference inference server: the workload that demo, tests and benchmarks migrate.
+
+    python -m gpumigrate.workloads.inference --host 127.0.0.1 --port 18080 --agent-port 17070 \
+        --seed 0 --size tiny --device cpu --dtype float32 --threads 1 --name local-a [--await-restore]
+
+HTTP API: see ``workloads/README.md``. Starlette on uvicorn; the model runs in a small thread pool
+so the event loop keeps answering health checks while a request waits at a frozen safe point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import uvicorn
+from gpumigrate.workloads.environment import environment_facts
+from gpumigrate.workloads.model import build_model, decode, generate
+from gpumigrate.workloads.serving import Fault, ServingState
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from gpumigrate.errors import GpumigrateError, InvalidInputError
+
+MAX_NEW_TOKENS = 64
+MAX_PROMPT_CHARS = 8192
+FROZEN_WAIT_S = 30.0  # a request held by a freeze waits this long before it gets a 503
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def parse_generate(raw: bytes) -> tuple[str, int]:
+    """Validate a /v1/generate body; InvalidInputError names the field at fault."""
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidInputError('body must be a JSON object like {"prompt": "...", "max_new_tokens": 8}')
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise InvalidInputError("field 'prompt' is required and must be a string")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise InvalidInputError(f"field 'prompt' must be at most {MAX_PROMPT_CHARS} characters")
+    n = body.get("max_new_tokens", 8)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NEW_TOKENS:
+        raise InvalidInputError(f"field 'max_new_tokens' must be an integer in 1..{MAX_NEW_TOKENS}; got {n!r}")
+    unknown = set(body) - {"prompt", "max_new_tokens"}
+    if unknown:
+        raise InvalidInputError(f"unknown field(s) {sorted(unknown)}; allowed: prompt, max_new_tokens")
+    return prompt, n
+
+
+class InferenceApp:
+    """Binds a :class:`ServingState` to HTTP routes."""
+
+    def __init__(self, state: ServingState, *, workers: int = 2) -> None:
+        self.state = state
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="infer")
+        self.app = Starlette(
+            routes=[
+                Route("/v1/generate", self.generate, methods=["POST"]),
+                Route("/healthz", self.healthz, methods=["GET"]),
+                Route("/readyz", self.readyz, methods=["GET"]),
+                Route("/v1/info", self.info, methods=["GET"]),
+                Route("/admin/fault", self.fault, methods=["GET", "POST"]),
+            ]
+        )
+
+    def _run_generate(self, prompt: str, n: int) -> tuple[int, dict[str, Any]]:
+        state = self.state
+        with state.safe_point.request(timeout_s=FROZEN_WAIT_S):
+            fault = state.fault
+            hit = state.fault_hits()
+            if hit and fault.kind == "crash":
+                os._exit(17)  # the crash fault: die mid-request, as a real crash would
+            if hit and fault.kind == "errors":
+                return 500, {"error": "injected fault: errors"}
+            if hit and fault.kind == "slow":
+                time.sleep(fault.delay_ms / 1000.0)
+            noise = state.drift_noise if hit and fault.kind == "drift" else None
+            tokens, logprobs = generate(state.model, prompt, n, logit_noise=noise)
+        return 200, {
+            "tokens": tokens,
+            "text": decode(tokens),
+            "logprobs": logprobs,
+            "model": state.model_id,
+            "host": state.name,
+        }
+
+    async def generate(self, request: Request) -> Response:
+        try:
+            prompt, n = parse_generate(await request.body())
+        except InvalidInputError as exc:
+            return _error(400, exc.message)
+        if not self.state.wait_ready(0):
+            return _error(503, "not ready: weights not loaded yet (waiting for restore)")
+        try:
+            status, body = await asyncio.get_running_loop().run_in_executor(self.pool, self._run_generate, prompt, n)
+        except GpumigrateError as exc:  # held too long at a frozen safe point
+            return _error(503, str(exc))
+        return JSONResponse(body, status_code=status)
+
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "alive", "host": self.state.name})
+
+    async def readyz(self, request: Request) -> Response:
+        st = self.state
+        if st.ready:
+            return JSONResponse({"status": "ready", "host": st.name})
+        reason = "frozen" if st.safe_point.frozen else "awaiting restore"
+        return JSONResponse({"status": "not ready", "reason": reason, "host": st.name}, status_code=503)
+
+    async def info(self, request: Request) -> Response:
+        facts = await asyncio.get_running_loop().run_in_executor(self.pool, self._info)
+        return JSONResponse(facts)
+
+    def _info(self) -> dict[str, Any]:
+        st = self.state
+        facts = environment_facts(st.meta.get("device", "cpu"))
+        facts.update(
+            {
+                "host": st.name,
+                "model": st.model_id,
+                "ready": st.ready,
+                "weights_digest": st.weights_digest(),
+                "n_params": sum(p.numel() for p in st.model.parameters()),
+                **{k: st.meta[k] for k in ("seed", "size", "dtype", "device", "params_mb") if k in st.meta},
+            }
+        )
+        return facts
+
+    async def fault(self, request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                raw = await request.body()
+                self.state.set_fault(Fault.parse(json.loads(raw or b"{}")))
+            except ValueError as exc:
+                return _error(400, f"body is not valid JSON: {exc}")
+            except InvalidInputError as exc:
+                return _error(400, exc.message)
+            if self.state.fault.kind == "crash" and self.state.fault.rate >= 1.0:
+                # Acknowledge first so the caller knows the fault took, then die without cleanup.
+                threading.Timer(0.05, os._exit, args=(17,)).start()
+        return JSONResponse(self.state.fault.to_json())
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=False)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before uvicorn starts so port 0 works and the real port can be reported."""
+    # proto=IPPROTO_TCP matters: asyncio only sets TCP_NODELAY on accepted sockets whose proto is TCP,
+    # and without it Nagle + delayed ACK add ~40 ms to every keep-alive response.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class RunningServer:
+    """An in-process server (tests, embedding): ``url``, ``state``, ``stop()``."""
+
+    url: str
+    port: int
+    state: ServingState
+    app: InferenceApp
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        self.app.close()
+
+
+def _uvicorn_config(app: Starlette) -> uvicorn.Config:
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=30)
+
+
+def start_in_thread(state: ServingState, host: str = "127.0.0.1", port: int = 0, *, workers: int = 2) -> RunningServer:
+    """Serve ``state`` from a background thread of this process (no signal handlers installed)."""
+    app = InferenceApp(state, workers=workers)
+    sock = bind_socket(host, port)
+    server = uvicorn.Server(_uvicorn_config(app.app))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    real_port = sock.getsockname()[1]
+    return RunningServer(f"http://{host}:{real_port}", real_port, state, app, server, thread)
+
+
+def _start_agent(state: ServingState, port: int | None) -> Any:
+    if port is None:
+        return None
+    try:
+        from gpumigrate.workloads import agent_hook  # written by the snapshot work; optional
+    except ImportError:
+        print("warning: --agent-port given but gpumigrate.workloads.agent_hook is missing; no agent", file=sys.stderr)
+        return None
+    start = getattr(agent_hook, "start_inference_agent", None)
+    if start is None:
+        print("warning: agent_hook has no start_inference_agent; no agent", file=sys.stderr)
+        return None
+    return start(state, port)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gpumigrate.workloads.inference", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=18080, help="HTTP port (0: pick a free one)")
+    p.add_argument("--agent-port", type=int, default=None, help="port of the embedded snapshot agent")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="tiny", help="tiny | small")
+    p.add_argument("--params-mb", type=float, default=None, help="scale the model to about N MB of weights")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--workers", type=int, default=2, help="request worker threads")
+    p.add_argument("--name", default=socket.gethostname(), help="host name reported in every answer")
+    p.add_argument("--await-restore", action="store_true", help="start unready with unloaded weights")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        model = build_model(
+            args.seed, args.size, args.dtype, args.device, params_mb=args.params_mb, load_weights=not args.await_restore
+        )
+    except GpumigrateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    size = f"{args.params_mb:g}mb" if args.params_mb else args.size
+    meta = {"seed": args.seed, "size": size, "dtype": args.dtype, "device": args.device, "threads": args.threads}
+    if args.params_mb:
+        meta["params_mb"] = args.params_mb
+    state = ServingState(
+        model,
+        name=args.name,
+        model_id=f"tinylm-{size}-{args.dtype}-s{args.seed}",
+        ready=not args.await_restore,
+        meta=meta,
+    )
+    app = InferenceApp(state, workers=args.workers)
+    sock = bind_socket(args.host, args.port)
+    agent = _start_agent(state, args.agent_port)
+    server = uvicorn.Server(_uvicorn_config(app.app))
+    port = sock.getsockname()[1]
+    # One machine-readable line so launchers learn the bound port without polling.
+    print(json.dumps({"event": "listening", "host": args.host, "port": port, "pid": os.getpid()}), flush=True)
+    # uvicorn re-raises a captured SIGTERM after its graceful shutdown, restoring the previous handler
+    # first; a no-op handler there turns a finished graceful shutdown into exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])  # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight
+    finally:
+        if agent is not None:
+            agent.close()
+        app.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

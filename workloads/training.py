@@ -1,0 +1,270 @@
+"""The reference training job: the same model family trained with PyTorch Lightning on synthetic data.
+
+    python -m gpumigrate.workloads.training --steps 50 --seed 0 --agent-port 17071 --device cpu
+
+Everything a migration must carry lives in one :class:`TrainingState`: weights, optimizer state,
+step counter and the RNG streams (python, numpy, torch, cuda). The batch for step ``i`` is a pure
+function of ``(seed, i)``, so a state captured after step ``k`` and restored in another process
+produces the identical loss at step ``k + 1``. :func:`run_steps` is the plain-PyTorch loop (fast,
+for tests); :func:`train` drives the same math through a Lightning ``Trainer`` and accepts extra
+callbacks (the snapshot agent's ``training_callback(state, port)`` is one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import random
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gpumigrate.workloads.model import TinyLM, build_model, weights_digest
+
+from gpumigrate.atomic import atomic_write_bytes
+from gpumigrate.errors import GpumigrateError, SnapshotError
+
+CAPTURE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    seed: int = 0
+    size: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 1e-3
+    dropout: float = 0.1  # > 0 so the torch RNG stream matters: a restore that forgets it changes the loss
+
+
+def synthetic_batch(seed: int, step: int, batch_size: int, seq_len: int) -> torch.Tensor:
+    """Token ids for ``step``: repeated byte patterns (learnable) picked by a generator seeded from (seed, step)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    period = torch.randint(2, 9, (batch_size, 1), generator=gen)
+    base = torch.randint(97, 123, (batch_size, 8), generator=gen)  # lowercase ASCII
+    pos = torch.arange(seq_len + 1).unsqueeze(0) % period
+    return torch.gather(base, 1, pos)
+
+
+@dataclass
+class TrainingState:
+    """Weights, optimizer, step and RNG streams of one training job; the snapshot agent's handle."""
+
+    config: TrainingConfig
+    model: TinyLM
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    name: str = "training"
+
+    def __post_init__(self) -> None:
+        self._module: Any = None
+        self._ready = threading.Event()
+        self._ready.set()
+        self._lock = threading.Lock()
+
+    @property
+    def module(self) -> Any:
+        """The LightningModule wrapping :attr:`model` (built on first use: Lightning imports slowly)."""
+        if self._module is None:
+            from gpumigrate.workloads.lightning_job import LitTinyLM
+
+            self._module = LitTinyLM(self.model, self)
+        return self._module
+
+    @classmethod
+    def create(cls, config: TrainingConfig, *, name: str = "training") -> TrainingState:
+        """A fresh job: seeded weights, a new AdamW, all RNG streams seeded from ``config.seed``."""
+        seed_everything(config.seed)
+        model = build_model(config.seed, config.size, config.dtype, config.device, dropout=config.dropout).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+        return cls(config=config, model=model, optimizer=opt, name=name)
+
+    # ready flag: a restore target starts unready and the agent raises it after restore()
+    def set_ready(self, ready: bool) -> None:
+        (self._ready.set if ready else self._ready.clear)()
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        return self._ready.wait(timeout_s)
+
+    def record_step(self, loss: float) -> None:
+        with self._lock:
+            self.step += 1
+            self.losses.append(loss)
+
+    def weights_digest(self) -> str:
+        return weights_digest(self.model)
+
+    def capture(self) -> dict[str, Any]:
+        """A deep copy of everything needed to continue elsewhere. Call between steps."""
+        rng: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "format": CAPTURE_FORMAT,
+            "config": asdict(self.config),
+            "step": self.step,
+            "losses": list(self.losses),
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "rng": rng,
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Load a :meth:`capture` into this state in place (same tensors, same optimizer object)."""
+        if snap.get("format") != CAPTURE_FORMAT:
+            raise SnapshotError(
+                f"training capture format {snap.get('format')!r} unsupported; expected {CAPTURE_FORMAT}"
+            )
+        if snap["config"] != asdict(self.config):
+            raise SnapshotError(f"capture was taken with config {snap['config']}, this job runs {asdict(self.config)}")
+        with torch.no_grad():
+            for k, t in self.model.state_dict().items():
+                t.copy_(snap["model"][k])
+        # Deep copy: load_state_dict keeps the very tensors it is given (same device and dtype), so a
+        # later step would otherwise mutate the capture and a second restore from it would differ.
+        self.optimizer.load_state_dict(copy.deepcopy(snap["optimizer"]))
+        self.step = int(snap["step"])
+        self.losses = list(snap["losses"])
+        rng = snap["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def save_capture(snap: dict[str, Any], path: str | Path) -> None:
+    buf = io.BytesIO()
+    torch.save(snap, buf)
+    atomic_write_bytes(path, buf.getbuffer())
+
+
+def load_capture(path: str | Path) -> dict[str, Any]:
+    # weights_only=False: the capture holds numpy RNG state (a tuple with an ndarray); only load your own files.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def lm_loss(model: TinyLM, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of ``batch`` (ids, shape (batch, seq + 1))."""
+    ids = batch.to(model.tok_emb.weight.device)
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def run_steps(state: TrainingState, k: int) -> list[float]:
+    """Run ``k`` optimizer steps from ``state`` with a plain loop; return their losses.
+
+    Same math as :func:`train` (Lightning's automatic optimization), without a Trainer's start-up cost.
+    """
+    cfg = state.config
+    state.model.train()
+    out = []
+    for _ in range(k):
+        batch = synthetic_batch(cfg.seed, state.step, cfg.batch_size, cfg.seq_len)
+        loss = lm_loss(state.model, batch)
+        state.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        state.optimizer.step()
+        state.record_step(float(loss.detach()))
+        out.append(state.losses[-1])
+    return out
+
+
+def train(state: TrainingState, steps: int, callbacks: list[Any] | None = None) -> list[float]:
+    """Run ``steps`` steps from ``state.step`` through a Lightning Trainer; return their losses.
+
+    Lightning is imported here, not at module import: it costs seconds and most users of
+    :class:`TrainingState` (tests, the agent) never start a Trainer.
+    """
+    from gpumigrate.workloads.lightning_job import train_with_lightning
+
+    return train_with_lightning(state, steps, callbacks)
+
+
+def _agent_callback(state: TrainingState, port: int | None) -> Any:
+    if port is None:
+        return None
+    try:
+        from gpumigrate.workloads import agent_hook  # written by the snapshot work; optional
+    except ImportError:
+        print("warning: --agent-port given but gpumigrate.workloads.agent_hook is missing; no agent", file=sys.stderr)
+        return None
+    make = getattr(agent_hook, "training_callback", None)
+    if make is None:
+        print("warning: agent_hook has no training_callback; no agent", file=sys.stderr)
+        return None
+    return make(state, port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpumigrate.workloads.training", description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--agent-port", type=int, default=None)
+    p.add_argument("--step-delay-ms", type=int, default=0, help="sleep after each step (time to migrate)")
+    p.add_argument("--await-restore", action="store_true", help="wait for the agent to restore a state first")
+    p.add_argument("--name", default="training")
+    p.add_argument("--out", default=None, help="write the final losses and digest as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    try:
+        cfg = TrainingConfig(args.seed, args.size, args.dtype, args.device, args.batch_size, args.seq_len, args.lr)
+        state = TrainingState.create(cfg, name=args.name)
+    except GpumigrateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.await_restore:
+        state.set_ready(False)
+    agent = _agent_callback(state, args.agent_port)
+    if args.await_restore and not state.wait_ready(3600):
+        print("error: no restore arrived within 3600 s", file=sys.stderr)
+        return 1
+    remaining = args.steps - state.step
+    from gpumigrate.workloads.lightning_job import PrintSteps, StepDelay
+
+    callbacks: list[Any] = [PrintSteps(state), StepDelay(args.step_delay_ms / 1000.0)]
+    if agent is not None:
+        callbacks.append(agent)
+    try:
+        if remaining > 0:
+            train(state, remaining, callbacks)
+    finally:
+        close = getattr(agent, "close", None)
+        if callable(close):
+            close()
+    result = {"event": "done", "step": state.step, "losses": state.losses, "weights_digest": state.weights_digest()}
+    if args.out:
+        atomic_write_bytes(args.out, (json.dumps(result) + "\n").encode())
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
