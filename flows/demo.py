@@ -140,7 +140,7 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
         plan_path = mdir / "demo-plan.yaml"
         atomic_write_bytes(plan_path, yaml.safe_dump(plan, sort_keys=False).encode())
         create_migration(plan_path, migration_id=mid, resume=False,
-                         runtime={"traffic_state_dir": str(mdir / "traffic"), "demo": True})
+                         runtime={"traffic_state_dir": str(mdir / "traffic"), "target_attached": True})
         m = Migration.open(mid)
         # Its own process: a load generator sharing this process's GIL with the flow would measure itself.
         load = LoadProcess(door.url + "/v1/generate", rps=DEMO_RPS, seconds=600,
@@ -148,10 +148,13 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
         injector = FaultInjector(m, fault)
         view = LiveView(mid, None, enabled=live)
         lines = PhaseLines(mid)
-        with listening(mid, injector.on_event), listening(mid, view.on_event), view:
+        progress = view.on_event if live else lines.on_event
+        with listening(mid, injector.on_event), listening(mid, progress), view:
             result = run_migration(mid)
         load.stop()
         report = load.wait(timeout_s=60)
+        emit(m, "demo.load", {"rps": DEMO_RPS, "total": report.total, "failed": report.failed, "errors": report.errors,
+                              "failed_per_second": {str(b["t"]): b["failed"] for b in report.per_second if b["failed"]}})
         merge_result(m, requests={"total": report.total, "failed": report.failed, "p50_ms": report.p50_ms,
                                   "p99_ms": report.p99_ms}, downtime_ms=report.downtime_ms)
         from gpumigrate.flows.context import RunContext

@@ -25,21 +25,55 @@ ACTIONS = ("checkpoint", "restore", "resume", "check")
 
 
 def run_action(action: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Do one host-level action here, through the snapshot backends."""
+    """Do one host-level action here, through the snapshot backends (and the transfer engine for CRIU).
+
+    cuda-driver (same host): ``checkpoint`` suspends ``pid`` (its GPU memory moves to host RAM, the GPU
+    is free), ``restore`` resumes it, optionally onto other GPUs (``gpu_pairs``). criu (across hosts):
+    ``checkpoint`` dumps ``pid`` into ``images_dir`` and packs it into ``store``; ``restore`` unpacks
+    ``image_id`` and restores the tree, returning the new pid. ``check`` says whether the backend works.
+    """
     if action not in ACTIONS:
         raise InvalidInputError(f"host action {action!r} is not one of {', '.join(ACTIONS)}")
-    backend = params.get("backend", "cuda-driver")
+    backend = params.get("backend")
     if backend == "cuda-driver":
-        from gpumigrate.snapshot import cuda_driver as mod
-    elif backend == "criu":
-        from gpumigrate.snapshot import criu as mod
-    else:
-        raise InvalidInputError(f"host actions are for the cuda-driver and criu backends, not {backend!r}")
-    fn = getattr(mod, f"{action}_action", None) or getattr(mod, action, None)
-    if fn is None:
-        raise SnapshotError(f"the {backend} backend offers no {action!r} action on this version")
-    out = fn(**{k: v for k, v in params.items() if k not in ("backend", "migration_id")})
-    return out if isinstance(out, dict) else {"result": str(out)}
+        return _cuda_driver(action, params)
+    if backend == "criu":
+        return _criu(action, params)
+    raise InvalidInputError(f"host actions are for the cuda-driver and criu backends, not {backend!r}")
+
+
+def _cuda_driver(action: str, params: dict[str, Any]) -> dict[str, Any]:
+    from gpumigrate.snapshot import cuda_driver
+
+    if action == "check":
+        return {"driver_version": list(cuda_driver.driver_version()), "gpus": cuda_driver.gpu_uuids()}
+    proc = cuda_driver.CudaProcess(int(params["pid"]))
+    if action == "checkpoint":
+        proc.suspend(int(params.get("timeout_ms", 10_000)))
+    else:  # restore / resume
+        proc.resume(params.get("gpu_pairs"))
+    return {"pid": int(params["pid"]), "state": proc.state()}
+
+
+def _criu(action: str, params: dict[str, Any]) -> dict[str, Any]:
+    from gpumigrate.snapshot import criu
+
+    from gpumigrate import transfer
+
+    if action == "check":
+        info = criu.detect()
+        criu.check_kernel(info.binary)
+        return {"binary": info.binary, "plugin": info.plugin}
+    key_ref = params.get("key_ref") or {}
+    key = transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file")) if key_ref else None
+    if action == "checkpoint":
+        ref = criu.dump_and_pack(int(params["pid"]), params["images_dir"],
+                                 lambda paths: transfer.pack_paths(paths, params["store"], key=key))
+        return {"image_id": ref.id, "bytes_image": ref.bytes_image, "bytes_sent": ref.bytes_sent}
+    if action == "restore":
+        transfer.unpack(params["store"], params["image_id"], params["images_dir"], key=key)
+        return {"pid": criu.restore(params["images_dir"])}
+    raise InvalidInputError("criu has no separate resume: a dump without --leave-running stops the source")
 
 
 def deployment_name(host: str) -> str:

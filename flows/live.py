@@ -51,10 +51,11 @@ class PhaseLines:
         console.print(f"[bold {color}]{result.status}[/] migration {result.migration_id} (exit {result.exit_code})")
         if result.error:
             console.print(f"  {result.error}", soft_wrap=True)
+        # soft_wrap: a path must stay on one line, copy-pasteable.
         if result.report:
-            console.print(f"  report: {result.report}")
+            console.print(f"  report: {result.report}", soft_wrap=True, highlight=False)
         if result.chart:
-            console.print(f"  chart:  {result.chart}")
+            console.print(f"  chart:  {result.chart}", soft_wrap=True, highlight=False)
 
 
 class LiveView:

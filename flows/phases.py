@@ -52,12 +52,12 @@ def provision(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     from gpumigrate.infra import get_provider, provision_host, spec_from_plan
 
-    provider = get_provider(plan.target.provider, **wiring.provider_options(plan.target.provider))
+    provider = get_provider(plan.target.provider, **wiring.provider_options(plan.target.provider, ctx))
     spec = spec_from_plan(plan, migration_id=m.id)
     host = provision_host(provider, spec, migration_id=m.id,
                           allowed_jurisdictions=plan.data.allowed_jurisdictions, record=m.record)
     host = provider.wait_ready(host, timeout_s=300)
-    ctx.put(target_host=asdict(host))
+    ctx.put(target_host=asdict(host), target_torn_down=False)
     endpoints = wiring.start_target_workload(provider, host, ctx)
     ctx.put(**endpoints)
     # The target's own store: a copy of the image next to the target (pushed by the transfer phase).
@@ -71,7 +71,9 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
     """Live pre-copy rounds while the source serves, then freeze → final image → (inference) resume."""
     m, plan = ctx.migration, ctx.plan
     if plan.snapshot.backend != "agent":
-        return wiring.host_level_snapshot(ctx)
+        out = wiring.host_level_snapshot(ctx)
+        emit(m, "image.committed", {"backend": plan.snapshot.backend, **out})
+        return out
     agent = wiring.agent(plan.workload.agent, "source")
     store, key_ref = ctx.store_url(), ctx.key_ref()
     parent = ctx.get("image_id")  # a resumed migration dedups against what it already shipped
@@ -111,6 +113,8 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
 def transfer(ctx: RunContext) -> dict[str, Any]:
     """Push the image to the target's store (only missing chunks move), or verify it in place."""
     m, plan = ctx.migration, ctx.plan
+    if plan.snapshot.backend == "cuda-driver":
+        return {"skipped": "cuda-driver restores in place on the same host: no image moves"}
     image_id = ctx.need("image_id")
     src, dst = ctx.store_url(), ctx.get("target_store") or ctx.store_url()
     key = wiring.resolve_key(ctx.key_ref())
@@ -138,6 +142,11 @@ def transfer(ctx: RunContext) -> dict[str, Any]:
 def restore(ctx: RunContext) -> dict[str, Any]:
     """Rebuild the state on the target from the verified image; wait until it reports ready."""
     m = ctx.migration
+    if ctx.plan.snapshot.backend != "agent":
+        out = wiring.host_level_restore(ctx)
+        wiring.wait_ready(ctx.need("target_endpoint"), timeout_s=300)
+        emit(m, "image.restored", {"backend": ctx.plan.snapshot.backend, "image_id": ctx.get("image_id"), **out})
+        return out
     image_id = ctx.need("image_id")
     target = wiring.agent(ctx.need("target_agent"), "target")
     out = target.restore(ctx.get("target_store") or ctx.store_url(), image_id, ctx.key_ref(),
@@ -230,11 +239,27 @@ def _quietly(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
         return None
 
 
+def failure_reason(m: Migration, default: str) -> str:
+    """Why we are undoing: the failed phase's error, else the rollback request, else ``default``."""
+    try:
+        for name in PHASES:
+            ph = m.phase(name)
+            if ph.get("status") == "failed" and (ph.get("result") or {}).get("error"):
+                return f"{name} failed: {ph['result']['error']}"[:300]
+        req = m.rollback_requested()
+        if req:
+            return f"rollback requested by {req.get('actor')}: {req.get('reason')}"[:300]
+    except Exception:
+        pass
+    return default
+
+
 def undo_traffic(migration_id: str, *, reason: str) -> None:
     """All traffic back to the source in one update. Idempotent."""
     m = _quietly("open", Migration.open, migration_id)
     if m is None:
         return
+    reason = failure_reason(m, reason)
     ctx = RunContext(m, _quietly("plan", _plan_of, m))
     done = _quietly("traffic", wiring.traffic_to_source, ctx, reason)
     if done:
@@ -262,9 +287,11 @@ def undo_target(migration_id: str, *, reason: str) -> None:
     if m is None:
         return
     ctx = RunContext(m, _quietly("plan", _plan_of, m))
+    reason = failure_reason(m, reason)
     if ctx.get("target_host") and not ctx.get("target_torn_down") and _quietly("terminate", wiring.terminate_target, ctx):
         _quietly("state", ctx.put, target_torn_down=True)
-        _quietly("record", emit, m, "rollback.target_torn_down", {"host": ctx.get("target_host", {}).get("name")})
+        _quietly("record", emit, m, "rollback.target_torn_down",
+                 {"host": ctx.get("target_host", {}).get("name"), "reason": reason})
     for name in PHASES[PHASES.index("provision"):]:
         if _quietly("phase", m.phase, name) and m.phase(name).get("status") in ("completed", "running", "failed"):
             _quietly("state", m.set_phase, name, "rolled_back")

@@ -74,6 +74,9 @@ def run_migration_cli(plan_path: str | Path, *, migration_id: str | None, resume
 
 def rollback_cli(migration_id: str, *, reason: str) -> dict[str, Any]:
     """``gpumigrate rollback``: through the rollback flow, the same path as the Prefect UI's button."""
+    from gpumigrate.state import Migration
+
+    Migration.open(migration_id)  # a wrong id fails fast (exit 2), before Prefect starts
     prefect_env.configure(quiet_console=True)
     from gpumigrate.flows.rollback import rollback_flow
 

@@ -44,17 +44,23 @@ def redact(url: str) -> str:
 
 
 # ----------------------------------------------------------------------------- infra
-def provider_options(name: str) -> dict[str, Any]:
-    """Provider options from the environment (endpoints for moto/fake GCP in tests; nothing secret)."""
+def provider_options(name: str, ctx: Any = None) -> dict[str, Any]:
+    """Provider options from the environment and the run (endpoints for moto in tests; nothing secret).
+
+    A local target is detached by default: after the cutover it IS the service, so it must outlive
+    the ``gpumigrate migrate`` process. The demo attaches it, so nothing outlives the demo.
+    """
     if name == "aws" and os.environ.get("AWS_ENDPOINT_URL"):
         return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
+    if name == "local" and ctx is not None:
+        return {"attached": bool(ctx.get("target_attached", False))}
     return {}
 
 
 def _provider_for(ctx: Any) -> Any:
     from gpumigrate.infra import get_provider
 
-    return get_provider(ctx.plan.target.provider, **provider_options(ctx.plan.target.provider))
+    return get_provider(ctx.plan.target.provider, **provider_options(ctx.plan.target.provider, ctx))
 
 
 def _host(ctx: Any) -> Host:
@@ -68,6 +74,10 @@ def start_target_workload(provider: Any, host: Host, ctx: Any) -> dict[str, Any]
     to boot the workload from their machine image, listening on the ports the host reports.
     """
     plan = ctx.plan
+    if plan.snapshot.backend != "agent":
+        # The restored process IS the workload (CRIU restores its sockets): nothing to start here.
+        port = int(urlsplit(plan.workload.endpoint or "http://x:80").port or 80)
+        return {"target_endpoint": f"http://{host.address}:{port}", "target_agent": None}
     service_port, agent_port = host.ports.get("service"), host.ports.get("agent")
     if service_port is None or agent_port is None:
         raise ProviderError(f"host {host.name} reports no 'service'/'agent' ports: cannot place the workload")
@@ -179,11 +189,37 @@ def agent(address: str | None, side: str) -> _Agent:
 
 
 def host_level_snapshot(ctx: Any) -> dict[str, Any]:
-    """cuda-driver / CRIU: act where the process lives, through that host's Prefect worker."""
+    """cuda-driver / CRIU: act on the source process where it lives, through that host's Prefect worker."""
     from gpumigrate.flows.host_actions import dispatch
 
-    return dispatch(ctx.plan.workload.source_host, "checkpoint",
-                    {"migration_id": ctx.migration.id, "backend": ctx.plan.snapshot.backend})
+    plan = ctx.plan
+    pid = ctx.get("source_info", {}).get("pid")
+    if not pid:
+        raise InvalidInputError(f"the {plan.snapshot.backend} backend acts on the source process by pid, and "
+                                f"{plan.workload.endpoint}/v1/info reports none")
+    params: dict[str, Any] = {"backend": plan.snapshot.backend, "pid": int(pid)}
+    if plan.snapshot.backend == "criu":
+        params.update(images_dir=str(ctx.migration.dir / "criu-dump"), store=ctx.store_url(), key_ref=ctx.key_ref())
+    out = dispatch(plan.workload.source_host, "checkpoint", params)
+    ctx.put(source_pid=int(pid))
+    if out.get("image_id"):
+        ctx.put(image_id=out["image_id"], image=out)
+    return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool))}
+
+
+def host_level_restore(ctx: Any) -> dict[str, Any]:
+    """cuda-driver: resume the suspended process (same host); criu: restore the dumped tree on the target."""
+    from gpumigrate.flows.host_actions import dispatch
+
+    plan = ctx.plan
+    if plan.snapshot.backend == "cuda-driver":
+        out = dispatch(plan.workload.source_host, "restore", {"backend": "cuda-driver", "pid": ctx.need("source_pid")})
+    else:
+        host = ctx.need("target_host")
+        out = dispatch(host["name"], "restore", {
+            "backend": "criu", "store": ctx.get("target_store") or ctx.store_url(), "image_id": ctx.need("image_id"),
+            "images_dir": str(Path(host.get("workdir") or ctx.migration.dir) / "criu-restore"), "key_ref": ctx.key_ref()})
+    return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool))}
 
 
 # ----------------------------------------------------------------------------- transfer
@@ -256,5 +292,8 @@ def traffic_to_source(ctx: Any, reason: str) -> dict[str, float] | None:
     store = StateStore(d)
     if not store.exists():
         return None
+    before = store.read()
+    if all(w == 0 for name, w in before.weights.items() if name != before.primary):
+        return None  # already all on the source (never ramped, or the controller rolled back itself)
     state = rollback_to_source(d, reason)
     return dict(state.weights)

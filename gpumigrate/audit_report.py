@@ -52,3 +52,18 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     for key in ("residency", "images", "parity", "rollbacks"):
         if report[key]:
             console.print(f"[bold]{key}[/]: {report[key]}")
+    render_traffic(report, console)
+
+
+def render_traffic(report: dict[str, Any], console: Console) -> None:
+    """The traffic timeline (stages, cutover, rollbacks) as its own table."""
+    rows = report.get("traffic") or []
+    if not rows:
+        return
+    table = Table(title="traffic timeline")
+    for col in ("at", "event", "detail"):
+        table.add_column(col)
+    for r in rows:
+        detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("at", "event") and not isinstance(v, (dict, list)))
+        table.add_row(r["at"], r["event"], detail[:120])
+    console.print(table)

@@ -104,7 +104,7 @@ def create(host_id: str, index: int, *, rate: str | None = None, delay: str | No
         _run("ip", "link", "set", link.ns_if, "up", ns=link.ns)
         _run("ip", "route", "add", "default", "via", link.host_ip, ns=link.ns)
         if rate or delay:
-            shaping = ["netem"] + (["rate", rate] if rate else []) + (["delay", delay] if delay else [])
+            shaping = shaping_qdisc(rate, delay, link.host_if)
             # Both directions: the root end shapes traffic into the host, the namespace end traffic out of it.
             _run("tc", "qdisc", "add", "dev", link.host_if, "root", *shaping)
             _run("tc", "qdisc", "add", "dev", link.ns_if, "root", *shaping, ns=link.ns)
@@ -113,6 +113,49 @@ def create(host_id: str, index: int, *, rate: str | None = None, delay: str | No
         destroy(link.ns, link.host_if)
         raise
     return link
+
+
+_UNITS = {
+    "bit": 1,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "bps": 8,
+    "kbps": 8e3,
+    "mbps": 8e6,
+    "gbps": 8e9,
+}
+
+
+def rate_bits(rate: str) -> float:
+    m = re.match(r"^(\d+(?:\.\d+)?)([a-z]+)$", rate)
+    if not m or m.group(2) not in _UNITS:
+        raise InvalidInputError(f"rate {rate!r} is not a tc rate; use e.g. 100mbit, 1gbit, 500kbit")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def netem_available(dev: str) -> bool:
+    """Some kernels (this CI's included) ship without sch_netem; tbf is always there. Probes on our own ``dev``."""
+    argv = ["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", "0ms"]
+    if subprocess.run(argv, capture_output=True, check=False).returncode == 0:
+        subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
+        return True
+    return False
+
+
+def shaping_qdisc(rate: str | None, delay: str | None, probe_dev: str) -> list[str]:
+    """tc arguments: netem (rate and delay) where the kernel has it, else tbf (rate only)."""
+    if netem_available(probe_dev):
+        return ["netem"] + (["rate", rate] if rate else []) + (["delay", delay] if delay else [])
+    if delay:
+        raise ProviderError(
+            f"delay {delay} needs the netem qdisc, which this kernel lacks; shape the rate only (tbf works here)"
+        )
+    assert rate is not None
+    # A token bucket: burst of ~10 ms of traffic (at least 32 KiB) so the rate holds without stalls.
+    burst = max(32 * 1024, int(rate_bits(rate) / 8 / 100))
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", "50ms"]
 
 
 def _enable_forwarding() -> None:

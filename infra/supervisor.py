@@ -110,7 +110,7 @@ class Supervisor:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    preexec_fn=child_preexec(os.getpid(), netns_path),  # noqa: PLW1509 - single-threaded by design
+                    preexec_fn=child_preexec(os.getpid(), netns_path),  # single-threaded process: preexec is safe
                     close_fds=True,
                 )
             except OSError as exc:
@@ -200,9 +200,8 @@ class Supervisor:
                         continue
                     conn.setblocking(True)
                     self._serve_client(conn)
-                elif key.data == "parent":
-                    if not os.read(self.parent_fd, 4096):  # EOF: the launching process is gone
-                        self.stopping = True
+                elif key.data == "parent" and not os.read(self.parent_fd, 4096):
+                    self.stopping = True  # EOF: the launching process is gone, however it died
             self.reap()
         self.shutdown()
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from gpumigrate.parity.urls import redact_url
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, ParityError, PolicyDeniedError
@@ -196,19 +197,20 @@ def check_environment(
 
 def fetch_info(url: str, *, path: str = "/v1/info", timeout_s: float = 10.0) -> dict[str, Any]:
     """Facts from a running service's info endpoint. Raises ParityError when it does not answer."""
+    where = redact_url(url.rstrip("/") + path)
     try:
         with httpx.Client(timeout=timeout_s, trust_env=False) as client:
             resp = client.get(url.rstrip("/") + path)
     except httpx.HTTPError as exc:
-        raise ParityError(f"environment facts: {path} did not answer: {type(exc).__name__}: {exc}") from None
+        raise ParityError(f"environment facts: {where} did not answer: {type(exc).__name__}: {exc}") from None
     if resp.status_code != 200:
-        raise ParityError(f"environment facts: {path} answered HTTP {resp.status_code}")
+        raise ParityError(f"environment facts: {where} answered HTTP {resp.status_code}")
     try:
         body = resp.json()
     except ValueError:
-        raise ParityError(f"environment facts: {path} did not return JSON") from None
+        raise ParityError(f"environment facts: {where} did not return JSON") from None
     if not isinstance(body, dict):
-        raise ParityError(f"environment facts: {path} did not return a JSON object")
+        raise ParityError(f"environment facts: {where} did not return a JSON object")
     return body
 
 

@@ -15,12 +15,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from gpumigrate.parity.rules import Rules, build_frame, evaluate
+from gpumigrate.parity.urls import check_url, redact_url
 
 from gpumigrate.errors import InvalidInputError, ParityError
+
+__all__ = [
+    "DEFAULT_PATH", "GoldenCase", "OutputParityResult", "check_url", "compare_outputs", "load_golden",
+    "query_outputs", "redact_url", "run_output_parity",
+]  # fmt: skip
 
 MAX_CASES = 10_000
 DEFAULT_PATH = "/v1/generate"
@@ -51,16 +56,6 @@ class OutputParityResult:
         return {**self.summary(), "failures": self.failures, "seconds": round(self.seconds, 4),
                 "judge_seconds": round(self.judge_seconds, 4), "judged_by": self.judged_by,
                 "artifacts": self.artifacts}  # fmt: skip
-
-
-def redact_url(url: str) -> str:
-    """Drop user:password@ from a URL before it reaches reports or logs."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 def load_golden(path: str | Path) -> list[GoldenCase]:
@@ -101,13 +96,6 @@ def load_golden(path: str | Path) -> list[GoldenCase]:
     if not cases:
         raise InvalidInputError(f"golden inputs {p}: no cases (one JSON object per line)")
     return cases
-
-
-def check_url(url: str, side: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidInputError(f"{side} URL {url!r} is not valid: use http(s)://host:port, e.g. http://127.0.0.1:8000")
-    return url.rstrip("/")
 
 
 def query_outputs(

@@ -132,6 +132,10 @@ def _to_float(value: Any) -> float:
         return math.nan  # not a number at all: judged like NaN (a failure unless both sides agree)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
 def _equal(s: Any, t: Any) -> bool:
     try:
         return bool(s == t)
@@ -147,6 +151,7 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
     tol_idx: list[int] = []
     tol_src: list[float] = []
     tol_tgt: list[float] = []
+    tol_odd: list[bool] = []
 
     def add(case: str, name: str, kind: str, pos: int, s_in: bool, t_in: bool, s: Any, t: Any) -> int:
         cols["case"].append(case)
@@ -178,6 +183,8 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
                         tol_idx.append(i)
                         tol_src.append(_to_float(s))
                         tol_tgt.append(_to_float(t))
+                        # A value that is not a number at all (a string, null) must equal its counterpart.
+                        tol_odd.append(not (_is_number(s) and _is_number(t)) and not _equal(s, t))
 
     n = len(cols["case"])
     finite_ok = np.ones(n, dtype=bool)
@@ -190,7 +197,7 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
         both = s_fin & t_fin
         # Non-finite values must match exactly: NaN with NaN, +Inf with +Inf.
         same_nonfinite = ~s_fin & ~t_fin & ((np.isnan(s_arr) & np.isnan(t_arr)) | (s_arr == t_arr))
-        finite_ok[idx] = both | same_nonfinite
+        finite_ok[idx] = (both | same_nonfinite) & ~np.asarray(tol_odd, dtype=bool)
         with np.errstate(invalid="ignore"):
             err = np.abs(s_arr - t_arr)
             allowed = rules.atol + rules.rtol * np.abs(s_arr)

@@ -54,9 +54,9 @@ def find_plugin(dirs: Sequence[str] | None = None) -> str | None:
 
 def detect(binary: str | None = None, *, need_cuda: bool = True) -> CriuInfo:
     """Find CRIU, check it is 4+ and (for GPU processes) that its CUDA plugin is installed."""
-    path = binary or shutil.which("criu")
+    path = shutil.which(binary or "criu")
     if not path:
-        raise CriuUnavailable("CRIU is not installed on this host (no 'criu' on PATH)",
+        raise CriuUnavailable(f"CRIU is not installed on this host (no {binary or 'criu'!r} found)",
                               hint=f"install CRIU {MIN_VERSION[0]}.{MIN_VERSION[1]}+ with its CUDA plugin, or use snapshot backend 'agent'")
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
@@ -73,9 +73,12 @@ def detect(binary: str | None = None, *, need_cuda: bool = True) -> CriuInfo:
     return CriuInfo(path, version, plugin)
 
 
-def check_kernel(binary: str) -> None:
+def check_kernel(binary: str | None = None) -> None:
     """``criu check``: refuse with CRIU's own words when this kernel lacks what it needs."""
-    out = subprocess.run([binary, "check"], capture_output=True, text=True, timeout=60)
+    path = shutil.which(binary or "criu")
+    if not path:
+        raise CriuUnavailable("CRIU is not installed on this host (no 'criu' on PATH)")
+    out = subprocess.run([path, "check"], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
         raise CriuUnavailable("criu check failed on this kernel: " + "; ".join(lines[-3:]))

@@ -30,8 +30,21 @@ def _driver_version() -> str | None:
     return None
 
 
+_FACTS: dict[str, Any] | None = None
+
+
 def env_facts() -> dict[str, Any]:
-    """What a restore may compare: software versions and the accelerator, never secrets or paths."""
+    """What a restore may compare: software versions and the accelerator, never secrets or paths.
+
+    Read once per process (they do not change while it runs, and a final round must not pay for them).
+    """
+    global _FACTS
+    if _FACTS is None:
+        _FACTS = _read_facts()
+    return dict(_FACTS)
+
+
+def _read_facts() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     facts: dict[str, Any] = {
         "python": platform.python_version(),

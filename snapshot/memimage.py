@@ -5,6 +5,11 @@ plaintext, chunks are content-addressed (dedup), and the manifest is signed with
 reader refuses forged or altered manifests and chunks, as the transfer engine's reader does. It
 does no compression or encryption and moves nothing between hosts; real migrations use
 ``gpumigrate.transfer`` (wired in ``workloads/agent_hook.py``).
+
+With an ``arena`` (a pre-allocated, optionally pinned host tensor) it supports the pipeline's direct
+placement: ``reserve`` hands out a slice for the device→host copy, ``put_reserved`` hashes it in
+place, and the reader's ``chunk_tensor`` returns the verified slice for the host→device copy, so no
+byte is copied on the host.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
+
+import torch
 
 from gpumigrate.errors import IntegrityError, NotFoundError, SnapshotError
 from gpumigrate.interfaces import ImageRef, RegionInfo
@@ -34,17 +41,44 @@ except ImportError:  # pragma: no cover - blake3 is a project dependency; the fa
 class MemoryStore:
     """Chunks and signed manifests in a dict. ``url`` is informational (``mem://name``)."""
 
-    def __init__(self, url: str = "mem://local") -> None:
+    def __init__(self, url: str = "mem://local", *, arena: torch.Tensor | None = None) -> None:
         self.url = url
         self.chunks: dict[str, bytes] = {}
+        self.placed: dict[str, tuple[int, int]] = {}  # chunk id -> (offset, length) in the arena
         self.manifests: dict[str, tuple[bytes, str]] = {}
         self._lock = threading.Lock()
+        self.arena = arena
+        self._arena_np = arena.numpy() if arena is not None else None
+        self._top = 0
+
+    def has(self, chunk_id: str) -> bool:
+        return chunk_id in self.chunks or chunk_id in self.placed
+
+    def alloc(self, n: int) -> int | None:
+        """Offset of ``n`` free arena bytes (4 KiB aligned), or None when there is no (room in the) arena."""
+        if self.arena is None:
+            return None
+        with self._lock:
+            off = self._top
+            if off + n > self.arena.numel():
+                return None
+            self._top = off + ((n + 4095) & ~4095)
+            return off
+
+    def view(self, off: int, n: int) -> memoryview:
+        return memoryview(self._arena_np[off : off + n])  # type: ignore[index]
+
+    def data(self, chunk_id: str) -> memoryview | bytes | None:
+        loc = self.placed.get(chunk_id)
+        if loc is not None:
+            return self.view(*loc)
+        return self.chunks.get(chunk_id)
 
     def writer(self, key: bytes, *, chunk_size: int = 4 << 20, parent: str | None = None, hash_chunks: bool = True) -> MemoryWriter:
         return MemoryWriter(self, key, chunk_size=chunk_size, parent=parent, hash_chunks=hash_chunks)
 
-    def reader(self, image_id: str, key: bytes) -> MemoryReader:
-        return MemoryReader(self, image_id, key)
+    def reader(self, image_id: str, key: bytes, *, verify_chunks: bool = True) -> MemoryReader:
+        return MemoryReader(self, image_id, key, verify_chunks=verify_chunks)
 
 
 class MemoryWriter:
@@ -60,6 +94,7 @@ class MemoryWriter:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self._serial = 0
+        self._reserved: dict[tuple[str, int], tuple[int, int]] = {}
 
     def add_region(self, info: RegionInfo) -> None:
         self._regions[info.name] = info
@@ -67,12 +102,7 @@ class MemoryWriter:
 
     def put_chunk(self, region: str, index: int, data: memoryview) -> str:
         blob = bytes(data)  # the copy out of the caller's (ring) buffer
-        if self._hash:
-            cid = _digest(blob)
-        else:  # benchmark variant: measures the pipeline without hashing; never used for restores
-            with self._lock:
-                self._serial += 1
-                cid = f"nohash-{id(self)}-{self._serial}"
+        cid = self._id_of(blob)
         with self.store._lock:
             self.store.chunks.setdefault(cid, blob)
         with self._lock:
@@ -80,8 +110,35 @@ class MemoryWriter:
             self.bytes_sent += len(blob)
         return cid
 
+    def _id_of(self, data: Any) -> str:
+        if self._hash:
+            return _digest(data)
+        with self._lock:  # benchmark variant: measures the pipeline without hashing; never restorable
+            self._serial += 1
+            return f"nohash-{id(self)}-{self._serial}"
+
+    def reserve(self, region: str, index: int, n: int) -> torch.Tensor | None:
+        off = self.store.alloc(n)
+        if off is None:
+            return None
+        with self._lock:
+            self._reserved[(region, index)] = (off, n)
+        return self.store.arena[off : off + n]  # type: ignore[index]
+
+    def put_reserved(self, region: str, index: int) -> str:
+        with self._lock:
+            off, n = self._reserved.pop((region, index))
+        cid = self._id_of(self.store.view(off, n))
+        with self.store._lock:
+            if not self.store.has(cid):
+                self.store.placed[cid] = (off, n)
+        with self._lock:
+            self._ids[region][index] = cid
+            self.bytes_sent += n
+        return cid
+
     def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
-        if chunk_id not in self.store.chunks:
+        if not self.store.has(chunk_id):
             raise SnapshotError(f"reuse of chunk {chunk_id[:12]} that the store does not hold")
         with self._lock:
             self._ids[region][index] = chunk_id
@@ -113,7 +170,10 @@ class MemoryWriter:
 
 
 class MemoryReader:
-    def __init__(self, store: MemoryStore, image_id: str, key: bytes) -> None:
+    """``verify_chunks=False`` exists for the benchmark's pipeline-bound figure only; restores verify."""
+
+    def __init__(self, store: MemoryStore, image_id: str, key: bytes, *, verify_chunks: bool = True) -> None:
+        self.verify = verify_chunks
         if image_id not in store.manifests:
             raise NotFoundError(f"image {image_id} is not in {store.url}")
         manifest, sig = store.manifests[image_id]
@@ -137,13 +197,39 @@ class MemoryReader:
     def chunk_count(self, region: str) -> int:
         return len(self._chunks[region])
 
-    def read_chunk_into(self, region: str, index: int, out: memoryview) -> int:
+    def _verified(self, region: str, index: int) -> tuple[str, memoryview | bytes]:
         cid = self._chunks[region][index]
-        data = self.store.chunks.get(cid)
+        data = self.store.data(cid)
         if data is None:
             raise IntegrityError(f"chunk {cid[:12]} of {region} is missing from {self.store.url}")
         if _digest(data) != cid:
             raise IntegrityError(f"chunk {index} of {region}: BLAKE3 digest does not match its id (corrupted)")
+        return cid, data
+
+    def chunk_tensor(self, region: str, index: int, *, verified: bool = True) -> torch.Tensor:
+        """A chunk's plaintext as a host tensor (an arena slice: pinned, no copy).
+
+        ``verified=False`` returns it before its BLAKE3 check so the host→device copy can overlap the
+        hash; the caller must then call :meth:`verify_chunk` and fail the restore if it raises.
+        """
+        if verified and self.verify:
+            cid, data = self._verified(region, index)
+        else:
+            cid = self._chunks[region][index]
+            data = self.store.data(cid)
+            if data is None:
+                raise IntegrityError(f"chunk {cid[:12]} of {region} is missing from {self.store.url}")
+        loc = self.store.placed.get(cid)
+        if loc is not None:
+            return self.store.arena[loc[0] : loc[0] + loc[1]]  # type: ignore[index]
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+    def verify_chunk(self, region: str, index: int) -> None:
+        if self.verify:
+            self._verified(region, index)
+
+    def read_chunk_into(self, region: str, index: int, out: memoryview) -> int:
+        _, data = self._verified(region, index)
         if len(data) > len(out):
             raise IntegrityError(f"chunk {index} of {region} is {len(data)} bytes, larger than its slot")
         out[: len(data)] = data

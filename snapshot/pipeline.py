@@ -75,21 +75,31 @@ class Pipeline:
 
     # ------------------------------------------------------------------ capture
     def capture(self, writer: ImageWriter, jobs: Sequence[Job], *, stage: bool) -> tuple[list[str], list[int]]:
-        """Ship ``jobs``; return their chunk ids and the fingerprints of the bytes shipped, in job order."""
+        """Ship ``jobs``; return their chunk ids and the fingerprints of the bytes shipped, in job order.
+
+        A writer with direct placement (``reserve(region, index, n) -> host tensor | None`` and
+        ``put_reserved(region, index) -> chunk id``, e.g. an in-memory sink with a pinned arena) gets
+        the device→host copy straight into its own memory: no ring slot, no extra host copy.
+        """
         ids: list[str | None] = [None] * len(jobs)
         fps: list[torch.Tensor | None] = [None] * len(jobs)
         futures: list[Future[None]] = []
         cuda = self.device.type == "cuda"
+        direct = hasattr(writer, "reserve") and hasattr(writer, "put_reserved")
         if cuda:
             torch.cuda.synchronize(self.device)  # work the workload queued before this round is in the bytes
         error: list[BaseException] = []
 
-        def send(i: int, slot: int, n: int, event: torch.cuda.Event | None) -> None:
+        def send(i: int, slot: int, n: int, event: torch.cuda.Event | None, reserved: bool) -> None:
             try:
                 if event is not None:
                     event.synchronize()
                 if not error:
-                    ids[i] = writer.put_chunk(jobs[i].region, jobs[i].index, memoryview(self.ring.host[slot].numpy())[:n])
+                    job = jobs[i]
+                    if reserved:
+                        ids[i] = writer.put_reserved(job.region, job.index)  # type: ignore[attr-defined]
+                    else:
+                        ids[i] = writer.put_chunk(job.region, job.index, memoryview(self.ring.host[slot].numpy())[:n])
             except BaseException as exc:  # reported once, after the pool drains
                 error.append(exc)
             finally:
@@ -101,10 +111,17 @@ class Pipeline:
             n = job.data.numel()
             if n > self.chunk_size:
                 raise SnapshotError(f"chunk {job.region}#{job.index} is {n} bytes, larger than the ring slot")
+            host = writer.reserve(job.region, job.index, n) if direct else None  # type: ignore[attr-defined]
+            reserved = host is not None
+            on_gpu = cuda and job.data.is_cuda
+            # Every chunk in flight holds a slot (for the ring copy, the staging copy, or just as a token):
+            # this paces the device→host copies to the hashing workers instead of letting the DMA race
+            # ahead and fight them for host memory bandwidth.
             slot = self.ring.free.get()
-            host = self.ring.host[slot][:n]
+            if host is None:
+                host = self.ring.host[slot][:n]
             event = None
-            if cuda and job.data.is_cuda:
+            if on_gpu:
                 stream = self.streams[i % len(self.streams)]
                 with torch.cuda.stream(stream):
                     src = job.data
@@ -119,7 +136,7 @@ class Pipeline:
             else:
                 host.copy_(job.data)
                 fps[i] = fingerprint_chunks(host, self.chunk_size) if stage else None
-            futures.append(self._pool.submit(send, i, slot, n, event))
+            futures.append(self._pool.submit(send, i, slot, n, event, reserved))
         for f in futures:
             f.result()
         if error:
@@ -131,8 +148,33 @@ class Pipeline:
         """Fill each job's destination bytes from the image; return the bytes loaded."""
         streams = self.streams
 
+        direct = hasattr(reader, "chunk_tensor")
+
         def load(i: int, job: Job) -> int:
             n = job.data.numel()
+            if direct:
+                # The reader holds the plaintext in (pinned) host memory: start the host→device copy,
+                # verify the chunk's BLAKE3 while the DMA runs, and fail the restore if it does not match
+                # (the target is not ready then, so unverified bytes are never served).
+                split = hasattr(reader, "verify_chunk")
+                src = reader.chunk_tensor(job.region, job.index, verified=not split)  # type: ignore[attr-defined]
+                _check_len(job, src.numel(), n)
+                if not job.data.is_cuda:
+                    if split:
+                        reader.verify_chunk(job.region, job.index)  # type: ignore[attr-defined]
+                    job.data.copy_(src)
+                    return n
+                stream = streams[i % len(streams)]
+                with torch.cuda.stream(stream):
+                    job.data.copy_(src, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                try:
+                    if split:
+                        reader.verify_chunk(job.region, job.index)  # type: ignore[attr-defined]
+                finally:
+                    event.synchronize()
+                return n
             if not job.data.is_cuda:
                 # CPU destination: read straight into the tensor's memory.
                 got = reader.read_chunk_into(job.region, job.index, memoryview(job.data.numpy()))

@@ -21,7 +21,12 @@ MAX_LINE = 1 << 20
 
 
 def key_ref_arg(value: Any) -> dict[str, str]:
-    """Accept only a key *reference*: {"env": NAME} or {"file": PATH}. A key itself is refused."""
+    """Accept only a key *reference*: {"env": NAME} or {"file": PATH}, or nothing (an unencrypted store).
+
+    Anything else, a key itself in particular, is refused before any image is touched.
+    """
+    if value is None or value == {}:
+        return {}
     if not isinstance(value, Mapping) or set(value) not in ({"env"}, {"file"}) or not all(isinstance(v, str) for v in value.values()):
         raise SnapshotError('key_ref must be {"env": VARIABLE} or {"file": PATH}: the agent resolves keys locally, never over the wire')
     return dict(value)

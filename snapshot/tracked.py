@@ -162,7 +162,7 @@ def json_blob(name: str, getter: Callable[[], Any], setter: Callable[[Any], None
 
 
 def rng_items(prefix: str = "rng") -> list[BlobItem]:
-    """Torch CPU/CUDA and Python ``random`` generator states, so the next step draws the same numbers."""
+    """Torch CPU/CUDA, numpy and Python ``random`` generator states, so the next step draws the same numbers."""
     items = [
         BlobItem(
             f"{prefix}/torch",
@@ -175,6 +175,16 @@ def rng_items(prefix: str = "rng") -> list[BlobItem]:
             lambda v: random.setstate((v[0], tuple(v[1]), v[2])),
         ),
     ]
+    try:
+        import numpy as np
+
+        items.append(json_blob(
+            f"{prefix}/numpy",
+            lambda: _np_state_to_json(np.random.get_state()),
+            lambda v: np.random.set_state((v[0], np.array(v[1], dtype=np.uint32), v[2], v[3], v[4])),
+        ))
+    except ImportError:  # numpy is optional for the agent
+        pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         n = torch.cuda.device_count()
 
@@ -189,6 +199,11 @@ def rng_items(prefix: str = "rng") -> list[BlobItem]:
 
         items.append(BlobItem(f"{prefix}/cuda", get_cuda, set_cuda))
     return items
+
+
+def _np_state_to_json(state: tuple[Any, ...]) -> list[Any]:
+    name, keys, pos, has_gauss, cached = state
+    return [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
 
 
 def _py_state_to_json(state: tuple[Any, ...]) -> list[Any]:

@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 def bootstrap(*, node_id: str, listen_port: int, admin_port: int, xds_port: int,
-              max_connection_s: float = 30.0, drain_s: float = 2.0) -> dict[str, Any]:
+              max_connection_s: float = 60.0, drain_s: float = 2.0) -> dict[str, Any]:
     """The bootstrap config (Envoy JSON)."""
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -107,7 +107,7 @@ class Envoy:
 
     def __init__(self, workdir: str | Path, *, xds_port: int, node_id: str = "gpumigrate-envoy",
                  listen_port: int | None = None, admin_port: int | None = None, concurrency: int = 1,
-                 binary: str | None = None, max_connection_s: float = 30.0) -> None:
+                 binary: str | None = None, max_connection_s: float = 60.0) -> None:
         self.workdir = Path(workdir)
         self.node_id = node_id
         self.xds_port = xds_port

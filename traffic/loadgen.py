@@ -40,6 +40,16 @@ class LoadReport:
     per_second: list[dict[str, Any]] = field(default_factory=list)
     achieved_rps: float = 0.0
     started_at: float | None = None  # epoch seconds of the first request (to line up fault windows)
+    records: list[list[Any]] | None = None  # [start s, latency ms, ok] per request, when asked for
+
+    def p99_between(self, t_from: float, t_to: float) -> float | None:
+        """p99 of successful requests started in [t_from, t_to) (needs ``records``)."""
+        return _pct(sorted(r[1] for r in self.records or [] if r[2] and t_from <= r[0] < t_to), 0.99)
+
+    def count_between(self, t_from: float, t_to: float) -> tuple[int, int]:
+        """(failed, total) of requests started in [t_from, t_to) (needs ``records``)."""
+        rows = [r for r in self.records or [] if t_from <= r[0] < t_to]
+        return sum(1 for r in rows if not r[2]), len(rows)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LoadReport:
@@ -70,7 +80,7 @@ class LoadGenerator:
 
     def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None,
                  timeout_s: float = 30.0, max_in_flight: int = 4096, connections: int = 64,
-                 bucket_s: float = 1.0) -> None:
+                 bucket_s: float = 1.0, keep_records: bool = False) -> None:
         if rps <= 0 or seconds <= 0:
             raise ValueError("rps and seconds must be positive")
         self.url = url
@@ -81,6 +91,7 @@ class LoadGenerator:
         self.max_in_flight = max_in_flight
         self.connections = connections
         self.bucket_s = bucket_s
+        self.keep_records = keep_records
         self.records: list[tuple[float, float, bool, str]] = []  # (start s, latency ms, ok, error kind)
         self.started_at: float | None = None  # epoch seconds of the first request
         self._stop = threading.Event()
@@ -177,14 +188,18 @@ class LoadGenerator:
                           failed=len(recs) - ok, errors=errors, p50_ms=_pct(lat, 0.5), p99_ms=_pct(lat, 0.99),
                           max_ms=_pct(lat, 1.0), downtime_ms=round(gap * 1000, 1), per_second=per_second,
                           achieved_rps=round(len(recs) / self._elapsed, 1) if self._elapsed else 0.0,
-                          started_at=self.started_at)
+                          started_at=self.started_at,
+                          records=[[round(r[0], 4), round(r[1], 3), r[2]] for r in recs] if self.keep_records else None)
 
 
 class LoadProcess:
     """The load generator in its own process, so its timing is not coupled to the caller's GIL."""
 
-    def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None) -> None:
+    def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None,
+                 keep_records: bool = False) -> None:
         cmd = [sys.executable, "-m", "gpumigrate.traffic.loadgen", url, "--rps", str(rps), "--seconds", str(seconds)]
+        if keep_records:
+            cmd.append("--records")
         if body is not None:
             cmd += ["--body", json.dumps(body)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
@@ -225,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rps", type=float, required=True)
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--body", default=None, help="JSON body to POST")
+    ap.add_argument("--records", action="store_true", help="include every request's (start, latency, ok)")
     args = ap.parse_args(argv)
     gen = LoadGenerator(args.url, rps=args.rps, seconds=args.seconds,
-                        body=json.loads(args.body) if args.body else None)
+                        body=json.loads(args.body) if args.body else None, keep_records=args.records)
     signal.signal(signal.SIGINT, lambda *_: gen.stop())
     signal.signal(signal.SIGTERM, lambda *_: gen.stop())
     gen.on_start = lambda t: print(f"started {t}", flush=True)

@@ -25,7 +25,10 @@ from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.state import StateStore, rollback_to_source, split
 from gpumigrate.traffic.stats import ClusterWindow, StatsSnapshot, merge, parse_stats, window
 
+from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
+
+PROGRESS_FILE = "ramp.json"
 
 
 @dataclass(frozen=True)
@@ -164,12 +167,22 @@ class RampController:
         per = {u: w.to_json() for u, w in window(prev, cur).items()}
         sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
         self.samples.append(sample)
+        self._progress("running", sample)
         if self.on_interval is not None:
             try:
                 self.on_interval(sample)
             except Exception:  # a broken progress view must not stop (or roll back) a ramp
                 pass
         return sample
+
+    def _progress(self, status: str, sample: Sample | None, **extra: Any) -> None:
+        """``ramp.json`` in the state directory: what ``gpumigrate traffic watch`` shows from any process."""
+        doc = {"status": status, "weight": self._weight, "updated": time.time(),
+               "sample": sample.to_json() if sample else None, **extra}
+        try:
+            atomic_write_json(self.store.dir / PROGRESS_FILE, doc)
+        except OSError:  # progress is a view; never a reason to stop a ramp
+            pass
 
     # -- phases -----------------------------------------------------------------------
     def _baseline(self) -> None:
@@ -255,6 +268,10 @@ class RampController:
         state = self.store.read()
         self._weight = state.weights.get(self.target, 0.0)
         if self.prober is not None:
+            if self._weight <= 0:
+                # Warm the target's model and Envoy's connections to it through the probe route,
+                # so the first users at 1% do not pay for a cold start.
+                self.prober.run_round()
             self.prober.start()
         try:
             if state.rolled_back:
@@ -265,6 +282,7 @@ class RampController:
                 if weight < self._weight:
                     continue  # resumed: stages already behind us
                 self._stage(i, weight, hold)
+            self._progress("completed", self.samples[-1] if self.samples else None)
             return RampResult("completed", self.stages, self.samples, self.baseline_p99, seconds=self._now())
         except _RolledBack as rb:
             return self._roll_back(rb)
@@ -290,6 +308,7 @@ class RampController:
                 rec.outcome = "rolled_back"
             rec.ended_t = rec.ended_t or self._now()
         detect = None if rb.detect_from is None else decided - rb.detect_from
+        self._progress("rolled_back", self.samples[-1] if self.samples else None, reason=rb.reason, trigger=rb.trigger)
         return RampResult("rolled_back", self.stages, self.samples, self.baseline_p99, reason=rb.reason,
                           trigger=rb.trigger, seconds_to_detect=detect, rolled_back_at=rolled_at,
                           rollback_applied_s=applied, seconds=self._now())

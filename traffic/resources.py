@@ -124,8 +124,12 @@ def retry_policy(idempotent: bool) -> dict[str, Any]:
 
 
 def route_config(upstreams: list[str], weights: dict[str, float], *, idempotent: bool,
-                 timeout_s: float = 30.0) -> dict[str, Any]:
-    """One route configuration: probe routes by header, then the weighted split of client traffic."""
+                 timeout_s: float = 30.0, failover: bool = True) -> dict[str, Any]:
+    """One route configuration: probe routes by header, then the weighted split of client traffic.
+
+    ``failover=False`` splits over the endpoint clusters directly (a plain weighted split, as most
+    canary tools do); it exists as the benchmark's baseline, to show what the failover buys.
+    """
     routes: list[dict[str, Any]] = [
         {
             "name": f"probe-{u}",
@@ -134,7 +138,7 @@ def route_config(upstreams: list[str], weights: dict[str, float], *, idempotent:
         }
         for u in upstreams
     ]
-    split = [{"name": failover_name(u), "weight": int(round(weights.get(u, 0.0) * WEIGHT_SCALE))}
+    split = [{"name": failover_name(u) if failover else u, "weight": int(round(weights.get(u, 0.0) * WEIGHT_SCALE))}
              for u in upstreams]
     split = [c for c in split if c["weight"] > 0]
     routes.append({

@@ -45,6 +45,7 @@ class DesiredState:
     version: int = 0
     rolled_back: dict[str, Any] | None = None  # {"reason", "actor", "ts"} once rolled back
     updated: float = field(default_factory=time.time)
+    failover: bool = True  # split over X_failover aggregates; False = plain split (benchmark baseline)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -58,7 +59,8 @@ class DesiredState:
         ups = {k: Upstream(**v) for k, v in d["upstreams"].items()}
         return cls(upstreams=ups, weights={k: float(v) for k, v in d["weights"].items()}, primary=d["primary"],
                    idempotent=bool(d.get("idempotent", True)), version=int(d["version"]),
-                   rolled_back=d.get("rolled_back"), updated=float(d.get("updated", 0)))
+                   rolled_back=d.get("rolled_back"), updated=float(d.get("updated", 0)),
+                   failover=bool(d.get("failover", True)))
 
     def validate(self) -> None:
         if self.primary not in self.upstreams:
@@ -111,8 +113,11 @@ class StateStore:
             return -1
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
+    def _locked(self, *, create: bool = False) -> Iterator[None]:
+        if create:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        elif not self.path.exists():
+            raise TrafficError(f"no traffic state in {self.dir} (nothing was set up there)")
         with open(self.dir / ".lock", "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
@@ -123,7 +128,7 @@ class StateStore:
     def init(self, state: DesiredState) -> DesiredState:
         """Write the first state (or replace the upstreams of an existing one), bumping the version."""
         state.validate()
-        with self._locked():
+        with self._locked(create=True):
             state.version = self.version() + 1 if self.exists() else 1
             state.updated = time.time()
             atomic_write_json(self.path, state.to_json())

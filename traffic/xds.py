@@ -52,7 +52,8 @@ def build_snapshot(state: DesiredState) -> Snapshot:
     # The primary goes first so that its probe route and failover order are stable.
     names.sort(key=lambda n: (n != state.primary, n))
     return Snapshot(state.version, res.clusters_for({n: ups[n] for n in names}),
-                    res.route_config(names, state.weights, idempotent=state.idempotent))
+                    res.route_config(names, state.weights, idempotent=state.idempotent,
+                                    failover=state.failover))
 
 
 class _Stream:

@@ -16,6 +16,7 @@ from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 
 
 class GcsStore(Store):
+    prefers_listing = True
     def __init__(self, url: str, *, endpoint_url: str | None = None) -> None:
         from google.cloud import storage
 

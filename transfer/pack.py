@@ -30,7 +30,13 @@ from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError
 from gpumigrate.interfaces import ImageRef, RegionInfo
 
-CDC_AVG = 1 << 20  # FastCDC min/max default to avg/4 and avg*4: 256 KiB / 1 MiB / 4 MiB
+# FastCDC 512 KiB / 2 MiB / 4 MiB (min/avg/max): every chunk is one stored object, and creating a
+# file costs ~0.7 ms here whatever its size, so chunks much under 2 MiB cost more than they dedup.
+CDC_MIN, CDC_AVG, CDC_MAX = 512 << 10, 2 << 20, 4 << 20
+# Files up to this size are concatenated into shared "bundle" regions (one object per ~4 MiB)
+# instead of one object each; the tree records each file's offset and size in its bundle.
+SMALL_FILE = 64 << 10
+BUNDLE_PREFIX = "//bundle/"  # a leading "//" can never come from a path, so never collides with a file
 SNIFF_BYTES = 256 * 1024
 # Byte planes must beat whole-buffer zstd by this much on a sample before a file is treated as floats.
 PLANES_MARGIN = 0.03
@@ -76,10 +82,14 @@ def sniff_itemsize(sample: memoryview) -> int | None:
     return best_k
 
 
-def _cuts(view: memoryview, itemsize: int | None, chunk_size: int) -> list[tuple[int, int]]:
+def _cuts(view: memoryview, itemsize: int | None, chunk_size: int) -> Iterator[tuple[int, int]]:
+    """Chunk boundaries, produced lazily so workers start on the first chunks while FastCDC reads on."""
     if itemsize:
-        return [(off, min(chunk_size, len(view) - off)) for off in range(0, len(view), chunk_size)]
-    return [(c.offset, c.length) for c in pyfastcdc.FastCDC(CDC_AVG).cut_buf(view)]
+        for off in range(0, len(view), chunk_size):
+            yield off, min(chunk_size, len(view) - off)
+        return
+    for c in pyfastcdc.FastCDC(avg_size=CDC_AVG, min_size=CDC_MIN, max_size=CDC_MAX).cut_buf(view):
+        yield c.offset, c.length
 
 
 def pack_paths(
@@ -95,8 +105,13 @@ def pack_paths(
     source: str | None = None,
     endpoint_url: str | None = None,
     progress: ProgressCallback | None = None,
+    reuse_unchanged: bool = True,
 ) -> ImageRef:
-    """Pack files and directories into a new image in ``store_url``; chunks the parent has cost nothing."""
+    """Pack files and directories into a new image in ``store_url``; chunks the parent has cost nothing.
+
+    With a parent, a file whose size and mtime match the parent's entry is not even read: its chunk
+    list is taken from the parent (as restic does; ``reuse_unchanged=False`` reads everything).
+    """
     entries = list(_walk(paths))
     if dtype and codecs.float_itemsize(dtype) is None:
         raise InvalidInputError(f"dtype {dtype!r} is not one the byte-plane codec knows", hint=", ".join(codecs.FLOAT_ITEMSIZE))
@@ -106,8 +121,21 @@ def pack_paths(
     tree: dict[str, dict[str, Any]] = {}
     maps: list[tuple[Any, mmap.mmap]] = []
     pool = ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-pack")
+    parent_files = _parent_files(writer.parent_body)
+    bundles: list[str] = []
+    bundle = bytearray()
+    futures: list[Any] = []
+
+    def seal_bundle() -> None:
+        nonlocal bundle
+        if bundle:
+            bname = f"{BUNDLE_PREFIX}{len(bundles)}"
+            writer.add_region(RegionInfo(name=bname, nbytes=len(bundle), kind="blob"))
+            futures.append(pool.submit(_put, writer, counter, bname, 0, memoryview(bundle)))
+            bundles.append(bname)
+            bundle = bytearray()
+
     try:
-        futures = []
         for name, path, st in entries:
             mode = stat.S_IMODE(st.st_mode)
             if stat.S_ISDIR(st.st_mode):
@@ -120,8 +148,15 @@ def pack_paths(
                 continue  # sockets, fifos, devices have no content to move
             tree[name] = {"type": "file", "mode": mode, "mtime_ns": st.st_mtime_ns}
             size = st.st_size
-            if size == 0:
-                writer.add_region(RegionInfo(name=name, nbytes=0, kind="file"))
+            if reuse_unchanged and _reuse_unchanged_file(writer, parent_files, name, st):
+                counter.add(size)
+                continue
+            if size <= SMALL_FILE:
+                data = path.read_bytes()
+                if len(bundle) + len(data) > writer.chunk_size:
+                    seal_bundle()
+                tree[name].update(bundle=f"{BUNDLE_PREFIX}{len(bundles)}", offset=len(bundle), size=len(data))
+                bundle += data
                 continue
             fh = open(path, "rb")  # noqa: SIM115 (closed in the finally below, after the pool drains)
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -133,9 +168,11 @@ def pack_paths(
             writer.add_region(RegionInfo(name=name, nbytes=size, kind="file", dtype=hint))
             for index, (off, length) in enumerate(_cuts(view, k, writer.chunk_size)):
                 futures.append(pool.submit(_put, writer, counter, name, index, view[off : off + length]))
+        seal_bundle()
         for fut in futures:
             fut.result()
         writer.set_metadata("tree", tree)
+        writer.set_metadata("bundles", bundles)
         ref = writer.commit()
         counter.finish()
         return ref
@@ -150,6 +187,30 @@ def pack_paths(
             except BufferError:
                 pass  # a slice is still referenced by a failed future; the map closes with the process
             fh.close()
+
+
+def _parent_files(body: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """name → (parent tree entry, parent region) for the parent's non-bundled files."""
+    if not body:
+        return {}
+    tree = (body.get("metadata") or {}).get("tree") or {}
+    regions = {r["name"]: r for r in body.get("regions", [])}
+    return {n: (e, regions[n]) for n, e in tree.items() if e.get("type") == "file" and n in regions}
+
+
+def _reuse_unchanged_file(writer: Any, parent_files: dict[str, Any], name: str, st: os.stat_result) -> bool:
+    found = parent_files.get(name)
+    if found is None:
+        return False
+    old_entry, region = found
+    if old_entry.get("mtime_ns") != st.st_mtime_ns or int(region["nbytes"]) != st.st_size or st.st_size <= SMALL_FILE:
+        return False
+    writer.add_region(RegionInfo(name=name, nbytes=st.st_size, kind="file", dtype=region.get("dtype")))
+    chunk = int(writer.parent_body["chunk_size"])
+    sizes = region.get("sizes") or [min(chunk, st.st_size - i * chunk) for i in range(len(region["chunks"]))]
+    for index, (cid, length) in enumerate(zip(region["chunks"], sizes, strict=True)):
+        writer.reuse_chunk(name, index, cid, int(length))
+    return True
 
 
 def _put(writer: Any, counter: ProgressCounter, name: str, index: int, data: memoryview) -> None:
@@ -181,9 +242,10 @@ def unpack(
     t0 = time.monotonic()
     reader = open_reader(store_url, image_id, key=key, endpoint_url=endpoint_url)
     tree: dict[str, dict[str, Any]] = dict(reader.metadata().get("tree") or {})
+    bundles = set(reader.metadata().get("bundles") or [])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    regions = reader.regions()
+    regions = [r for r in reader.regions() if r.name not in bundles]
     for reg in regions:
         _safe_target(out, reg.name)
         tree.setdefault(reg.name, {"type": "file", "mode": 0o644})
@@ -210,12 +272,33 @@ def unpack(
                 for fd in fds:
                     os.fsync(fd)
                     os.close(fd)
+        _restore_bundled(reader, bundles, tree, stage)
         moved = _install(stage, out, tree)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     counter.finish()
     return {"image_id": reader.image_id, "files": moved, "bytes": reader.ref.bytes_image,
             "seconds": round(time.monotonic() - t0, 3), "out_dir": str(out)}
+
+
+def _restore_bundled(reader: StoreImageReader, bundles: set[str], tree: dict[str, dict[str, Any]], stage: Path) -> None:
+    """Write the small files kept in bundle regions (each bundle read and verified once)."""
+    contents = {name: bytes(reader.read_region(name)) for name in sorted(bundles)}
+    for name, entry in tree.items():
+        if entry.get("type") != "file" or "bundle" not in entry:
+            continue
+        data = contents.get(entry["bundle"])
+        off, size = int(entry.get("offset", -1)), int(entry.get("size", -1))
+        if data is None or off < 0 or size < 0 or off + size > len(data):
+            raise IntegrityError(f"image's tree places {name!r} outside its bundle")
+        target = _safe_target(stage, name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data[off : off + size])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _restore_chunk(reader: StoreImageReader, region: str, index: int, fd: int, counter: ProgressCounter) -> None:
@@ -226,8 +309,27 @@ def _restore_chunk(reader: StoreImageReader, region: str, index: int, fd: int, c
     counter.add(length)
 
 
+def _no_symlink_parents(out: Path, target: Path) -> None:
+    """Refuse to write through a symlink that already sits in the output tree (from an earlier unpack)."""
+    here = out
+    for part in target.relative_to(out).parts[:-1]:
+        here = here / part
+        if here.is_symlink():
+            raise IntegrityError(f"refusing to write {target} through the symlink {here}")
+
+
 def _install(stage: Path, out: Path, tree: dict[str, dict[str, Any]]) -> int:
-    """Move verified files into place (rename), then create dirs' modes and symlinks."""
+    """Move verified files into place (rename), then create dirs' modes and symlinks.
+
+    Every target is checked first, so a refused entry leaves the output untouched.
+    """
+    links = {name for name, e in tree.items() if e.get("type") == "symlink"}
+    for name in tree:
+        target = _safe_target(out, name)
+        _no_symlink_parents(out, target)
+        parents = {p.as_posix() for p in PurePosixPath(name).parents}
+        if parents & links:
+            raise IntegrityError(f"image puts {name!r} below one of its own symlinks")
     moved = 0
     for name in sorted(tree):
         entry = tree[name]

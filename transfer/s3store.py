@@ -20,6 +20,7 @@ DEFAULT_MULTIPART_THRESHOLD = 16 << 20
 
 
 class S3Store(Store):
+    prefers_listing = True
     def __init__(
         self,
         url: str,

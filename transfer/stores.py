@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -18,6 +19,7 @@ from gpumigrate.atomic import fsync_dir
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 
 SCHEMES = ("file", "s3", "gs", "stream")
+SYNC_MODES = ("chunk", "deferred", "none")
 STORE_MARKER = "gpumigrate-store.json"
 STORE_MARKER_BODY = b'{"format": "gpumigrate-store", "version": 1}\n'
 
@@ -35,6 +37,12 @@ class Store:
 
     url: str
     readable = True
+    # True when the far side authenticates and BLAKE3-checks every chunk before accepting it (a keyed
+    # stream receiver): push then skips its own source-side check instead of doing the work twice.
+    verifies_on_arrival = False
+    # True when one listing is cheaper than a size query per chunk (remote stores): the writer then
+    # lists once instead of asking about every chunk it has not seen.
+    prefers_listing = False
 
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
         raise NotImplementedError
@@ -83,11 +91,15 @@ class Store:
 class FileStore(Store):
     """A directory. Objects are written to a hidden temp file and renamed; fsynced before a manifest."""
 
-    def __init__(self, root: Path, url: str, *, sync_chunks: bool = True) -> None:
+    def __init__(self, root: Path, url: str, *, sync: str = "chunk") -> None:
+        if sync not in SYNC_MODES:
+            raise InvalidInputError(f"file store sync mode {sync!r} is unknown", hint=f"allowed: {', '.join(SYNC_MODES)}")
         self.root = root
         self.url = url
-        self.sync_chunks = sync_chunks
+        self.sync = sync
         self._unsynced: list[Path] = []
+        self._syncer: ThreadPoolExecutor | None = None
+        self._sync_futures: list[Future[None]] = []
         self._lock = threading.Lock()
         self._made_dirs: set[str] = set()
 
@@ -123,7 +135,14 @@ class FileStore(Store):
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
         # fdatasync before the rename, in the upload thread: the disk flush overlaps the next chunks'
         # CPU work, and a crash can never leave a renamed-but-empty chunk behind.
-        self._write(chunk_key(chunk_id), blob, durable=self.sync_chunks)
+        self._write(chunk_key(chunk_id), blob, durable=self.sync == "chunk")
+        if self.sync == "deferred":
+            # Deferred mode (the stream receiver): the caller gets control back before the disk
+            # flush, which runs on a background thread; flush() waits for it.
+            with self._lock:
+                if self._syncer is None:
+                    self._syncer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gm-fsync")
+                self._sync_futures.append(self._syncer.submit(_fdatasync_path, self._path(chunk_key(chunk_id))))
 
     def get_chunk(self, chunk_id: str) -> bytes:
         try:
@@ -177,8 +196,29 @@ class FileStore(Store):
     def flush(self) -> None:
         with self._lock:
             pending, self._unsynced = self._unsynced, []
+            futures, self._sync_futures = self._sync_futures, []
+        for fut in futures:
+            fut.result()
+        if self.sync == "none":
+            return
         for d in {path.parent for path in pending}:
             fsync_dir(d)
+
+    def close(self) -> None:
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
+
+
+def _fdatasync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
@@ -199,11 +239,20 @@ def file_root(url: str) -> Path:
     return Path(rest).expanduser().resolve()
 
 
-def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 4) -> Store:
-    """Open the store a URL names. Creates nothing until the first write."""
+def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 4, sync: str | None = None) -> Store:
+    """Open the store a URL names. Creates nothing until the first write.
+
+    ``sync`` (file:// only; also ``?sync=`` in the URL) says when chunk data reaches the disk:
+    ``chunk`` (default) fdatasyncs each chunk before its rename; ``deferred`` syncs on a background
+    thread that ``flush()`` waits for (flush always precedes a manifest, so a crash can only leave
+    short chunks, caught by push's size check, and no manifest naming them: the stream receiver
+    uses it so acknowledgements do not wait for the disk); ``none`` leaves it to the page cache,
+    like cp and rsync (benchmarks, scratch stores). Manifests are always fsynced.
+    """
     scheme = split_url(url)[0]
     if scheme == "file":
-        return FileStore(file_root(url), url)
+        query_sync = (split_url(url)[3].get("sync") or [None])[0]
+        return FileStore(file_root(url), url, sync=sync or query_sync or "chunk")
     if scheme == "s3":
         from gpumigrate.transfer.s3store import S3Store
 

@@ -66,11 +66,13 @@ class StoreImageWriter:
         for reg in (parent or {}).get("regions", []):
             for i, cid in enumerate(reg["chunks"]):
                 self._parent_chunks[(reg["name"], i)] = cid
+        self.parent_body: dict[str, Any] | None = parent  # the verified parent manifest body, if any
         self._parent_reader = parent_reader if delta else None
+        self._listing: dict[str, int] | None = None
         self._regions: dict[str, _Region] = {}
         self._objects: dict[str, list[Any]] = {}
         self._metadata: dict[str, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered when an object's delta base is looked up
         self._slots = threading.BoundedSemaphore(max(2, parallelism * 2))
         self._pool = ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-upload")
         self._futures: list[Future[None]] = []
@@ -110,12 +112,20 @@ class StoreImageWriter:
         region.chunks[index] = chunk_id
         region.lengths[index] = length
 
+    def _stored_size(self, chunk_id: str) -> int | None:
+        if not self.store.prefers_listing:
+            return self.store.chunk_size(chunk_id)
+        with self._lock:
+            if self._listing is None:
+                self._listing = self.store.list_chunks()  # once per writer, not one request per chunk
+            return self._listing.get(chunk_id)
+
     def _known_entry(self, chunk_id: str) -> list[Any] | None:
         """An object the image can reference without sending: already in it, in the parent, or in the store."""
         entry = self._objects.get(chunk_id) or self._parent_objects.get(chunk_id)
         if entry is not None:
             return entry
-        size = self.store.chunk_size(chunk_id)
+        size = self._stored_size(chunk_id)
         if size is None:
             return None
         header = parse_header(self.store.chunk_header(chunk_id), chunk_id)
@@ -127,7 +137,7 @@ class StoreImageWriter:
         if base and base not in self._objects:
             base_entry = self._parent_objects.get(base)
             if base_entry is None:
-                size = self.store.chunk_size(base)
+                size = self._stored_size(base)
                 if size is None:
                     raise TransferError(f"delta base {base[:16]} of chunk {chunk_id[:16]} is missing from {self.store.url}")
                 base_entry = [size, codecs.NONE, None]
@@ -195,7 +205,8 @@ class StoreImageWriter:
         finally:
             self._slots.release()
 
-    def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
+    def reuse_chunk(self, region: str, index: int, chunk_id: str, length: int | None = None) -> None:
+        """Reference a chunk the parent (or the store) holds. ``length`` is needed for variable-size chunks."""
         self._check_open()
         reg = self._region(region)
         with self._lock:
@@ -206,7 +217,8 @@ class StoreImageWriter:
             raise InvalidInputError(
                 f"reuse_chunk: chunk {chunk_id[:16]} ({region}[{index}]) is neither in the parent image nor in {self.store.url}"
             )
-        length = self._chunk_length(reg, index)
+        if length is None:
+            length = self._chunk_length(reg, index)
         with self._lock:
             self._record(reg, index, chunk_id, length)
             self._add_object(chunk_id, entry)

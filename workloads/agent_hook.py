@@ -19,7 +19,10 @@ from gpumigrate.snapshot.stepgate import StepGate
 from gpumigrate.interfaces import ImageReader, ImageWriter
 
 
-def _key(key_ref: Mapping[str, str]) -> bytes:
+def _key(key_ref: Mapping[str, str]) -> bytes | None:
+    """The image key from its reference; none for an empty reference (a store without encryption)."""
+    if not key_ref:
+        return None
     from gpumigrate import transfer
 
     return transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file"))
@@ -63,43 +66,61 @@ def start_inference_agent(state: Any, port: int, host: str = "127.0.0.1") -> Age
 
 
 def training_callback(state: Any = None, port: int = 0, *, host: str = "127.0.0.1", await_restore: bool = False) -> Any:
-    """A Lightning Callback that embeds the agent in a training job.
+    """A Lightning Callback that embeds the agent in a training job (``workloads/training.py``).
 
-    Tracks the LightningModule, its optimizers, the RNG states and the step counter; freezes between
-    steps (after ``on_train_batch_end``); with ``await_restore`` the first step waits until a restore
-    made the agent ready. ``state`` may carry ``step`` (an int attribute the job keeps) to migrate.
+    Tracks the job's model and optimizer (``state.model``/``state.optimizer``; without a state, the
+    LightningModule and the Trainer's optimizers), every RNG stream, and ``state.step``/``state.losses``;
+    serves the agent at once; freezes between steps (``on_train_batch_end``); with ``await_restore``
+    the first step waits until a restore made the agent ready. ``close()`` stops the agent.
     """
     import pytorch_lightning as pl
 
     class SnapshotCallback(pl.Callback):
         def __init__(self) -> None:
             self.gate = StepGate()
+            self._ready = threading.Event()
             self.agent = make_agent(freezer=self.gate, set_ready=self._set_ready)
             self.handle: AgentHandle | None = None
-            self._ready = threading.Event()
-            if not await_restore:
+            self._tracked_trainer = False
+            if await_restore:
+                self._set_ready(False)
+            else:
                 self._ready.set()
-            self.restored_step: int | None = None
+            if state is not None and hasattr(state, "model"):
+                self.agent.track_module("model", state.model)
+                if getattr(state, "optimizer", None) is not None:
+                    self.agent.track_optimizer("optim", state.optimizer)
+                self.agent.track_rng("rng")
+                if hasattr(state, "step"):
+                    self.agent.track_state("progress", self._get_progress, self._set_progress)
+                self._tracked_trainer = True
+                self.handle = AgentHandle(self.agent, serve(self.agent, port, host))
 
         @property
         def address(self) -> str | None:
             return self.handle.address if self.handle else None
 
+        def _get_progress(self) -> dict[str, Any]:
+            return {"step": int(state.step), "losses": list(getattr(state, "losses", []))}
+
+        def _set_progress(self, value: dict[str, Any]) -> None:
+            state.step = int(value["step"])
+            if hasattr(state, "losses"):
+                state.losses = list(value["losses"])
+
         def _set_ready(self, ready: bool) -> None:
             (self._ready.set if ready else self._ready.clear)()
-
-        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-            if self.handle is not None:
-                return
-            self.agent.track_module("model", pl_module)
-            self.agent.track_rng("rng")
-            if state is not None and hasattr(state, "step"):
-                self.agent.track_state("step", lambda: int(state.step), lambda v: setattr(state, "step", int(v)))
-            self.handle = AgentHandle(self.agent, serve(self.agent, port, host))
+            if state is not None and hasattr(state, "set_ready"):
+                state.set_ready(ready)
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            for i, opt in enumerate(trainer.optimizers):
-                self.agent.track_optimizer(f"optim{i}", opt)
+            if not self._tracked_trainer:  # no workload state given: track what the Trainer runs
+                self.agent.track_module("model", pl_module)
+                for i, opt in enumerate(trainer.optimizers):
+                    self.agent.track_optimizer(f"optim{i}", opt)
+                self.agent.track_rng("rng")
+                self._tracked_trainer = True
+                self.handle = AgentHandle(self.agent, serve(self.agent, port, host))
             self.gate.loop_running = True
             self._ready.wait()  # a target job waits here until its state is restored
 
@@ -109,7 +130,7 @@ def training_callback(state: Any = None, port: int = 0, *, host: str = "127.0.0.
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.gate.stop_loop()
 
-        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        def close(self) -> None:
             self.gate.stop_loop()
             if self.handle is not None:
                 self.handle.close()

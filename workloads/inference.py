@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -211,7 +212,7 @@ def start_in_thread(state: ServingState, host: str = "127.0.0.1", port: int = 0,
     return RunningServer(f"http://{host}:{real_port}", real_port, state, app, server, thread)
 
 
-def _start_agent(state: ServingState, port: int | None) -> Any:
+def _start_agent(state: ServingState, port: int | None, host: str) -> Any:
     if port is None:
         return None
     try:
@@ -223,6 +224,9 @@ def _start_agent(state: ServingState, port: int | None) -> Any:
     if start is None:
         print("warning: agent_hook has no start_inference_agent; no agent", file=sys.stderr)
         return None
+    # The agent listens where the server does: inside a host's namespace 127.0.0.1 is not reachable.
+    if "host" in inspect.signature(start).parameters:
+        return start(state, port, host=host)
     return start(state, port)
 
 
@@ -266,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     app = InferenceApp(state, workers=args.workers)
     sock = bind_socket(args.host, args.port)
-    agent = _start_agent(state, args.agent_port)
+    agent = _start_agent(state, args.agent_port, args.host)
     server = uvicorn.Server(_uvicorn_config(app.app))
     port = sock.getsockname()[1]
     # One machine-readable line so launchers learn the bound port without polling.
@@ -284,4 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is closed by now (requests finished, agent and pool closed); skipping interpreter
+    # finalization saves ~2 s of torch/OpenMP teardown that would eat the supervisor's grace period.
+    os._exit(code)

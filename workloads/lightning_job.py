@@ -13,23 +13,25 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from gpumigrate.workloads.model import TinyLM
-from gpumigrate.workloads.training import TrainingConfig, TrainingState, lm_loss, synthetic_batch
+from gpumigrate.workloads.training import TrainingState, lm_loss
 from torch.utils.data import DataLoader, Dataset
 
 from gpumigrate.errors import InvalidInputError
 
 
-class StepDataset(Dataset):
-    """Batches for steps ``start .. start + count - 1`` (one item is one whole batch)."""
+class _Ticks(Dataset):
+    """``count`` placeholder items: the loader only paces the loop. The real batch is built inside
+    ``training_step`` from the state's step counter, so a restore that moves the counter (the agent
+    restoring step k on a target) is honoured even though Lightning prefetches loader items."""
 
-    def __init__(self, cfg: TrainingConfig, start: int, count: int) -> None:
-        self.cfg, self.start, self.count = cfg, start, count
+    def __init__(self, count: int) -> None:
+        self.count = count
 
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return synthetic_batch(self.cfg.seed, self.start + i, self.cfg.batch_size, self.cfg.seq_len)
+    def __getitem__(self, i: int) -> int:
+        return i
 
 
 class LitTinyLM(pl.LightningModule):
@@ -41,8 +43,8 @@ class LitTinyLM(pl.LightningModule):
         self.model = model
         self._training_state = training
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return lm_loss(self.model, batch)
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return lm_loss(self.model, self._training_state.current_batch())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return self._training_state.optimizer
@@ -54,12 +56,15 @@ class _RecordStep(pl.Callback):
     Lightning runs callback hooks before the module's own hook, so this cannot live in the module.
     """
 
-    def __init__(self, state: TrainingState) -> None:
+    def __init__(self, state: TrainingState, until_step: int | None = None) -> None:
         self.state = state
+        self.until_step = until_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.state.record_step(float(loss.detach()))
+        if self.until_step is not None and self.state.step >= self.until_step:
+            trainer.should_stop = True
 
 
 class StepDelay(pl.Callback):
@@ -73,8 +78,11 @@ class StepDelay(pl.Callback):
             time.sleep(self.delay_s)
 
 
-def train_with_lightning(state: TrainingState, steps: int, callbacks: list[pl.Callback] | None = None) -> list[float]:
-    """Run ``steps`` steps from ``state.step`` through a Lightning Trainer; return their losses."""
+def train_with_lightning(
+    state: TrainingState, steps: int, callbacks: list[pl.Callback] | None = None, *, until_step: int | None = None
+) -> list[float]:
+    """Run at most ``steps`` steps through a Lightning Trainer, stopping early once ``state.step``
+    reaches ``until_step``; return the losses recorded during this call."""
     if steps < 1:
         raise InvalidInputError(f"steps must be >= 1, got {steps}")
     first = len(state.losses)
@@ -89,13 +97,11 @@ def train_with_lightning(state: TrainingState, steps: int, callbacks: list[pl.Ca
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[_RecordStep(state), *(callbacks or [])],
+        callbacks=[_RecordStep(state, until_step), *(callbacks or [])],
     )
     # A private generator: otherwise creating the loader's iterator draws from the global torch RNG
     # and the plain loop (run_steps) and the Trainer would diverge.
-    loader = DataLoader(
-        StepDataset(state.config, state.step, steps), batch_size=None, shuffle=False, generator=torch.Generator()
-    )
+    loader = DataLoader(_Ticks(steps), batch_size=None, shuffle=False, generator=torch.Generator())
     trainer.fit(state.module, train_dataloaders=loader)
     return state.losses[first:]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import io
 import json
 import random
@@ -101,6 +102,11 @@ class TrainingState:
             self.step += 1
             self.losses.append(loss)
 
+    def current_batch(self) -> torch.Tensor:
+        """The batch of the next step: a pure function of (seed, step)."""
+        cfg = self.config
+        return synthetic_batch(cfg.seed, self.step, cfg.batch_size, cfg.seq_len)
+
     def weights_digest(self) -> str:
         return weights_digest(self.model)
 
@@ -176,12 +182,10 @@ def run_steps(state: TrainingState, k: int) -> list[float]:
 
     Same math as :func:`train` (Lightning's automatic optimization), without a Trainer's start-up cost.
     """
-    cfg = state.config
     state.model.train()
     out = []
     for _ in range(k):
-        batch = synthetic_batch(cfg.seed, state.step, cfg.batch_size, cfg.seq_len)
-        loss = lm_loss(state.model, batch)
+        loss = lm_loss(state.model, state.current_batch())
         state.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         state.optimizer.step()
@@ -190,7 +194,9 @@ def run_steps(state: TrainingState, k: int) -> list[float]:
     return out
 
 
-def train(state: TrainingState, steps: int, callbacks: list[Any] | None = None) -> list[float]:
+def train(
+    state: TrainingState, steps: int, callbacks: list[Any] | None = None, *, until_step: int | None = None
+) -> list[float]:
     """Run ``steps`` steps from ``state.step`` through a Lightning Trainer; return their losses.
 
     Lightning is imported here, not at module import: it costs seconds and most users of
@@ -198,10 +204,10 @@ def train(state: TrainingState, steps: int, callbacks: list[Any] | None = None) 
     """
     from gpumigrate.workloads.lightning_job import train_with_lightning
 
-    return train_with_lightning(state, steps, callbacks)
+    return train_with_lightning(state, steps, callbacks, until_step=until_step)
 
 
-def _agent_callback(state: TrainingState, port: int | None) -> Any:
+def _agent_callback(state: TrainingState, port: int | None, host: str, await_restore: bool) -> Any:
     if port is None:
         return None
     try:
@@ -213,7 +219,13 @@ def _agent_callback(state: TrainingState, port: int | None) -> Any:
     if make is None:
         print("warning: agent_hook has no training_callback; no agent", file=sys.stderr)
         return None
-    return make(state, port)
+    accepted = inspect.signature(make).parameters
+    kwargs: dict[str, Any] = {}
+    if "host" in accepted:
+        kwargs["host"] = host
+    if "await_restore" in accepted:
+        kwargs["await_restore"] = await_restore  # the callback holds the first step until the restore
+    return make(state, port, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--agent-port", type=int, default=None)
+    p.add_argument("--host", default="127.0.0.1", help="address the agent listens on (the host's address)")
     p.add_argument("--step-delay-ms", type=int, default=0, help="sleep after each step (time to migrate)")
     p.add_argument("--await-restore", action="store_true", help="wait for the agent to restore a state first")
     p.add_argument("--name", default="training")
@@ -240,21 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     except GpumigrateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    if args.await_restore:
-        state.set_ready(False)
-    agent = _agent_callback(state, args.agent_port)
-    if args.await_restore and not state.wait_ready(3600):
-        print("error: no restore arrived within 3600 s", file=sys.stderr)
-        return 1
-    remaining = args.steps - state.step
+    agent = _agent_callback(state, args.agent_port, args.host, args.await_restore)
+    if args.await_restore and agent is None:
+        print("error: --await-restore needs the snapshot agent (--agent-port and agent_hook)", file=sys.stderr)
+        return 2
     from gpumigrate.workloads.lightning_job import PrintSteps, StepDelay
 
     callbacks: list[Any] = [PrintSteps(state), StepDelay(args.step_delay_ms / 1000.0)]
     if agent is not None:
         callbacks.append(agent)
     try:
-        if remaining > 0:
-            train(state, remaining, callbacks)
+        # Until the total step count: a restored target continues from the restored step.
+        if args.steps > state.step:
+            train(state, args.steps - state.step, callbacks, until_step=args.steps)
     finally:
         close = getattr(agent, "close", None)
         if callable(close):

@@ -43,6 +43,7 @@ def rollback(
     from gpumigrate.flows.run import rollback_cli
 
     outcome = rollback_cli(migration_id, reason=reason)
+    console.print(f"migration {migration_id}: [bold]{outcome.get('status')}[/] ({outcome.get('how')})", soft_wrap=True)
     if json_out:
         emit_json(outcome)
     raise typer.Exit(outcome.get("exit_code", 0))

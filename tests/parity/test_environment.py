@@ -143,3 +143,13 @@ def test_secret_looking_env_vars_are_compared_by_digest_never_written(tmp_path: 
     with pytest.raises(EnvironmentParityError) as info:
         report.raise_if_forbidden()
     assert "supersecret" not in str(info.value)
+
+
+@pytest.mark.gpu
+def test_probe_reports_the_gpu_driver_and_cuda_on_a_gpu_host() -> None:
+    facts = normalize_facts(run_probe([sys.executable, "-m", "gpumigrate.parity.probe"], timeout_s=180))
+    assert facts["gpu_model"] != "none" and facts["gpu_memory_bytes"] > 0
+    assert facts["driver"] and facts["cuda"] and facts["cudnn"]
+    changed = check_environment(facts, {**facts, "gpu_model": "NVIDIA A10G"}, {})
+    assert [d.field for d in changed.violations] == ["gpu_model"]
+    assert check_environment(facts, {**facts, "driver": "0.0"}, {}).passed

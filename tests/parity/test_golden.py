@@ -54,3 +54,9 @@ def test_urls_are_checked_and_redacted() -> None:
     with pytest.raises(InvalidInputError, match="target URL"):
         check_url("127.0.0.1:8000", "target")
     assert redact_url("https://alice:pw@example.com:8443/v1?token=x") == "https://example.com:8443/v1"
+
+
+def test_a_url_with_a_bad_port_is_bad_input_without_leaking_credentials() -> None:
+    with pytest.raises(InvalidInputError) as info:
+        check_url("http://bob:pw@127.0.0.1:99999", "target")
+    assert "pw" not in str(info.value) and info.value.exit_code == EXIT_INVALID

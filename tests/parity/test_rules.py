@@ -139,3 +139,10 @@ def test_duplicate_or_missing_case_ids_are_bad_input() -> None:
         CMP.compare(SOURCE + SOURCE[:1], SOURCE)
     with pytest.raises(InvalidInputError, match="no 'id'"):
         CMP.compare([{"tokens": [1]}], SOURCE)
+
+
+def test_non_numbers_in_a_float_field_fail_unless_identical() -> None:
+    src = rows(a=([1], [-1.0]))
+    assert not CMP.compare(src, rows(a=([1], ["oops"]))).passed  # type: ignore[list-item]
+    assert not CMP.compare(rows(a=([1], ["x"])), rows(a=([1], ["y"]))).passed  # type: ignore[list-item]
+    assert not CMP.compare(src, [{"id": "a", "tokens": [1], "logprobs": [None]}]).passed

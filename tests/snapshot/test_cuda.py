@@ -149,3 +149,26 @@ def test_cuda_driver_refuses_non_cuda_pid() -> None:
     finally:
         sleeper.kill()
         sleeper.wait(10)
+
+
+def test_cuda_direct_placement_roundtrip_and_corruption_refused() -> None:
+    from gpumigrate.errors import IntegrityError
+
+    t = torch.randn(8 << 20, device="cuda")  # 32 MiB
+    arena = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    store = MemoryStore(arena=arena)
+    a = Agent()
+    a.track_tensor("t", t)
+    a.freeze()
+    ref = a.final(store.writer(KEY, chunk_size=4 << 20))
+    assert len(store.placed) == 8  # every chunk went straight into the pinned arena
+    out = torch.zeros_like(t)
+    flags: list[bool] = []
+    b = Agent(set_ready=flags.append)
+    b.track_tensor("t", out)
+    b.restore(store.reader(ref.id, KEY))
+    assert torch.equal(out, t) and flags[-1] is True
+    arena[100] ^= 1  # corrupt a byte of chunk 0 in host memory
+    with pytest.raises(IntegrityError):
+        b.restore(store.reader(ref.id, KEY))
+    assert flags[-1] is False and not b.ready

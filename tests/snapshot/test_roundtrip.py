@@ -88,3 +88,28 @@ def test_capture_streams_through_a_ring_smaller_than_the_state() -> None:
     dst.track_tensor("big", out)
     dst.restore(store.reader(src.last_image.id, key))
     assert torch.equal(big, out)
+
+
+def test_direct_placement_into_an_arena_and_fallback_when_full() -> None:
+    """Writers that offer reserve/put_reserved get the bytes placed in their memory; when the arena is
+    full the pipeline falls back to the ring for the remaining chunks."""
+    data = torch.randn(48 * 1024)  # 192 KiB = 12 chunks of 16 KiB
+    arena = torch.empty(100 << 10, dtype=torch.uint8)  # room for 6 chunks only
+    store = MemoryStore(arena=arena)
+    src = Agent(workers=2)
+    src.track_tensor("d", data)
+    stats = src.precopy(store.writer(b"a" * 32, chunk_size=16 << 10))
+    assert stats.chunks_dirty == 12
+    assert len(store.placed) == 6 and len(store.chunks) == 6
+    out = torch.zeros_like(data)
+    dst = Agent(workers=2)
+    dst.track_tensor("d", out)
+    dst.restore(store.reader(src.last_image.id, b"a" * 32))
+    assert torch.equal(out, data)
+    arena[: 16 << 10].zero_()  # damage a placed chunk: the reader's BLAKE3 check refuses it
+    import pytest
+
+    from gpumigrate.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="BLAKE3"):
+        dst.restore(store.reader(src.last_image.id, b"a" * 32))

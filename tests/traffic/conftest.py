@@ -87,46 +87,111 @@ def start_upstream(name: str, *, real: bool | None = None) -> UpstreamProc:
 class TrafficEnv:
     state_dir: Path
     store: StateStore
-    plane: ControlPlane
+    plane: ControlPlane | None  # in-process control plane, or None when it runs as its own process
     envoy: Envoy
     upstreams: dict[str, UpstreamProc]
+    plane_proc: subprocess.Popen[bytes] | None = None
+    plane_port: int = 0
     extra: list[Any] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return self.envoy.url + "/v1/generate"
 
+    def kill_plane(self) -> None:
+        """SIGKILL the control plane process (no goodbye to Envoy)."""
+        if self.plane_proc is not None:
+            kill_group(self.plane_proc)
 
-@pytest.fixture
-def traffic_env(tmp_path: Path) -> Iterator[TrafficEnv]:
+    def start_plane(self) -> None:
+        """A new control plane process on the same port, reading the same state directory."""
+        self.plane_proc, _ = start_control_plane_process(self.state_dir, self.plane_port)
+
+
+def _env(tmp_path: Path, *, external_plane: bool, real: bool | None = None) -> Iterator[TrafficEnv]:
     ups: dict[str, UpstreamProc] = {}
     plane = envoy = None
+    env: TrafficEnv | None = None
     try:
         for n in ("source", "target"):
-            ups[n] = start_upstream(n)
+            ups[n] = start_upstream(n, real=real)
         state_dir = tmp_path / "xds"
         store = StateStore(state_dir)
         store.init(DesiredState(upstreams={n: Upstream(n, "127.0.0.1", u.port) for n, u in ups.items()},
                                 weights=split("source", "target", 0)))
-        plane = ControlPlane(state_dir).start()
-        envoy = Envoy(tmp_path / "envoy", xds_port=plane.port, node_id="test-envoy").start()
-        yield TrafficEnv(state_dir, store, plane, envoy, ups)
+        proc = None
+        if external_plane:
+            proc, port = start_control_plane_process(state_dir)
+        else:
+            plane = ControlPlane(state_dir).start()
+            port = plane.port
+        env = TrafficEnv(state_dir, store, plane, None, ups, plane_proc=proc, plane_port=port)  # type: ignore[arg-type]
+        envoy = Envoy(tmp_path / "envoy", xds_port=port, node_id="test-envoy").start()
+        env.envoy = envoy
+        yield env
     finally:
         if envoy is not None:
             envoy.stop()
         if plane is not None:
             plane.stop()
+        if env is not None and env.plane_proc is not None:
+            kill_group(env.plane_proc)
         for u in ups.values():
             u.kill()
 
 
+@pytest.fixture
+def traffic_env(tmp_path: Path) -> Iterator[TrafficEnv]:
+    """Two upstreams, an in-process control plane, one Envoy; weights 100% source."""
+    yield from _env(tmp_path, external_plane=False)
+
+
+@pytest.fixture
+def light_env(tmp_path: Path) -> Iterator[TrafficEnv]:
+    """Like ``traffic_env`` with the stdlib stand-in upstreams (fast to start) for mechanism tests."""
+    yield from _env(tmp_path, external_plane=False, real=False)
+
+
+@pytest.fixture
+def traffic_env_external(tmp_path: Path) -> Iterator[TrafficEnv]:
+    """Like ``traffic_env`` with the control plane as its own process (killable, restartable)."""
+    yield from _env(tmp_path, external_plane=True)
+
+
 class TokensComparator:
-    """Test double of the parity side: outputs agree when their tokens are equal."""
+    """Test double of the parity side: same tokens and logprobs within 1e-4."""
 
     def compare(self, source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> ParityReport:
-        failures = tuple(f"case {i}: tokens differ" for i, (s, t) in enumerate(zip(source, target, strict=True))
-                         if s.get("tokens") != t.get("tokens"))
-        return ParityReport(passed=not failures, cases=len(source), max_abs_err=None, failures=failures)
+        failures = []
+        worst = 0.0
+        for i, (s, t) in enumerate(zip(source, target, strict=True)):
+            if s.get("tokens") != t.get("tokens"):
+                failures.append(f"case {i}: tokens differ")
+                continue
+            errs = [abs(a - b) for a, b in zip(s.get("logprobs") or [], t.get("logprobs") or [], strict=False)]
+            worst = max([worst, *errs])
+            if errs and max(errs) > 1e-4:
+                failures.append(f"case {i}: logprobs differ by {max(errs):.3g}")
+        return ParityReport(passed=not failures, cases=len(source), max_abs_err=worst, failures=tuple(failures))
+
+
+def start_control_plane_process(state_dir: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m gpumigrate.traffic.xds`` as its own process; returns (process, port)."""
+    proc = subprocess.Popen([sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    line = proc.stdout.readline().decode() if proc.stdout else ""
+    if not line.startswith("listening "):
+        kill_group(proc)
+        raise RuntimeError(f"control plane did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
+def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
 
 
 @pytest.fixture

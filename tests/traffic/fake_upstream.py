@@ -55,14 +55,14 @@ class Handler(BaseHTTPRequestHandler):
                 _fault.update({"kind": body.get("kind", "none"), "rate": float(body.get("rate", 1.0)),
                                "delay_ms": int(body.get("delay_ms", 0))})
             self._send(200, dict(_fault))
-            if _fault["kind"] == "crash":
-                os._exit(1)
             return
         if self.path != "/v1/generate":
             self._send(404, {"error": "not found"})
             return
         kind, rate, delay = _fault["kind"], _fault["rate"], _fault["delay_ms"]
         hit = kind != "none" and random.random() < rate
+        if hit and kind == "crash":
+            os._exit(17)  # die mid-request, like the reference server's crash fault
         if hit and kind == "errors":
             self._send(500, {"error": "injected"})
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.loadgen import LoadProcess
 from gpumigrate.traffic.probes import Prober
@@ -37,4 +38,71 @@ def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparato
     assert [s.outcome for s in result.stages] == ["passed"] * 5
     assert traffic_env.envoy.admin.live_weights() == {"target": 10000}
     assert report.total > 500
+    assert report.failed == 0, report.errors
+
+
+@pytest.mark.parametrize("fault", ["errors", "slow", "drift", "killed"])
+def test_fault_on_target_at_25_percent_rolls_back_within_two_intervals(
+        traffic_env: Any, comparator: Any, golden: Any, fault: str) -> None:
+    marks: dict[str, int] = {}
+
+    def inject(sample: Any) -> None:
+        if sample.stage == 0 and "fault" not in marks and sum(1 for s in ctl.samples if s.stage == 0) >= 2:
+            marks["fault"] = len(ctl.samples)
+            marks["load_t"] = int(load.elapsed())
+            target = traffic_env.upstreams["target"]
+            if fault == "killed":
+                target.kill()
+            elif fault == "slow":
+                target.fault("slow", 1.0, 500)
+            else:
+                target.fault(fault, 1.0)
+
+    ctl = _controller(traffic_env, ((25, 30.0), (100, 1.0)), comparator=comparator, golden=golden,
+                      min_requests=5, on_interval=inject)
+    load = LoadProcess(traffic_env.url, rps=100, seconds=60, body=BODY)
+    try:
+        result = ctl.run()
+    finally:
+        load.stop()
+    report = load.wait(60)
+    assert "fault" in marks, "the fault was never injected"
+    assert result.status == "rolled_back"
+    assert result.trigger == "gate"
+    failing = [i for i, s in enumerate(result.samples) if s.analysis["verdict"] == "fail"]
+    assert failing and failing[0] >= marks["fault"], "a gate failed before the fault"
+    assert failing[0] - marks["fault"] + 1 <= 2, f"detected after {failing[0] - marks['fault'] + 1} intervals"
+    assert traffic_env.envoy.admin.live_weights() == {"source": 10000}
+    _, window_total = report.failures_between(marks["load_t"], report.seconds + 1)
+    if fault == "killed":
+        assert report.failed == 0, report.errors
+    else:
+        assert report.failed <= 0.001 * window_total, report.errors
+
+
+def test_manual_rollback_acts_within_one_interval(traffic_env: Any, gm_home: Any) -> None:
+    from gpumigrate.state import Migration
+
+    migration = Migration.create("m-traffic-1", "workload: x\n")
+    asked: dict[str, int] = {}
+
+    def ask(sample: Any) -> None:
+        if sample.stage == 1 and "at" not in asked:
+            asked["at"] = len(ctl.samples)
+            migration.request_rollback("operator pressed the button")
+
+    ctl = _controller(traffic_env, ((5, 1.0), (25, 30.0), (100, 1.0)), min_requests=5,
+                      rollback_signal=lambda: migration.rollback_requested(), on_interval=ask)
+    load = LoadProcess(traffic_env.url, rps=50, seconds=60, body=BODY)
+    try:
+        result = ctl.run()
+    finally:
+        load.stop()
+    report = load.wait(60)
+    assert result.status == "rolled_back"
+    assert result.trigger == "manual"
+    assert "operator pressed the button" in (result.reason or "")
+    assert len(result.samples) - asked["at"] <= 1  # no more than one further interval ran
+    assert traffic_env.envoy.admin.live_weights() == {"source": 10000}
+    assert traffic_env.store.read().rolled_back is not None
     assert report.failed == 0, report.errors

@@ -7,12 +7,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fake_gcs import FakeGcs  # noqa: E402
+from transfer_fake_gcs import FakeGcs  # noqa: E402
 
 
 @pytest.fixture
@@ -25,17 +24,11 @@ def store(tmp_path: Path) -> str:
     return f"file://{tmp_path / 'store'}"
 
 
-def bf16_weights(n: int, seed: int = 0) -> np.ndarray:
-    """n bf16 values from normal(0, 0.02), as uint16 bit patterns (numpy has no bfloat16)."""
-    x = np.random.default_rng(seed).standard_normal(n, dtype=np.float32) * np.float32(0.02)
-    return (x.view(np.uint32) >> 16).astype(np.uint16)
+FAKE_AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+def moto_server() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -45,6 +38,14 @@ def moto_endpoint() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         server.stop()
+
+
+@pytest.fixture
+def moto_endpoint(moto_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The moto endpoint, with fake credentials set for this test only."""
+    for name, value in FAKE_AWS_ENV.items():
+        monkeypatch.setenv(name, value)
+    return moto_server
 
 
 @pytest.fixture

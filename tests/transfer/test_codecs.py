@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import bf16_weights
 from gpumigrate.transfer import codecs
+from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import bf16_weights
 from gpumigrate.transfer import generate_key, open_reader, open_writer, resolve_key
+from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import DecryptionError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageReader, ImageWriter, RegionInfo
@@ -175,3 +175,22 @@ def test_resolve_key_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         resolve_key(file=str(tmp_path / "absent"))
     with pytest.raises(InvalidInputError, match="exactly one"):
         resolve_key()
+
+
+@pytest.mark.parametrize("sync", ["chunk", "deferred", "none"])
+def test_file_store_sync_modes_roundtrip(tmp_path: Path, key: bytes, sync: str) -> None:
+    url = f"file://{tmp_path / 's'}?sync={sync}"
+    data = os.urandom(3 * CHUNK + 5)
+    w = open_writer(url, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="b", nbytes=len(data), kind="blob"))
+    for i in range(4):
+        w.put_chunk("b", i, memoryview(data)[i * CHUNK : (i + 1) * CHUNK])
+    ref = w.commit()
+    assert bytes(open_reader(url, ref.id, key=key).read_region("b")) == data
+
+
+def test_file_store_rejects_an_unknown_sync_mode(tmp_path: Path) -> None:
+    from gpumigrate.transfer.stores import open_store
+
+    with pytest.raises(InvalidInputError, match="sync mode"):
+        open_store(f"file://{tmp_path}?sync=sometimes")

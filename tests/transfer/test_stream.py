@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import bf16_weights
 from gpumigrate.transfer import StreamServer, open_reader, open_writer, pack_paths, push, serve_stream, verify
 from gpumigrate.transfer.chunkobj import Sealer
 from gpumigrate.transfer.stream import StreamStore
+from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError, TransferError
 from gpumigrate.interfaces import RegionInfo
@@ -127,3 +127,16 @@ def test_precopy_rounds_written_straight_to_the_stream_chain_parents(tmp_path: P
     assert new1 == -(-data.nbytes // chunk) and new2 == 1
     got = open_reader(f"file://{tmp_path / 'target'}", second, key=key).read_region("w")
     assert bytes(got) == changed.tobytes()
+
+
+def test_writer_reuses_chunks_the_receiver_already_holds(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+    data = os.urandom(600_000)
+    refs = []
+    for _ in range(2):  # the second image has no parent, yet sends nothing: the receiver has every chunk
+        w = open_writer(receiver.url, key=key, chunk_size=256 * 1024)
+        w.add_region(RegionInfo(name="b", nbytes=len(data), kind="blob"))
+        for i in range(3):
+            w.put_chunk("b", i, memoryview(data)[i * 256 * 1024 : (i + 1) * 256 * 1024])
+        refs.append((w.commit(), w.chunks_new))
+    assert refs[0][1] == 3 and refs[1][1] == 0
+    assert bytes(open_reader(f"file://{tmp_path / 'target'}", refs[1][0].id, key=key).read_region("b")) == data

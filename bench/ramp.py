@@ -1,0 +1,288 @@
+"""Benchmark: staged traffic shifting through a real Envoy, each figure beside its baseline.
+
+Prints one JSON object. Both sides run the reference inference server (``--fake`` uses the stdlib
+stand-in from tests/traffic). Scenarios, each on a fresh stack (control plane, Envoy, 2 upstreams)
+under open-loop load:
+
+* ``ramp``: 1→5→25→50→100% under ``--rps`` load: failed requests, downtime, and client p99 during
+  the ramp beside client p99 of the same load on the source alone just before it (``p99_ratio``);
+* ``faults``: errors, +500 ms latency, wrong outputs (drift), target process killed, each at 25%:
+  rolled back?, analysis intervals and seconds to detect, client failures in the fault window;
+  errors and killed also run on a plain weighted split (``baseline_plain_split``) to show what the
+  aggregate-cluster failover saves;
+* ``control_plane_restart``: the control plane process is SIGKILLed mid-ramp and restarted;
+* ``manual_rollback``: intervals between the request and 100% source.
+
+Usage: ``python bench/ramp.py [--rps 200] [--interval 1.0] [--hold 3] [--fake] [--only NAME] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from gpumigrate.traffic.analysis import GateSettings
+from gpumigrate.traffic.envoy import Envoy, free_port
+from gpumigrate.traffic.loadgen import LoadProcess
+from gpumigrate.traffic.probes import Prober
+from gpumigrate.traffic.ramp import RampController, RampSettings
+from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, split
+
+from gpumigrate.interfaces import ParityReport
+
+REPO = Path(__file__).resolve().parent.parent
+BODY = {"prompt": "hello", "max_new_tokens": 1}
+GOLDEN = [{"prompt": f"golden input {i}", "max_new_tokens": 4} for i in range(2)]
+
+
+class Comparator:
+    """Stand-in for parity/'s comparator: same tokens, logprobs within 1e-4."""
+
+    def compare(self, source: Any, target: Any) -> ParityReport:
+        bad = []
+        for i, (s, t) in enumerate(zip(source, target, strict=True)):
+            diffs = [abs(a - b) for a, b in zip(s.get("logprobs") or [], t.get("logprobs") or [], strict=False)]
+            if s.get("tokens") != t.get("tokens") or (diffs and max(diffs) > 1e-4):
+                bad.append(f"case {i} differs")
+        return ParityReport(passed=not bad, cases=len(source), max_abs_err=None, failures=tuple(bad))
+
+
+def start_upstream(name: str, fake: bool) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    if fake:
+        cmd = [sys.executable, str(REPO / "tests" / "traffic" / "fake_upstream.py"), "--port", str(port), "--name", name]
+    else:
+        cmd = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", "127.0.0.1", "--port", str(port),
+               "--seed", "0", "--size", "tiny", "--device", "cpu", "--name", name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return proc, port
+        time.sleep(0.1)
+    kill(proc)
+    raise RuntimeError(f"upstream {name} did not become ready")
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+class Stack:
+    """Two upstreams, a control plane process, one Envoy. Always stopped by ``close``."""
+
+    def __init__(self, work: Path, *, fake: bool, failover: bool = True) -> None:
+        self.work = work
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ports: dict[str, int] = {}
+        self.envoy: Envoy | None = None
+        self.plane: subprocess.Popen[bytes] | None = None
+        try:
+            for n in ("source", "target"):
+                self.procs[n], self.ports[n] = start_upstream(n, fake)
+            self.state_dir = work / "xds"
+            StateStore(self.state_dir).init(DesiredState(
+                upstreams={n: Upstream(n, "127.0.0.1", p) for n, p in self.ports.items()},
+                weights=split("source", "target", 0), failover=failover))
+            self.plane_port = free_port()
+            self.start_plane()
+            self.envoy = Envoy(work / "envoy", xds_port=self.plane_port, node_id="bench").start()
+        except BaseException:
+            self.close()
+            raise
+
+    def start_plane(self) -> None:
+        self.plane = subprocess.Popen([sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(self.state_dir),
+                                       "--port", str(self.plane_port)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, start_new_session=True)
+        assert self.plane.stdout is not None
+        self.plane.stdout.readline()
+
+    def fault(self, kind: str, **kw: Any) -> None:
+        if kind == "killed":
+            kill(self.procs["target"])
+            return
+        httpx.post(f"http://127.0.0.1:{self.ports['target']}/admin/fault", json={"kind": kind, "rate": 1.0, **kw}, timeout=5)
+
+    @property
+    def url(self) -> str:
+        assert self.envoy is not None
+        return self.envoy.url + "/v1/generate"
+
+    def close(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        if self.plane is not None:
+            kill(self.plane)
+        for p in self.procs.values():
+            kill(p)
+
+
+def controller(stack: Stack, stages: tuple[tuple[float, float], ...], args: argparse.Namespace, *,
+               probes: bool = True, **kw: Any) -> RampController:
+    assert stack.envoy is not None
+    prober = Prober(stack.envoy.url, GOLDEN, Comparator(), every_s=args.interval) if probes else None
+    settings = RampSettings(stages=stages, interval_s=args.interval, baseline_intervals=2, max_inconclusive=60,
+                            gates=GateSettings(min_requests=args.min_requests, p99_slack_ms=args.p99_slack_ms))
+    return RampController(stack.state_dir, [stack.envoy.admin_url], settings, nodes=[stack.envoy.node_id],
+                          prober=prober, **kw)
+
+
+def scenario_ramp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    stack = Stack(work, fake=args.fake)
+    try:
+        load = LoadProcess(stack.url, rps=args.rps, seconds=600, body=BODY, keep_records=True)
+        time.sleep(args.warmup)
+        t_start = load.elapsed()
+        stages = tuple((w, args.hold) for w in (1, 5, 25, 50, 100))
+        result = controller(stack, stages, args).run()
+        t_end = load.elapsed()
+        load.stop()
+        rep = load.wait(120)
+    finally:
+        stack.close()
+    before, during = rep.p99_between(1.0, t_start), rep.p99_between(t_start, t_end)
+    failed, total = rep.count_between(t_start, t_end)
+    return {"status": result.status, "reason": result.reason, "ramp_seconds": round(result.seconds, 2),
+            "requests_during_ramp": total, "failed_during_ramp": failed, "failed_total": rep.failed,
+            "p99_ms_during_ramp": during, "baseline_p99_ms_before_ramp": before,
+            "p99_ratio": round(during / before, 3) if during and before else None,
+            "downtime_ms": rep.downtime_ms, "achieved_rps": rep.achieved_rps, "rps": args.rps}
+
+
+def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover: bool = True) -> dict[str, Any]:
+    stack = Stack(work, fake=args.fake, failover=failover)
+    marks: dict[str, float] = {}
+    try:
+        load = LoadProcess(stack.url, rps=args.rps, seconds=600, body=BODY, keep_records=True)
+
+        def inject(sample: Any) -> None:
+            if sample.stage == 0 and "at" not in marks and sum(1 for s in ctl.samples if s.stage == 0) >= 3:
+                marks["at"] = len(ctl.samples)
+                marks["t"] = load.elapsed()
+                marks["mono"] = time.monotonic()
+                stack.fault("slow" if kind == "slow" else kind, **({"delay_ms": 500} if kind == "slow" else {}))
+
+        ctl = controller(stack, ((25, 60.0), (100, 1.0)), args, on_interval=inject)
+        result = ctl.run()
+        detected = time.monotonic()
+        time.sleep(1.0)  # let requests in flight at the rollback finish inside the window
+        t_end = load.elapsed()
+        load.stop()
+        rep = load.wait(120)
+    finally:
+        stack.close()
+    failing = [i for i, s in enumerate(result.samples) if s.analysis.get("verdict") == "fail"]
+    failed, total = rep.count_between(marks.get("t", 0.0), t_end)
+    return {"status": result.status, "trigger": result.trigger, "reason": (result.reason or "")[:200],
+            "intervals_to_detect": (failing[0] - int(marks["at"]) + 1) if failing and "at" in marks else None,
+            "seconds_fault_to_rollback": round(detected - marks["mono"], 3) if "mono" in marks else None,
+            "seconds_to_detect": result.seconds_to_detect, "rollback_applied_s": result.rollback_applied_s,
+            "requests_in_fault_window": total, "client_failures": failed,
+            "client_failure_rate": round(failed / total, 5) if total else None}
+
+
+def scenario_plane_restart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    stack = Stack(work, fake=args.fake)
+    seen: dict[str, Any] = {}
+    try:
+        assert stack.envoy is not None
+        envoy = stack.envoy
+        load = LoadProcess(stack.url, rps=args.rps, seconds=600, body=BODY)
+
+        def restart() -> None:
+            time.sleep(2 * args.interval)
+            seen["weights_while_down"] = envoy.admin.live_weights()
+            stack.start_plane()
+
+        def chaos(sample: Any) -> None:
+            if sample.stage == 1 and "killed" not in seen:
+                seen["killed"] = True
+                assert stack.plane is not None
+                kill(stack.plane)
+                threading.Thread(target=restart, daemon=True).start()
+
+        stages = tuple((w, args.hold) for w in (5, 25, 50, 100))
+        result = controller(stack, stages, args, probes=False, on_interval=chaos).run()
+        load.stop()
+        rep = load.wait(120)
+    finally:
+        stack.close()
+    return {"status": result.status, "stages_passed": sum(1 for s in result.stages if s.outcome == "passed"),
+            "weights_while_plane_down": seen.get("weights_while_down"), "failed": rep.failed, "requests": rep.total}
+
+
+def scenario_manual(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    stack = Stack(work, fake=args.fake)
+    asked: dict[str, float] = {}
+    try:
+        load = LoadProcess(stack.url, rps=args.rps, seconds=600, body=BODY)
+
+        def ask(sample: Any) -> None:
+            if sample.stage == 1 and "at" not in asked:
+                asked["at"] = len(ctl.samples)
+                asked["mono"] = time.monotonic()
+
+        ctl = controller(stack, ((5, args.hold), (25, 60.0), (100, 1.0)), args, probes=False, on_interval=ask,
+                         rollback_signal=lambda: {"reason": "bench"} if "at" in asked else None)
+        result = ctl.run()
+        acted = time.monotonic()
+        load.stop()
+        rep = load.wait(120)
+    finally:
+        stack.close()
+    return {"status": result.status, "trigger": result.trigger,
+            "intervals_after_request": len(result.samples) - int(asked["at"]) if "at" in asked else None,
+            "seconds_request_to_rollback": round(acted - asked["mono"], 3) if "mono" in asked else None,
+            "analysis_interval_s": args.interval, "failed": rep.failed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rps", type=float, default=200)
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--hold", type=float, default=3.0)
+    ap.add_argument("--warmup", type=float, default=6.0, help="seconds of load on the source before the ramp")
+    ap.add_argument("--min-requests", type=int, default=10)
+    ap.add_argument("--p99-slack-ms", type=float, default=100.0, help="noise allowance of the p99 gate on a shared CPU")
+    ap.add_argument("--fake", action="store_true", help="stdlib upstreams instead of the reference inference server")
+    ap.add_argument("--only", choices=["ramp", "faults", "control_plane_restart", "manual_rollback"], default=None)
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    args = ap.parse_args()
+    out: dict[str, Any] = {"bench": "ramp", "upstream": "fake" if args.fake else "reference-inference-server",
+                           "rps": args.rps, "analysis_interval_s": args.interval, "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="gm-bench-ramp-") as tmp:
+        work = Path(tmp)
+        if args.only in (None, "ramp"):
+            out["ramp"] = scenario_ramp(args, work / "ramp")
+        if args.only in (None, "faults"):
+            faults: dict[str, Any] = {}
+            for kind in ("errors", "slow", "drift", "killed"):
+                faults[kind] = scenario_fault(args, work / f"fault-{kind}", kind)
+                if kind in ("errors", "killed"):
+                    faults[kind]["baseline_plain_split"] = scenario_fault(args, work / f"plain-{kind}", kind, failover=False)
+            out["faults"] = faults
+        if args.only in (None, "control_plane_restart"):
+            out["control_plane_restart"] = scenario_plane_restart(args, work / "plane")
+        if args.only in (None, "manual_rollback"):
+            out["manual_rollback"] = scenario_manual(args, work / "manual")
+    print(json.dumps(out, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,423 @@
+"""The local provider: "hosts" are supervised process groups on this machine.
+
+Each host has a work directory ``hosts_dir()/<name>/`` holding ``host.json`` (the registry entry,
+written atomically), its supervisor's ``supervisor.json`` and ``logs/``; its own ports on loopback;
+and optionally its own network namespace with a shaped veth link (``netns=True``, root only).
+Formats and the supervisor protocol: ``infra/LOCAL.md``.
+
+No orphans: see ``infra/supervisor.py``. Attached hosts (the default; tests, flows) die with the
+process that provisioned them; detached hosts (``gpumigrate hosts up``) live until
+``gpumigrate hosts down``. :meth:`LocalProvider.reap_stale` (run by provision, list and down)
+finishes the cleanup for any host whose supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpumigrate.infra import netns as netns_lib
+from gpumigrate.infra import residency
+from gpumigrate.infra.supervisor import MARKER_ENV
+
+from gpumigrate import settings
+from gpumigrate.atomic import atomic_write_json
+from gpumigrate.errors import CapacityError, InvalidInputError, NotFoundError, ProviderError
+from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
+
+PORT_NAMES = ("service", "agent", "stream", "admin", "metrics")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+# Write ends of the attach pipes, per host workdir: they must live exactly as long as this process.
+_ATTACH_PIPES: dict[str, int] = {}
+_SUPERVISORS: dict[str, subprocess.Popen] = {}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def _owned_by(pid: int, token: str) -> bool:
+    """Whether ``pid`` carries this host's marker: never kill a recycled pid that is someone else's."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return f"{MARKER_ENV}={token}".encode() in fh.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _kill_owned(pid: int, token: str) -> None:
+    if _pid_alive(pid) and _owned_by(pid, token):
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                target()
+
+
+def _free_ports(n: int, exclude: set[int]) -> list[int]:
+    ports: list[int] = []
+    holders = []
+    while len(ports) < n:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        holders.append(s)  # held until all are picked, so the kernel cannot hand one out twice
+        port = s.getsockname()[1]
+        if port not in exclude:
+            ports.append(port)
+    for s in holders:
+        s.close()
+    return ports
+
+
+def call_supervisor(sock_name: str, request: Mapping[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """One request to a host's supervisor over its abstract Unix socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect("\0" + sock_name)
+        s.sendall((json.dumps(dict(request)) + "\n").encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            part = s.recv(65536)
+            if not part:
+                break
+            buf += part
+    return json.loads(buf)
+
+
+class LocalProvider:
+    """Implements :class:`gpumigrate.interfaces.Provider` with processes on this machine."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        netns: bool = False,
+        rate: str | None = None,
+        delay: str | None = None,
+        attached: bool = True,
+        max_hosts: int = 32,
+        min_free_mb: int = 256,
+    ) -> None:
+        if netns:
+            ok, why = netns_lib.available()
+            if not ok:
+                raise ProviderError(f"network namespaces are not available here ({why}); run without --netns")
+        netns_lib.validate_shaping(rate, delay)
+        if (rate or delay) and not netns:
+            raise InvalidInputError("rate/delay shape a host's veth link: they need netns=True (--netns)")
+        self.use_netns = netns
+        self.rate, self.delay = rate, delay
+        self.attached = attached
+        self.max_hosts = max_hosts
+        self.min_free_mb = min_free_mb
+
+    # ------------------------------------------------------------------ registry
+    @staticmethod
+    def root() -> Path:
+        return settings.hosts_dir()
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root().mkdir(parents=True, exist_ok=True)
+        with open(self.root() / ".lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _records(self) -> list[dict[str, Any]]:
+        out = []
+        for path in sorted(self.root().glob("*/host.json")):
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads(path.read_text()))
+        return out
+
+    def _record(self, name: str) -> dict[str, Any] | None:
+        path = self.root() / name / "host.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _alive(rec: Mapping[str, Any]) -> bool:
+        sup = rec.get("supervisor") or {}
+        return bool(sup.get("pid")) and _pid_alive(sup["pid"])
+
+    @staticmethod
+    def to_host(rec: Mapping[str, Any]) -> Host:
+        return Host(
+            name=rec["name"],
+            provider="local",
+            region=rec["region"],
+            address=rec["address"],
+            instance_id=f"local-{rec['supervisor']['pid']}",
+            zone=rec.get("zone"),
+            ports=dict(rec["ports"]),
+            workdir=rec["workdir"],
+            meta={
+                "migration_id": rec.get("migration_id"),
+                "supervisor_pid": rec["supervisor"]["pid"],
+                "attached": rec["supervisor"]["attached"],
+                "netns": (rec.get("netns") or {}).get("ns"),
+            },
+        )
+
+    def list_hosts(self) -> list[Host]:
+        self.reap_stale()
+        return [self.to_host(r) for r in self._records()]
+
+    def get(self, name: str) -> Host:
+        rec = self._record(name)
+        if rec is None or not self._alive(rec):
+            raise NotFoundError(f"no local host named {name!r} is up; see `gpumigrate hosts list`")
+        return self.to_host(rec)
+
+    # ------------------------------------------------------------------ Provider protocol
+    def check_capacity(self, spec: HostSpec) -> None:
+        if not _NAME.match(spec.name):
+            raise InvalidInputError(f"local host name {spec.name!r}: use 1-40 of a-z, 0-9 and '-'")
+        gpus = _local_gpu_count()
+        if spec.gpu_count > gpus:
+            raise CapacityError(
+                f"this machine has {gpus} GPU(s); host {spec.name} asks for {spec.gpu_count}", region=spec.region
+            )
+        free_mb = _mem_available_mb()
+        if free_mb < self.min_free_mb:
+            raise CapacityError(
+                f"only {free_mb} MB of memory free; a local host needs {self.min_free_mb} MB", region=spec.region
+            )
+        live = [r for r in self._records() if self._alive(r) and r["name"] != spec.name]
+        if len(live) >= self.max_hosts:
+            raise CapacityError(f"{len(live)} local hosts are up, the limit is {self.max_hosts}", region=spec.region)
+
+    def provision(self, spec: HostSpec, *, migration_id: str | None = None) -> Host:
+        """Start the host's supervisor (and namespace). Idempotent per (name, migration id)."""
+        self.check_capacity(spec)
+        with self._locked():
+            self._reap_stale_locked()
+            rec = self._record(spec.name)
+            if rec is not None and self._alive(rec):
+                owner = rec.get("migration_id")
+                if owner in (None, migration_id):  # ours, or brought up by hand (`hosts up`): adopt it
+                    return self.to_host(rec)
+                raise ProviderError(f"local host {spec.name!r} is in use by migration {owner}; pick another name")
+            return self.to_host(self._launch(spec, migration_id))
+
+    def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host:
+        rec = self._require(host.name)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                if call_supervisor(rec["supervisor"]["socket"], {"op": "ping"}, timeout_s=5).get("ok"):
+                    return self.to_host(rec)
+            if time.monotonic() > deadline or not self._alive(rec):
+                raise ProviderError(
+                    f"local host {host.name} did not answer within {timeout_s}s (log: {rec['workdir']}/supervisor.log)"
+                )
+            time.sleep(0.05)
+
+    def terminate(self, host: Host | str) -> None:
+        name = host if isinstance(host, str) else host.name
+        with self._locked():
+            rec = self._record(name)
+            if rec is not None:
+                self._teardown(rec)
+
+    def jurisdiction(self, region: str) -> Jurisdiction:
+        return residency.jurisdiction("local", region)
+
+    def price(self, spec: HostSpec) -> float:
+        return 0.0
+
+    # ------------------------------------------------------------------ processes on a host
+    def spawn(
+        self, host: Host | str, argv: Sequence[str], *, env: Mapping[str, str] | None = None, name: str | None = None
+    ) -> dict[str, Any]:
+        """Run ``argv`` on the host (in its namespace if any) under its supervisor: ``{"pid", "log"}``.
+
+        The child's environment gets ``GPUMIGRATE_HOST_NAME``, ``GPUMIGRATE_HOST_ADDRESS`` and
+        ``GPUMIGRATE_PORT_<NAME>`` for each of the host's ports.
+        """
+        rec = self._require(host if isinstance(host, str) else host.name)
+        full_env = {"GPUMIGRATE_HOST_NAME": rec["name"], "GPUMIGRATE_HOST_ADDRESS": rec["address"]}
+        full_env.update({f"GPUMIGRATE_PORT_{k.upper()}": str(v) for k, v in rec["ports"].items()})
+        full_env.update(env or {})
+        reply = call_supervisor(
+            rec["supervisor"]["socket"], {"op": "spawn", "argv": list(argv), "env": full_env, "name": name}
+        )
+        if not reply.get("ok"):
+            raise ProviderError(f"cannot start {argv[0]!r} on local host {rec['name']}: {reply.get('error')}")
+        return {"pid": reply["pid"], "log": reply["log"]}
+
+    def signal(self, host: Host | str, pid: int, sig: int = signal.SIGTERM) -> None:
+        rec = self._require(host if isinstance(host, str) else host.name)
+        reply = call_supervisor(rec["supervisor"]["socket"], {"op": "signal", "pid": pid, "sig": int(sig)})
+        if not reply.get("ok"):
+            raise ProviderError(str(reply.get("error")))
+
+    def processes(self, host: Host | str) -> list[dict[str, Any]]:
+        rec = self._require(host if isinstance(host, str) else host.name)
+        return call_supervisor(rec["supervisor"]["socket"], {"op": "list"})["children"]
+
+    # ------------------------------------------------------------------ internals
+    def _require(self, name: str) -> dict[str, Any]:
+        rec = self._record(name)
+        if rec is None or not self._alive(rec):
+            raise NotFoundError(f"no local host named {name!r} is up; see `gpumigrate hosts list`")
+        return rec
+
+    def _launch(self, spec: HostSpec, migration_id: str | None) -> dict[str, Any]:
+        workdir = self.root() / spec.name
+        workdir.mkdir(parents=True, exist_ok=True)
+        taken = {p for r in self._records() for p in r.get("ports", {}).values()}
+        ports = dict(zip(PORT_NAMES, _free_ports(len(PORT_NAMES), taken), strict=True))
+        token = secrets.token_hex(8)
+        host_id = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:8]
+        link = None
+        if self.use_netns:
+            index = min(set(range(1, 255)) - netns_lib.used_indexes(), default=None)
+            if index is None:
+                raise CapacityError("all 254 local network namespace subnets are in use")
+            netns_lib.destroy(f"gm-{host_id}", f"gmh{host_id}")  # a leftover of a crashed run with this workdir
+            link = netns_lib.create(host_id, index, rate=self.rate, delay=self.delay)
+        sock_name = f"gpumigrate-sup-{token}"
+        argv = [
+            sys.executable,
+            "-m",
+            "gpumigrate.infra.supervisor",
+            "--name",
+            spec.name,
+            "--workdir",
+            str(workdir),
+            "--socket",
+            sock_name,
+        ]
+        if link:
+            argv += ["--netns", link.ns]
+        read_fd = write_fd = None
+        if self.attached:
+            read_fd, write_fd = os.pipe()
+            argv += ["--parent-fd", str(read_fd)]
+        rec: dict[str, Any] = {
+            "format": 1,
+            "name": spec.name,
+            "provider": "local",
+            "region": spec.region,
+            "zone": spec.zone,
+            "address": link.ns_ip if link else "127.0.0.1",
+            "ports": ports,
+            "workdir": str(workdir),
+            "migration_id": migration_id,
+            "created": time.time(),
+            "token": token,
+            "netns": None
+            if link is None
+            else {
+                "ns": link.ns,
+                "host_if": link.host_if,
+                "host_ip": link.host_ip,
+                "ip": link.ns_ip,
+                "rate": link.rate,
+                "delay": link.delay,
+            },
+        }
+        try:
+            with open(workdir / "supervisor.log", "ab") as log:
+                proc = subprocess.Popen(
+                    argv,
+                    pass_fds=(read_fd,) if read_fd is not None else (),
+                    start_new_session=True,  # not in the terminal's group: Ctrl-C reaches the CLI only
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, MARKER_ENV: token},
+                )
+        except BaseException:
+            if link:
+                netns_lib.destroy(link.ns, link.host_if)
+            raise
+        finally:
+            if read_fd is not None:
+                os.close(read_fd)
+        if write_fd is not None:
+            _ATTACH_PIPES[str(workdir)] = write_fd
+        _SUPERVISORS[str(workdir)] = proc
+        rec["supervisor"] = {"pid": proc.pid, "socket": sock_name, "attached": self.attached}
+        atomic_write_json(workdir / "host.json", rec)
+        self.wait_ready(self.to_host(rec), timeout_s=60)
+        return rec
+
+    def _teardown(self, rec: Mapping[str, Any]) -> None:
+        """Supervisor shutdown, then kill any leftover we own, drop the namespace, drop the entry."""
+        sup, token, workdir = rec.get("supervisor") or {}, rec.get("token", ""), rec["workdir"]
+        pid = sup.get("pid")
+        if pid and _pid_alive(pid):
+            with contextlib.suppress(OSError, ValueError):
+                call_supervisor(sup["socket"], {"op": "shutdown"}, timeout_s=5)
+            deadline = time.monotonic() + 15
+            while _pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _pid_alive(pid):
+                _kill_owned(pid, token)  # its children die with it (PDEATHSIG)
+        proc = _SUPERVISORS.pop(workdir, None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        write_fd = _ATTACH_PIPES.pop(workdir, None)
+        if write_fd is not None:
+            os.close(write_fd)
+        with contextlib.suppress(OSError, ValueError):
+            for child in json.loads((Path(workdir) / "supervisor.json").read_text()).get("children", []):
+                _kill_owned(child["pid"], token)
+        link = rec.get("netns")
+        if link:
+            netns_lib.destroy(link["ns"], link.get("host_if"))
+        with contextlib.suppress(FileNotFoundError):
+            (Path(workdir) / "host.json").unlink()
+
+    def reap_stale(self) -> list[str]:
+        """Finish the cleanup of hosts whose supervisor is gone; return their names."""
+        if not self.root().exists():
+            return []
+        with self._locked():
+            return self._reap_stale_locked()
+
+    def _reap_stale_locked(self) -> list[str]:
+        stale = [r for r in self._records() if not self._alive(r)]
+        for rec in stale:
+            self._teardown(rec)
+        return [r["name"] for r in stale]
+
+
+def _local_gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) if out.returncode == 0 else 0
+
+
+def _mem_available_mb() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    return 0

@@ -1,0 +1,252 @@
+"""The migrate flow end to end on local hosts, a real Envoy and the tiny model, on the test harness.
+
+One module-scoped source (inference server on a local host, front door = control plane + Envoy)
+serves every test; each test migrates to its own target host. Load runs through Envoy during ramps
+(a ramp with no traffic is inconclusive by design).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+WORKLOAD = "tiny-lm"
+SHARED: dict[str, Any] = {}  # the cut-over migration of the resume test, rolled back by the next test
+
+
+@dataclass
+class Source:
+    home: Path
+    host: Any
+    door: Any
+    key_file: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host.address}:{self.host.ports['service']}"
+
+    @property
+    def agent(self) -> str:
+        return f"{self.host.address}:{self.host.ports['agent']}"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("flows-home")
+    old = os.environ.get("GPUMIGRATE_HOME")
+    os.environ["GPUMIGRATE_HOME"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("GPUMIGRATE_HOME", None)
+    else:
+        os.environ["GPUMIGRATE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def source(home: Path, prefect_api: str) -> Iterator[Source]:
+    from gpumigrate.flows.frontdoor import FrontDoor, default_dir
+    from gpumigrate.flows.wiring import wait_ready
+    from gpumigrate.infra import get_provider
+    from gpumigrate.transfer import generate_key
+
+    from gpumigrate.atomic import atomic_write_bytes
+    from gpumigrate.interfaces import HostSpec
+
+    provider = get_provider("local")
+    key_file = home / "image.key"
+    atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
+    host = door = None
+    try:
+        host = provider.wait_ready(provider.provision(HostSpec("flows-src", "local", "local-a"), migration_id="tests"))
+        provider.spawn(host, [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address,
+                              "--port", str(host.ports["service"]), "--agent-port", str(host.ports["agent"]),
+                              "--seed", "0", "--size", "tiny", "--device", "cpu", "--name", "flows-src"],
+                       name="workload")
+        wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
+        door = FrontDoor.start(default_dir(WORKLOAD), source_host=host.address, source_port=host.ports["service"],
+                               node_id="flows-envoy")
+        yield Source(home, host, door, key_file)
+    finally:
+        if door is not None:
+            door.stop()
+        for h in provider.list_hosts():
+            provider.terminate(h)
+
+
+def write_plan(src: Source, path: Path, *, target: str, manual_gate: bool = False, window_s: float = 300) -> Path:
+    from gpumigrate.flows.demo import golden_inputs
+
+    plan = {
+        "version": 1,
+        "workload": {"name": WORKLOAD, "kind": "inference", "source_host": "flows-src", "endpoint": src.endpoint,
+                     "agent": src.agent, "source_region": "local-a"},
+        "target": {"provider": "local", "region": "local-b", "host": target},
+        "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+        "snapshot": {"precopy_rounds": 1},
+        "transfer": {"store": "file://store", "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
+        "parity": {"golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")), "atol": 1e-4, "rtol": 1e-3},
+        "traffic": {"stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
+                    "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3},
+                    "analysis_interval_s": 0.5, "rollback_window_s": window_s, "manual_gate": manual_gate},
+    }
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+def cli_env(prefect_api: str, home: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(home), **extra}
+
+
+def load(src: Source, seconds: float = 120) -> Any:
+    from gpumigrate.traffic.loadgen import LoadProcess
+
+    return LoadProcess(src.door.url + "/v1/generate", rps=30, seconds=seconds)
+
+
+def state(home: Path, mid: str) -> dict[str, Any]:
+    try:
+        return json.loads((home / "migrations" / mid / "state.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def events(home: Path, mid: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (home / "migrations" / mid / "audit.jsonl").read_text().splitlines()]
+
+
+def serves(url: str) -> bool:
+    try:
+        return httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_interrupted_migration_resumes_without_resending(source: Source, prefect_api: str, cli_cmd: list[str],
+                                                         tmp_path: Path) -> None:
+    """SIGKILL the CLI mid-transfer; `--resume` with the same id sends only the missing chunks, then cuts over."""
+    plan = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-resume")
+    mid = "flows-resume"
+    # A slow link (bytes/s) so the transfer is still running when we kill the process.
+    env = cli_env(prefect_api, source.home, GPUMIGRATE_TRANSFER_RATE_LIMIT="250000")
+    proc = subprocess.Popen([*cli_cmd, "migrate", str(plan), "--id", mid], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        arrived = 0
+        while time.monotonic() < deadline and proc.poll() is None:
+            st = state(source.home, mid)
+            store = st.get("runtime", {}).get("target_store", "").removeprefix("file://")
+            if st.get("phases", {}).get("transfer", {}).get("status") == "running" and store:
+                arrived = sum(1 for p in Path(store).rglob("*") if p.is_file() and not p.name.startswith("."))
+                if arrived >= 3:
+                    break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the migration ended before it could be interrupted: {proc.stderr.read()[-2000:]!r}"
+        assert arrived >= 3, "no chunk arrived at the target's store in time"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert state(source.home, mid)["phases"]["transfer"]["status"] == "running"  # killed, not finished
+
+    lp = load(source)
+    try:
+        out = subprocess.run([*cli_cmd, "migrate", str(plan), "--id", mid, "--resume", "--json"],
+                             env=cli_env(prefect_api, source.home), capture_output=True, text=True, timeout=300)
+    finally:
+        lp.stop()
+        report = lp.wait(timeout_s=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "completed" and result["migration_id"] == mid
+    assert all(p["status"] == "completed" for p in result["phases"].values())
+    pushed = [e["data"] for e in events(source.home, mid) if e["event"] == "image.transferred"]
+    assert pushed and pushed[-1]["chunks_skipped"] >= arrived - 1 > 0  # what arrived was not sent again
+    assert pushed[-1]["chunks_sent"] < pushed[-1]["chunks_total"]
+    assert report.failed == 0  # the clients never noticed
+    from gpumigrate.traffic.state import StateStore
+
+    assert StateStore(source.door.state_dir).read().weights == {"source": 0.0, "target": 100.0}
+    assert Path(result["report"]).is_file() and Path(result["chart"]).is_file()
+    SHARED["cut_over"] = mid
+
+
+def test_rollback_through_the_rollback_deployment(source: Source, prefect_api: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Prefect UI's button: a run of the `rollback` deployment, executed by a runner process."""
+    mid = SHARED.get("cut_over")
+    if mid is None:
+        pytest.skip("needs the cut-over migration of the previous test")
+    import asyncio
+
+    from gpumigrate.flows.rollback import rollback_flow
+    from prefect.deployments import run_deployment
+    from prefect.runner import Runner
+
+    target = state(source.home, mid)["runtime"]["target_endpoint"]
+    assert serves(target)
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)  # the runner's flow-run process reports here
+
+    async def run() -> str:
+        runner = Runner(name="rollback-test")
+        await runner.add_flow(rollback_flow, name="rollback")
+        flow_run = await run_deployment(name="rollback/rollback", timeout=0,
+                                        parameters={"migration_id": mid, "reason": "SRE pressed the button"})
+        await runner.execute_flow_run(flow_run.id)
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run.id)).state.type.value
+
+    assert asyncio.run(run()) == "COMPLETED"
+    st = state(source.home, mid)
+    assert st["status"] == "rolled_back"
+    from gpumigrate.traffic.state import StateStore
+
+    assert StateStore(source.door.state_dir).read().weights["source"] == 100.0
+    assert not serves(target)  # torn down
+    assert serves(source.door.url) and serves(source.endpoint)  # the source never stopped
+    names = [e["event"] for e in events(source.home, mid)]
+    assert "rollback.requested" in names and "rollback.target_torn_down" in names and "rollback.completed" in names
+
+
+def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tmp_path: Path) -> None:
+    """The flow pauses before any traffic moves; the operator answers "roll back" through Prefect."""
+    from gpumigrate.flows.migrate import migrate_flow
+    from gpumigrate.flows.run import create_migration
+    from prefect.flow_runs import resume_flow_run
+
+    plan = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-gate", manual_gate=True)
+    mid = create_migration(plan, migration_id="flows-gate", resume=False)
+    out: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid, gate_timeout_s=120)))
+    runner.start()
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and state(source.home, mid).get("status") != "paused":
+        time.sleep(0.1)
+    st = state(source.home, mid)
+    assert st.get("status") == "paused", st.get("phases")
+    target = st["runtime"]["target_endpoint"]
+    assert serves(target)  # restored and verified, waiting for the operator
+    time.sleep(1.0)  # let the pause land in the API before answering it
+    resume_flow_run(st["flow_run_id"], run_input={"action": "roll back", "reason": "change freeze"})
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert out["status"] == "rolled_back" and "change freeze" in out["error"]
+    assert not serves(target) and serves(source.door.url)
+    names = [e["event"] for e in events(source.home, mid)]
+    assert "traffic.gate.waiting" in names and "traffic.gate.decided" in names
+    assert "rollback.target_torn_down" in names and "traffic.stage" not in names  # no traffic ever moved
