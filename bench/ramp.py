@@ -162,7 +162,8 @@ def scenario_ramp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "requests_during_ramp": total, "failed_during_ramp": failed, "failed_total": rep.failed,
             "p99_ms_during_ramp": during, "baseline_p99_ms_before_ramp": before,
             "p99_ratio": round(during / before, 3) if during and before else None,
-            "downtime_ms": rep.downtime_ms, "achieved_rps": rep.achieved_rps, "rps": args.rps}
+            "downtime_ms": rep.downtime_ms, "achieved_rps": rep.achieved_rps, "rps": args.rps, "errors": rep.errors,
+            "per_second": [[b["t"], b["total"], b["failed"], b["p99_ms"]] for b in rep.per_second] if args.verbose else None}
 
 
 def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover: bool = True) -> dict[str, Any]:
@@ -175,12 +176,11 @@ def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover:
             if sample.stage == 0 and "at" not in marks and sum(1 for s in ctl.samples if s.stage == 0) >= 3:
                 marks["at"] = len(ctl.samples)
                 marks["t"] = load.elapsed()
-                marks["mono"] = time.monotonic()
+                marks["epoch"] = time.time()
                 stack.fault("slow" if kind == "slow" else kind, **({"delay_ms": 500} if kind == "slow" else {}))
 
         ctl = controller(stack, ((25, 60.0), (100, 1.0)), args, on_interval=inject)
         result = ctl.run()
-        detected = time.monotonic()
         time.sleep(1.0)  # let requests in flight at the rollback finish inside the window
         t_end = load.elapsed()
         load.stop()
@@ -191,7 +191,8 @@ def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover:
     failed, total = rep.count_between(marks.get("t", 0.0), t_end)
     return {"status": result.status, "trigger": result.trigger, "reason": (result.reason or "")[:200],
             "intervals_to_detect": (failing[0] - int(marks["at"]) + 1) if failing and "at" in marks else None,
-            "seconds_fault_to_rollback": round(detected - marks["mono"], 3) if "mono" in marks else None,
+            "seconds_fault_to_rollback": round(result.rolled_back_at - marks["epoch"], 3)
+            if "epoch" in marks and result.rolled_back_at else None,
             "seconds_to_detect": result.seconds_to_detect, "rollback_applied_s": result.rollback_applied_s,
             "requests_in_fault_window": total, "client_failures": failed,
             "client_failure_rate": round(failed / total, 5) if total else None}
@@ -263,6 +264,7 @@ def main() -> None:
     ap.add_argument("--fake", action="store_true", help="stdlib upstreams instead of the reference inference server")
     ap.add_argument("--only", choices=["ramp", "faults", "control_plane_restart", "manual_rollback"], default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--verbose", action="store_true", help="add per-second load figures")
     args = ap.parse_args()
     out: dict[str, Any] = {"bench": "ramp", "upstream": "fake" if args.fake else "reference-inference-server",
                            "rps": args.rps, "analysis_interval_s": args.interval, "cpus": os.cpu_count()}

@@ -1,6 +1,7 @@
 """Benchmark: requests/s of the reference inference server, beside its baseline in the same run.
 
-    python bench/workload_inference.py [--size tiny] [--concurrency 1,4,8] [--seconds 5] [--json]
+    python bench/workload_inference.py [--size tiny] [--device cpu|cuda] [--dtype float32]
+        [--concurrency 1,4,8] [--seconds 5] [--json]
 
 Starts one real server process (``--threads 1 --workers 2``) and drives ``POST /v1/generate``
 (8 new tokens, keep-alive, raw asyncio client in this process) at each concurrency for
@@ -72,9 +73,9 @@ async def _load(port: int, concurrency: int, seconds: float, pid: int) -> dict[s
     }
 
 
-def baseline_in_process(size: str, seconds: float) -> dict[str, float]:
+def baseline_in_process(size: str, seconds: float, device: str, dtype: str) -> dict[str, float]:
     torch.set_num_threads(1)
-    model = build_model(0, size)
+    model = build_model(0, size, dtype, device)
     generate(model, PROMPT, 8)
     n, start, cpu0 = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
@@ -91,6 +92,9 @@ def baseline_in_process(size: str, seconds: float) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--workers", type=int, default=2, help="the server's request worker threads")
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--json", action="store_true", help="(always JSON; accepted for make bench)")
@@ -126,9 +130,12 @@ def main() -> None:
     result = {
         "benchmark": "workload_inference",
         "size": args.size,
+        "device": args.device,
+        "dtype": args.dtype,
+        "workers": args.workers,
         "cpu_count": os.cpu_count(),
         "server": runs,
-        "baseline_in_process_no_http": baseline_in_process(args.size, min(args.seconds, 3.0)),
+        "baseline_in_process_no_http": baseline_in_process(args.size, min(args.seconds, 3.0), args.device, args.dtype),
         "note": "client and server share this machine's CPUs; numbers under contention are pessimistic",
     }
     print(json.dumps(result))

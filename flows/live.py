@@ -51,6 +51,16 @@ class PhaseLines:
         console.print(f"[bold {color}]{result.status}[/] migration {result.migration_id} (exit {result.exit_code})")
         if result.error:
             console.print(f"  {result.error}", soft_wrap=True)
+        rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
+        if rq.total is not None:
+            console.print(f"  requests: {rq.total} total, {rq.failed} failed, p50 {rq.p50_ms} ms, p99 {rq.p99_ms} ms; "
+                          f"downtime {result.downtime_ms} ms", soft_wrap=True)
+        if by.image is not None:
+            console.print(f"  bytes: image {by.image:,}, sent {by.sent or 0:,}, stored {by.stored or 0:,}")
+        if pa.passed is not None:
+            console.print(f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}")
+        if rb.triggered:
+            console.print(f"  rollback: {rb.reason} (detected in {rb.seconds_to_detect} s)", soft_wrap=True)
         # soft_wrap: a path must stay on one line, copy-pasteable.
         if result.report:
             console.print(f"  report: {result.report}", soft_wrap=True, highlight=False)

@@ -36,6 +36,7 @@ from prefect.transactions import Transaction, transaction  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from gpumigrate.errors import (  # noqa: E402
+    DecryptionError,
     GpumigrateError,
     InvalidInputError,
     ParityError,
@@ -64,7 +65,15 @@ def run_phase(migration_id: str, name: str, fn: PhaseFn) -> dict[str, Any]:
     return result
 
 
+def _transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry only what a retry can fix: a decision (policy, bad input, wrong key, rollback) stays made."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return not isinstance(exc, (PolicyDeniedError, InvalidInputError, RolledBackError, DecryptionError))
+
+
 def _task_opts(**kw: Any) -> dict[str, Any]:
+    if kw.get("retries"):
+        kw["retry_condition_fn"] = _transient
     return {"cache_policy": NO_CACHE, "persist_result": False, **kw}
 
 

@@ -38,7 +38,15 @@ def preflight(ctx: RunContext) -> dict[str, Any]:
     emit(m, "infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "instance_type": spec.instance_type})
     source_info = wiring.service_info(plan.workload.endpoint) if plan.workload.endpoint else {}
     ctx.put(source_info=_facts(source_info))
+    env = wiring.host_environment_parity(plan, source_info)
+    report = env.pop("report", None)
+    emit(m, "parity.environment.preflight", env)
+    if report is not None:
+        from gpumigrate.parity.environment import EnvironmentParityError
+
+        raise EnvironmentParityError(report)  # a policy denial: exit 2, nothing provisioned
     return {"residency": "allow", "decisions": len(decisions), "target_host": spec.name,
+            "environment": "match" if env.get("passed") else "deferred",
             "source_weights_digest": str(source_info.get("weights_digest", ""))[:64] or None}
 
 
@@ -83,9 +91,8 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
         parent = r.get("image_id") or parent
         rounds.append(r)
         notify(m.id, "snapshot.precopy", {"round": i + 1, **r})
-        dirty = [x.get("bytes_dirty", 0) for x in rounds]
-        if i >= 1 and (dirty[-1] >= dirty[-2] or dirty[-1] == 0):
-            break  # no longer shrinking: more rounds would not shorten the freeze
+        if _precopy_converged(rounds, plan.snapshot.max_downtime_ms):
+            break
     t_freeze = time.monotonic()
     agent.freeze()
     ctx.put(source_frozen=True)
@@ -107,6 +114,19 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
     merge_result(m, bytes={"image": final.get("bytes_image"), "stored": final.get("bytes_stored")})
     return {"image_id": image_id, "precopy_rounds": len(rounds), "frozen_ms": round(frozen_ms, 1),
             "bytes_image": final.get("bytes_image")}
+
+
+def _precopy_converged(rounds: list[dict[str, Any]], max_downtime_ms: float) -> bool:
+    """Stop pre-copying when the last round's dirty set shipped within the downtime budget (the final
+    round, frozen, ships about as much), or when rounds stop shrinking it (more would not help)."""
+    last = rounds[-1]
+    dirty = int(last.get("bytes_dirty") or 0)
+    if dirty == 0:
+        return True
+    if len(rounds) < 2:
+        return False
+    fits = float(last.get("seconds") or 0) * 1000 <= max_downtime_ms
+    return fits or dirty >= int(rounds[-2].get("bytes_dirty") or 0)
 
 
 # ----------------------------------------------------------------------------- transfer

@@ -37,6 +37,18 @@ def _flow_alive(ctx: RunContext) -> bool:
     return True
 
 
+def _answer_gate(flow_run_id: str | None, reason: str) -> None:
+    """A flow paused at the manual gate only listens to its Resume form: answer it with "roll back"."""
+    if not flow_run_id:
+        return
+    try:
+        from prefect.flow_runs import resume_flow_run
+
+        resume_flow_run(flow_run_id, run_input={"action": "roll back", "reason": reason[:300]})
+    except Exception:  # not paused any more, or another API: the request file still stands
+        pass
+
+
 def rollback_migration(migration_id: str, *, reason: str, actor: str | None = None,
                        wait_s: float | None = None) -> dict[str, Any]:
     """Roll a migration back. Idempotent. Returns ``{"status", "how", "exit_code", ...}``."""
@@ -55,6 +67,8 @@ def rollback_migration(migration_id: str, *, reason: str, actor: str | None = No
                 f"migration {m.id} cut over and its rollback window ({plan.traffic.rollback_window_s:.0f}s) is over: "
                 "the source may be zeroized; migrate back with a new plan instead")
     m.request_rollback(reason, actor=actor)
+    if status == "paused" and _flow_alive(ctx):
+        _answer_gate(m.read().get("flow_run_id"), reason)
     if status in ("running", "paused") and _flow_alive(ctx):
         # The running flow acts on the request within one analysis interval and undoes in order.
         limit = wait_s if wait_s is not None else max(15.0, 5 * plan.traffic.analysis_interval_s)

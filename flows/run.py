@@ -28,8 +28,13 @@ def create_migration(plan_path: str | Path, *, migration_id: str | None, resume:
         if not migration_id:
             raise InvalidInputError("--resume needs --id: the id of the migration to continue")
         m = Migration.open(migration_id)
-        if m.read().get("status") == "completed":
+        status = m.read().get("status")
+        if status == "completed":
             return m.id
+        if status == "rolled_back" and m.rollback_requested():
+            # Resuming a rolled-back migration is a new attempt: the old request must not stop it again.
+            m.clear_rollback_request()
+            m.record("migration.retry", {"after": "rolled_back"})
     else:
         m = Migration.create(migration_id or new_migration_id(plan.workload.name), Path(plan_path).read_text())
     ctx = RunContext(m, plan)

@@ -258,6 +258,26 @@ def environment_parity(source_info: dict, target_info: dict, policy: dict[str, s
     return d
 
 
+def host_environment_parity(plan: Any, source_info: dict[str, Any]) -> dict[str, Any]:
+    """Preflight: the target host's facts against the source's, host-level facts only (no workload yet).
+
+    A local target runs on this machine, so its facts are collected here; a cloud target's facts are
+    known once it runs, so the check is deferred to the parity phase (which compares everything).
+    Returns the audit record; ``report`` (removed before recording by the caller) on a violation.
+    """
+    if plan.target.provider != "local" or not source_info:
+        return {"passed": None, "deferred": "the target's facts are checked in the parity phase, once it runs"}
+    from gpumigrate.parity.environment import check_environment
+    from gpumigrate.parity.probe import collect
+
+    report = check_environment(source_info, collect(), plan.parity.environment, scope="host")
+    out = as_dict(report)
+    out["differences"] = [v.get("text") for v in out.get("violations", [])]
+    if not report.passed:
+        out["report"] = report
+    return out
+
+
 def output_parity(source_url: str, target_url: str, inputs: Path, *, atol: float, rtol: float, out_dir: Path) -> dict:
     from gpumigrate.parity.output import run_output_parity
 

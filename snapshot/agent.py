@@ -43,6 +43,7 @@ class _Shipped:
     nbytes: int
     dtype: str | None
     shape: tuple[int, ...] | None
+    chunk_size: int
     fingerprints: list[int]
     ids: list[str]
 
@@ -73,6 +74,7 @@ class Agent:
         self.last_image: ImageRef | None = None
         self._shipped: dict[str, _Shipped] = {}
         self._loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
+        self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
         self._pipelines: dict[tuple[str, int], Pipeline] = {}
         self._lock = threading.RLock()
 
@@ -161,7 +163,9 @@ class Agent:
         for name, view in views.items():
             info, fps = infos[name], host_fps[name]
             prev = self._shipped.get(name)
-            same_shape = prev is not None and (prev.nbytes, prev.dtype, prev.shape) == (info.nbytes, info.dtype, info.shape)
+            # Reuse only against the same layout and the same chunk boundaries.
+            same_shape = prev is not None and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (
+                info.nbytes, info.dtype, info.shape, cs)
             ids: list[str] = [""] * len(fps)
             for i, fp in enumerate(fps):
                 total += 1
@@ -173,7 +177,7 @@ class Agent:
                 jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, piece))
                 dirty_chunks += 1
                 dirty_bytes += piece.numel()
-            new[name] = _Shipped(info.nbytes, info.dtype, info.shape, list(fps), ids)
+            new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps), ids)
         for device, jobs in jobs_by_device.items():
             sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
             for k, job in enumerate(jobs):
@@ -250,7 +254,8 @@ class Agent:
                     raise ImageMismatchError(f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected")
                 prev = self._loaded.get(name)
                 # Skip a chunk only if it went into this very tensor before and its content id is unchanged.
-                have = prev[1] if prev is not None and prev[0] == dst.data_ptr() and regions[name].kind != "blob" else None
+                have = (prev[1] if prev is not None and prev[0] == dst.data_ptr() and self._loaded_cs == cs
+                        and regions[name].kind != "blob" else None)
                 for i in range(n):
                     if have is not None and have[i] == table[name][i]:
                         skipped += 1
@@ -267,6 +272,7 @@ class Agent:
                 mine = {k: v for k, v in targets.items() if _owned(item, k)}
                 item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, mine)
             self._loaded = {} if ready else {k: (targets[k].data_ptr(), ids) for k, ids in table.items() if k in targets}
+            self._loaded_cs = cs
             self.last_image = reader.ref
             if ready:
                 if self.set_ready is not None:

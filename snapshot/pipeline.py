@@ -11,6 +11,11 @@ changes during the copy and changes back is still caught in the next round).
 Restore: workers fetch verified chunks into pinned slots and copy them into the pre-allocated
 destination tensors on their own streams. On the CPU the same code runs with plain memory, and
 restore reads straight into the destination tensor (no staging copy).
+
+Zero-copy: a writer with ``reserve``/``put_reserved`` receives the device→host copy straight into
+its own (pinned) memory, and a reader with ``chunk_tensor``/``verify_chunk`` lets the host→device copy
+start from its memory while the chunk's BLAKE3 is checked (PROTOCOL.md, "Optional zero-copy
+methods"). Every chunk in flight still holds a ring slot, which paces the DMA to the hash workers.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class GateSettings:
     max_p99_ms: float | None = None
     min_requests: int = 20
     failures_to_rollback: int = 1
-    p99_slack_ms: float = 25.0
+    p99_slack_ms: float = 100.0
 
     @classmethod
     def from_plan(cls, gates: Any, **extra: Any) -> GateSettings:

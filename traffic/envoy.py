@@ -117,7 +117,6 @@ class Envoy:
         self.binary = binary or find_envoy_binary()
         self.max_connection_s = max_connection_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self._base_id = free_port()  # distinct shared-memory ids let several Envoys run on one host
 
     @property
     def admin_url(self) -> str:
@@ -140,8 +139,9 @@ class Envoy:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child; closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
-            [self.binary, "-c", str(cfg), "--concurrency", str(self.concurrency), "--base-id", str(self._base_id),
-             "--log-level", "warn", "--drain-time-s", "2", "--parent-shutdown-time-s", "3"],
+            # No hot restart: no shared memory, so any number of Envoys run side by side on one host.
+            [self.binary, "-c", str(cfg), "--concurrency", str(self.concurrency), "--disable-hot-restart",
+             "--log-level", "warn", "--drain-time-s", "2"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_ready(ready_timeout_s)
         return self

@@ -88,7 +88,7 @@ class RampResult:
     samples: list[Sample]
     baseline_p99_ms: float | None
     reason: str | None = None
-    trigger: str | None = None  # gate | manual | external | inconclusive
+    trigger: str | None = None  # gate | manual | external | inconclusive | error
     seconds_to_detect: float | None = None  # start of the first failing window → rollback decided
     rolled_back_at: float | None = None  # epoch seconds when 100% source was written
     rollback_applied_s: float | None = None  # write → every Envoy ACKed
@@ -128,6 +128,7 @@ class RampController:
         self.baseline_p99: float | None = None
         self._t0 = 0.0
         self._weight = 0.0
+        self._failover = True
 
     # -- plumbing ---------------------------------------------------------------------
     def _now(self) -> float:
@@ -135,7 +136,7 @@ class RampController:
 
     def _snapshot(self) -> StatsSnapshot:
         ups = [self.source, self.target]
-        return merge([parse_stats(a.stats(ups), ups, ts=time.monotonic()) for a in self.admins])
+        return merge([parse_stats(a.stats(ups), ups, ts=time.monotonic(), failover=self._failover) for a in self.admins])
 
     def _apply(self, weight: float) -> None:
         try:
@@ -151,7 +152,10 @@ class RampController:
             sig = self.rollback_signal()
             if sig:
                 why = sig.get("reason") if isinstance(sig, dict) else None
-                raise _RolledBack(f"manual rollback: {why or 'requested'}", "manual", None)
+                asked = sig.get("ts") if isinstance(sig, dict) else None
+                # The request's own timestamp (Migration.request_rollback writes one) gives request → action.
+                since = time.monotonic() - max(0.0, time.time() - float(asked)) if isinstance(asked, int | float) else None
+                raise _RolledBack(f"manual rollback: {why or 'requested'}", "manual", since)
         state = self.store.read()
         if state.rolled_back:
             raise _RolledBack(f"rolled back from outside: {state.rolled_back.get('reason')}", "external", None)
@@ -267,6 +271,7 @@ class RampController:
         self._t0 = time.monotonic()
         state = self.store.read()
         self._weight = state.weights.get(self.target, 0.0)
+        self._failover = state.failover
         if self.prober is not None:
             if self._weight <= 0:
                 # Warm the target's model and Envoy's connections to it through the probe route,
@@ -286,6 +291,10 @@ class RampController:
             return RampResult("completed", self.stages, self.samples, self.baseline_p99, seconds=self._now())
         except _RolledBack as rb:
             return self._roll_back(rb)
+        except TrafficError as exc:
+            # The controller can no longer see or steer (admin gone, control plane not applying):
+            # a ramp it cannot judge goes back to the source.
+            return self._roll_back(_RolledBack(f"ramp error: {exc}", "error", None))
         finally:
             if self.prober is not None:
                 self.prober.stop()

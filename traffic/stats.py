@@ -67,10 +67,15 @@ class ClusterWindow:
                 "healthy": self.healthy, "ejected": self.ejected}
 
 
-def parse_stats(stats_json: dict[str, Any], upstreams: list[str], ts: float | None = None) -> StatsSnapshot:
-    """Pick our upstreams' counters out of ``/stats?format=json&histogram_buckets=cumulative``."""
+def parse_stats(stats_json: dict[str, Any], upstreams: list[str], ts: float | None = None, *,
+                failover: bool = True) -> StatsSnapshot:
+    """Pick our upstreams' counters out of ``/stats?format=json&histogram_buckets=cumulative``.
+
+    ``failover=False`` (a plain split, the benchmark's baseline) counts client traffic on the
+    endpoint clusters themselves, where the split sends it.
+    """
     out = {u: ClusterCounters() for u in upstreams}
-    agg = {f"cluster.{u}{FAILOVER_SUFFIX}.": u for u in upstreams}
+    agg = {f"cluster.{u}{FAILOVER_SUFFIX if failover else ''}.": u for u in upstreams}
     raw = {f"cluster.{u}.": u for u in upstreams}
     for entry in stats_json.get("stats", []):
         if "histograms" in entry:

@@ -2,8 +2,9 @@
 
 The desired state lives in a directory (:mod:`gpumigrate.traffic.state`); this server watches it
 and pushes changes over one aggregated gRPC stream per Envoy. Per stream and per change it keeps
-the safe order of NOTES.md: clusters first (old ∪ new), then the route, then the clusters no route
-references any more are removed, each step sent only after Envoy ACKed the previous one. A NACK
+the safe order of NOTES.md: clusters first (old ∪ new), then the route, then — after ``drain_s`` for
+requests still on them — the clusters no route references any more are removed, each step sent
+only after Envoy ACKed the previous one. A NACK
 (``error_detail``) stops the sequence, Envoy keeps its last good config, and the rejection is
 written to ``status/<node>.json`` where :meth:`StateStore.wait_applied` raises it as an error.
 
@@ -72,6 +73,7 @@ class _Stream:
         self.nack: dict[str, Any] | None = None
         self.applied = -1
         self.nonce = 0
+        self.route_acked_at = 0.0
         threading.Thread(target=self._read, args=(request_iterator,), daemon=True).start()
 
     def _read(self, request_iterator: Any) -> None:
@@ -134,6 +136,8 @@ class _Stream:
         else:
             self.acked[type_url] = resources
             self.acked_version[type_url] = req.version_info
+            if type_url == RDS:
+                self.route_acked_at = time.monotonic()
         self._write_status(connected=True)
 
     def _next_step(self, snap: Snapshot | None) -> tuple[str, Any, int] | None:
@@ -147,7 +151,10 @@ class _Stream:
         if RDS in self.subscribed and self.acked[RDS] != snap.route:
             return RDS, snap.route, snap.version
         if CDS in self.subscribed and cds is not None and set(cds) - set(snap.clusters):
-            return CDS, dict(snap.clusters), snap.version  # no route references these any more
+            # No route references these any more; requests already on them get drain_s to finish.
+            if time.monotonic() - self.route_acked_at < self.plane.drain_s:
+                return None
+            return CDS, dict(snap.clusters), snap.version
         if CDS in self.subscribed and RDS in self.subscribed and self.applied != snap.version:
             self.applied = snap.version
             self.nack = None
@@ -171,8 +178,9 @@ def _as_list(type_url: str, resources: Any) -> list[dict[str, Any]]:
 class ControlPlane:
     """The gRPC ADS server plus the watcher of the state directory."""
 
-    def __init__(self, state_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, state_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, drain_s: float = 2.0) -> None:
         self.store = StateStore(state_dir)
+        self.drain_s = drain_s  # between the route dropping a cluster and the cluster's removal
         self.host = host
         self.port = port
         self.stopping = threading.Event()

@@ -22,6 +22,7 @@ TAG_SIZE = 16
 FLAG_ENCRYPTED = 0x01
 ZERO_ID = bytes(32)
 ZERO_NONCE = bytes(12)
+MAX_RAW_LEN = 256 << 20  # no chunk is larger; a header claiming more is damaged or hostile
 # Above this size BLAKE3 may use several threads on one buffer; below, threads cost more than they save.
 _MT_HASH_BYTES = 8 << 20
 
@@ -47,6 +48,8 @@ def parse_header(blob: memoryview | bytes, chunk_id: str) -> ObjectHeader:
     magic, codec, flags, _reserved, raw_len, nonce, base = HEADER.unpack_from(blob, 0)
     if magic != MAGIC:
         raise IntegrityError(f"chunk {chunk_id[:16]} is not a gpumigrate chunk object (bad magic)")
+    if raw_len > MAX_RAW_LEN:  # checked before anyone allocates a buffer of that size
+        raise IntegrityError(f"chunk {chunk_id[:16]} claims {raw_len} bytes, more than any chunk may hold ({MAX_RAW_LEN})")
     return ObjectHeader(codec, bool(flags & FLAG_ENCRYPTED), raw_len, nonce, None if base == ZERO_ID else base.hex())
 
 

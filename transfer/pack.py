@@ -119,7 +119,7 @@ def pack_paths(
                          chunk_size=chunk_size, source=source, endpoint_url=endpoint_url)
     counter = ProgressCounter(progress, sum(s.st_size for _, _, s in entries if stat.S_ISREG(s.st_mode)))
     tree: dict[str, dict[str, Any]] = {}
-    maps: list[tuple[Any, mmap.mmap]] = []
+    maps: list[tuple[Any, mmap.mmap, memoryview]] = []
     pool = ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-pack")
     parent_files = _parent_files(writer.parent_body)
     bundles: list[str] = []
@@ -160,8 +160,8 @@ def pack_paths(
                 continue
             fh = open(path, "rb")  # noqa: SIM115 (closed in the finally below, after the pool drains)
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            maps.append((fh, mm))
             view = memoryview(mm)
+            maps.append((fh, mm, view))
             mid = max(0, size // 2 - SNIFF_BYTES // 2)
             k = codecs.float_itemsize(dtype) if dtype else sniff_itemsize(view[mid : mid + SNIFF_BYTES])
             hint = dtype or ({2: "float16", 4: "float32"}.get(k) if k else None)
@@ -181,11 +181,12 @@ def pack_paths(
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        for fh, mm in maps:
+        for fh, mm, view in maps:
+            view.release()
             try:
                 mm.close()
             except BufferError:
-                pass  # a slice is still referenced by a failed future; the map closes with the process
+                pass  # a slice is still held by a failed future; the map closes when that is collected
             fh.close()
 
 

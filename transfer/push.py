@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gpumigrate.transfer.api import _store
-from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, resolve_image_id
@@ -35,8 +35,6 @@ class _Scratch(threading.local):
 
 def _check_object(reader: StoreImageReader, scratch: _Scratch, chunk_id: str, blob: bytes) -> None:
     """Authenticate and hash one stored object without keeping its plaintext."""
-    from gpumigrate.transfer.chunkobj import parse_header
-
     raw_len = parse_header(blob, chunk_id).raw_len
     reader.sealer.open_into(chunk_id, blob, scratch.get(raw_len), reader.read_object)
 

@@ -26,7 +26,7 @@ REPLY = struct.Struct(">BQ")
 PUT_CHUNK, PUT_MANIFEST, LIST_CHUNKS, HAS_CHUNK, FLUSH, GET_MANIFEST, LIST_MANIFESTS, HELLO = 1, 2, 3, 4, 5, 6, 7, 8
 PROTOCOL_VERSION = 1
 OK, NOT_FOUND, REJECTED, ERROR = 0, 1, 2, 3
-MAX_FRAME = 1 << 30  # a frame larger than any chunk or manifest is a protocol error, not an allocation
+MAX_FRAME = 256 << 20  # larger than any chunk or manifest: a bigger frame is a protocol error, never an allocation
 NO_ID = bytes(32)
 
 
@@ -71,6 +71,7 @@ class StreamStore(Store):
         self.fingerprint = (query.get("fingerprint") or [None])[0]
         self.max_connections = max(1, int((query.get("connections") or [connections])[0]))
         self._hello: dict[str, Any] | None = None
+        self._count = 0  # connections open or being opened
         self._idle: queue.LifoQueue[ssl.SSLSocket] = queue.LifoQueue()
         self._all: list[ssl.SSLSocket] = []
         self._lock = threading.Lock()
@@ -86,8 +87,12 @@ class StreamStore(Store):
             raw = socket.create_connection((self.host, self.port), timeout=30)
         except OSError as exc:
             raise TransferError(f"cannot connect to receiver {self.host}:{self.port}: {exc}") from None
-        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock = self._ctx.wrap_socket(raw)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self._ctx.wrap_socket(raw)
+        except OSError as exc:
+            raw.close()
+            raise TransferError(f"TLS handshake with receiver {self.host}:{self.port} failed: {exc}") from None
         if self.fingerprint:
             cert = sock.getpeercert(binary_form=True) or b""
             if hashlib.sha256(cert).hexdigest() != self.fingerprint.lower():
@@ -96,18 +101,35 @@ class StreamStore(Store):
         sock.settimeout(300)
         return sock
 
+    def _acquire(self) -> ssl.SSLSocket:
+        """An idle connection, a new one while fewer than N exist, or the next one returned."""
+        while True:
+            try:
+                return self._idle.get_nowait()
+            except queue.Empty:
+                pass
+            with self._lock:
+                grow = self._count < self.max_connections
+                if grow:
+                    self._count += 1  # reserve the slot; connect outside the lock (handshakes overlap)
+            if grow:
+                try:
+                    sock = self._connect()
+                except BaseException:
+                    with self._lock:
+                        self._count -= 1
+                    raise
+                with self._lock:
+                    self._all.append(sock)
+                return sock
+            try:  # all N busy: wait, but look again if one of them failed and freed its slot
+                return self._idle.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
     @contextlib.contextmanager
     def _conn(self) -> Any:
-        try:
-            sock = self._idle.get_nowait()
-        except queue.Empty:
-            with self._lock:
-                grow = len(self._all) < self.max_connections
-                if grow:
-                    sock = self._connect()
-                    self._all.append(sock)
-            if not grow:
-                sock = self._idle.get()
+        sock = self._acquire()
         ok = False
         try:
             yield sock
@@ -119,6 +141,7 @@ class StreamStore(Store):
                 with self._lock:
                     if sock in self._all:
                         self._all.remove(sock)
+                    self._count -= 1
                 sock.close()
 
     def _call(self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview = b"") -> tuple[int, bytes]:
@@ -204,6 +227,8 @@ class StreamStore(Store):
     def close(self) -> None:
         with self._lock:
             socks, self._all = self._all, []
+            self._count = 0
+            self._idle = queue.LifoQueue()
         for sock in socks:
             with contextlib.suppress(OSError):
                 sock.close()

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gpumigrate.transfer import codecs
-from gpumigrate.transfer.chunkobj import Sealer, chunk_id_of, parse_header
+from gpumigrate.transfer.chunkobj import MAX_RAW_LEN, Sealer, chunk_id_of, parse_header
 from gpumigrate.transfer.manifest import seal_manifest
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.stores import Store
@@ -57,8 +57,8 @@ class StoreImageWriter:
         self.sealer = sealer
         self.compression = codecs.check_mode(compression)
         self.chunk_size = int(chunk_size or (parent or {}).get("chunk_size") or DEFAULT_CHUNK_SIZE)
-        if self.chunk_size <= 0 or self.chunk_size % 8:
-            raise InvalidInputError(f"chunk size {self.chunk_size} must be a positive multiple of 8 bytes")
+        if self.chunk_size <= 0 or self.chunk_size % 8 or self.chunk_size > MAX_RAW_LEN:
+            raise InvalidInputError(f"chunk size {self.chunk_size} must be a positive multiple of 8 bytes, at most {MAX_RAW_LEN}")
         self.source = source
         self.parent_id = parent_id
         self._parent_objects: dict[str, list[Any]] = dict((parent or {}).get("objects", {}))
@@ -147,8 +147,12 @@ class StoreImageWriter:
         self._check_open()
         reg = self._region(region)
         view = memoryview(data)
+        if not view.c_contiguous:
+            raise InvalidInputError(f"put_chunk({region!r}, {index}): the buffer must be C-contiguous (copy strided views first)")
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
+        if len(view) > MAX_RAW_LEN:
+            raise InvalidInputError(f"put_chunk({region!r}, {index}): {len(view)} bytes is more than a chunk may hold ({MAX_RAW_LEN})")
         chunk_id = chunk_id_of(view)
         with self._lock:
             self._record(reg, index, chunk_id, len(view))

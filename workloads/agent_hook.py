@@ -32,7 +32,10 @@ def open_writer(store: str, key_ref: Mapping[str, str], parent: str | None) -> I
     from gpumigrate import transfer
 
     workers = int(os.environ.get("GPUMIGRATE_SNAPSHOT_PARALLELISM", "4"))
-    return transfer.open_writer(store, key=_key(key_ref), parent=parent, parallelism=workers, source="agent")
+    # Larger chunks suit GPU capture (fewer per-chunk launches); default: the transfer engine's (4 MiB).
+    chunk_mb = int(os.environ.get("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "0"))
+    return transfer.open_writer(store, key=_key(key_ref), parent=parent, parallelism=workers, source="agent",
+                                chunk_size=(chunk_mb << 20) or None)
 
 
 def open_reader(store: str, image_id: str, key_ref: Mapping[str, str]) -> ImageReader:

@@ -127,7 +127,8 @@ class InferenceApp:
         return JSONResponse({"status": "not ready", "reason": reason, "host": st.name}, status_code=503)
 
     async def info(self, request: Request) -> Response:
-        facts = await asyncio.get_running_loop().run_in_executor(self.pool, self._info)
+        # Not the request pool: its threads may all be parked at a frozen safe point during a migration.
+        facts = await asyncio.get_running_loop().run_in_executor(None, self._info)
         return JSONResponse(facts)
 
     def _info(self) -> dict[str, Any]:

@@ -86,10 +86,11 @@ def train_with_lightning(
     if steps < 1:
         raise InvalidInputError(f"steps must be >= 1, got {steps}")
     first = len(state.losses)
-    accel = "gpu" if state.config.device.startswith("cuda") else "cpu"
+    device = state.config.device
+    accel = "gpu" if device.startswith("cuda") else "cpu"
     trainer = pl.Trainer(
         accelerator=accel,
-        devices=1,
+        devices=[int(device.split(":", 1)[1])] if accel == "gpu" and ":" in device else 1,
         max_steps=steps,
         max_epochs=1,
         logger=False,

@@ -167,8 +167,11 @@ class ServingState:
         return self._ready.wait(timeout_s)
 
     def mark_weights_changed(self) -> None:
+        from gpumigrate.workloads.model import forget_decode_weights
+
         self.weights_version += 1
         self._digest = None
+        forget_decode_weights(self.model)
 
     def weights_digest(self) -> str:
         from gpumigrate.workloads.model import weights_digest

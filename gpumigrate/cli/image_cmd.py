@@ -88,16 +88,26 @@ def _progress(label: str, quiet: bool) -> Iterator[Any]:
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    with Progress(
+    bar = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
         console=console, transient=False,
-    ) as bar:
-        task = bar.add_task(label, total=None)
+    )
+    task = bar.add_task(label, total=None)
+    started = threading.Event()
+    lock = threading.Lock()
 
-        def update(done: int, total: int) -> None:
+    def update(done: int, total: int) -> None:
+        with lock:
+            if not started.is_set():  # no bar at all for a command that fails before moving a byte
+                bar.start()
+                started.set()
             bar.update(task, completed=done, total=total)
 
+    try:
         yield update
+    finally:
+        if started.is_set():
+            bar.stop()
 
 
 def _summary(obj: dict[str, Any], as_json: bool, line: str) -> None:

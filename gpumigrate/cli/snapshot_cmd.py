@@ -31,9 +31,12 @@ def _client(agent: str) -> Any:
 
 
 def _key_ref(key_env: str | None, key_file: str | None) -> dict[str, str]:
-    if (key_env is None) == (key_file is None):
+    """The key's reference (never the key); neither option means a store without encryption."""
+    if key_env is not None and key_file is not None:
         raise InvalidInputError("give exactly one of --key-env NAME or --key-file PATH (the key itself never travels)")
-    return {"env": key_env} if key_env is not None else {"file": str(key_file)}
+    if key_env is not None:
+        return {"env": key_env}
+    return {"file": str(key_file)} if key_file is not None else {}
 
 
 def _policy(items: list[str] | None) -> dict[str, str]:
@@ -118,7 +121,16 @@ def restore(
 
 
 @app.command("zeroize")
-def zeroize(agent: AgentOpt, as_json: JsonOpt = False) -> None:
+def zeroize(
+    agent: AgentOpt,
+    migration: Annotated[str | None, typer.Option("--migration", help="append the record to this migration's audit log")] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Overwrite the source's tracked memory with zeros and verify by reading it back."""
+    from gpumigrate.state import Migration
+
+    m = Migration.open(migration) if migration else None  # fails before anything is wiped when the id is unknown
     res = _client(agent).zeroize()
+    if m is not None:
+        m.record("source.zeroized", {k: v for k, v in res.items() if isinstance(v, (str, int, float, bool))}, actor="cli")
     _show(res, as_json, json.dumps(res))

@@ -128,6 +128,15 @@ def events(home: Path, mid: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (home / "migrations" / mid / "audit.jsonl").read_text().splitlines()]
 
 
+def artifact_types(flow_run_id: str) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.type for a in found}
+
+
 def serves(url: str) -> bool:
     try:
         return httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=10).status_code == 200
@@ -181,6 +190,8 @@ def test_interrupted_migration_resumes_without_resending(source: Source, prefect
 
     assert StateStore(source.door.state_dir).read().weights == {"source": 0.0, "target": 100.0}
     assert Path(result["report"]).is_file() and Path(result["chart"]).is_file()
+    # The run's Prefect artifacts: summary (markdown), phases (table), chart (image), transfer/ramp progress.
+    assert {"markdown", "table", "image", "progress"} <= artifact_types(state(source.home, mid)["flow_run_id"])
     SHARED["cut_over"] = mid
 
 

@@ -98,3 +98,21 @@ def test_bad_shaping_is_rejected_before_anything_starts(gm_home: Path) -> None:
         assert not netns_lib.exists(f"gm-{host_id}")  # the half-made namespace was removed
     else:
         prov.terminate(host)
+
+
+def test_cli_hosts_up_with_netns_and_down(cli_cmd: list[str], gm_home: Path) -> None:
+    import json
+    import os
+
+    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cli_cmd, "hosts", *args], capture_output=True, text=True, env=env, timeout=120)
+
+    up = run("up", "--name", "cli-ns", "--netns", "--rate", "100mbit", "--json")
+    assert up.returncode == 0, up.stderr
+    (host,) = json.loads(up.stdout.splitlines()[-1])["hosts"]
+    assert host["address"].startswith("10.213.") and netns_lib.exists(host["netns"])
+    assert run("down", "--all").returncode == 0
+    assert wait_dead([host["supervisor_pid"]]) == []
+    assert not netns_lib.exists(host["netns"])

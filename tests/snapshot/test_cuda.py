@@ -172,3 +172,47 @@ def test_cuda_direct_placement_roundtrip_and_corruption_refused() -> None:
     with pytest.raises(IntegrityError):
         b.restore(store.reader(ref.id, KEY))
     assert flags[-1] is False and not b.ready
+
+
+BUSY = r"""
+import json, torch
+x = torch.zeros(1, device="cuda")
+torch.cuda.synchronize()
+print(json.dumps({"ready": True}), flush=True)
+torch.cuda._sleep(int(1e10))  # a kernel that spins ~5 s
+torch.cuda.synchronize()      # ... and a CUDA call blocked on it
+x += 1
+torch.cuda.synchronize()
+print(json.dumps({"done": float(x.item())}), flush=True)
+"""
+
+
+def test_cuda_driver_lock_timeout_leaves_process_running() -> None:
+    from gpumigrate.snapshot import cuda_driver
+
+    try:
+        cuda_driver.driver()
+    except cuda_driver.CudaCheckpointUnavailable as exc:
+        pytest.skip(str(exc))
+    child = subprocess.Popen([sys.executable, "-c", BUSY], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert json.loads(child.stdout.readline()) == {"ready": True}
+        import time
+
+        time.sleep(0.5)  # the child is now inside cudaStreamSynchronize behind a long kernel
+        proc = cuda_driver.CudaProcess(child.pid)
+        try:
+            proc.lock(timeout_ms=200)
+        except cuda_driver.LockTimeout as exc:
+            assert "left running" in str(exc) and "state: running" in str(exc)
+        else:  # the driver took the lock anyway: undo it, and say what happened
+            proc.unlock()
+            pytest.fail("lock did not time out while the process was blocked in a CUDA call")
+        assert proc.state() == "running"
+        assert json.loads(child.stdout.readline()) == {"done": 1.0}  # it finished its work undisturbed
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)
+        child.stdout.close()

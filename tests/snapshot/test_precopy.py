@@ -142,3 +142,18 @@ def test_incremental_restore_loads_only_changed_chunks() -> None:
     assert fin["chunks_loaded"] == 2 and fin["chunks_skipped"] == 14
     assert flags == [False, False, True]
     assert torch.equal(out, w)
+
+
+def test_a_new_chunk_size_ships_everything_instead_of_reusing_misaligned_chunks() -> None:
+    store = MemoryStore()
+    t = torch.randn(16 * 1024)  # 64 KiB
+    a = Agent(workers=1)
+    a.track_tensor("t", t)
+    assert a.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 4
+    assert a.precopy(store.writer(KEY, chunk_size=8 << 10)).chunks_dirty == 8
+    assert a.precopy(store.writer(KEY, chunk_size=8 << 10)).chunks_dirty == 0
+    out = torch.zeros_like(t)
+    b = Agent(workers=1)
+    b.track_tensor("t", out)
+    b.restore(store.reader(a.last_image.id, KEY))
+    assert torch.equal(out, t)

@@ -112,7 +112,8 @@ def test_rolled_back_migration_keeps_source_serving(servers, key_env, store_url,
     assert httpx.get(src.url + "/readyz", timeout=5).status_code == 200
 
 
-def test_completed_migration_target_answers_like_source_then_source_is_zeroized(servers, key_env, store_url, cli_cmd) -> None:
+def test_completed_migration_target_answers_like_source_then_source_is_zeroized(servers, key_env, store_url, cli_cmd,
+                                                                                gm_home) -> None:
     src = servers()
     dst = servers("--await-restore")
     expected = src.generate().json()
@@ -131,9 +132,15 @@ def test_completed_migration_target_answers_like_source_then_source_is_zeroized(
     dst_info = httpx.get(dst.url + "/v1/info", timeout=30).json()
     assert dst_info["weights_digest"] == src_info["weights_digest"]
 
-    record = _cli(cli_cmd, "zeroize", "--agent", src.agent)
+    from gpumigrate.state import Migration
+
+    m = Migration.create("snapshot-test-1", "version: 1\n")
+    record = _cli(cli_cmd, "zeroize", "--agent", src.agent, "--migration", m.id)
     assert record["verified"] and record["zeroized_bytes"] == sum(
         r["nbytes"] for r in _cli(cli_cmd, "info", "--agent", src.agent)["regions"])
+    audited = [r for r in m.audit.records() if r.get("event") == "source.zeroized"]
+    assert len(audited) == 1 and audited[0]["data"]["zeroized_bytes"] == record["zeroized_bytes"]
+    m.verify_audit()
 
 
 def test_cli_errors_are_one_line(cli_cmd, servers, key_env, store_url) -> None:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from gpumigrate.traffic.analysis import GateSettings
+from gpumigrate.traffic.envoy import EnvoyAdmin, free_port
 from gpumigrate.traffic.loadgen import LoadProcess
 from gpumigrate.traffic.ramp import RampController, RampSettings
+
+from gpumigrate.errors import TrafficError
 
 BODY = {"prompt": "hello", "max_new_tokens": 1}
 
@@ -94,6 +100,21 @@ def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) 
         sw = _run(cli_cmd, "set-weight", "--state-dir", str(state), "25", "--json")
         assert sw.returncode == 0, sw.stderr
         assert json.loads(sw.stdout.splitlines()[-1])["weights"] == {"source": 75.0, "target": 25.0}
+        admin_port, listen_port = free_port(), free_port()
+        envoy = subprocess.Popen([*cli_cmd, "traffic", "envoy", "--xds-port", line.split()[1], "--workdir",
+                                  str(tmp_path / "envoy"), "--admin-port", str(admin_port), "--listen-port",
+                                  str(listen_port), "--node-id", "cli-envoy"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and "listener" not in (envoy.stderr.readline() if envoy.stderr else ""):
+                pass
+            assert EnvoyAdmin(f"http://127.0.0.1:{admin_port}").live_weights() == {"source": 7500, "target": 2500}
+        finally:
+            envoy.send_signal(signal.SIGINT)
+            envoy.wait(timeout=15)
+        with pytest.raises(TrafficError):  # the supervised Envoy went away with its supervisor
+            EnvoyAdmin(f"http://127.0.0.1:{admin_port}", timeout_s=1).stats()
     finally:
         serve.terminate()
         serve.wait(timeout=10)

@@ -102,7 +102,42 @@ def test_manual_rollback_acts_within_one_interval(traffic_env: Any, gm_home: Any
     assert result.status == "rolled_back"
     assert result.trigger == "manual"
     assert "operator pressed the button" in (result.reason or "")
+    assert result.seconds_to_detect is not None  # request → rollback, from the request's own timestamp
     assert len(result.samples) - asked["at"] <= 1  # no more than one further interval ran
     assert traffic_env.envoy.admin.live_weights() == {"source": 10000}
     assert traffic_env.store.read().rolled_back is not None
     assert report.failed == 0, report.errors
+
+
+def test_quiet_service_stays_inconclusive_then_policy_rolls_back(light_env: Any) -> None:
+    # No load at all: no stage may pass on "no data"; the documented policy rolls back.
+    settings = RampSettings(stages=((5, 0.2), (100, 0.2)), interval_s=0.2, baseline_intervals=1,
+                            gates=GateSettings(min_requests=5), max_inconclusive=3)
+    ctl = RampController(light_env.state_dir, [light_env.envoy.admin_url], settings, nodes=[light_env.envoy.node_id])
+    result = ctl.run()
+    assert result.status == "rolled_back"
+    assert result.trigger == "inconclusive"
+    assert [s.outcome for s in result.stages] == ["rolled_back"]
+    assert all(s.analysis["verdict"] == "inconclusive" for s in result.samples)
+    assert light_env.envoy.admin.live_weights() == {"source": 10000}
+
+
+def test_rerun_resumes_at_the_current_weight(light_env: Any) -> None:
+    from gpumigrate.traffic.state import split
+
+    env = light_env
+    state = env.store.set_weights(split("source", "target", 25))
+    env.store.wait_applied(state.version, [env.envoy.node_id])
+    settings = RampSettings(stages=((5, 0.5), (25, 0.5), (100, 0.5)), interval_s=0.25,
+                            gates=GateSettings(min_requests=3, p99_slack_ms=150), max_inconclusive=40)
+    ctl = RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id])
+    load = LoadProcess(env.url, rps=40, seconds=30, body=BODY)
+    try:
+        result = ctl.run()
+    finally:
+        load.stop()
+    report = load.wait(60)
+    assert result.status == "completed", result.reason
+    assert [s.weight for s in result.stages] == [25, 100]  # 5% was behind us already
+    assert not any(s.stage == -1 for s in result.samples)  # no fresh baseline on a resumed ramp
+    assert report.failed == 0

@@ -147,3 +147,54 @@ def test_load_report_downtime_when_nothing_answers() -> None:
     assert report.total == 10 and report.failed == 10 and report.ok == 0
     assert report.downtime_ms >= 400
     assert report.errors and all(k for k in report.errors)
+
+
+def test_prometheus_endpoint_exports_per_cluster_figures() -> None:
+    import httpx
+    from gpumigrate.traffic.metrics import TrafficMetrics
+
+    m = TrafficMetrics()
+    port = m.serve(0)
+    try:
+        m.observe({"source": 75.0, "target": 25.0},
+                  {"source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},
+                   "target": {"rps": 50.0, "error_rate": 0.02, "p99_ms": 12.0, "healthy": 1}},
+                  {"verdict": "fail", "measurements": [{"metric": "parity", "verdict": "fail"}]})
+        m.rolled_back()
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    finally:
+        m.close()
+    assert 'gpumigrate_traffic_weight_percent{cluster="target"} 25.0' in text
+    assert 'gpumigrate_traffic_error_rate{cluster="target"} 0.02' in text
+    assert 'gpumigrate_traffic_p99_ms{cluster="source"} 9.5' in text
+    assert 'gpumigrate_traffic_gate_verdict{verdict="fail"} 1.0' in text
+    assert "gpumigrate_traffic_parity_ok 0.0" in text
+    assert "gpumigrate_traffic_rollbacks_total 1.0" in text
+
+
+def test_live_view_renders_both_sides_and_the_gate() -> None:
+    from gpumigrate.traffic.watch import render
+    from rich.console import Console
+
+    row = {"weights": {"source": 75.0, "target": 25.0},
+           "clusters": {"source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},
+                        "target": {"rps": 50.0, "error_rate": 0.02, "p99_ms": 12.0, "healthy": 1}},
+           "ramp": {"status": "running", "sample": {"analysis": {
+               "verdict": "fail", "reason": "target success rate 0.98",
+               "measurements": [{"metric": "parity", "verdict": "pass"}]}}}}
+    console = Console(width=120, record=True)
+    console.print(render(row))
+    text = console.export_text()
+    assert "source" in text and "target" in text and "75.00" in text and "0.0200" in text
+    assert "gate fail" in text and "parity probes" in text and "target success rate 0.98" in text
+
+
+def test_stats_of_several_envoys_are_summed() -> None:
+    from gpumigrate.traffic.stats import merge
+
+    a = parse_stats(_stats(100, 1, 2, [(5, 90), (10, 100)]), ["target"], ts=1.0)
+    b = parse_stats(_stats(50, 0, 1, [(5, 50), (10, 50)], healthy=0), ["target"], ts=2.0)
+    m = merge([a, b]).clusters["target"]
+    assert (m.completed, m.xx5, m.retries) == (150, 1, 3)
+    assert m.buckets == [(5.0, 140), (10.0, 150)]
+    assert m.healthy == 0  # one Envoy seeing no healthy host is enough to say so

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -113,3 +114,51 @@ def test_control_plane_killed_mid_ramp_envoy_keeps_weights_and_ramp_resumes(traf
     assert [s.outcome for s in result.stages] == ["passed"] * 4
     assert env.envoy.admin.live_weights() == {"target": 10000}
     assert report.failed == 0, report.errors
+
+
+def test_envoy_restart_gets_current_state_again(light_env: Any) -> None:
+    env = light_env
+    state = env.store.set_weights(split("source", "target", 25))
+    env.store.wait_applied(state.version, [env.envoy.node_id])
+    env.envoy.restart()
+    assert env.envoy.admin.live_weights() == {"source": 7500, "target": 2500}
+    assert sum(_hosts(env.url, 8).values()) == 8
+
+
+def test_cluster_removed_only_after_the_route_stopped_using_it(light_env: Any) -> None:
+    env = light_env
+    moved = env.store.set_weights(split("source", "target", 100))
+    env.store.wait_applied(moved.version, [env.envoy.node_id])
+
+    def drop_source(s: DesiredState) -> None:  # cutover is final: the source leaves the front door
+        s.upstreams.pop("source")
+        s.primary = "target"
+        s.weights = {"target": 100.0}
+
+    dropped = env.store.update(drop_source)
+    env.store.wait_applied(dropped.version, [env.envoy.node_id])
+    names = {c["name"] for c in env.envoy.admin.clusters().get("cluster_statuses", [])}
+    assert "source" not in names and "source_failover" not in names
+    assert {"target", "target_failover"} <= names
+    assert _hosts(env.url, 5) == {"target": 5}
+
+
+def test_max_connection_duration_closes_long_lived_client_connections(light_env: Any, tmp_path: Path) -> None:
+    import socket
+
+    env = light_env
+    with Envoy(tmp_path / "short", xds_port=env.plane.port, node_id="short-envoy", max_connection_s=1.0) as short:
+        body = json.dumps(BODY).encode()
+        request = (f"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                   f"content-length: {len(body)}\r\n\r\n").encode() + body
+        with socket.create_connection(("127.0.0.1", short.listen_port), timeout=10) as s:
+            s.sendall(request)
+            assert b" 200 " in s.recv(65536).split(b"\r\n", 1)[0]
+            time.sleep(1.5)  # past max_connection_duration, idle: Envoy closes the connection itself
+            s.settimeout(5)
+            closed = False
+            try:
+                closed = s.recv(65536) == b""
+            except ConnectionResetError:
+                closed = True
+            assert closed, "a connection older than max_connection_duration must be closed so the client reconnects"

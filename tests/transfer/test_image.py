@@ -194,3 +194,34 @@ def test_file_store_rejects_an_unknown_sync_mode(tmp_path: Path) -> None:
 
     with pytest.raises(InvalidInputError, match="sync mode"):
         open_store(f"file://{tmp_path}?sync=sometimes")
+
+
+def test_put_chunk_accepts_typed_buffers_and_refuses_strided_ones(store: str, key: bytes) -> None:
+    x = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="x", nbytes=x.nbytes, dtype="float32", shape=x.shape))
+    with pytest.raises(InvalidInputError, match="C-contiguous"):
+        w.put_chunk("x", 0, memoryview(x[:, ::2]))
+    w.put_chunk("x", 0, memoryview(x))  # a 2-D float32 view is taken as its bytes
+    ref = w.commit()
+    assert bytes(open_reader(store, ref.id, key=key).read_region("x")) == x.tobytes()
+
+
+def test_progress_callbacks_reach_the_total(tmp_path: Path, key: bytes) -> None:
+    from gpumigrate.transfer import pack_paths, push, verify
+
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a").write_bytes(os.urandom(3 << 20))
+    (src / "b").write_bytes(bytes(2 << 20))
+    seen: dict[str, list[tuple[int, int]]] = {"pack": [], "push": [], "verify": []}
+    store = f"file://{tmp_path / 's'}"
+    ref = pack_paths([src], store, key=key, progress=lambda d, t: seen["pack"].append((d, t)))
+    push(store, f"file://{tmp_path / 'd'}", ref.id, key=key, progress=lambda d, t: seen["push"].append((d, t)))
+    verify(store, ref.id, key=key, progress=lambda d, t: seen["verify"].append((d, t)))
+    for name, calls in seen.items():
+        assert calls, name
+        done = [d for d, _ in calls]
+        assert done == sorted(done), name
+        assert calls[-1][0] == calls[-1][1] > 0, name
+    assert seen["pack"][-1][1] == 5 << 20

@@ -137,3 +137,13 @@ def test_corrupt_source_chunk_is_never_copied(packed: tuple[str, Path], store: s
         push(store, f"file://{dst}", image_id, key=key)
     assert not (dst / chunk_key(victim.name)).exists()
     assert not (dst / manifest_key(image_id)).exists()
+
+
+def test_header_claiming_a_huge_length_is_refused_before_allocating(packed: tuple[str, Path], store: str, key: bytes) -> None:
+    image_id, root = packed
+    victim = chunk_paths(root, image_id)[0]
+    data = bytearray(victim.read_bytes())
+    data[8:16] = (1 << 40).to_bytes(8, "big")  # raw_len field
+    victim.write_bytes(data)
+    with pytest.raises(IntegrityError, match="claims"):
+        verify(store, image_id, key=key)

@@ -47,3 +47,14 @@ def test_cuda_server_reports_the_gpu(server_factory) -> None:
     assert info["driver_version"] and info["torch_cuda"] == torch.version.cuda
     r = httpx.post(f"{srv.url}/v1/generate", json={"prompt": "gpu", "max_new_tokens": 8}, timeout=30)
     assert r.status_code == 200 and len(r.json()["tokens"]) == 8
+
+
+def test_cuda_lightning_trainer_matches_plain_loop() -> None:
+    from gpumigrate.workloads.training import train
+
+    cfg = TrainingConfig(seed=4, device="cuda")
+    plain = TrainingState.create(cfg)
+    expected = run_steps(plain, 3)
+    lit = TrainingState.create(cfg)
+    assert train(lit, 3) == expected
+    assert lit.weights_digest() == plain.weights_digest()

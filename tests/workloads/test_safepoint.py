@@ -39,6 +39,8 @@ def test_freeze_holds_requests_until_resume(running) -> None:
         while sp.waiting < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sp.waiting == 4 and not any(f.done() for f in futures)
+        # Environment facts still answer while every request worker waits at the gate.
+        assert httpx.get(f"{running.url}/v1/info", timeout=10).json()["host"] == "inproc"
         sp.resume()
         codes = [f.result(timeout=30).status_code for f in futures]
     assert codes == [200, 200, 200, 200]
