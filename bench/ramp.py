@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--rps", type=float, default=200)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--hold", type=float, default=3.0)
-    ap.add_argument("--warmup", type=float, default=6.0, help="seconds of load on the source before the ramp")
+    ap.add_argument("--warmup", type=float, default=10.0, help="seconds of load on the source before the ramp")
     ap.add_argument("--min-requests", type=int, default=10)
     ap.add_argument("--p99-slack-ms", type=float, default=100.0, help="noise allowance of the p99 gate on a shared CPU")
     ap.add_argument("--fake", action="store_true", help="stdlib upstreams instead of the reference inference server")

@@ -87,12 +87,9 @@ def start_target_workload(provider: Any, host: Host, ctx: Any) -> dict[str, Any]
     if plan.workload.kind != "inference":
         raise InvalidInputError("the flows start inference workloads on a target; training targets must be "
                                 "started with the training job's --await-restore on the target host")
-    info = ctx.get("source_info") or {}
     argv = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address,
-            "--port", str(service_port), "--agent-port", str(agent_port),
-            "--seed", str(info.get("seed", 0)), "--size", str(info.get("size", "tiny")),
-            "--dtype", str(info.get("dtype", "float32")), "--device", "cpu" if str(info.get("device", "cpu")) == "cpu"
-            else str(info.get("device")), "--name", host.name, "--await-restore"]
+            "--port", str(service_port), "--agent-port", str(agent_port), "--name", host.name, "--await-restore",
+            *_same_model_args(ctx.get("source_info") or {})]
     spawn = getattr(provider, "spawn", None)
     if spawn is None:
         raise ProviderError(f"provider {host.provider} cannot start processes on {host.name}: "
@@ -100,6 +97,15 @@ def start_target_workload(provider: Any, host: Host, ctx: Any) -> dict[str, Any]
     spawn(host, argv, name="workload")
     wait_alive(endpoint, timeout_s=120)
     return {"target_endpoint": endpoint, "target_agent": agent_addr}
+
+
+def _same_model_args(info: dict[str, Any]) -> list[str]:
+    """The target allocates the source's model shape (same seed/size/dtype/device) to restore into."""
+    args = ["--seed", str(info.get("seed", 0)), "--dtype", str(info.get("dtype", "float32")),
+            "--device", str(info.get("device") or "cpu")]
+    if info.get("params_mb"):
+        return [*args, "--params-mb", str(info["params_mb"])]
+    return [*args, "--size", str(info.get("size") or "tiny")]
 
 
 def target_store_url(host: Host, plan_store: str) -> str:
@@ -156,7 +162,7 @@ class _Agent:
     def _flat(out: Any) -> dict[str, Any]:
         d = as_dict(out)
         stats, image = as_dict(d.get("stats")), as_dict(d.get("image"))
-        flat = {**stats, **{f"bytes_{k[6:]}" if k.startswith("bytes_") else k: v for k, v in image.items()}}
+        flat = {**stats, **image}  # RoundStats (round, chunks_*, bytes_dirty, seconds) + ImageRef (id, bytes_*)
         flat["image_id"] = image.get("id") or d.get("image_id")
         return {k: v for k, v in flat.items() if isinstance(v, (str, int, float, bool, type(None)))}
 

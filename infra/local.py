@@ -31,7 +31,7 @@ from typing import Any
 
 from gpumigrate.infra import netns as netns_lib
 from gpumigrate.infra import residency
-from gpumigrate.infra.supervisor import MARKER_ENV
+from gpumigrate.infra.supervisor import MARKER_ENV, call_supervisor, kill_owned, owned_by, pid_alive
 
 from gpumigrate import settings
 from gpumigrate.atomic import atomic_write_json
@@ -43,30 +43,6 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 # Write ends of the attach pipes, per host workdir: they must live exactly as long as this process.
 _ATTACH_PIPES: dict[str, int] = {}
 _SUPERVISORS: dict[str, subprocess.Popen] = {}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return False
-
-
-def _owned_by(pid: int, token: str) -> bool:
-    """Whether ``pid`` carries this host's marker: never kill a recycled pid that is someone else's."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            return f"{MARKER_ENV}={token}".encode() in fh.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def _kill_owned(pid: int, token: str) -> None:
-    if _pid_alive(pid) and _owned_by(pid, token):
-        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                target()
 
 
 def _free_ports(n: int, exclude: set[int]) -> list[int]:
@@ -82,21 +58,6 @@ def _free_ports(n: int, exclude: set[int]) -> list[int]:
     for s in holders:
         s.close()
     return ports
-
-
-def call_supervisor(sock_name: str, request: Mapping[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-    """One request to a host's supervisor over its abstract Unix socket."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        s.connect("\0" + sock_name)
-        s.sendall((json.dumps(dict(request)) + "\n").encode())
-        buf = b""
-        while not buf.endswith(b"\n"):
-            part = s.recv(65536)
-            if not part:
-                break
-            buf += part
-    return json.loads(buf)
 
 
 class LocalProvider:
@@ -158,8 +119,10 @@ class LocalProvider:
 
     @staticmethod
     def _alive(rec: Mapping[str, Any]) -> bool:
+        """The supervisor runs, and is ours: a recycled pid (after a reboot, say) does not count."""
         sup = rec.get("supervisor") or {}
-        return bool(sup.get("pid")) and _pid_alive(sup["pid"])
+        pid = sup.get("pid")
+        return bool(pid) and pid_alive(pid) and owned_by(pid, rec.get("token", ""))
 
     @staticmethod
     def to_host(rec: Mapping[str, Any]) -> Host:
@@ -369,14 +332,14 @@ class LocalProvider:
         """Supervisor shutdown, then kill any leftover we own, drop the namespace, drop the entry."""
         sup, token, workdir = rec.get("supervisor") or {}, rec.get("token", ""), rec["workdir"]
         pid = sup.get("pid")
-        if pid and _pid_alive(pid):
+        if pid and pid_alive(pid):
             with contextlib.suppress(OSError, ValueError):
                 call_supervisor(sup["socket"], {"op": "shutdown"}, timeout_s=5)
             deadline = time.monotonic() + 15
-            while _pid_alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _pid_alive(pid):
-                _kill_owned(pid, token)  # its children die with it (PDEATHSIG)
+            if pid_alive(pid):
+                kill_owned(pid, token)  # its children die with it (PDEATHSIG)
         proc = _SUPERVISORS.pop(workdir, None)
         if proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -386,7 +349,7 @@ class LocalProvider:
             os.close(write_fd)
         with contextlib.suppress(OSError, ValueError):
             for child in json.loads((Path(workdir) / "supervisor.json").read_text()).get("children", []):
-                _kill_owned(child["pid"], token)
+                kill_owned(child["pid"], token)
         link = rec.get("netns")
         if link:
             netns_lib.destroy(link["ns"], link.get("host_if"))

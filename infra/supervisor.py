@@ -20,6 +20,7 @@ connection, one JSON reply; only the same uid may connect. Protocol in ``infra/L
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -30,6 +31,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,51 @@ def child_preexec(supervisor_pid: int, netns_path: str | None) -> Any:
             os.close(fd)
 
     return preexec
+
+
+# ----------------------------------------------------------------- used by the provider (infra/local.py)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+
+
+def owned_by(pid: int, token: str) -> bool:
+    """Whether ``pid`` carries this host's marker: never kill a recycled pid that is someone else's."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return f"{MARKER_ENV}={token}".encode() in fh.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_owned(pid: int, token: str) -> None:
+    if pid_alive(pid) and owned_by(pid, token):
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                target()
+
+
+def call_supervisor(sock_name: str, request: Mapping[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """One request to a host's supervisor over its abstract Unix socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect("\0" + sock_name)
+        s.sendall((json.dumps(dict(request)) + "\n").encode())
+        buf = b""
+        while not buf.endswith(b"\n"):
+            part = s.recv(65536)
+            if not part:
+                break
+            buf += part
+    return json.loads(buf)
+
+
+# ----------------------------------------------------------------- the supervisor process
 
 
 class Supervisor:
