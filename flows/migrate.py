@@ -59,8 +59,12 @@ def run_phase(migration_id: str, name: str, fn: PhaseFn) -> dict[str, Any]:
     if requested and name != "finalize":
         raise RolledBackError(f"rollback requested by {requested.get('actor')}: {requested.get('reason')}")
     notify(m.id, f"phase.{name}.started", {})
-    with m.running_phase(name) as result:
-        result.update(fn(ctx))
+    try:
+        with m.running_phase(name) as result:
+            result.update(fn(ctx))
+    except BaseException as exc:
+        notify(m.id, f"phase.{name}.failed", {"error": str(exc)[:300]})
+        raise
     notify(m.id, f"phase.{name}.completed", result)
     return result
 

@@ -111,6 +111,9 @@ def run_ramp(ctx: Any) -> dict[str, Any]:
     result = controller.run()
     progress.update(100.0, force=True)
     samples = [flatten(s.to_json()) for s in result.samples]
+    if result.status != "completed":  # the chart shows the weight falling back to the source
+        samples.append({"t": round(result.seconds, 3), "weight": 0.0, "stage": None, "error_rate": None,
+                        "p99_ms": None, "source_p99_ms": None, "verdict": "rolled_back", "reason": result.reason})
     out = {"status": result.status, "reason": result.reason, "trigger": result.trigger,
            "seconds_to_detect": result.seconds_to_detect, "stages": len(result.stages), "samples": samples,
            "rollback_applied_s": result.rollback_applied_s}

@@ -137,6 +137,19 @@ def artifact_types(flow_run_id: str) -> set[str]:
     return {a.type for a in found}
 
 
+def wait_paused(flow_run_id: str, timeout_s: float = 60) -> None:
+    """The state record says paused just before Prefect does: wait for the API to agree."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if client.read_flow_run(flow_run_id).state.is_paused():
+                return
+            time.sleep(0.1)
+    raise AssertionError("the flow run never paused")
+
+
 def serves(url: str) -> bool:
     try:
         return httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=10).status_code == 200
@@ -252,7 +265,7 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
     assert st.get("status") == "paused", st.get("phases")
     target = st["runtime"]["target_endpoint"]
     assert serves(target)  # restored and verified, waiting for the operator
-    time.sleep(1.0)  # let the pause land in the API before answering it
+    wait_paused(st["flow_run_id"])
     resume_flow_run(st["flow_run_id"], run_input={"action": "roll back", "reason": "change freeze"})
     runner.join(timeout=120)
     assert not runner.is_alive()

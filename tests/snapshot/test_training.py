@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gpumigrate.snapshot.client import AgentClient
 
-STEPS = 24
+STEPS = 30
 
 
 def _free_port() -> int:
@@ -55,7 +55,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_training_job_migrates_mid_run_with_identical_losses(tmp_path, key_env, store_url) -> None:
-    src, src_addr, src_out = _start(tmp_path, "source", "--step-delay-ms", "150")
+    src, src_addr, src_out = _start(tmp_path, "source", "--step-delay-ms", "200")
     dst, dst_addr, dst_out = _start(tmp_path, "target", "--await-restore")
     try:
         _wait_agent(src_addr, src)
