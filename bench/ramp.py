@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,11 +158,16 @@ def scenario_ramp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         stack.close()
     before, during = rep.p99_between(1.0, t_start), rep.p99_between(t_start, t_end)
+    # Noise-robust companion: the median of per-second p99s (one CPU spike moves a p99, not a median of them).
+    sec_before = statistics.median([b["p99_ms"] for b in rep.per_second if 1.0 <= b["t"] < t_start - 1 and b["p99_ms"]] or [0])
+    sec_during = statistics.median([b["p99_ms"] for b in rep.per_second if t_start <= b["t"] < t_end - 1 and b["p99_ms"]] or [0])
     failed, total = rep.count_between(t_start, t_end)
     return {"status": result.status, "reason": result.reason, "ramp_seconds": round(result.seconds, 2),
             "requests_during_ramp": total, "failed_during_ramp": failed, "failed_total": rep.failed,
             "p99_ms_during_ramp": during, "baseline_p99_ms_before_ramp": before,
             "p99_ratio": round(during / before, 3) if during and before else None,
+            "median_per_second_p99_ms_during_ramp": sec_during, "median_per_second_p99_ms_before_ramp": sec_before,
+            "median_per_second_p99_ratio": round(sec_during / sec_before, 3) if sec_before else None,
             "downtime_ms": rep.downtime_ms, "achieved_rps": rep.achieved_rps, "rps": args.rps, "errors": rep.errors,
             "per_second": [[b["t"], b["total"], b["failed"], b["p99_ms"]] for b in rep.per_second] if args.verbose else None}
 

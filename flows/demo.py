@@ -62,7 +62,8 @@ def demo_plan(*, source: Any, target_host: str, store: Path, key_file: Path, gol
         "parity": {"golden_inputs": str(golden), "atol": 1e-4, "rtol": 1e-3,
                    "environment": {"torch": "must_match", "weights_digest": "must_match", "driver": "may_differ"}},
         "traffic": {"stages": [{"weight": w, "hold_s": 2} for w in (5, 25, 50, 100)],
-                    "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 5},
+                    "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 5,
+                              "failures_to_rollback": 2},  # two bad intervals in a row: no false alarm
                     "analysis_interval_s": 1.0, "rollback_window_s": 0},
     }
 

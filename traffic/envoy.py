@@ -183,6 +183,15 @@ class Envoy:
         self.stop()
         self.start()
 
+    def ensure_running(self) -> bool:
+        """Supervision: if Envoy died, start it again (same ports, same node: the control plane
+        resends the current state). Returns True when it had to restart."""
+        if self.proc is not None and self.proc.poll() is None:
+            return False
+        self.stop()
+        self.start()
+        return True
+
     def __enter__(self) -> Envoy:
         return self.start()
 

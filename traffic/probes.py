@@ -57,7 +57,11 @@ class Prober:
             report = ParityReport(passed=False, cases=len(self.inputs), max_abs_err=None,
                                   failures=tuple(f"probe failed: {e}" for e in errors))
         else:
-            report = self.comparator.compare(src, tgt)
+            try:
+                report = self.comparator.compare(src, tgt)
+            except Exception as exc:  # a broken comparator is a failed round, never a dead probe thread
+                report = ParityReport(passed=False, cases=len(self.inputs), max_abs_err=None,
+                                      failures=(f"probe comparison failed: {type(exc).__name__}: {exc}",))
         with self._lock:
             self._latest = (time.monotonic(), report)
             self.rounds += 1

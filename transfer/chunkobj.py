@@ -11,6 +11,7 @@ import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from gpumigrate.transfer import codecs
+from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.keys import derive_keys
 
 from gpumigrate.errors import DecryptionError, IntegrityError
@@ -53,6 +54,11 @@ def parse_header(blob: memoryview | bytes, chunk_id: str) -> ObjectHeader:
     return ObjectHeader(codec, bool(flags & FLAG_ENCRYPTED), raw_len, nonce, None if base == ZERO_ID else base.hex())
 
 
+def sealed_size(payload_len: int, encrypted: bool) -> int:
+    """Bytes of the stored object for a payload of ``payload_len`` bytes."""
+    return HEADER_SIZE + payload_len + (TAG_SIZE if encrypted else 0)
+
+
 class Sealer:
     """Turns plaintext chunks into stored objects and back, with or without a key. Thread-safe."""
 
@@ -66,19 +72,36 @@ class Sealer:
         else:
             self._aead, self.key_id, self.hmac_key = None, None, None
 
-    def seal(self, chunk_id: str, codec: int, raw_len: int, payload: memoryview | bytes, base: str | None = None) -> bytearray:
+    def seal(
+        self,
+        chunk_id: str,
+        codec: int,
+        raw_len: int,
+        payload: memoryview | bytes,
+        base: str | None = None,
+        out: bytearray | None = None,
+    ) -> bytearray | memoryview:
+        """The stored object for one encoded chunk.
+
+        With ``out`` (at least :func:`sealed_size` bytes, e.g. a recycled buffer) the object is
+        written there and a view of it returned; otherwise into a new bytearray. Reusing buffers
+        matters: a fresh multi-MiB allocation per chunk is a new mapping whose pages fault in.
+        """
+        size = sealed_size(len(payload), self.encrypted)
+        if out is None:
+            out = bytearray(size)
+        elif len(out) < size:
+            raise ValueError(f"seal: output buffer of {len(out)} bytes is smaller than the object ({size})")
+        view = memoryview(out)[:size]
         nonce = os.urandom(12) if self._aead else ZERO_NONCE
         header = HEADER.pack(MAGIC, codec, FLAG_ENCRYPTED if self._aead else 0, 0, raw_len, nonce,
                              bytes.fromhex(base) if base else ZERO_ID)
+        view[:HEADER_SIZE] = header
         if self._aead is None:
-            out = bytearray(HEADER_SIZE + len(payload))
-            out[:HEADER_SIZE] = header
-            out[HEADER_SIZE:] = payload
-            return out
-        out = bytearray(HEADER_SIZE + len(payload) + TAG_SIZE)
-        out[:HEADER_SIZE] = header
-        self._aead.encrypt_into(nonce, payload, bytes.fromhex(chunk_id) + header, memoryview(out)[HEADER_SIZE:])
-        return out
+            view[HEADER_SIZE:] = payload
+        else:  # AESGCM releases the GIL while it encrypts
+            self._aead.encrypt_into(nonce, payload, bytes.fromhex(chunk_id) + header, view[HEADER_SIZE:])
+        return out if len(out) == size else view
 
     def open_into(
         self,
@@ -99,6 +122,7 @@ class Sealer:
         if len(out) < hdr.raw_len:
             raise IntegrityError(f"{label}: records {hdr.raw_len} bytes, more than the {len(out)} expected")
         body = blob[HEADER_SIZE:]
+        scratch: bytearray | None = None  # the decrypted payload's recycled buffer
         if hdr.encrypted:
             if self._aead is None:
                 raise DecryptionError(f"{label} is encrypted but no key was given")
@@ -112,7 +136,9 @@ class Sealer:
                     self._aead.decrypt_into(hdr.nonce, body, aad, out[: hdr.raw_len])
                     payload: memoryview | None = None
                 else:
-                    payload = memoryview(self._aead.decrypt(hdr.nonce, body, aad))
+                    scratch = POOL.take(len(body) - TAG_SIZE)
+                    payload = memoryview(scratch)[: len(body) - TAG_SIZE]
+                    self._aead.decrypt_into(hdr.nonce, body, aad, payload)
             except InvalidTag:
                 raise DecryptionError(
                     f"{label} failed authentication: the key is wrong, or the object was altered, truncated or swapped"
@@ -126,6 +152,9 @@ class Sealer:
                 codecs.decode_into(hdr.codec, payload, hdr.raw_len, out)
             except IntegrityError as exc:
                 raise IntegrityError(f"{label}: {exc.message}") from None
+            finally:
+                if scratch is not None:
+                    POOL.give(scratch)  # decode_into keeps no view of the payload
         if hdr.codec & codecs.DELTA_FLAG:
             if hdr.base is None or fetch_base is None:
                 raise IntegrityError(f"{label} is a delta but its base cannot be read")

@@ -102,29 +102,67 @@ def _worth_compressing(data: memoryview | np.ndarray, comp: zstandard.ZstdCompre
     return len(packed) <= len(sample) * (1.0 - MIN_GAIN)
 
 
-def _split_planes(data: memoryview, k: int) -> list[np.ndarray]:
-    if k == 2:
-        u = np.frombuffer(data, dtype="<u2")
-        return [u.astype(np.uint8), (u >> 8).astype(np.uint8)]
-    if k == 4:
-        u = np.frombuffer(data, dtype="<u4")
-        return [(u >> (8 * j)).astype(np.uint8) for j in range(4)]
-    grid = np.frombuffer(data, dtype=np.uint8).reshape(-1, k)
-    return [np.ascontiguousarray(grid[:, j]) for j in range(k)]
+def _split_plane(u: np.ndarray, k: int, j: int, dest: np.ndarray) -> None:
+    """Byte j (little-endian) of every k-byte element of ``u`` into ``dest``."""
+    if k in (2, 4):
+        # a shift with a uint8 output narrows in registers: no chunk-sized temporary, no fresh
+        # allocation (fresh 2 MiB arrays per chunk cost more than the split: their pages fault in)
+        np.right_shift(u, 8 * j, out=dest, casting="unsafe")
+    else:
+        np.copyto(dest, u.reshape(-1, k)[:, j])
 
 
-def _encode_byteplane(data: memoryview, k: int) -> bytes:
-    parts: list[bytes | memoryview] = [bytes([k])]
-    bodies: list[bytes | memoryview] = []
-    for plane in _split_planes(data, k):
+def _byteplane_into(data: memoryview, k: int, dest: memoryview) -> memoryview:
+    """Write the byte-plane payload for ``data`` into ``dest``; return the used view.
+
+    Each plane is split straight into its final place in the payload; a plane that compresses is
+    then overwritten by its (shorter) zstd frame, so a raw plane is never copied twice.
+    """
+    n = len(data) // k
+    u = np.frombuffer(data, dtype={2: "<u2", 4: "<u4"}.get(k, np.uint8))
+    out = np.frombuffer(dest, dtype=np.uint8)
+    out[0] = k
+    off = 1 + k * _PLANE_HEADER.size
+    for j in range(k):
+        plane = out[off : off + n]
+        _split_plane(u, k, j, plane)
+        codec, length = NONE, n
         if _worth_compressing(plane, _plane_compressor()):
-            body: bytes | memoryview = _plane_compressor().compress(plane)
-            parts.append(_PLANE_HEADER.pack(ZSTD, len(body)))
-        else:
-            body = memoryview(plane)
-            parts.append(_PLANE_HEADER.pack(NONE, len(body)))
-        bodies.append(body)
-    return b"".join(parts + bodies)
+            packed = _plane_compressor().compress(plane)
+            if len(packed) < n:
+                dest[off : off + len(packed)] = packed
+                codec, length = ZSTD, len(packed)
+        _PLANE_HEADER.pack_into(dest, 1 + j * _PLANE_HEADER.size, codec, length)
+        off += length
+    return dest[:off]
+
+
+def scratch_size(raw_len: int) -> int:
+    """Bytes of scratch :func:`encode_into` may need for a chunk of ``raw_len`` bytes."""
+    return raw_len + 1 + 8 * _PLANE_HEADER.size
+
+
+def encode_into(
+    data: memoryview, scratch: bytearray | memoryview, *, mode: str = "auto", dtype: str | None = None
+) -> tuple[int, bytes | memoryview]:
+    """Pick a codec for one chunk and encode it, using ``scratch`` (≥ scratch_size bytes) as workspace.
+
+    Returns (codec, payload); the payload may alias ``data`` or ``scratch``, so use it before
+    either is reused.
+    """
+    if mode == "none" or len(data) == 0:
+        return NONE, data
+    k = float_itemsize(dtype)
+    if mode in ("auto", "byteplane") and k and len(data) % k == 0 and len(data) >= 2 * k:
+        if len(scratch) < scratch_size(len(data)):
+            raise ValueError(f"encode_into: scratch of {len(scratch)} bytes is too small for {len(data)}")
+        return BYTEPLANE, _byteplane_into(data, k, memoryview(scratch))
+    if mode == "auto" and not _worth_compressing(data):
+        return NONE, data
+    packed = _compressor().compress(data)
+    if len(packed) >= len(data):
+        return NONE, data
+    return ZSTD, packed
 
 
 def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> None:
@@ -159,17 +197,7 @@ def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> Non
 
 def encode(data: memoryview, *, mode: str = "auto", dtype: str | None = None) -> tuple[int, bytes | memoryview]:
     """Pick a codec for one chunk and encode it. Returns (codec, payload); payload may alias ``data``."""
-    if mode == "none" or len(data) == 0:
-        return NONE, data
-    k = float_itemsize(dtype)
-    if mode in ("auto", "byteplane") and k and len(data) % k == 0 and len(data) >= 2 * k:
-        return BYTEPLANE, _encode_byteplane(data, k)
-    if mode == "auto" and not _worth_compressing(data):
-        return NONE, data
-    packed = _compressor().compress(data)
-    if len(packed) >= len(data):
-        return NONE, data
-    return ZSTD, packed
+    return encode_into(data, bytearray(scratch_size(len(data))), mode=mode, dtype=dtype)
 
 
 def decode_into(codec: int, payload: memoryview, raw_len: int, out: memoryview) -> None:

@@ -107,7 +107,11 @@ def push(
         # Delta bases go before the deltas built on them, so a receiver can verify every delta on arrival.
         bases_first = [c for c in todo if not objects[c][2]], [c for c in todo if objects[c][2]]
         with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-push") as pool:
-            for phase in bases_first:
+            for n, phase in enumerate(bases_first):
+                if n and phase and bases_first[0]:
+                    # stores may acknowledge asynchronously (stream:// pipelines): every base must
+                    # be stored before a delta that the receiver verifies against it arrives
+                    dst.flush()
                 for fut in [pool.submit(copy_one, cid) for cid in phase]:
                     fut.result()
         dst.flush()

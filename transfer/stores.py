@@ -7,10 +7,12 @@ an object is either absent or complete.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
@@ -21,6 +23,9 @@ from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 SCHEMES = ("file", "s3", "gs", "stream")
 SYNC_MODES = ("chunk", "deferred", "none")
 STORE_MARKER = "gpumigrate-store.json"
+# Concurrent fdatasyncs let the filesystem commit several files' data in one journal transaction.
+SYNC_THREADS = 4
+_TMP_SERIAL = itertools.count()
 STORE_MARKER_BODY = b'{"format": "gpumigrate-store", "version": 1}\n'
 
 
@@ -106,13 +111,14 @@ class FileStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def _write(self, key: str, data: bytes | bytearray | memoryview, *, durable: bool) -> None:
+    def _write(self, key: str, data: bytes | bytearray | memoryview, *, durable: bool, rename: bool = True) -> tuple[Path, Path]:
+        """Write ``data`` to a fresh temp file beside ``key`` and (unless ``rename=False``) rename it into place."""
         path = self._path(key)
         parent = str(path.parent)
         if parent not in self._made_dirs:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._made_dirs.add(parent)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_TMP_SERIAL)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(data)
@@ -120,11 +126,28 @@ class FileStore(Store):
                 view = view[os.write(fd, view) :]
             if durable:
                 os.fdatasync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        if rename:
+            self._install(tmp, path)
+        return tmp, path
+
+    def _install(self, tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
         with self._lock:
             self._unsynced.append(path)  # its directory entry is made durable at flush()
+
+    def _sync_then_install(self, tmp: Path, path: Path) -> None:
+        """The ``chunk`` mode's background step: the data reaches the disk, then the name appears."""
+        try:
+            _fdatasync_path(tmp)
+            self._install(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def _ensure_marker(self) -> None:
         marker = self.root / STORE_MARKER
@@ -133,16 +156,25 @@ class FileStore(Store):
             fsync_dir(marker.parent)
 
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        # fdatasync before the rename, in the upload thread: the disk flush overlaps the next chunks'
-        # CPU work, and a crash can never leave a renamed-but-empty chunk behind.
-        self._write(chunk_key(chunk_id), blob, durable=self.sync == "chunk")
+        if self.sync == "chunk":
+            # Written now (the caller's buffer is free on return); fdatasync and then the rename run
+            # on the sync threads, so disk flushes overlap the next chunks' CPU work instead of
+            # holding an upload slot each, and a chunk's name never exists before its data is on
+            # disk: a crash leaves whole chunks or hidden temp files. flush() waits for them all.
+            tmp, path = self._write(chunk_key(chunk_id), blob, durable=False, rename=False)
+            self._background(self._sync_then_install, tmp, path)
+            return
+        self._write(chunk_key(chunk_id), blob, durable=False)
         if self.sync == "deferred":
-            # Deferred mode (the stream receiver): the caller gets control back before the disk
-            # flush, which runs on a background thread; flush() waits for it.
-            with self._lock:
-                if self._syncer is None:
-                    self._syncer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gm-fsync")
-                self._sync_futures.append(self._syncer.submit(_fdatasync_path, self._path(chunk_key(chunk_id))))
+            # Deferred mode (the stream receiver): the name appears at once (a delta's base must be
+            # readable before the next chunk arrives) and the data follows on the sync threads.
+            self._background(_fdatasync_path, self._path(chunk_key(chunk_id)))
+
+    def _background(self, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._syncer is None:
+                self._syncer = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gm-fsync")
+            self._sync_futures.append(self._syncer.submit(fn, *args))
 
     def get_chunk(self, chunk_id: str) -> bytes:
         try:
@@ -195,10 +227,17 @@ class FileStore(Store):
 
     def flush(self) -> None:
         with self._lock:
-            pending, self._unsynced = self._unsynced, []
             futures, self._sync_futures = self._sync_futures, []
-        for fut in futures:
-            fut.result()
+        errors = []
+        for fut in futures:  # every one, even after a failure: none may still rename after we return
+            try:
+                fut.result()
+            except OSError as exc:
+                errors.append(exc)
+        if errors:
+            raise TransferError(f"making chunks durable in {self.url} failed: {errors[0]}") from errors[0]
+        with self._lock:
+            pending, self._unsynced = self._unsynced, []
         if self.sync == "none":
             return
         for d in {path.parent for path in pending}:

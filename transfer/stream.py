@@ -6,19 +6,22 @@ push use it unchanged); the receiver is in ``receiver.py`` (:func:`serve_stream`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
-import queue
+import select
 import socket
 import ssl
 import struct
 import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpumigrate.transfer.stores import Store, split_url
 
-from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError, TransferError
+from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError, NotFoundError, TransferError
 
 MAGIC = b"GMS1"
 REQUEST = struct.Struct(">4sB32sQ")
@@ -56,13 +59,46 @@ def parse_listen(listen: str) -> tuple[str, int]:
 # ----------------------------------------------------------------------------- sender
 
 
+# Unacknowledged request bytes allowed per connection. Replies come back in order, so a sender
+# keeps sending while earlier chunks are still being verified: the link never idles for a round
+# trip plus the receiver's verification per chunk (stop-and-wait did, once per chunk).
+WINDOW_BYTES = 32 << 20
+
+
+@dataclass
+class _Pending:
+    """One request awaiting its reply; ``what`` names it in errors."""
+
+    what: str
+    nbytes: int
+    conn: _Conn | None = None
+    status: int | None = None
+    body: bytes = b""
+
+
+@dataclass
+class _Conn:
+    sock: ssl.SSLSocket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: collections.deque[_Pending] = field(default_factory=collections.deque)
+    inflight: int = 0
+    broken: BaseException | None = None
+
+
 class StreamStore(Store):
-    """Sender side of ``stream://host:port[?fingerprint=SHA256HEX]``. Write-only."""
+    """Sender side of ``stream://host:port[?fingerprint=SHA256HEX]``. Write-only.
+
+    Requests are pipelined: ``put_chunk`` returns once the chunk is sent, and its acknowledgement
+    is collected later by whichever thread next uses that connection. A chunk the receiver
+    rejected is raised by the next :meth:`flush` (which precedes every manifest), so a push never
+    writes a manifest over a chunk that did not arrive verified. All reads and writes of one TLS
+    connection happen under its lock, one thread at a time (OpenSSL objects are not thread-safe).
+    """
 
     readable = False
     prefers_listing = True
 
-    def __init__(self, url: str, *, connections: int = 4) -> None:
+    def __init__(self, url: str, *, connections: int = 4, window_bytes: int = WINDOW_BYTES) -> None:
         _, netloc, _, query = split_url(url)
         self.url = url
         self.host, self.port = parse_listen(netloc)
@@ -70,11 +106,15 @@ class StreamStore(Store):
             raise InvalidInputError(f"stream URL {url!r} names no host")
         self.fingerprint = (query.get("fingerprint") or [None])[0]
         self.max_connections = max(1, int((query.get("connections") or [connections])[0]))
+        self.window_bytes = max(1, window_bytes)
         self._hello: dict[str, Any] | None = None
-        self._count = 0  # connections open or being opened
-        self._idle: queue.LifoQueue[ssl.SSLSocket] = queue.LifoQueue()
-        self._all: list[ssl.SSLSocket] = []
+        self._conns: list[_Conn] = []
+        self._opening = 0
+        self._next = 0
         self._lock = threading.Lock()
+        self._errors: list[GpumigrateError] = []
+        self._closed = False
+        self._hello_request: _Pending | None = None
         self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         self._ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         # The receiver's certificate is self-signed: it is pinned by fingerprint when the URL gives
@@ -101,71 +141,159 @@ class StreamStore(Store):
         sock.settimeout(300)
         return sock
 
-    def _acquire(self) -> ssl.SSLSocket:
-        """An idle connection, a new one while fewer than N exist, or the next one returned."""
-        while True:
-            try:
-                return self._idle.get_nowait()
-            except queue.Empty:
-                pass
-            with self._lock:
-                grow = self._count < self.max_connections
-                if grow:
-                    self._count += 1  # reserve the slot; connect outside the lock (handshakes overlap)
+    def _locked_conn(self) -> _Conn:
+        """A connection whose lock the caller now holds: a free one, a new one while fewer than N, or the next in turn."""
+        with self._lock:
+            conns = list(self._conns)
+            start = self._next
+            self._next += 1
+        for i in range(len(conns)):
+            conn = conns[(start + i) % len(conns)]
+            if conn.lock.acquire(blocking=False):
+                return conn
+        with self._lock:
+            grow = len(self._conns) + self._opening < self.max_connections
             if grow:
-                try:
-                    sock = self._connect()
-                except BaseException:
-                    with self._lock:
-                        self._count -= 1
-                    raise
+                self._opening += 1  # reserve the slot; connect outside the lock (handshakes overlap)
+        if grow:
+            try:
+                conn = _Conn(self._connect())
+            finally:
                 with self._lock:
-                    self._all.append(sock)
-                return sock
-            try:  # all N busy: wait, but look again if one of them failed and freed its slot
-                return self._idle.get(timeout=0.2)
-            except queue.Empty:
-                continue
+                    self._opening -= 1
+            conn.lock.acquire()
+            with self._lock:
+                first = not self._conns and not self._closed
+                self._conns.append(conn)
+            if first:
+                self._open_spares()
+            return conn
+        if not conns:  # another thread is still opening the only connection: wait for it
+            time.sleep(0.01)
+            return self._locked_conn()
+        conn = conns[start % len(conns)]
+        conn.lock.acquire()
+        return conn
 
-    @contextlib.contextmanager
-    def _conn(self) -> Any:
-        sock = self._acquire()
-        ok = False
-        try:
-            yield sock
-            ok = True
-        finally:
-            if ok:
-                self._idle.put(sock)
-            else:  # a connection in an unknown protocol state is dropped, never reused
+    def _open_spares(self) -> None:
+        """Open the other N-1 connections in the background, so their TCP and TLS handshakes
+        overlap the first requests instead of delaying the first chunks by two round trips."""
+        with self._lock:
+            count = self.max_connections - len(self._conns) - self._opening
+            self._opening += max(0, count)
+
+        def open_one() -> None:
+            conn = None
+            try:
+                conn = _Conn(self._connect())
+            except GpumigrateError:
+                pass  # the foreground retries (and reports) when it needs another connection
+            finally:
                 with self._lock:
-                    if sock in self._all:
-                        self._all.remove(sock)
-                    self._count -= 1
-                sock.close()
+                    self._opening -= 1
+                    keep = conn is not None and not self._closed
+                    if keep:
+                        self._conns.append(conn)  # type: ignore[arg-type]
+                if conn is not None and not keep:
+                    conn.sock.close()
 
-    def _call(self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview = b"") -> tuple[int, bytes]:
+        for _ in range(max(0, count)):
+            threading.Thread(target=open_one, name="gm-stream-open", daemon=True).start()
+
+    def _drop(self, conn: _Conn, exc: BaseException) -> None:
+        """Forget a connection in an unknown protocol state (never reused). Caller holds its lock."""
+        conn.broken = exc
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        for p in conn.pending:  # their fate is unknown: the next push re-sends what did not arrive
+            if p.status is None:
+                p.status, p.body = ERROR, f"connection lost: {exc}".encode()
+                self._note(p)
+        conn.pending.clear()
+
+    def _note(self, p: _Pending) -> None:
+        """Record a failed fire-and-forget request (put_chunk) for the next flush to raise."""
+        if p.status != OK and p.what.startswith("chunk"):
+            with self._lock:
+                self._errors.append(self._error(p.status or ERROR, p.body, p.what))
+
+    def _read_reply(self, conn: _Conn) -> None:
+        status, length = REPLY.unpack(_read(conn.sock, REPLY.size))
+        if length > MAX_FRAME:
+            raise ConnectionError("reply frame too large")
+        p = conn.pending.popleft()
+        p.status, p.body = status, bytes(_read(conn.sock, length)) if length else b""
+        conn.inflight -= p.nbytes
+        self._note(p)
+
+    def _drain_ready(self, conn: _Conn) -> None:
+        """Read the replies that have already arrived, without waiting for more."""
+        while conn.pending and (conn.sock.pending() or select.select([conn.sock], [], [], 0)[0]):
+            self._read_reply(conn)
+
+    def _request(self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview, what: str, wait: bool) -> _Pending:
+        conn = self._locked_conn()
         try:
-            with self._conn() as sock:
-                sock.sendall(REQUEST.pack(MAGIC, kind, ident, len(payload)))
+            p = _Pending(what, len(payload), conn)
+            try:
+                while conn.pending and conn.inflight + len(payload) > self.window_bytes:
+                    self._read_reply(conn)  # window full: wait for the oldest acknowledgement
+                conn.sock.sendall(REQUEST.pack(MAGIC, kind, ident, len(payload)))
                 if payload:
-                    sock.sendall(payload)
-                status, length = REPLY.unpack(_read(sock, REPLY.size))
-                if length > MAX_FRAME:
-                    raise ConnectionError("reply frame too large")
-                return status, bytes(_read(sock, length)) if length else b""
-        except (OSError, ConnectionError) as exc:
-            raise TransferError(f"stream to {self.host}:{self.port} failed: {exc}") from None
+                    conn.sock.sendall(payload)
+                conn.pending.append(p)
+                conn.inflight += len(payload)
+                if wait:
+                    while p.status is None:
+                        self._read_reply(conn)
+                else:
+                    self._drain_ready(conn)
+            except (OSError, ConnectionError, ValueError) as exc:
+                self._drop(conn, exc)
+                raise TransferError(f"stream to {self.host}:{self.port} failed: {exc}") from None
+            return p
+        finally:
+            conn.lock.release()
+
+    def _call(self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview = b"", what: str = "a request") -> tuple[int, bytes]:
+        p = self._request(kind, ident, payload, what, wait=True)
+        assert p.status is not None
+        return p.status, p.body
+
+    def _error(self, status: int, body: bytes, what: str) -> GpumigrateError:
+        if status == REJECTED:
+            return IntegrityError(f"receiver rejected {what}: {body.decode(errors='replace')}")
+        return TransferError(f"receiver failed on {what}: {body.decode(errors='replace')}")
 
     def _check(self, status: int, body: bytes, what: str) -> None:
-        if status == REJECTED:
-            raise IntegrityError(f"receiver rejected {what}: {body.decode(errors='replace')}")
         if status != OK:
-            raise TransferError(f"receiver failed on {what}: {body.decode(errors='replace')}")
+            raise self._error(status, body, what)
 
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        status, body = self._call(PUT_CHUNK, bytes.fromhex(chunk_id), blob)
-        self._check(status, body, f"chunk {chunk_id[:16]}")
+        """Send one chunk; returns once sent (the caller's buffer is free). Rejections surface at flush()."""
+        self._raise_errors()
+        self._request(PUT_CHUNK, bytes.fromhex(chunk_id), blob, f"chunk {chunk_id[:16]}", wait=False)
+
+    def _raise_errors(self) -> None:
+        with self._lock:
+            errors = list(self._errors)
+        if errors:
+            raise errors[0]
+
+    def _collect(self) -> None:
+        """Wait for every outstanding acknowledgement on every connection."""
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with conn.lock:
+                try:
+                    while conn.pending:
+                        self._read_reply(conn)
+                except (OSError, ConnectionError, ValueError) as exc:
+                    self._drop(conn, exc)
 
     def get_chunk(self, chunk_id: str) -> bytes:
         raise InvalidInputError(f"{self.url} is write-only: read from the receiver's store")
@@ -187,7 +315,22 @@ class StreamStore(Store):
             raise TransferError(f"chunk {chunk_id[:16]} is missing at receiver {self.host}:{self.port}")
         return found[1]
 
+    def _wait(self, p: _Pending) -> None:
+        """Read replies on ``p``'s connection until ``p`` has its own."""
+        assert p.conn is not None
+        with p.conn.lock:
+            try:
+                while p.status is None and p.conn.pending:
+                    self._read_reply(p.conn)
+            except (OSError, ConnectionError, ValueError) as exc:
+                self._drop(p.conn, exc)
+        if p.status is None:
+            p.status, p.body = ERROR, b"connection lost"
+
     def list_chunks(self) -> dict[str, int]:
+        if self._hello is None and self._hello_request is None:
+            # pipelined ahead of the listing: push asks verifies_on_arrival next, and gets it without another round trip
+            self._hello_request = self._request(HELLO, NO_ID, b"", "hello", wait=False)
         status, body = self._call(LIST_CHUNKS, NO_ID)
         self._check(status, body, "the chunk listing")
         return {k: int(v) for k, v in json.loads(body).items()}
@@ -213,7 +356,13 @@ class StreamStore(Store):
     def verifies_on_arrival(self) -> bool:
         """True when the receiver holds the key and checks AES-GCM and BLAKE3 before acknowledging."""
         if self._hello is None:
-            status, body = self._call(HELLO, NO_ID)
+            request, self._hello_request = self._hello_request, None
+            if request is not None:
+                self._wait(request)
+                assert request.status is not None
+                status, body = request.status, request.body
+            else:
+                status, body = self._call(HELLO, NO_ID)
             self._check(status, body, "hello")
             self._hello = json.loads(body)
             if self._hello.get("version") != PROTOCOL_VERSION:
@@ -221,14 +370,16 @@ class StreamStore(Store):
         return bool(self._hello.get("verifies"))
 
     def flush(self) -> None:
+        """Wait for every chunk's acknowledgement, raise the first rejection, then flush the receiver's store."""
+        self._collect()
+        self._raise_errors()
         status, body = self._call(FLUSH, NO_ID)
         self._check(status, body, "flush")
 
     def close(self) -> None:
         with self._lock:
-            socks, self._all = self._all, []
-            self._count = 0
-            self._idle = queue.LifoQueue()
-        for sock in socks:
+            conns, self._conns = self._conns, []
+            self._closed = True
+        for conn in conns:
             with contextlib.suppress(OSError):
-                sock.close()
+                conn.sock.close()

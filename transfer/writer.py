@@ -17,7 +17,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gpumigrate.transfer import codecs
-from gpumigrate.transfer.chunkobj import MAX_RAW_LEN, Sealer, chunk_id_of, parse_header
+from gpumigrate.transfer.buffers import POOL
+from gpumigrate.transfer.chunkobj import MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
 from gpumigrate.transfer.manifest import seal_manifest
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.stores import Store
@@ -26,6 +27,8 @@ from gpumigrate.errors import InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+# Encoding scratch and sealed objects live in recycled buffers (buffers.py says why).
+BUFFERS = POOL
 
 
 @dataclass
@@ -180,26 +183,32 @@ class StoreImageWriter:
                 base_plain = self._parent_reader.read_object(parent_cid)
                 payload_src = memoryview(codecs.xor_with_base(view, base_plain))
                 base_id = parent_cid
-        codec, payload = codecs.encode(payload_src, mode=self.compression, dtype=reg.info.dtype)
-        if base_id:
-            codec |= codecs.DELTA_FLAG
-        blob = self.sealer.seal(chunk_id, codec, len(view), payload, base_id)
+        scratch = BUFFERS.take(codecs.scratch_size(len(view)))
+        try:
+            codec, payload = codecs.encode_into(payload_src, scratch, mode=self.compression, dtype=reg.info.dtype)
+            if base_id:
+                codec |= codecs.DELTA_FLAG
+            buf = BUFFERS.take(sealed_size(len(payload), self.sealer.encrypted))
+            blob = self.sealer.seal(chunk_id, codec, len(view), payload, base_id, out=buf)
+        finally:
+            BUFFERS.give(scratch)
         with self._lock:
             if chunk_id in self._objects:  # another thread sent the same content meanwhile
+                BUFFERS.give(buf)
                 return
             self._add_object(chunk_id, [len(blob), codec, base_id])
             self.chunks_new += 1
             self.bytes_sent += len(blob)
         self._slots.acquire()
         try:
-            fut = self._pool.submit(self._upload, chunk_id, blob)
+            fut = self._pool.submit(self._upload, chunk_id, blob, buf)
         except BaseException:
             self._slots.release()
             raise
         with self._lock:
             self._futures.append(fut)
 
-    def _upload(self, chunk_id: str, blob: bytearray) -> None:
+    def _upload(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
         try:
             self.store.put_chunk(chunk_id, blob)
         except BaseException as exc:
@@ -207,6 +216,9 @@ class StoreImageWriter:
                 self._errors.append(exc)
             raise
         finally:
+            if isinstance(blob, memoryview):
+                blob.release()
+            BUFFERS.give(buf)  # stores never keep the buffer past put_chunk
             self._slots.release()
 
     def reuse_chunk(self, region: str, index: int, chunk_id: str, length: int | None = None) -> None:

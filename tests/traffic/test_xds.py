@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -123,6 +125,12 @@ def test_envoy_restart_gets_current_state_again(light_env: Any) -> None:
     env.envoy.restart()
     assert env.envoy.admin.live_weights() == {"source": 7500, "target": 2500}
     assert sum(_hosts(env.url, 8).values()) == 8
+    assert env.envoy.ensure_running() is False
+    os.killpg(env.envoy.proc.pid, signal.SIGKILL)  # Envoy crashes
+    env.envoy.proc.wait(timeout=10)
+    assert env.envoy.ensure_running() is True
+    assert env.envoy.admin.live_weights() == {"source": 7500, "target": 2500}
+    assert sum(_hosts(env.url, 8).values()) == 8
 
 
 def test_cluster_removed_only_after_the_route_stopped_using_it(light_env: Any) -> None:
@@ -153,7 +161,14 @@ def test_max_connection_duration_closes_long_lived_client_connections(light_env:
                    f"content-length: {len(body)}\r\n\r\n").encode() + body
         with socket.create_connection(("127.0.0.1", short.listen_port), timeout=10) as s:
             s.sendall(request)
-            assert b" 200 " in s.recv(65536).split(b"\r\n", 1)[0]
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += s.recv(65536)
+            head, rest = data.split(b"\r\n\r\n", 1)
+            assert b" 200 " in head.split(b"\r\n", 1)[0]
+            length = int(next(h.split(b":", 1)[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            while len(rest) < length:  # the whole response, so that what follows can only be the close
+                rest += s.recv(65536)
             time.sleep(1.5)  # past max_connection_duration, idle: Envoy closes the connection itself
             s.settimeout(5)
             closed = False
