@@ -103,3 +103,19 @@ def test_bad_store_urls_are_clear_errors() -> None:
     for url in ("ftp://x/y", "/plain/path", "file://", "s3:///prefix-only"):
         with pytest.raises(InvalidInputError):
             open_store(url)
+
+
+def test_file_store_chunk_mode_names_a_chunk_only_once_its_data_is_synced(tmp_path: Path) -> None:
+    """Default sync mode: put_chunk returns before the disk flush; flush() waits, and afterwards every
+    chunk is whole under its name and no temp file is left. Before flush a chunk is either absent or whole."""
+    store = open_store(f"file://{tmp_path / 's'}")
+    blobs = {f"{n:02x}" + "ab" * 31: os.urandom(200_000 + n) for n in range(24)}
+    for cid, blob in blobs.items():
+        store.put_chunk(cid, blob)
+        size = store.chunk_size(cid)
+        assert size in (None, len(blob))  # never a visible, partly written chunk
+    store.flush()
+    assert store.list_chunks() == {cid: len(b) for cid, b in blobs.items()}
+    assert all(store.get_chunk(cid) == b for cid, b in blobs.items())
+    assert not [p for p in (tmp_path / "s").rglob(".*") if p.is_file()]
+    store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,3 +142,57 @@ def test_writer_reuses_chunks_the_receiver_already_holds(tmp_path: Path, key: by
         refs.append((w.commit(), w.chunks_new))
     assert refs[0][1] == 3 and refs[1][1] == 0
     assert bytes(open_reader(f"file://{tmp_path / 'target'}", refs[1][0].id, key=key).read_region("b")) == data
+
+
+def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_its_base(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+    """Bases and deltas in one push: the receiver must hold each base before a delta built on it arrives."""
+    local = f"file://{tmp_path / 'local'}"
+    base = bf16_weights(600_000)
+    w = open_writer(local, key=key, chunk_size=64 << 10)
+    w.add_region(RegionInfo(name="w", nbytes=base.nbytes, dtype="bfloat16"))
+    view = memoryview(base).cast("B")
+    for i in range(-(-base.nbytes // w.chunk_size)):
+        w.put_chunk("w", i, view[i * w.chunk_size : (i + 1) * w.chunk_size])
+    parent = w.commit()
+    changed = base.copy()
+    changed[::40] ^= 1
+    d = open_writer(local, key=key, parent=parent.id, delta=True)
+    d.add_region(RegionInfo(name="w", nbytes=changed.nbytes, dtype="bfloat16"))
+    cview = memoryview(changed).cast("B")
+    for i in range(-(-changed.nbytes // d.chunk_size)):
+        d.put_chunk("w", i, cview[i * d.chunk_size : (i + 1) * d.chunk_size])
+    child = d.commit()
+    stats = push(local, receiver.url, child.id, key=key, parallelism=4)  # the parent's chunks are the bases
+    assert stats.chunks_sent == receiver.chunks_received and receiver.chunks_rejected == 0
+    got = open_reader(f"file://{tmp_path / 'target'}", child.id, key=key).read_region("w")
+    assert bytes(got) == changed.tobytes()
+
+
+def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, receiver: StreamServer) -> None:
+    """A window smaller than two chunks forces the sender to wait for acknowledgements mid-stream;
+    a rejected chunk is raised by a later put_chunk or at the latest by flush (before any manifest)."""
+    from gpumigrate.transfer.chunkobj import chunk_id_of
+
+    sealer = Sealer(key)
+    sender = StreamStore(receiver.url, connections=2, window_bytes=100_000)
+    sent = []
+    try:
+        with pytest.raises(IntegrityError, match="rejected"):
+            for n in range(12):
+                plain = os.urandom(60_000)
+                cid = chunk_id_of(plain)
+                blob = sealer.seal(cid, 0, len(plain), plain)
+                if n == 7:
+                    blob[-1] ^= 1  # one bad chunk in the middle of the stream
+                sender.put_chunk(cid, blob)
+                sent.append(cid)
+            sender.flush()
+        assert len(sent) >= 8
+        deadline = time.monotonic() + 10  # chunks sent after the bad one may still be in flight
+        while receiver.chunks_received + receiver.chunks_rejected < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        have = StreamStore(receiver.url).list_chunks()
+        assert [cid in have for cid in sent] == [n != 7 for n in range(len(sent))]
+        assert receiver.chunks_rejected == 1
+    finally:
+        sender.close()
