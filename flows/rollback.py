@@ -25,11 +25,13 @@ from prefect import flow  # noqa: E402
 from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError  # noqa: E402
 
 
-def _flow_alive(ctx: RunContext) -> bool:
-    """Is the process that runs this migration's flow still alive (same machine)?"""
+def _flow_alive(ctx: RunContext) -> bool | None:
+    """Is the process running this migration's flow alive? None when it ran on another host (unknown)."""
     pid = ctx.get("flow_pid")
-    if not pid or ctx.get("flow_host") != os.uname().nodename:
+    if not pid:
         return False
+    if ctx.get("flow_host") != os.uname().nodename:
+        return None
     try:
         os.kill(int(pid), 0)
     except (ProcessLookupError, PermissionError, ValueError):
@@ -67,20 +69,21 @@ def rollback_migration(migration_id: str, *, reason: str, actor: str | None = No
                 f"migration {m.id} cut over and its rollback window ({plan.traffic.rollback_window_s:.0f}s) is over: "
                 "the source may be zeroized; migrate back with a new plan instead")
     m.request_rollback(reason, actor=actor)
-    if status == "paused" and _flow_alive(ctx):
-        _answer_gate(m.read().get("flow_run_id"), reason)
-    if status in ("running", "paused") and _flow_alive(ctx):
+    alive = _flow_alive(ctx)
+    if status in ("running", "paused") and alive is not False:
+        if status == "paused":
+            _answer_gate(m.read().get("flow_run_id"), reason)
         # The running flow acts on the request within one analysis interval and undoes in order.
         limit = wait_s if wait_s is not None else max(15.0, 5 * plan.traffic.analysis_interval_s)
         deadline_t = time.monotonic() + limit
-        while time.monotonic() < deadline_t:
-            if m.read().get("status") not in ("running", "paused"):
-                break
+        while time.monotonic() < deadline_t and m.read().get("status") in ("running", "paused"):
             time.sleep(0.1)
         final = m.read().get("status")
-        how = "requested; the running flow rolled back" if final == "rolled_back" else f"requested; flow is {final}"
-        return {"migration_id": m.id, "status": final, "how": how,
-                "exit_code": EXIT_OK if final == "rolled_back" else EXIT_FAILURE}
+        if final not in ("running", "paused") or alive:
+            how = "requested; the running flow rolled back" if final == "rolled_back" else f"requested; flow is {final}"
+            return {"migration_id": m.id, "status": final, "how": how,
+                    "exit_code": EXIT_OK if final == "rolled_back" else EXIT_FAILURE}
+        # Its flow ran on another host and did not act within the wait: treat it as gone.
     # No flow is acting on it (it ended, or its process died): undo here, in the same order.
     phases.undo_all(migration_id, reason=reason)
     m.update(status="rolled_back")

@@ -160,7 +160,9 @@ class KeyRef(_Model):
 
 class Transfer(_Model):
     store: str = Field(description="file:///path, s3://bucket/prefix, gs://bucket/prefix or stream://host:port")
-    compression: Literal["auto", "none", "zstd", "float"] = "auto"
+    compression: Literal["auto", "none", "zstd", "byteplane"] = Field(
+        default="auto", description="auto picks per chunk (byte-plane for float tensors, zstd, or none when a sample gains < 5%)."
+    )
     encryption_key: KeyRef | None = None
     parallelism: Annotated[int, Field(ge=1, le=64)] = 4
     store_region: str | None = Field(default=None, description="Region of the store (bucket) for residency checks.")

@@ -238,6 +238,8 @@ class StreamStore(Store):
         conn = self._locked_conn()
         try:
             p = _Pending(what, len(payload), conn)
+            if conn.broken is not None:  # dropped by another thread while this one waited for it
+                raise TransferError(f"stream to {self.host}:{self.port} failed: {conn.broken}")
             try:
                 while conn.pending and conn.inflight + len(payload) > self.window_bytes:
                     self._read_reply(conn)  # window full: wait for the oldest acknowledgement
@@ -273,7 +275,10 @@ class StreamStore(Store):
             raise self._error(status, body, what)
 
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        """Send one chunk; returns once sent (the caller's buffer is free). Rejections surface at flush()."""
+        """Send one chunk; returns once sent (the caller's buffer is free).
+
+        A rejection is raised by a later put_chunk or, at the latest, by flush().
+        """
         self._raise_errors()
         self._request(PUT_CHUNK, bytes.fromhex(chunk_id), blob, f"chunk {chunk_id[:16]}", wait=False)
 

@@ -183,12 +183,14 @@ class StoreImageWriter:
                 base_plain = self._parent_reader.read_object(parent_cid)
                 payload_src = memoryview(codecs.xor_with_base(view, base_plain))
                 base_id = parent_cid
-        scratch = BUFFERS.take(codecs.scratch_size(len(view)))
+        # Both buffers are asked for at whole-chunk size, so every buffer in the pool fits any chunk.
+        whole = sealed_size(codecs.scratch_size(self.chunk_size), True)
+        scratch = BUFFERS.take(max(whole, codecs.scratch_size(len(view))))
         try:
             codec, payload = codecs.encode_into(payload_src, scratch, mode=self.compression, dtype=reg.info.dtype)
             if base_id:
                 codec |= codecs.DELTA_FLAG
-            buf = BUFFERS.take(sealed_size(len(payload), self.sealer.encrypted))
+            buf = BUFFERS.take(max(whole, sealed_size(len(payload), self.sealer.encrypted)))
             blob = self.sealer.seal(chunk_id, codec, len(view), payload, base_id, out=buf)
         finally:
             BUFFERS.give(scratch)

@@ -280,3 +280,40 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
     names = [e["event"] for e in events(source.home, mid)]
     assert "traffic.gate.waiting" in names and "traffic.gate.decided" in names
     assert "rollback.target_torn_down" in names and "traffic.stage" not in names  # no traffic ever moved
+
+
+def test_rollback_during_the_ramp_acts_within_an_interval(source: Source, prefect_api: str, tmp_path: Path) -> None:
+    """`gpumigrate rollback` while the flow ramps: a request the ramp controller sees at its next interval;
+    the flow's undo puts traffic back on the source and tears the target down."""
+    from gpumigrate.flows.migrate import migrate_flow
+    from gpumigrate.flows.rollback import rollback_flow
+    from gpumigrate.flows.run import create_migration
+
+    plan_path = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-ramp")
+    data = yaml.safe_load(plan_path.read_text())
+    data["traffic"]["stages"] = [{"weight": 25, "hold_s": 30}, {"weight": 100, "hold_s": 1}]
+    plan_path.write_text(yaml.safe_dump(data))
+    mid = create_migration(plan_path, migration_id="flows-ramp-rb", resume=False)
+    out: dict[str, Any] = {}
+    lp = load(source)
+    runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid)))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and not any(
+                e["event"] == "traffic.stage" for e in events(source.home, mid)):
+            assert runner.is_alive(), out
+            time.sleep(0.1)
+        outcome = rollback_flow(migration_id=mid, reason="pager says stop")
+        runner.join(timeout=60)
+    finally:
+        lp.stop()
+        report = lp.wait(timeout_s=60)
+    assert outcome["status"] == "rolled_back" and outcome["how"].startswith("requested"), outcome
+    assert out["status"] == "rolled_back" and "pager says stop" in out["rollback"]["reason"]
+    names = [e["event"] for e in events(source.home, mid)]
+    assert "rollback.manual" in names and "rollback.target_torn_down" in names
+    from gpumigrate.traffic.state import StateStore
+
+    assert StateStore(source.door.state_dir).read().weights["source"] == 100.0
+    assert report.failed == 0 and serves(source.door.url)
