@@ -89,8 +89,9 @@ def dispatch(host: str, action: str, params: dict[str, Any], *, timeout_s: float
                              timeout=timeout_s)
         state = run.state
         if state is None or not state.is_completed():
-            raise SnapshotError(f"host action {action} on {host} ended {state.name if state else 'unknown'}: "
-                                f"see flow run {run.id}")
+            why = (state.message or "")[:300] if state else ""
+            raise SnapshotError(f"host action {action} on {host} ended {state.name if state else 'unknown'}"
+                                f"{': ' + why if why else ''} (flow run {run.id})")
         return state.result()
     return run_action(action, params)
 

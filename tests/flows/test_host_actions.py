@@ -35,3 +35,50 @@ def test_deployment_names_follow_the_per_host_queues() -> None:
     from gpumigrate.flows.host_actions import deployment_name
 
     assert deployment_name("gpu-7") == "host-action/gpu-7"
+
+
+def test_dispatch_goes_through_the_hosts_deployment(prefect_api: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With host workers on, the action is a run of `host-action/<host>` executed by that host's runner
+    (here a Runner in this test standing in for the worker), and its outcome comes back to the caller."""
+    import asyncio
+    import threading
+
+    from gpumigrate.flows.host_actions import dispatch, host_action_flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
+    from prefect.runner import Runner
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)
+    monkeypatch.setenv("GPUMIGRATE_HOST_WORKERS", "1")
+    runner = Runner(name="host-local-a")
+    outcome: dict[str, object] = {}
+    deployed = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome["result"] = dispatch("local-a", "check", {"backend": "criu"}, timeout_s=120)
+        except GpumigrateError as exc:
+            outcome["error"] = str(exc)
+
+    caller = threading.Thread(target=lambda: deployed.wait(60) and call())
+
+    async def serve_one() -> None:
+        await runner.add_flow(host_action_flow, name="local-a")
+        deployed.set()
+        caller.start()
+        async with get_client() as client:
+            for _ in range(600):
+                runs = await client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["local-a"])),
+                    flow_run_filter=FlowRunFilter())
+                if runs:
+                    await runner.execute_flow_run(runs[0].id)
+                    return
+                await asyncio.sleep(0.1)
+        raise AssertionError("dispatch never created a flow run of host-action/local-a")
+
+    asyncio.run(serve_one())
+    caller.join(timeout=120)
+    assert not caller.is_alive()
+    # CRIU 4 with its CUDA plugin is not on this machine: the refusal travels back through Prefect.
+    assert "result" in outcome or "host action check on local-a ended" in str(outcome.get("error")), outcome
