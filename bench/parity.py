@@ -60,6 +60,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def e2e(repeat: int) -> dict:
     import httpx
+
     from gpumigrate.parity.output import load_golden, query_outputs, run_output_parity
 
     golden = Path(__file__).resolve().parent.parent / "examples" / "golden" / "tiny-lm.jsonl"

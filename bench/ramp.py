@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from gpumigrate.interfaces import ParityReport
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.envoy import Envoy, free_port
 from gpumigrate.traffic.loadgen import LoadProcess
 from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.ramp import RampController, RampSettings
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, split
-
-from gpumigrate.interfaces import ParityReport
 
 REPO = Path(__file__).resolve().parent.parent
 BODY = {"prompt": "hello", "max_new_tokens": 1}

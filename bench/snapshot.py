@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore

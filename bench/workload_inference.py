@@ -22,6 +22,7 @@ import sys
 import time
 
 import torch
+
 from gpumigrate.workloads.model import build_model, generate
 
 PROMPT = "The quick brown fox jumps over the lazy dog"

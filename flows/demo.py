@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import yaml
-from gpumigrate.flows.events import emit, listening
 
 from gpumigrate.atomic import atomic_write_bytes
 from gpumigrate.errors import InvalidInputError
+from gpumigrate.flows.events import emit, listening
 from gpumigrate.result import MigrationResult
 from gpumigrate.settings import migrations_dir
 
@@ -93,7 +93,6 @@ class FaultInjector:
 
 def _start_source(provider: Any, migration_id: str, name: str) -> Any:
     from gpumigrate.flows.wiring import wait_ready
-
     from gpumigrate.interfaces import HostSpec
 
     host = provider.provision(HostSpec(name=name, provider="local", region="local-a"), migration_id=migration_id)
@@ -118,10 +117,9 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
     from gpumigrate.flows.report import merge_result
     from gpumigrate.flows.run import create_migration, run_migration
     from gpumigrate.infra import get_provider
+    from gpumigrate.state import Migration, new_migration_id
     from gpumigrate.traffic.loadgen import LoadProcess
     from gpumigrate.transfer import generate_key
-
-    from gpumigrate.state import Migration, new_migration_id
 
     mid = new_migration_id(WORKLOAD)
     suffix = mid.rsplit("-", 1)[-1]

@@ -56,9 +56,8 @@ def _cuda_driver(action: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _criu(action: str, params: dict[str, Any]) -> dict[str, Any]:
-    from gpumigrate.snapshot import criu
-
     from gpumigrate import transfer
+    from gpumigrate.snapshot import criu
 
     if action == "check":
         info = criu.detect()

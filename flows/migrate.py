@@ -25,10 +25,6 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Literal  # noqa: E402
 
-from gpumigrate.flows import phases, prefect_artifacts  # noqa: E402
-from gpumigrate.flows.context import RunContext  # noqa: E402
-from gpumigrate.flows.events import emit, notify  # noqa: E402
-from gpumigrate.flows.report import merge_result  # noqa: E402
 from prefect import flow, get_run_logger, task  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.flow_runs import pause_flow_run  # noqa: E402
@@ -43,6 +39,10 @@ from gpumigrate.errors import (  # noqa: E402
     PolicyDeniedError,
     RolledBackError,
 )
+from gpumigrate.flows import phases, prefect_artifacts  # noqa: E402
+from gpumigrate.flows.context import RunContext  # noqa: E402
+from gpumigrate.flows.events import emit, notify  # noqa: E402
+from gpumigrate.flows.report import merge_result  # noqa: E402
 
 PhaseFn = Callable[[RunContext], dict[str, Any]]
 
@@ -186,7 +186,6 @@ def migrate_flow(migration_id: str | None = None, plan_path: str | None = None,
     """
     if plan_path:
         from gpumigrate.flows.run import create_migration
-
         from gpumigrate.state import Migration
 
         exists = bool(migration_id) and Migration(migration_id).exists

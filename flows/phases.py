@@ -13,12 +13,11 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from gpumigrate.errors import ParityError, RolledBackError
 from gpumigrate.flows import wiring
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.report import build_result, merge_result, ramp_chart, write_report
-
-from gpumigrate.errors import ParityError, RolledBackError
 from gpumigrate.result import MigrationResult
 from gpumigrate.state import PHASES, Migration
 
@@ -143,6 +142,13 @@ def transfer(ctx: RunContext) -> dict[str, Any]:
         emit(m, "image.verified", {"image_id": image_id, "store": wiring.redact(src)})
         return {"image_id": image_id, "pushed": False, "bytes_sent": 0}
     from gpumigrate.flows.prefect_artifacts import Progress
+    from gpumigrate.infra.residency import check_store
+
+    # Residency at transfer time: the store the bytes land in, before any byte moves there.
+    host = ctx.get("target_host") or {}
+    check_store(dst, host.get("region") if dst.startswith("file://") else plan.transfer.store_region,
+                plan.data.allowed_jurisdictions, target_provider=plan.target.provider,
+                target_region=plan.target.region, record=m.record)
 
     progress = Progress(f"transfer of image {image_id[:12]} to {ctx.get('target_host', {}).get('name')}")
 
@@ -230,9 +236,11 @@ def finalize(ctx: RunContext) -> dict[str, Any]:
     if window <= 0:
         record = wiring.agent(plan.workload.agent, "source").zeroize()
         emit(m, "source.zeroized", {k: v for k, v in record.items() if isinstance(v, (str, int, float, bool))})
+        ctx.put(source_zeroized=True, source_retired=True)
         return {"source": "zeroized"}
     emit(m, "source.kept_warm", {"until": deadline, "rollback_window_s": window,
-                                 "note": f"`gpumigrate rollback {m.id}` works until then"})
+                                 "note": f"`gpumigrate rollback {m.id}` works until then; "
+                                         f"`gpumigrate retire {m.id}` zeroizes the source after it"})
     return {"source": "warm", "rollback_window_s": window}
 
 

@@ -33,8 +33,9 @@ def publish(ctx: Any, result: MigrationResult) -> None:
     if not _in_run():
         return
     try:
-        from gpumigrate.flows.report import phase_rows, summary_markdown
         from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
+
+        from gpumigrate.flows.report import phase_rows, summary_markdown
 
         m = ctx.migration
         create_markdown_artifact(markdown=summary_markdown(m, result), key=_key(m.id, "summary"),

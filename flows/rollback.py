@@ -16,13 +16,13 @@ import os  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from prefect import flow  # noqa: E402
+
+from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError  # noqa: E402
 from gpumigrate.flows import phases  # noqa: E402
 from gpumigrate.flows.context import RunContext  # noqa: E402
 from gpumigrate.flows.events import emit  # noqa: E402
 from gpumigrate.flows.report import merge_result  # noqa: E402
-from prefect import flow  # noqa: E402
-
-from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError  # noqa: E402
 
 
 def _flow_alive(ctx: RunContext) -> bool | None:
@@ -62,6 +62,10 @@ def rollback_migration(migration_id: str, *, reason: str, actor: str | None = No
     if status == "denied":
         return {"migration_id": m.id, "status": "denied", "how": "denied before anything moved: nothing to undo",
                 "exit_code": EXIT_OK}
+    if status == "completed" and ctx.get("source_zeroized"):
+        raise InvalidInputError(
+            f"migration {m.id} cut over and its source was zeroized (retired): there is nothing to roll back to; "
+            "migrate back with a new plan instead")
     if status == "completed":
         deadline = ctx.get("rollback_deadline")
         if deadline is not None and time.time() > deadline:

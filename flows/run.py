@@ -10,16 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from gpumigrate.flows import prefect_env
-
 from gpumigrate.result import MigrationResult
 
 
 def create_migration(plan_path: str | Path, *, migration_id: str | None, resume: bool,
                      runtime: dict[str, Any] | None = None) -> str:
     """Validate the plan and create (or, with ``resume``, reopen) the migration's state record."""
-    from gpumigrate.flows.context import RunContext
-
     from gpumigrate.errors import InvalidInputError
+    from gpumigrate.flows.context import RunContext
     from gpumigrate.plan import load_plan
     from gpumigrate.state import Migration, new_migration_id
 
@@ -45,9 +43,8 @@ def create_migration(plan_path: str | Path, *, migration_id: str | None, resume:
 def run_migration(migration_id: str) -> MigrationResult:
     """Run (or resume) the migrate flow in this process and return the result contract."""
     prefect_env.configure(quiet_console=True)
-    from gpumigrate.flows.migrate import migrate_flow
-
     from gpumigrate.errors import GpumigrateError
+    from gpumigrate.flows.migrate import migrate_flow
 
     try:
         out = migrate_flow(migration_id=migration_id)

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-from gpumigrate.infra import pricing, residency
 
 from gpumigrate.errors import CapacityError, GpumigrateError, InvalidInputError, ProviderError
+from gpumigrate.infra import pricing, residency
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
 
 log = logging.getLogger(__name__)

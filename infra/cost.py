@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumigrate.errors import InvalidInputError
 from gpumigrate.infra import pricing
 from gpumigrate.infra.residency import Recorder, ResidencyDecision, evaluate_region
-
-from gpumigrate.errors import InvalidInputError
 
 SETUP_HOURS = 0.5  # target running before the ramp starts: provision, snapshot, transfer, restore, parity
 GB = 1e9

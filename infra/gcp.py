@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.cloud import compute_v1
-from gpumigrate.infra import pricing, residency
 
 from gpumigrate.errors import CapacityError, GpumigrateError, InvalidInputError, ProviderError
+from gpumigrate.infra import pricing, residency
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
 
 log = logging.getLogger(__name__)

@@ -29,13 +29,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpumigrate.infra import netns as netns_lib
-from gpumigrate.infra import residency
-from gpumigrate.infra.supervisor import MARKER_ENV, call_supervisor, kill_owned, owned_by, pid_alive
-
 from gpumigrate import settings
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import CapacityError, InvalidInputError, NotFoundError, ProviderError
+from gpumigrate.infra import netns as netns_lib
+from gpumigrate.infra import residency
+from gpumigrate.infra.supervisor import MARKER_ENV, call_supervisor, kill_owned, owned_by, pid_alive
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
 
 PORT_NAMES = ("service", "agent", "stream", "admin", "metrics")

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpumigrate.parity.rules import Rules, Verdict, build_frame, evaluate
-
 from gpumigrate.interfaces import ParityReport
+from gpumigrate.parity.rules import Rules, Verdict, build_frame, evaluate
 
 
 def _report(verdict: Verdict, passed: bool, extra: Sequence[str] = ()) -> ParityReport:

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from gpumigrate.parity.urls import redact_url
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, ParityError, PolicyDeniedError
+from gpumigrate.parity.urls import redact_url
 
 Policy = Literal["must_match", "may_differ"]
 

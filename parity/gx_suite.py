@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+
 from gpumigrate.parity.rules import CHECKS
 
 _lock = threading.Lock()

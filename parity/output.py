@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from gpumigrate.parity.rules import Rules, build_frame, evaluate
-from gpumigrate.parity.urls import check_url, redact_url
 
 from gpumigrate.errors import InvalidInputError, ParityError
+from gpumigrate.parity.rules import Rules, build_frame, evaluate
+from gpumigrate.parity.urls import check_url, redact_url
 
 __all__ = [
     "DEFAULT_PATH", "GoldenCase", "OutputParityResult", "check_url", "compare_outputs", "load_golden",

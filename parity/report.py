@@ -12,9 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpumigrate.parity.rules import Rules, Verdict
-
 from gpumigrate.atomic import atomic_write_bytes, atomic_write_json
+from gpumigrate.parity.rules import Rules, Verdict
 
 if TYPE_CHECKING:
     from gpumigrate.parity.gx_suite import GXOutcome

@@ -22,14 +22,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from gpumigrate.errors import SnapshotError
+from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo, RoundStats
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.pipeline import Job, Pipeline
-
-from gpumigrate.errors import SnapshotError
-from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo, RoundStats
 
 FORMAT = 1
 META_KEY = "snapshot"
@@ -311,6 +311,8 @@ class Agent:
     def zeroize(self) -> dict[str, Any]:
         """Overwrite tracked tensors (and the ring buffers) with zeros, read back, return an audit record."""
         with self._lock:
+            if self.set_ready is not None:
+                self.set_ready(False)  # zeros are not a model: stop answering before the first byte changes
             t0 = time.perf_counter()
             regions = 0
             nbytes = 0

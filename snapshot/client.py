@@ -8,12 +8,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
-from gpumigrate.snapshot.precopy import Convergence, converge
-
 from gpumigrate import errors
 from gpumigrate.errors import GpumigrateError, SnapshotError
 from gpumigrate.interfaces import RoundStats
+from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
+from gpumigrate.snapshot.precopy import Convergence, converge
 
 _ERRORS: dict[str, type[GpumigrateError]] = {
     "ImageMismatchError": ImageMismatchError,

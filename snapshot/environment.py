@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from gpumigrate.snapshot.errors import EnvironmentMismatchError
 
 from gpumigrate.errors import SnapshotError
+from gpumigrate.snapshot.errors import EnvironmentMismatchError
 
 POLICY_VALUES = ("must_match", "may_differ")
 

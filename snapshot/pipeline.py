@@ -26,10 +26,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from gpumigrate.snapshot.chunks import fingerprint_chunks
 
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import ImageReader, ImageWriter
+from gpumigrate.snapshot.chunks import fingerprint_chunks
 
 
 @dataclass

@@ -13,9 +13,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpumigrate.snapshot.agent import Agent
-
 from gpumigrate.errors import GpumigrateError, SnapshotError
+from gpumigrate.snapshot.agent import Agent
 
 MAX_LINE = 1 << 20
 

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gpumigrate.traffic.stats import ClusterWindow
-
 from gpumigrate.interfaces import ParityReport
+from gpumigrate.traffic.stats import ClusterWindow
 
 
 class Verdict(StrEnum):

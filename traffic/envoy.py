@@ -22,10 +22,10 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-from gpumigrate.traffic import resources as res
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
+from gpumigrate.traffic import resources as res
 
 LATENCY_BUCKETS_MS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100, 125, 150, 200, 250, 300,
                       400, 500, 600, 800, 1000, 1250, 1500, 2000, 3000, 5000, 10000, 30000, 60000]

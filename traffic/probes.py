@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
-from gpumigrate.traffic.resources import PROBE_HEADER
 
 from gpumigrate.interfaces import OutputComparator, ParityReport
+from gpumigrate.traffic.resources import PROBE_HEADER
 
 
 class Prober:

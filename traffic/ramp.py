@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gpumigrate.atomic import atomic_write_json
+from gpumigrate.errors import TrafficError
 from gpumigrate.traffic.analysis import Analysis, GateSettings, Measurement, Verdict, analyze
 from gpumigrate.traffic.envoy import EnvoyAdmin
 from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.state import StateStore, rollback_to_source, split
 from gpumigrate.traffic.stats import ClusterWindow, StatsSnapshot, merge, parse_stats, window
-
-from gpumigrate.atomic import atomic_write_json
-from gpumigrate.errors import TrafficError
 
 PROGRESS_FILE = "ramp.json"
 

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from gpumigrate.traffic.envoy import EnvoyAdmin
 from gpumigrate.traffic.ramp import PROGRESS_FILE
 from gpumigrate.traffic.resources import FAILOVER_SUFFIX, WEIGHT_SCALE
 from gpumigrate.traffic.stats import StatsSnapshot, parse_stats, window
-from rich.table import Table
 
 _FAILOVER_RE = re.compile(r"^cluster\.([A-Za-z0-9_-]+)" + re.escape(FAILOVER_SUFFIX) + r"\.")
 

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpumigrate.errors import TrafficError
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.state import DesiredState, StateStore
-
-from gpumigrate.errors import TrafficError
 
 log = logging.getLogger("gpumigrate.traffic.xds")
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import blake3
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from gpumigrate.errors import DecryptionError, IntegrityError
 from gpumigrate.transfer import codecs
 from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.keys import derive_keys
-
-from gpumigrate.errors import DecryptionError, IntegrityError
 
 MAGIC = b"GMC1"
 HEADER = struct.Struct(">4sBBHQ12s32s")

@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
 from gpumigrate.transfer.stores import STORE_MARKER, STORE_MARKER_BODY, Store, chunk_key, manifest_key, split_url
-
-from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 
 
 class GcsStore(Store):

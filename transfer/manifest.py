@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 import blake3
-from gpumigrate.transfer.chunkobj import Sealer
-from gpumigrate.transfer.keys import WrongKeyError
 
 from gpumigrate.errors import IntegrityError, InvalidInputError
+from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.keys import WrongKeyError
 
 FORMAT_NAME = "gpumigrate-image"
 FORMAT_VERSION = 1

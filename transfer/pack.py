@@ -22,13 +22,13 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyfastcdc
+
+from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError
+from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer import codecs
 from gpumigrate.transfer.api import open_reader, open_writer
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.reader import StoreImageReader
-
-from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError
-from gpumigrate.interfaces import ImageRef, RegionInfo
 
 # FastCDC 512 KiB / 2 MiB / 4 MiB (min/avg/max): every chunk is one stored object, and creating a
 # file costs ~0.7 ms here whatever its size, so chunks much under 2 MiB cost more than they dedup.

@@ -13,13 +13,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError
 from gpumigrate.transfer.api import _store
 from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, resolve_image_id
-
-from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError
 
 CHECK_EXISTING = ("size", "full")
 

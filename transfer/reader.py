@@ -6,12 +6,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
+from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.manifest import open_manifest
 from gpumigrate.transfer.stores import Store
-
-from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
-from gpumigrate.interfaces import ImageRef, RegionInfo
 
 BASE_CACHE_BYTES = 64 << 20
 

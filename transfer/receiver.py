@@ -17,6 +17,7 @@ import struct
 import tempfile
 import threading
 
+from gpumigrate.errors import GpumigrateError, InvalidInputError, NotFoundError
 from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.manifest import open_manifest
 from gpumigrate.transfer.stores import Store, open_store
@@ -41,8 +42,6 @@ from gpumigrate.transfer.stream import (
     _read,
     parse_listen,
 )
-
-from gpumigrate.errors import GpumigrateError, InvalidInputError, NotFoundError
 
 
 def _self_signed(host: str) -> tuple[bytes, bytes, str]:

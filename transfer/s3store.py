@@ -10,10 +10,9 @@ import io
 import os
 from typing import Any
 
+from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
 from gpumigrate.transfer.stores import STORE_MARKER, STORE_MARKER_BODY, Store, chunk_key, manifest_key, split_url
-
-from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 
 MIN_PART = 5 << 20  # S3's smallest multipart part (except the last)
 DEFAULT_MULTIPART_THRESHOLD = 16 << 20

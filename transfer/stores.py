@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from gpumigrate.transfer.chunkobj import HEADER_SIZE
-
 from gpumigrate.atomic import fsync_dir
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
+from gpumigrate.transfer.chunkobj import HEADER_SIZE
 
 SCHEMES = ("file", "s3", "gs", "stream")
 SYNC_MODES = ("chunk", "deferred", "none")

@@ -19,9 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpumigrate.transfer.stores import Store, split_url
-
 from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError, NotFoundError, TransferError
+from gpumigrate.transfer.stores import Store, split_url
 
 MAGIC = b"GMS1"
 REQUEST = struct.Struct(">4sB32sQ")

@@ -16,15 +16,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from gpumigrate.errors import InvalidInputError, TransferError
+from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer import codecs
 from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.chunkobj import MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
 from gpumigrate.transfer.manifest import seal_manifest
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.stores import Store
-
-from gpumigrate.errors import InvalidInputError, TransferError
-from gpumigrate.interfaces import ImageRef, RegionInfo
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 # Encoding scratch and sealed objects live in recycled buffers (buffers.py says why).

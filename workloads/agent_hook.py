@@ -12,11 +12,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from gpumigrate.interfaces import ImageReader, ImageWriter
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import StepGate
-
-from gpumigrate.interfaces import ImageReader, ImageWriter
 
 
 def _key(key_ref: Mapping[str, str]) -> bytes | None:

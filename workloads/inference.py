@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 import uvicorn
-from gpumigrate.workloads.environment import environment_facts
-from gpumigrate.workloads.model import build_model, decode, generate
-from gpumigrate.workloads.serving import Fault, ServingState
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gpumigrate.errors import GpumigrateError, InvalidInputError
+from gpumigrate.workloads.environment import environment_facts
+from gpumigrate.workloads.model import build_model, decode, generate
+from gpumigrate.workloads.serving import Fault, ServingState
 
 MAX_NEW_TOKENS = 64
 MAX_PROMPT_CHARS = 8192

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from gpumigrate.workloads.model import TinyLM
-from gpumigrate.workloads.training import TrainingState, lm_loss
 from torch.utils.data import DataLoader, Dataset
 
 from gpumigrate.errors import InvalidInputError
+from gpumigrate.workloads.model import TinyLM
+from gpumigrate.workloads.training import TrainingState, lm_loss
 
 
 class _Ticks(Dataset):

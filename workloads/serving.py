@@ -157,8 +157,9 @@ class ServingState:
         return self._ready.is_set() and not self.safe_point.frozen
 
     def set_ready(self, ready: bool) -> None:
+        # Either way the weights are about to change or just did (restore, zeroize): derived facts expire.
+        self.mark_weights_changed()
         if ready:
-            self.mark_weights_changed()
             self._ready.set()
         else:
             self._ready.clear()

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpumigrate.workloads.model import TinyLM, build_model, weights_digest
 
 from gpumigrate.atomic import atomic_write_bytes
 from gpumigrate.errors import GpumigrateError, SnapshotError
+from gpumigrate.workloads.model import TinyLM, build_model, weights_digest
 
 CAPTURE_FORMAT = 1
 

@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
     app.command("rollback")(rollback)
     app.command("status")(status)
     app.command("audit")(audit)
+    app.command("retire")(retire)
 
 
 def migrate(
@@ -88,3 +89,17 @@ def audit(
         emit_json(report)
     else:
         render_report(report, console)
+
+
+def retire(
+    migration_id: str = typer.Argument(..., help="Migration id."),
+    force: bool = typer.Option(False, "--force", help="Retire before the rollback window is over."),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """Zeroize the source once the cut-over held through its rollback window (refused before, unless --force)."""
+    from gpumigrate.flows.retire import retire_source
+
+    outcome = retire_source(migration_id, force=force)
+    console.print(f"[green]source of {migration_id} retired[/]: {outcome['how']}")
+    if json_out:
+        emit_json(outcome)

@@ -43,10 +43,11 @@ def test_dispatch_goes_through_the_hosts_deployment(prefect_api: str, monkeypatc
     import asyncio
     import threading
 
-    from gpumigrate.flows.host_actions import dispatch, host_action_flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter
     from prefect.runner import Runner
+
+    from gpumigrate.flows.host_actions import dispatch, host_action_flow
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_api)
     monkeypatch.setenv("GPUMIGRATE_HOST_WORKERS", "1")

@@ -58,13 +58,12 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def source(home: Path, prefect_api: str) -> Iterator[Source]:
+    from gpumigrate.atomic import atomic_write_bytes
     from gpumigrate.flows.frontdoor import FrontDoor, default_dir
     from gpumigrate.flows.wiring import wait_ready
     from gpumigrate.infra import get_provider
-    from gpumigrate.transfer import generate_key
-
-    from gpumigrate.atomic import atomic_write_bytes
     from gpumigrate.interfaces import HostSpec
+    from gpumigrate.transfer import generate_key
 
     provider = get_provider("local")
     key_file = home / "image.key"
@@ -216,9 +215,10 @@ def test_rollback_through_the_rollback_deployment(source: Source, prefect_api: s
         pytest.skip("needs the cut-over migration of the previous test")
     import asyncio
 
-    from gpumigrate.flows.rollback import rollback_flow
     from prefect.deployments import run_deployment
     from prefect.runner import Runner
+
+    from gpumigrate.flows.rollback import rollback_flow
 
     target = state(source.home, mid)["runtime"]["target_endpoint"]
     assert serves(target)
@@ -254,9 +254,10 @@ def test_rollback_through_the_rollback_deployment(source: Source, prefect_api: s
 
 def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tmp_path: Path) -> None:
     """The flow pauses before any traffic moves; the operator answers "roll back" through Prefect."""
+    from prefect.flow_runs import resume_flow_run
+
     from gpumigrate.flows.migrate import migrate_flow
     from gpumigrate.flows.run import create_migration
-    from prefect.flow_runs import resume_flow_run
 
     plan = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-gate", manual_gate=True)
     mid = create_migration(plan, migration_id="flows-gate", resume=False)

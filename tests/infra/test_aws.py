@@ -9,10 +9,10 @@ import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 from cloud_helpers import all_instances, live_instances
-from gpumigrate.infra import provision_host
-from gpumigrate.infra.aws import quota_for
 
 from gpumigrate.errors import CapacityError, InvalidInputError, ProviderError, ResidencyError
+from gpumigrate.infra import provision_host
+from gpumigrate.infra.aws import quota_for
 from gpumigrate.interfaces import HostSpec
 
 AMI = "ami-12c6146b"  # one of moto's built-in images

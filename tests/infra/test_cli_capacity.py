@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 from cloud_helpers import AWS_KEY_ID, AWS_SECRET, GCP_TOKEN, all_instances, files_containing
 from gce_fake import FakeGce
-from gpumigrate.infra import get_provider, provision_host, spec_from_plan
 
+from gpumigrate.infra import get_provider, provision_host, spec_from_plan
 from gpumigrate.plan import parse_plan
 from gpumigrate.state import Migration
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import yaml
-from gpumigrate.infra import pricing
-from gpumigrate.infra.cost import Placement, estimate, evaluate_move, plan_moves, propose_moves
 
 from gpumigrate.errors import InvalidInputError
+from gpumigrate.infra import pricing
+from gpumigrate.infra.cost import Placement, estimate, evaluate_move, plan_moves, propose_moves
 from gpumigrate.plan import Plan, parse_plan
 
 # Known prices from prices.json (as_of 2026-10-01), USD/h: p4d.24xlarge in eu-central-1 and eu-west-1.

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from cloud_helpers import GCP_TOKEN
 from gce_fake import FakeGce
-from gpumigrate.infra import get_provider, provision_host
 
 from gpumigrate.errors import CapacityError, ProviderError, ResidencyError
+from gpumigrate.infra import get_provider, provision_host
 from gpumigrate.interfaces import HostSpec
 
 

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from gpumigrate.infra.local import LocalProvider
 
 from gpumigrate.errors import CapacityError, NotFoundError, ProviderError, ResidencyError
+from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import HostSpec, Provider
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]

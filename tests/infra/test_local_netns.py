@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from gpumigrate.infra import netns as netns_lib
-from gpumigrate.infra.local import LocalProvider
 
 from gpumigrate.errors import InvalidInputError, ProviderError
+from gpumigrate.infra import netns as netns_lib
+from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import HostSpec
 
 _ok, _why = netns_lib.available()

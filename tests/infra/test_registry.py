@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 from gce_fake import FakeGce
-from gpumigrate.infra import PROVIDERS, get_provider, spec_from_plan
 
 from gpumigrate.errors import InvalidInputError, ProviderError
+from gpumigrate.infra import PROVIDERS, get_provider, spec_from_plan
 from gpumigrate.interfaces import Host, HostSpec, Provider
 from gpumigrate.plan import parse_plan
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import botocore.session
 import pytest
 import yaml
-from gpumigrate.infra import residency
-from gpumigrate.infra.residency import check_region, check_store, evaluate_region, validate_plan_residency
 
 from gpumigrate.audit import AuditLog
 from gpumigrate.errors import InvalidInputError, ResidencyError
+from gpumigrate.infra import residency
+from gpumigrate.infra.residency import check_region, check_store, evaluate_region, validate_plan_residency
 from gpumigrate.plan import load_plan, parse_plan
 
 REPO = Path(__file__).resolve().parents[2]

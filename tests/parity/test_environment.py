@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpumigrate.parity.environment import EnvironmentParityError, check_environment, normalize_facts, run_probe
 
 from gpumigrate.errors import EXIT_INVALID, InvalidInputError, ParityError, PolicyDeniedError
+from gpumigrate.parity.environment import EnvironmentParityError, check_environment, normalize_facts, run_probe
 from gpumigrate.plan import load_plan
 
 FACTS = {

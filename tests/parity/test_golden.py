@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpumigrate.parity.output import check_url, load_golden, redact_url
 
 from gpumigrate.errors import EXIT_INVALID, InvalidInputError
+from gpumigrate.parity.output import check_url, load_golden, redact_url
 from gpumigrate.plan import load_plan, resolve_relative
 
 

@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+
 from gpumigrate.parity.comparator import GXComparator, ToleranceComparator
 from gpumigrate.parity.gx_suite import validate_frame
 from gpumigrate.parity.output import compare_outputs, redact_url

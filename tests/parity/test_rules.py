@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
-from gpumigrate.parity.comparator import ToleranceComparator
-from gpumigrate.parity.rules import Rules, build_frame
 
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.interfaces import OutputComparator
+from gpumigrate.parity.comparator import ToleranceComparator
+from gpumigrate.parity.rules import Rules, build_frame
 
 
 def rows(**cases: tuple[list[int], list[float]]) -> list[dict]:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from gpumigrate.errors import ParityError
 from gpumigrate.parity.comparator import GXComparator, ToleranceComparator
 from gpumigrate.parity.environment import (
     EnvironmentParityError,
@@ -18,8 +20,6 @@ from gpumigrate.parity.environment import (
     run_probe,
 )
 from gpumigrate.parity.output import load_golden, query_outputs, run_output_parity
-
-from gpumigrate.errors import ParityError
 
 ATOL, RTOL = 1e-4, 1e-3
 

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from gpumigrate.snapshot import criu
 
 from gpumigrate.errors import SnapshotError
+from gpumigrate.snapshot import criu
 
 
 def test_criu_version_parsing() -> None:

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+
+from gpumigrate.errors import SnapshotError
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
-
-from gpumigrate.errors import SnapshotError
 
 pytestmark = pytest.mark.gpu
 KEY = b"g" * 32

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+
+from gpumigrate.interfaces import RoundStats
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
 from gpumigrate.snapshot.precopy import converge
-
-from gpumigrate.interfaces import RoundStats
 
 KEY = b"p" * 32
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from gpumigrate.snapshot.client import AgentClient
 
 

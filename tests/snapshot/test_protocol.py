@@ -7,12 +7,12 @@ import socket
 
 import pytest
 import torch
+
+from gpumigrate.errors import InvalidInputError, NotFoundError, SnapshotError
 from gpumigrate.snapshot.client import AgentClient, parse_address
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.server import serve
 from gpumigrate.workloads.agent_hook import make_agent
-
-from gpumigrate.errors import InvalidInputError, NotFoundError, SnapshotError
 
 
 @pytest.fixture

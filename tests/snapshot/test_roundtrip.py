@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.memimage import MemoryStore
 from gpumigrate.workloads.agent_hook import make_agent

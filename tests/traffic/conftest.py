@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 import pytest
+
+from gpumigrate.interfaces import ParityReport
 from gpumigrate.traffic.envoy import Envoy, free_port
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, split
 from gpumigrate.traffic.xds import ControlPlane
-
-from gpumigrate.interfaces import ParityReport
 
 HERE = Path(__file__).resolve().parent
 

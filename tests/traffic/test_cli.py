@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpumigrate.errors import TrafficError
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.envoy import EnvoyAdmin, free_port
 from gpumigrate.traffic.loadgen import LoadProcess
 from gpumigrate.traffic.ramp import RampController, RampSettings
-
-from gpumigrate.errors import TrafficError
 
 BODY = {"prompt": "hello", "max_new_tokens": 1}
 

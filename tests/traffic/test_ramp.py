@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.loadgen import LoadProcess
 from gpumigrate.traffic.probes import Prober
@@ -16,9 +17,9 @@ BODY = {"prompt": "hello", "max_new_tokens": 1}
 
 
 def _controller(env: Any, stages: tuple[tuple[float, float], ...], *, comparator: Any = None, golden: Any = None,
-                min_requests: int = 10, **kw: Any) -> RampController:
-    prober = Prober(env.envoy.url, golden, comparator, every_s=INTERVAL) if comparator else None
-    settings = RampSettings(stages=stages, interval_s=INTERVAL, baseline_intervals=2,
+                min_requests: int = 10, interval: float = INTERVAL, **kw: Any) -> RampController:
+    prober = Prober(env.envoy.url, golden, comparator, every_s=interval) if comparator else None
+    settings = RampSettings(stages=stages, interval_s=interval, baseline_intervals=2,
                             gates=GateSettings(min_requests=min_requests, min_success_rate=0.999, p99_slack_ms=150), max_inconclusive=40)
     return RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id],
                           prober=prober, **kw)
@@ -58,8 +59,10 @@ def test_fault_on_target_at_25_percent_rolls_back_within_two_intervals(
             else:
                 target.fault(fault, 1.0)
 
+    # Envoy times a request when it completes: a +500 ms fault can only show in an interval longer than
+    # the added latency, so that case runs at 1 s (the demo's interval) instead of 0.5 s.
     ctl = _controller(traffic_env, ((25, 30.0), (100, 1.0)), comparator=comparator, golden=golden,
-                      min_requests=5, on_interval=inject)
+                      min_requests=5, on_interval=inject, interval=1.0 if fault == "slow" else INTERVAL)
     load = LoadProcess(traffic_env.url, rps=100, seconds=60, body=BODY)
     try:
         result = ctl.run()

@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from gpumigrate.errors import InvalidInputError, TrafficError
+from gpumigrate.interfaces import ParityReport
+from gpumigrate.plan import Traffic
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.analysis import GateSettings, Verdict, analyze
 from gpumigrate.traffic.loadgen import LoadGenerator
@@ -15,10 +19,6 @@ from gpumigrate.traffic.ramp import RampSettings
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, rollback_to_source, split
 from gpumigrate.traffic.stats import ClusterWindow, parse_stats, percentile_from_buckets, window
 from gpumigrate.traffic.xds import build_snapshot
-
-from gpumigrate.errors import InvalidInputError, TrafficError
-from gpumigrate.interfaces import ParityReport
-from gpumigrate.plan import Traffic
 
 
 def _stats(completed: int, xx5: int, retries: int, buckets: list[tuple[float, int]], healthy: int = 1) -> dict[str, Any]:
@@ -151,6 +151,7 @@ def test_load_report_downtime_when_nothing_answers() -> None:
 
 def test_prometheus_endpoint_exports_per_cluster_figures() -> None:
     import httpx
+
     from gpumigrate.traffic.metrics import TrafficMetrics
 
     m = TrafficMetrics()
@@ -173,8 +174,9 @@ def test_prometheus_endpoint_exports_per_cluster_figures() -> None:
 
 
 def test_live_view_renders_both_sides_and_the_gate() -> None:
-    from gpumigrate.traffic.watch import render
     from rich.console import Console
+
+    from gpumigrate.traffic.watch import render
 
     row = {"weights": {"source": 75.0, "target": 25.0},
            "clusters": {"source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},

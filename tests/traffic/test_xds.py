@@ -12,13 +12,13 @@ from typing import Any
 
 import httpx
 import pytest
+
+from gpumigrate.errors import TrafficError
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.envoy import Envoy
 from gpumigrate.traffic.loadgen import LoadProcess
 from gpumigrate.traffic.ramp import RampController, RampSettings
 from gpumigrate.traffic.state import DesiredState, Upstream, rollback_to_source, split
-
-from gpumigrate.errors import TrafficError
 
 BODY = {"prompt": "hello", "max_new_tokens": 1}
 

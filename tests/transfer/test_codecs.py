@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 import pytest
-from gpumigrate.transfer import codecs
 from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError
+from gpumigrate.transfer import codecs
 
 
 def roundtrip(data: bytes, **kw: object) -> tuple[int, int]:

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpumigrate.transfer import generate_key, open_reader, open_writer, resolve_key
 from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import DecryptionError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageReader, ImageWriter, RegionInfo
+from gpumigrate.transfer import generate_key, open_reader, open_writer, resolve_key
 
 CHUNK = 256 * 1024
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpumigrate.transfer import open_reader, open_writer, pack_paths, unpack
 from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError, NotFoundError
 from gpumigrate.interfaces import RegionInfo
+from gpumigrate.transfer import open_reader, open_writer, pack_paths, unpack
 
 
 def make_tree(root: Path) -> Path:

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import boto3
 import pytest
-from gpumigrate.transfer import open_reader, open_writer, pack_paths, push, store_region, unpack, verify
-from gpumigrate.transfer.s3store import S3Store
-from gpumigrate.transfer.stores import chunk_key, open_store
 from transfer_fake_gcs import FakeGcs
 
 from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError
 from gpumigrate.interfaces import RegionInfo
+from gpumigrate.transfer import open_reader, open_writer, pack_paths, push, store_region, unpack, verify
+from gpumigrate.transfer.s3store import S3Store
+from gpumigrate.transfer.stores import chunk_key, open_store
 
 
 @pytest.fixture

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gpumigrate.transfer import StreamServer, open_reader, open_writer, pack_paths, push, serve_stream, verify
-from gpumigrate.transfer.chunkobj import Sealer
-from gpumigrate.transfer.stream import StreamStore
 from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError, TransferError
 from gpumigrate.interfaces import RegionInfo
+from gpumigrate.transfer import StreamServer, open_reader, open_writer, pack_paths, push, serve_stream, verify
+from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.stream import StreamStore
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import blake3
 import pytest
-from gpumigrate.transfer import open_reader, pack_paths, push, unpack, verify
-from gpumigrate.transfer.stores import chunk_key, file_root, manifest_key
 
 from gpumigrate.errors import DecryptionError, IntegrityError
+from gpumigrate.transfer import open_reader, pack_paths, push, unpack, verify
+from gpumigrate.transfer.stores import chunk_key, file_root, manifest_key
 
 
 @pytest.fixture

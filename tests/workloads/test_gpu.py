@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+
 from gpumigrate.workloads.model import build_model, generate, weights_digest
 from gpumigrate.workloads.training import TrainingConfig, TrainingState, run_steps
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from gpumigrate.infra.local import LocalProvider
 
+from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import HostSpec
 
 client_mod = pytest.importorskip("gpumigrate.snapshot.client")

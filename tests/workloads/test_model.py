@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from gpumigrate.errors import InvalidInputError
 from gpumigrate.workloads.model import (
     VOCAB,
     build_model,
@@ -14,8 +16,6 @@ from gpumigrate.workloads.model import (
     param_names,
     weights_digest,
 )
-
-from gpumigrate.errors import InvalidInputError
 
 
 def test_same_seed_same_weights_and_outputs() -> None:

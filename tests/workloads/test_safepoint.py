@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from gpumigrate.errors import SnapshotError
 from gpumigrate.workloads.inference import start_in_thread
 from gpumigrate.workloads.model import build_model, weights_digest
 from gpumigrate.workloads.serving import Fault, SafePoint, ServingState
-
-from gpumigrate.errors import SnapshotError
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpumigrate.workloads.training import TrainingConfig, TrainingState, run_steps, train
 
 from gpumigrate.errors import SnapshotError
+from gpumigrate.workloads.training import TrainingConfig, TrainingState, run_steps, train
 
 CHILD = """
 import json, sys, torch

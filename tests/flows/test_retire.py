@@ -1,0 +1,92 @@
+"""Retiring the source: refused inside the rollback window, then zeroize + verify + audit; no rollback after."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+
+@pytest.fixture
+def cut_over(gm_home: Path) -> Iterator[dict[str, Any]]:
+    """A migration that cut over, whose source (a real inference server with its agent) is still warm."""
+    from gpumigrate.flows.context import RunContext
+    from gpumigrate.infra import get_provider
+    from gpumigrate.interfaces import HostSpec
+    from gpumigrate.state import Migration
+    from gpumigrate.workloads.launch import start_inference
+
+    provider = get_provider("local")
+    host = provider.wait_ready(provider.provision(HostSpec("retire-src", "local", "local-a"), migration_id="retire"))
+    try:
+        src = start_inference(provider, host, seed=0, size="tiny")
+        plan = {
+            "version": 1,
+            "workload": {"name": "tiny-lm", "kind": "inference", "source_host": "retire-src", "endpoint": src["url"],
+                         "agent": f"{host.address}:{src['agent_port']}"},
+            "target": {"provider": "local", "region": "local-b", "host": "retire-tgt"},
+            "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+            "transfer": {"store": "file://store"},
+        }
+        m = Migration.create("m-retire", yaml.safe_dump(plan))
+        m.update(status="completed")
+        RunContext.load(m.id).put(rollback_deadline=time.time() + 3600)
+        yield {"migration": m, "url": src["url"]}
+    finally:
+        provider.terminate(host)
+
+
+def _events(m: Any) -> list[str]:
+    return [r["event"] for r in m.audit.records()]
+
+
+def test_retire_waits_for_the_window_then_zeroizes(cut_over: dict[str, Any], cli_cmd: list[str], gm_home: Path) -> None:
+    from gpumigrate.flows.context import RunContext
+    from gpumigrate.flows.rollback import rollback_migration
+
+    m, url = cut_over["migration"], cut_over["url"]
+    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home)}
+    before = httpx.get(url + "/v1/info", timeout=10).json()["weights_digest"]
+
+    early = subprocess.run([*cli_cmd, "retire", m.id], capture_output=True, text=True, env=env, timeout=120)
+    assert early.returncode == 2, early.stderr
+    assert "rollback window" in early.stderr and "Traceback" not in early.stderr
+    assert httpx.get(url + "/v1/info", timeout=10).json()["weights_digest"] == before  # untouched
+
+    RunContext.load(m.id).put(rollback_deadline=time.time() - 1)  # the window is over
+    done = subprocess.run([*cli_cmd, "retire", m.id, "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["source"] == "retired"
+    assert httpx.get(url + "/v1/info", timeout=10).json()["weights_digest"] != before  # zeros now
+    assert httpx.get(url + "/readyz", timeout=10).status_code == 503  # a zeroized source answers nothing
+    names = _events(m)
+    assert "source.zeroized" in names and "source.retired" in names
+    zero = next(r for r in m.audit.records() if r["event"] == "source.zeroized")["data"]
+    assert zero["verified"] is True and zero["zeroized_bytes"] > 0
+    m.verify_audit()
+
+    from gpumigrate.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="zeroized"):
+        rollback_migration(m.id, reason="too late")
+    again = subprocess.run([*cli_cmd, "retire", m.id], capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 0 and _events(m).count("source.zeroized") == 1  # idempotent
+
+
+def test_retire_refuses_a_rolled_back_migration(cut_over: dict[str, Any]) -> None:
+    from gpumigrate.errors import InvalidInputError
+    from gpumigrate.flows.retire import retire_source
+
+    m = cut_over["migration"]
+    m.update(status="rolled_back")
+    with pytest.raises(InvalidInputError, match="only a migration that cut over"):
+        retire_source(m.id, force=True)
+    assert "source.zeroized" not in _events(m)
