@@ -36,11 +36,8 @@ class RunContext:
         return self.runtime.get(key, default)
 
     def put(self, **facts: Any) -> dict[str, Any]:
-        state = self.migration.read()
-        rt = state.setdefault("runtime", {})
-        rt.update(facts)
-        self.migration.update(runtime=rt)
-        return rt
+        state = self.migration.mutate(lambda st: st.setdefault("runtime", {}).update(facts))
+        return state["runtime"]
 
     def need(self, key: str) -> Any:
         value = self.get(key)

@@ -89,15 +89,15 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
 
 def merge_result(migration: Migration, **sections: Any) -> None:
     """Fold fields into ``state.result`` (dicts are merged one level deep, None never overwrites)."""
-    state = migration.read()
-    res = state.setdefault("result", {})
-    for key, value in sections.items():
-        if isinstance(value, dict):
-            current = res.setdefault(key, {})
-            current.update({k: v for k, v in value.items() if v is not None})
-        elif value is not None:
-            res[key] = value
-    migration.update(result=res)
+    def change(state: dict[str, Any]) -> None:
+        res = state.setdefault("result", {})
+        for key, value in sections.items():
+            if isinstance(value, dict):
+                res.setdefault(key, {}).update({k: v for k, v in value.items() if v is not None})
+            elif value is not None:
+                res[key] = value
+
+    migration.mutate(change)
 
 
 def _fmt(v: Any) -> str:

@@ -14,11 +14,13 @@ and a small ``result`` dict; a re-run with the same id skips phases already comp
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -98,11 +100,27 @@ class Migration:
     def _write(self, state: dict[str, Any]) -> None:
         atomic_write_json(self.dir / "state.json", state)
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Serialise read-modify-write of state.json across threads and processes (CLI, flow, rollback)."""
+        fd = os.open(self.dir / ".state.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def mutate(self, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Apply ``change`` to the state under the lock and write it atomically; returns the new state."""
+        with self._locked():
+            state = self.read()
+            change(state)
+            self._write(state)
+            return state
+
     def update(self, **fields: Any) -> dict[str, Any]:
-        state = self.read()
-        state.update(fields)
-        self._write(state)
-        return state
+        return self.mutate(lambda state: state.update(fields))
 
     def phase(self, name: str) -> dict[str, Any]:
         return self.read().get("phases", {}).get(name, {"status": "pending"})
@@ -110,15 +128,17 @@ class Migration:
     def set_phase(self, name: str, status: str, *, seconds: float | None = None, result: dict | None = None) -> None:
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}")
-        state = self.read()
-        entry = state.setdefault("phases", {}).get(name, {})
-        entry["status"] = status
-        if seconds is not None:
-            entry["seconds"] = round(seconds, 3)
-        if result is not None:
-            entry["result"] = result
-        state["phases"][name] = entry
-        self._write(state)
+
+        def change(state: dict[str, Any]) -> None:
+            entry = state.setdefault("phases", {}).get(name, {})
+            entry["status"] = status
+            if seconds is not None:
+                entry["seconds"] = round(seconds, 3)
+            if result is not None:
+                entry["result"] = result
+            state["phases"][name] = entry
+
+        self.mutate(change)
 
     @contextmanager
     def running_phase(self, name: str) -> Iterator[dict[str, Any]]:
@@ -138,9 +158,12 @@ class Migration:
 
     # -- audit ----------------------------------------------------------------------
     def record(self, event: str, data: dict[str, Any] | None = None, *, actor: str | None = None) -> None:
-        head = self.audit.append(event, data, actor=actor)
-        state = self.read() if (self.dir / "state.json").exists() else None
-        if state is not None:
+        if not (self.dir / "state.json").exists():
+            self.audit.append(event, data, actor=actor)
+            return
+        with self._locked():  # the chain head in state.json moves with the log, never behind it
+            head = self.audit.append(event, data, actor=actor)
+            state = self.read()
             state["audit_head"] = {"count": head.count, "tail": head.tail}
             self._write(state)
 

@@ -139,3 +139,26 @@ def test_state_write_is_crash_safe(tmp_path: Path) -> None:
         leftovers = [p.name for p in state_file.parent.iterdir() if p.name.endswith(".tmp")]
         # A kill between mkstemp and rename may leave one temp file; it is never the state itself.
         assert len(leftovers) <= 1
+
+
+def test_concurrent_writers_lose_no_update(gm_home: Path) -> None:
+    """Two processes (say, the flow and `gpumigrate rollback`) updating one migration at once."""
+    Migration.create("m-race", "x: 1\n")
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        os.environ["GPUMIGRATE_HOME"] = {str(gm_home)!r}
+        from gpumigrate.state import Migration
+        m = Migration.open("m-race")
+        key = sys.argv[1]
+        for i in range(60):
+            m.mutate(lambda st: st.update({{key: st.get(key, 0) + 1}}))
+            m.record("race." + key, {{"i": i}})
+        """
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, k]) for k in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    m = Migration.open("m-race")
+    state = m.read()
+    assert (state["a"], state["b"]) == (60, 60)
+    assert m.verify_audit().count == 1 + 120  # the chain head in state.json kept up with the log
