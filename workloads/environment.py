@@ -17,16 +17,9 @@ from typing import Any
 
 import torch
 
-# Variables that change numerics or placement. Never a blanket dump: the environment holds secrets.
-REPORTED_ENV = (
-    "CUDA_VISIBLE_DEVICES",
-    "CUBLAS_WORKSPACE_CONFIG",
-    "NVIDIA_TF32_OVERRIDE",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
-)
+# Variables that change numerics or placement, the same allow-list the host probe reports (parity
+# compares the two). Never a blanket dump: the environment holds secrets.
+from gpumigrate.parity.probe import REPORTED_ENV
 
 
 def _version(dist: str) -> str | None:
