@@ -144,10 +144,19 @@ def controller(stack: Stack, stages: tuple[tuple[float, float], ...], args: argp
                           prober=prober, **kw)
 
 
+def warm_target(stack: Stack, *, requests: int) -> None:
+    with httpx.Client(timeout=10) as client:
+        for _ in range(requests):
+            client.post(f"http://127.0.0.1:{stack.ports['target']}/v1/generate", json=BODY)
+
+
 def scenario_ramp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     stack = Stack(work, fake=args.fake)
     try:
         load = LoadProcess(stack.url, rps=args.rps, seconds=600, body=BODY, keep_records=True)
+        # In a migration the parity phase has sent the golden set straight to the target before any
+        # traffic moves; do the same here so the ramp does not time the target's first requests.
+        warm_target(stack, requests=args.warm_target)
         time.sleep(args.warmup)
         t_start = load.elapsed()
         stages = tuple((w, args.hold) for w in (1, 5, 25, 50, 100))
@@ -266,6 +275,8 @@ def main() -> None:
     ap.add_argument("--hold", type=float, default=3.0)
     ap.add_argument("--warmup", type=float, default=10.0, help="seconds of load on the source before the ramp")
     ap.add_argument("--min-requests", type=int, default=10)
+    ap.add_argument("--warm-target", type=int, default=100,
+                    help="requests sent straight to the target before the ramp (as the parity phase does); 0: none")
     ap.add_argument("--p99-slack-ms", type=float, default=100.0, help="noise allowance of the p99 gate on a shared CPU")
     ap.add_argument("--fake", action="store_true", help="stdlib upstreams instead of the reference inference server")
     ap.add_argument("--only", choices=["ramp", "faults", "control_plane_restart", "manual_rollback"], default=None)
