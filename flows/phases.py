@@ -83,10 +83,12 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
         return out
     agent = wiring.agent(plan.workload.agent, "source")
     store, key_ref = ctx.store_url(), ctx.key_ref()
+    # The plan's transfer settings reach the writer inside the workload (the agent writes the image).
+    options = {"compression": plan.transfer.compression, "parallelism": plan.transfer.parallelism}
     parent = ctx.get("image_id")  # a resumed migration dedups against what it already shipped
     rounds: list[dict[str, Any]] = []
     for i in range(plan.snapshot.precopy_rounds):
-        r = agent.precopy(store, key_ref, parent)
+        r = agent.precopy(store, key_ref, parent, options)
         parent = r.get("image_id") or parent
         rounds.append(r)
         notify(m.id, "snapshot.precopy", {"round": i + 1, **r})
@@ -96,7 +98,7 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
     agent.freeze()
     ctx.put(source_frozen=True)
     try:
-        final = agent.final(store, key_ref, parent)
+        final = agent.final(store, key_ref, parent, options)
     except BaseException:
         undo_source(m.id)
         raise

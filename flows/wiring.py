@@ -166,14 +166,16 @@ class _Agent:
         flat["image_id"] = image.get("id") or d.get("image_id")
         return {k: v for k, v in flat.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
-    def precopy(self, store: str, key_ref: dict | None, parent: str | None) -> dict[str, Any]:
-        return self._flat(self.client.precopy(store, key_ref or {}, parent=parent))
+    def precopy(self, store: str, key_ref: dict | None, parent: str | None,
+                options: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._flat(self.client.precopy(store, key_ref or {}, parent=parent, options=options))
 
     def freeze(self) -> None:
         self.client.freeze()
 
-    def final(self, store: str, key_ref: dict | None, parent: str | None) -> dict[str, Any]:
-        out = self._flat(self.client.final(store, key_ref or {}, parent=parent))
+    def final(self, store: str, key_ref: dict | None, parent: str | None,
+              options: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = self._flat(self.client.final(store, key_ref or {}, parent=parent, options=options))
         if not out.get("image_id"):
             raise SnapshotError(f"the {self.side} agent committed no image")
         return out

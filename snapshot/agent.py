@@ -339,17 +339,19 @@ class Agent:
                     "devices": sorted(devices), "seconds": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ wire-level operations
-    def precopy_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None) -> dict[str, Any]:
+    def precopy_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
+                   options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         with self._lock:
-            writer = self._open_writer(store, key_ref, parent)
+            writer = self._open_writer(store, key_ref, parent, options)
             stats, ref = self._round(writer, frozen=self.frozen)
             return {"stats": asdict(stats), "image": asdict(ref)}
 
-    def final_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None) -> dict[str, Any]:
+    def final_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
+                 options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         with self._lock:
             if not self.frozen:
                 raise SnapshotError("final needs a frozen workload: send freeze first")
-            writer = self._open_writer(store, key_ref, parent)
+            writer = self._open_writer(store, key_ref, parent, options)
             stats, ref = self._round(writer, frozen=True)
             return {"stats": asdict(stats), "image": asdict(ref)}
 
@@ -359,14 +361,17 @@ class Agent:
             raise SnapshotError("this agent has no image reader: the workload did not wire the transfer engine")
         return self.restore(self.reader_factory(store, image_id, key_ref), policy=policy, ready=ready)
 
-    def _open_writer(self, store: str, key_ref: Mapping[str, str], parent: str | None) -> ImageWriter:
+    def _open_writer(self, store: str, key_ref: Mapping[str, str], parent: str | None,
+                     options: Mapping[str, Any] | None = None) -> ImageWriter:
         if self.writer_factory is None:
             raise SnapshotError("this agent has no image writer: the workload did not wire the transfer engine")
         if parent is None and self.last_image is not None and self.last_image.store == store:
             parent = self.last_image.id
         if parent is None or self.last_image is None or parent != self.last_image.id:
             self._shipped = {}  # the parent holds none of our chunk ids: ship everything
-        return self.writer_factory(store, key_ref, parent)
+        # Options (compression, parallelism from the plan) only when given: factories may take just three.
+        return self.writer_factory(store, key_ref, parent, **dict(options)) if options else self.writer_factory(
+            store, key_ref, parent)
 
     def close(self) -> None:
         for p in self._pipelines.values():

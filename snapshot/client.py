@@ -93,8 +93,9 @@ class AgentClient:
     def info(self) -> dict[str, Any]:
         return self.call("info")
 
-    def precopy(self, store: str, key_ref: Mapping[str, str], parent: str | None = None) -> dict[str, Any]:
-        return self.call("precopy", store=store, key_ref=dict(key_ref), parent=parent)
+    def precopy(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
+                options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self.call("precopy", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
 
     def precopy_until(self, store: str, key_ref: Mapping[str, str], *, max_rounds: int, max_downtime_ms: float) -> Convergence:
         """Pre-copy rounds until the dirty set fits ``max_downtime_ms`` or stops shrinking."""
@@ -112,8 +113,9 @@ class AgentClient:
     def freeze(self) -> dict[str, Any]:
         return self.call("freeze")
 
-    def final(self, store: str, key_ref: Mapping[str, str], parent: str | None = None) -> dict[str, Any]:
-        return self.call("final", store=store, key_ref=dict(key_ref), parent=parent)
+    def final(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
+              options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self.call("final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
 
     def resume(self) -> dict[str, Any]:
         return self.call("resume")

@@ -31,13 +31,37 @@ def key_ref_arg(value: Any) -> dict[str, str]:
     return dict(value)
 
 
+WRITER_COMPRESSION = ("auto", "none", "zstd", "byteplane")
+
+
+def writer_options_arg(value: Any) -> dict[str, Any]:
+    """How the image is written: ``{"compression": one of WRITER_COMPRESSION, "parallelism": 1..64}``."""
+    if value in (None, {}):
+        return {}
+    if not isinstance(value, Mapping) or set(value) - {"compression", "parallelism"}:
+        raise SnapshotError('options must be {"compression": ..., "parallelism": ...} and nothing else')
+    out: dict[str, Any] = {}
+    if "compression" in value:
+        if value["compression"] not in WRITER_COMPRESSION:
+            raise SnapshotError(f"options.compression {value['compression']!r}: allowed are {', '.join(WRITER_COMPRESSION)}")
+        out["compression"] = value["compression"]
+    if "parallelism" in value:
+        p = value["parallelism"]
+        if not isinstance(p, int) or isinstance(p, bool) or not 1 <= p <= 64:
+            raise SnapshotError(f"options.parallelism {p!r}: must be a whole number from 1 to 64")
+        out["parallelism"] = p
+    return out
+
+
 def _dispatch(agent: Agent, cmd: str, args: Mapping[str, Any]) -> Any:
     handlers: dict[str, Callable[[], Any]] = {
         "ping": lambda: {"pong": True},
         "info": agent.info,
-        "precopy": lambda: agent.precopy_to(str(args["store"]), key_ref_arg(args.get("key_ref")), args.get("parent")),
+        "precopy": lambda: agent.precopy_to(str(args["store"]), key_ref_arg(args.get("key_ref")), args.get("parent"),
+                                            options=writer_options_arg(args.get("options"))),
         "freeze": lambda: (agent.freeze(), {"frozen": True})[1],
-        "final": lambda: agent.final_to(str(args["store"]), key_ref_arg(args.get("key_ref")), args.get("parent")),
+        "final": lambda: agent.final_to(str(args["store"]), key_ref_arg(args.get("key_ref")), args.get("parent"),
+                                        options=writer_options_arg(args.get("options"))),
         "resume": lambda: (agent.resume(), {"frozen": False})[1],
         "restore": lambda: agent.restore_from(
             str(args["store"]), str(args["image_id"]), key_ref_arg(args.get("key_ref")),

@@ -154,3 +154,20 @@ def test_cli_errors_are_one_line(cli_cmd, servers, key_env, store_url) -> None:
     out = subprocess.run([*cli_cmd, "snapshot", "restore", "--agent", src.agent, "--store", store_url, "--image", "0" * 64,
                           "--key-env", key_env["env"], "--key-file", "/x"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "exactly one" in out.stderr
+
+
+def test_plan_writer_options_reach_the_image(servers, key_env, tmp_path) -> None:
+    """The plan's transfer.compression/parallelism travel with precopy/final to the writer in the workload."""
+    from gpumigrate.errors import SnapshotError
+
+    src = servers()
+    with AgentClient(src.agent) as s:
+        raw = s.precopy(f"file://{tmp_path / 'raw'}", key_env, options={"compression": "none", "parallelism": 2})
+        auto = s.precopy(f"file://{tmp_path / 'auto'}", key_env, options={"compression": "auto"})
+        # fp32 weights: the byte-plane codec shrinks them; "none" stores every byte of each distinct chunk
+        # (identical chunks, such as LayerNorm ones, are stored once either way).
+        assert raw["image"]["bytes_stored"] >= 0.95 * raw["image"]["bytes_image"]
+        assert auto["image"]["bytes_stored"] < 0.95 * raw["image"]["bytes_stored"], (auto["image"], raw["image"])
+        with pytest.raises(SnapshotError, match="allowed are"):
+            s.precopy(f"file://{tmp_path / 'bad'}", key_env, options={"compression": "lzma"})
+    assert src.generate().status_code == 200  # the source kept serving throughout
