@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import os
 import signal
@@ -216,19 +215,10 @@ def start_in_thread(state: ServingState, host: str = "127.0.0.1", port: int = 0,
 def _start_agent(state: ServingState, port: int | None, host: str) -> Any:
     if port is None:
         return None
-    try:
-        from gpumigrate.workloads import agent_hook  # written by the snapshot work; optional
-    except ImportError:
-        print("warning: --agent-port given but gpumigrate.workloads.agent_hook is missing; no agent", file=sys.stderr)
-        return None
-    start = getattr(agent_hook, "start_inference_agent", None)
-    if start is None:
-        print("warning: agent_hook has no start_inference_agent; no agent", file=sys.stderr)
-        return None
+    from gpumigrate.workloads.agent_hook import start_inference_agent
+
     # The agent listens where the server does: inside a host's namespace 127.0.0.1 is not reachable.
-    if "host" in inspect.signature(start).parameters:
-        return start(state, port, host=host)
-    return start(state, port)
+    return start_inference_agent(state, port, host=host)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import inspect
 import io
 import json
 import random
@@ -210,22 +209,10 @@ def train(
 def _agent_callback(state: TrainingState, port: int | None, host: str, await_restore: bool) -> Any:
     if port is None:
         return None
-    try:
-        from gpumigrate.workloads import agent_hook  # written by the snapshot work; optional
-    except ImportError:
-        print("warning: --agent-port given but gpumigrate.workloads.agent_hook is missing; no agent", file=sys.stderr)
-        return None
-    make = getattr(agent_hook, "training_callback", None)
-    if make is None:
-        print("warning: agent_hook has no training_callback; no agent", file=sys.stderr)
-        return None
-    accepted = inspect.signature(make).parameters
-    kwargs: dict[str, Any] = {}
-    if "host" in accepted:
-        kwargs["host"] = host
-    if "await_restore" in accepted:
-        kwargs["await_restore"] = await_restore  # the callback holds the first step until the restore
-    return make(state, port, **kwargs)
+    from gpumigrate.workloads.agent_hook import training_callback
+
+    # await_restore: the callback holds the first step until the restore.
+    return training_callback(state, port, host=host, await_restore=await_restore)
 
 
 def main(argv: list[str] | None = None) -> int:
