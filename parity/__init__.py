@@ -14,8 +14,7 @@ only when a GX check runs):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from gpumigrate.lazy import lazy_exports
 
 _EXPORTS = {
     "check_environment": "environment",
@@ -34,10 +33,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gpumigrate.parity' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"gpumigrate.parity.{module}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -15,8 +15,7 @@ Importing this package is cheap: the public names load their modules on first us
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from gpumigrate.lazy import lazy_exports
 
 _EXPORTS = {
     "open_writer": "api",
@@ -37,12 +36,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
