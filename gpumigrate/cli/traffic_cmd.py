@@ -13,7 +13,18 @@ from pathlib import Path
 import typer
 
 from gpumigrate.cli.output import console, emit_json
-from gpumigrate.errors import InvalidInputError
+from gpumigrate.errors import InvalidInputError, NotFoundError
+
+
+def _existing_state(state_dir: Path) -> Path:
+    """Commands that change or read live weights need state that `traffic init` wrote: exit 2 otherwise."""
+    from gpumigrate.traffic.state import StateStore
+
+    if not StateStore(state_dir).exists():
+        raise NotFoundError(f"no traffic state in {state_dir}: run `gpumigrate traffic init` there first, "
+                            "or give the --state-dir of a running migration")
+    return state_dir
+
 
 app = typer.Typer(help="Traffic shifting through Envoy: control plane, weights, rollback, live view, load.",
                   no_args_is_help=True)
@@ -99,7 +110,7 @@ def set_weight(
     """Set the source/target split (one RDS update)."""
     from gpumigrate.traffic.state import StateStore, split
 
-    store = StateStore(state_dir)
+    store = StateStore(_existing_state(state_dir))
     state = store.set_weights(split(store.read().primary, "target", weight))
     if wait_node:
         store.wait_applied(state.version, wait_node)
@@ -119,7 +130,7 @@ def rollback(
     """100% of traffic to the source in one update. Works from any process; a running ramp stops."""
     from gpumigrate.traffic.state import StateStore, rollback_to_source
 
-    state = rollback_to_source(state_dir, reason)
+    state = rollback_to_source(_existing_state(state_dir), reason)
     if wait_node:
         StateStore(state_dir).wait_applied(state.version, wait_node)
     if json_out:
@@ -133,7 +144,7 @@ def status(state_dir: Path = STATE_DIR, json_out: bool = typer.Option(False, "--
     """Desired state and what each Envoy has applied."""
     from gpumigrate.traffic.state import StateStore
 
-    store = StateStore(state_dir)
+    store = StateStore(_existing_state(state_dir))
     out = {"desired": store.read().to_json(), "envoys": store.statuses()}
     if json_out:
         emit_json(out)
