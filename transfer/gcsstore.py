@@ -11,11 +11,10 @@ from typing import Any
 
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
-from gpumigrate.transfer.stores import STORE_MARKER, STORE_MARKER_BODY, Store, chunk_key, manifest_key, split_url
+from gpumigrate.transfer.stores import BucketStore, chunk_key, split_url
 
 
-class GcsStore(Store):
-    prefers_listing = True
+class GcsStore(BucketStore):
     def __init__(self, url: str, *, endpoint_url: str | None = None) -> None:
         from google.cloud import storage
 
@@ -37,7 +36,6 @@ class GcsStore(Store):
         except Exception as exc:  # google.auth.exceptions.DefaultCredentialsError and friends
             raise InvalidInputError(f"cannot open {url}: {exc}") from None
         self._bucket = self._client.bucket(bucket)
-        self._marker_done = False
 
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
@@ -65,12 +63,6 @@ class GcsStore(Store):
                 raise TransferError(err.message) from None
             raise err from None
 
-    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        self._put(chunk_key(chunk_id), blob, f"chunk {chunk_id[:16]}")
-
-    def get_chunk(self, chunk_id: str) -> bytes:
-        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}")
-
     def chunk_header(self, chunk_id: str) -> bytes:
         return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}", start=0, end=HEADER_SIZE - 1, checksum=None)
 
@@ -89,24 +81,6 @@ class GcsStore(Store):
             }
         except Exception as exc:
             raise self._err(exc, "listing") from None
-
-    def list_chunks(self) -> dict[str, int]:
-        return self._list("chunks/")
-
-    def put_manifest(self, image_id: str, data: bytes) -> None:
-        if not self._marker_done:
-            self._put(STORE_MARKER, STORE_MARKER_BODY, "store marker")
-            self._marker_done = True
-        self._put(manifest_key(image_id), data, f"manifest {image_id[:16]}")
-
-    def get_manifest(self, image_id: str) -> bytes:
-        try:
-            return self._get(manifest_key(image_id), f"image {image_id}")
-        except NotFoundError:
-            raise NotFoundError(f"no image {image_id} in {self.url}") from None
-
-    def list_manifests(self) -> list[str]:
-        return sorted(self._list("manifests/"))
 
     def region(self) -> str | None:
         try:

@@ -92,6 +92,51 @@ class Store:
         self.close()
 
 
+
+class BucketStore(Store):
+    """Object stores (S3, GCS): the layout of TRANSPORTS.md on top of three primitives.
+
+    Subclasses provide ``_put(rel, data, what)``, ``_get(rel, what)`` (raising NotFoundError when the
+    object is absent) and ``_list(rel_prefix) -> {name: size}``; keys are relative to the store's prefix.
+    """
+
+    prefers_listing = True
+    _marker_done = False
+
+    def _put(self, rel: str, data: bytes | bytearray | memoryview, what: str) -> None:
+        raise NotImplementedError
+
+    def _get(self, rel: str, what: str) -> bytes:
+        raise NotImplementedError
+
+    def _list(self, rel_prefix: str) -> dict[str, int]:
+        raise NotImplementedError
+
+    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
+        self._put(chunk_key(chunk_id), blob, f"chunk {chunk_id[:16]}")
+
+    def get_chunk(self, chunk_id: str) -> bytes:
+        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}")
+
+    def list_chunks(self) -> dict[str, int]:
+        return self._list("chunks/")
+
+    def put_manifest(self, image_id: str, data: bytes) -> None:
+        if not self._marker_done:
+            self._put(STORE_MARKER, STORE_MARKER_BODY, "store marker")
+            self._marker_done = True
+        self._put(manifest_key(image_id), data, f"manifest {image_id[:16]}")
+
+    def get_manifest(self, image_id: str) -> bytes:
+        try:
+            return self._get(manifest_key(image_id), f"image {image_id}")
+        except NotFoundError:
+            raise NotFoundError(f"no image {image_id} in {self.url}") from None
+
+    def list_manifests(self) -> list[str]:
+        return sorted(self._list("manifests/"))
+
+
 class FileStore(Store):
     """A directory. Objects are written to a hidden temp file and renamed; fsynced before a manifest."""
 
