@@ -297,6 +297,8 @@ class RampController:
         finally:
             if self.prober is not None:
                 self.prober.stop()
+            for admin in self.admins:
+                admin.close()
 
     def _roll_back(self, rb: _RolledBack) -> RampResult:
         decided = time.monotonic()
