@@ -154,22 +154,27 @@ class Agent:
         infos = {n: self._info(n, it, t) for n, (it, t) in live.items()}
         for info in infos.values():
             writer.add_region(info)
-        # Fingerprint every chunk where it lives; one host copy per device at the end.
-        dev_fps = {n: fingerprint_chunks(v, cs) for n, v in views.items()}
-        host_fps = _fps_to_host(dev_fps)
+        # Fingerprint every chunk where it lives, on a side stream; one host copy per device. With no
+        # earlier round to compare against, every chunk ships anyway, so the fingerprints (kept for the
+        # next round) are read back only after the copies, which they then overlap.
+        dev_fps = _fingerprint_all(views, cs)
+        comparable = any(name in self._shipped for name in views)
+        host_fps = _fps_to_host(dev_fps) if comparable else None
         jobs_by_device: dict[str, list[Job]] = {}
         new: dict[str, _Shipped] = {}
         total = dirty_chunks = dirty_bytes = 0
         for name, view in views.items():
-            info, fps = infos[name], host_fps[name]
+            info = infos[name]
+            fps = host_fps[name] if host_fps is not None else None
             prev = self._shipped.get(name)
             # Reuse only against the same layout and the same chunk boundaries.
-            same_shape = prev is not None and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (
-                info.nbytes, info.dtype, info.shape, cs)
-            ids: list[str] = [""] * len(fps)
-            for i, fp in enumerate(fps):
+            same_shape = fps is not None and prev is not None and (
+                prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (info.nbytes, info.dtype, info.shape, cs)
+            count = chunk_count(view.numel(), cs)
+            ids: list[str] = [""] * count
+            for i in range(count):
                 total += 1
-                if same_shape and prev.fingerprints[i] == fp:  # type: ignore[union-attr]
+                if same_shape and prev.fingerprints[i] == fps[i]:  # type: ignore[union-attr,index]
                     writer.reuse_chunk(name, i, prev.ids[i])  # type: ignore[union-attr]
                     ids[i] = prev.ids[i]  # type: ignore[union-attr]
                     continue
@@ -177,13 +182,19 @@ class Agent:
                 jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, piece))
                 dirty_chunks += 1
                 dirty_bytes += piece.numel()
-            new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps), ids)
+            new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
+        shipped_fps: list[tuple[Job, int]] = []
         for device, jobs in jobs_by_device.items():
             sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
             for k, job in enumerate(jobs):
                 new[job.region].ids[job.index] = sent_ids[k]
-                if not frozen:  # the fingerprint of the bytes actually shipped
-                    new[job.region].fingerprints[job.index] = sent_fps[k]
+            if not frozen:
+                shipped_fps.extend(zip(jobs, sent_fps, strict=True))
+        if host_fps is None:
+            for name, fps in _fps_to_host(dev_fps).items():
+                new[name].fingerprints = list(fps)
+        for job, fp in shipped_fps:  # live rounds record the fingerprint of the bytes actually shipped
+            new[job.region].fingerprints[job.index] = fp
         writer.set_metadata(META_KEY, {
             "format": FORMAT,
             "chunk_size": cs,
@@ -383,7 +394,33 @@ def _owned(item: tr.Item, region: str) -> bool:
     return region == item.prefix or region.startswith(item.prefix + "/")
 
 
-def _fps_to_host(dev_fps: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+def _fingerprint_all(views: Mapping[str, torch.Tensor], chunk_size: int) -> _Fingerprints:
+    """Fingerprints of every chunk, launched on a side stream per GPU (after a device-wide sync, so
+    everything the workload queued is in the bytes) so that they can overlap the first copies."""
+    side: dict[torch.device, torch.cuda.Stream] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, view in views.items():
+        if not view.is_cuda:
+            out[name] = fingerprint_chunks(view, chunk_size)
+            continue
+        if view.device not in side:
+            torch.cuda.synchronize(view.device)
+            side[view.device] = torch.cuda.Stream(device=view.device)
+        with torch.cuda.stream(side[view.device]):
+            out[name] = fingerprint_chunks(view, chunk_size)
+    return _Fingerprints(out, list(side.values()))
+
+
+@dataclass
+class _Fingerprints:
+    on_device: dict[str, torch.Tensor]
+    streams: list[torch.cuda.Stream]
+
+
+def _fps_to_host(fps: _Fingerprints) -> dict[str, list[int]]:
+    for stream in fps.streams:  # the reads below come after the fingerprint kernels
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    dev_fps = fps.on_device
     by_device: dict[str, list[str]] = {}
     for name, t in dev_fps.items():
         by_device.setdefault(str(t.device), []).append(name)

@@ -128,7 +128,9 @@ class MemoryWriter:
     def put_reserved(self, region: str, index: int) -> str:
         with self._lock:
             off, n = self._reserved.pop((region, index))
-        cid = self._id_of(self.store.view(off, n))
+        return self._place(region, index, self._id_of(self.store.view(off, n)), off, n)
+
+    def _place(self, region: str, index: int, cid: str, off: int, n: int) -> str:
         with self.store._lock:
             if not self.store.has(cid):
                 self.store.placed[cid] = (off, n)
@@ -136,6 +138,14 @@ class MemoryWriter:
             self._ids[region][index] = cid
             self.bytes_sent += n
         return cid
+
+    def put_reserved_hashed(self, region: str, index: int, chunk_id: str) -> str:
+        """As put_reserved, with the id the pipeline computed on the GPU from the same (frozen) bytes."""
+        if not self._hash:
+            return self.put_reserved(region, index)
+        with self._lock:
+            off, n = self._reserved.pop((region, index))
+        return self._place(region, index, chunk_id, off, n)
 
     def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
         if not self.store.has(chunk_id):
@@ -223,6 +233,10 @@ class MemoryReader:
         if loc is not None:
             return self.store.arena[loc[0] : loc[0] + loc[1]]  # type: ignore[index]
         return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+    def chunk_id(self, region: str, index: int) -> str | None:
+        """The id a chunk's plaintext must hash to, or None when this reader does not verify."""
+        return self._chunks[region][index] if self.verify else None
 
     def verify_chunk(self, region: str, index: int) -> None:
         if self.verify:

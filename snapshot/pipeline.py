@@ -21,15 +21,19 @@ methods"). Every chunk in flight still holds a ring slot, which paces the DMA to
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from gpumigrate.errors import SnapshotError
+from gpumigrate.errors import IntegrityError, SnapshotError
 from gpumigrate.interfaces import ImageReader, ImageWriter
+from gpumigrate.snapshot import devhash
 from gpumigrate.snapshot.chunks import fingerprint_chunks
+
+DEVICE_HASH_BATCH = 64  # chunks per device hash launch: few launches, and the hash trails the DMA closely
 
 
 @dataclass
@@ -69,14 +73,27 @@ class Pipeline:
         self.device = device
         self.chunk_size = chunk_size
         self.workers = max(1, workers)
-        self.ring = Ring(chunk_size, max(slots, self.workers + streams), device)
+        self._slots = max(slots, self.workers + streams)
+        self._ring: Ring | None = None
+        self._ring_lock = threading.Lock()
         self.streams = _cuda_streams(device, max(2, streams)) if device.type == "cuda" else []
         self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="gm-snap")
+        if devhash.available(device):
+            devhash.warm(device)
+
+    @property
+    def ring(self) -> Ring:
+        """Allocated on first use: a restore from a reader with direct placement never needs its
+        pinned slots, and pinning them is a visible part of a multi-GB restore's time."""
+        with self._ring_lock:
+            if self._ring is None:
+                self._ring = Ring(self.chunk_size, self._slots, self.device)
+            return self._ring
 
     def close(self, *, zeroize: bool = True) -> None:
         self._pool.shutdown(wait=True)
-        if zeroize:
-            self.ring.zeroize()
+        if zeroize and self._ring is not None:
+            self._ring.zeroize()
 
     # ------------------------------------------------------------------ capture
     def capture(self, writer: ImageWriter, jobs: Sequence[Job], *, stage: bool) -> tuple[list[str], list[int]]:
@@ -92,8 +109,12 @@ class Pipeline:
         cuda = self.device.type == "cuda"
         direct = hasattr(writer, "reserve") and hasattr(writer, "put_reserved")
         if cuda:
-            torch.cuda.synchronize(self.device)  # work the workload queued before this round is in the bytes
+            # Work queued before this round is in the bytes (the caller synchronised the device before
+            # fingerprinting; those kernels, on their own stream, may still run beside the copies).
+            torch.cuda.current_stream(self.device).synchronize()
         error: list[BaseException] = []
+        if direct and cuda and not stage and hasattr(writer, "put_reserved_hashed") and devhash.available(self.device):
+            return self._capture_frozen_hashed_on_device(writer, jobs), []
 
         def send(i: int, slot: int, n: int, event: torch.cuda.Event | None, reserved: bool) -> None:
             try:
@@ -148,12 +169,47 @@ class Pipeline:
             raise error[0]
         return [i for i in ids if i is not None], _to_host(fps) if stage else []
 
+    def _capture_frozen_hashed_on_device(self, writer: ImageWriter, jobs: Sequence[Job]) -> list[str]:
+        """Frozen bytes cannot change between a hash and a copy, so the ids come from the GPU (a hash
+        stream runs ahead of the copies) and the CPU has no per-chunk work left: the copies go
+        straight from the main thread into the writer's reserved memory, unpaced by any ring."""
+        ids: list[str] = [""] * len(jobs)
+        placed: list[tuple[int, torch.cuda.Event]] = []
+        for i, job in enumerate(jobs):
+            n = job.data.numel()
+            if n > self.chunk_size:
+                raise SnapshotError(f"chunk {job.region}#{job.index} is {n} bytes, larger than the ring slot")
+            host = writer.reserve(job.region, job.index, n)  # type: ignore[attr-defined]
+            if host is None:  # the writer's memory is full: this chunk goes the plain way
+                ids[i] = writer.put_chunk(job.region, job.index, memoryview(job.data.cpu().numpy()))
+                continue
+            stream = self.streams[i % len(self.streams)]
+            with torch.cuda.stream(stream):
+                host.copy_(job.data, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+            placed.append((i, landed))
+        # Queued after the copies so that they start at once; the kernels still finish long before
+        # the copies do (HBM-bound hashing at hundreds of GB/s against PCIe's ~55). Each chunk is then
+        # recorded as soon as its own copy has landed, so the bookkeeping overlaps the later copies.
+        device_ids = _DeviceIds(self.device, jobs)
+        for i, landed in placed:
+            job, known = jobs[i], device_ids.get(i)
+            landed.synchronize()
+            if known is not None:
+                ids[i] = writer.put_reserved_hashed(job.region, job.index, known)  # type: ignore[attr-defined]
+            else:  # a length the kernels do not take: hashed on the CPU
+                ids[i] = writer.put_reserved(job.region, job.index)  # type: ignore[attr-defined]
+        return ids
+
     # ------------------------------------------------------------------ restore
     def restore(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
         """Fill each job's destination bytes from the image; return the bytes loaded."""
         streams = self.streams
 
         direct = hasattr(reader, "chunk_tensor")
+        if direct and hasattr(reader, "chunk_id") and devhash.available(self.device):
+            return self._restore_verified_on_device(reader, jobs)
 
         def load(i: int, job: Job) -> int:
             n = job.data.numel()
@@ -205,6 +261,104 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return total
+
+
+    def _restore_verified_on_device(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
+        """Host→device copies from the reader's pinned memory, each chunk's BLAKE3 then computed on
+        the GPU from the bytes that landed (a hash stream trails the copy streams batch by batch)
+        and compared with its id. The CPU hashes only what the kernels do not take (odd lengths).
+        A mismatch fails the restore; the target is not ready then, so unverified bytes never serve.
+        """
+        device = self.device
+        hash_stream = torch.cuda.Stream(device=device)
+        for stream in self.streams:  # whatever the caller queued on the destinations lands first
+            stream.wait_stream(torch.cuda.current_stream(device))
+        batches: list[tuple[torch.Tensor, list[Job], list[str]]] = []
+        cpu_checks: list[Future[None]] = []
+        batch: dict[int, tuple[list[torch.Tensor], list[Job], list[str]]] = {}  # chunk length -> pending
+
+        def flush(size: int) -> None:
+            views, owners, ids = batch.pop(size)
+            for stream in self.streams:  # the batch's copies are queued on these streams before now
+                event = torch.cuda.Event()
+                event.record(stream)
+                hash_stream.wait_event(event)
+            with torch.cuda.stream(hash_stream):
+                batches.append((devhash.blake3_device(views), owners, ids))
+
+        total = 0
+        for i, job in enumerate(jobs):
+            n = job.data.numel()
+            src = reader.chunk_tensor(job.region, job.index, verified=False)  # type: ignore[attr-defined]
+            _check_len(job, src.numel(), n)
+            expected = reader.chunk_id(job.region, job.index)  # type: ignore[attr-defined]
+            if not job.data.is_cuda:
+                if expected is not None:
+                    reader.verify_chunk(job.region, job.index)  # type: ignore[attr-defined]
+                job.data.copy_(src)
+            else:
+                with torch.cuda.stream(self.streams[i % len(self.streams)]):
+                    job.data.copy_(src, non_blocking=True)
+                if expected is not None and devhash.eligible(job.data):
+                    views, owners, ids = batch.setdefault(n, ([], [], []))
+                    views.append(job.data)
+                    owners.append(job)
+                    ids.append(expected)
+                    if len(views) >= DEVICE_HASH_BATCH:
+                        flush(n)
+                elif expected is not None:
+                    cpu_checks.append(self._pool.submit(reader.verify_chunk, job.region, job.index))  # type: ignore[attr-defined]
+            total += n
+        for size in list(batch):
+            flush(size)
+        for f in cpu_checks:
+            f.result()
+        torch.cuda.synchronize(device)
+        for words, owners, ids in batches:
+            for job, got, want in zip(owners, words.cpu().tolist(), ids, strict=True):
+                if devhash.words_hex(got) != want:
+                    raise IntegrityError(
+                        f"chunk {job.index} of {job.region}: BLAKE3 digest does not match its id (corrupted)")
+        return total
+
+
+class _DeviceIds:
+    """BLAKE3 ids of the jobs' device bytes, hashed in batches on a side stream and brought to
+    pinned host memory; ``get(i)`` waits only for the batch holding job ``i``."""
+
+    def __init__(self, device: torch.device, jobs: Sequence[Job]) -> None:
+        self._where: dict[int, tuple[int, int]] = {}  # job -> (batch, row)
+        self._batches: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._hex: dict[int, list[str]] = {}  # batch -> its ids, converted once
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        groups: dict[int, list[int]] = {}
+        for i, job in enumerate(jobs):
+            if job.data.is_cuda and devhash.eligible(job.data):
+                groups.setdefault(job.data.numel(), []).append(i)
+        with torch.cuda.stream(stream):
+            for members in groups.values():
+                for start in range(0, len(members), DEVICE_HASH_BATCH):
+                    part = members[start : start + DEVICE_HASH_BATCH]
+                    words = devhash.blake3_device([jobs[i].data for i in part])
+                    host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+                    host.copy_(words, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    for row, i in enumerate(part):
+                        self._where[i] = (len(self._batches), row)
+                    self._batches.append((host, done))
+
+    def get(self, i: int) -> str | None:
+        where = self._where.get(i)
+        if where is None:
+            return None
+        batch, row = where
+        if batch not in self._hex:
+            host, done = self._batches[batch]
+            done.synchronize()
+            self._hex[batch] = [devhash.words_hex(words) for words in host.tolist()]
+        return self._hex[batch][row]
 
 
 def _check_len(job: Job, got: int, want: int) -> None:

@@ -135,6 +135,45 @@ def test_cuda_driver_checkpoint_suspend_and_resume() -> None:
         child.stdout.close()
 
 
+def _used_bytes(device: int) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_driver_restore_onto_the_other_gpu() -> None:
+    """gpuPairs: a process checkpointed on GPU 0 comes back on GPU 1 (and would take GPU 1's to GPU 0),
+    with its memory intact: the driver's way to move an unmodified process between GPUs of one host."""
+    from gpumigrate.snapshot import cuda_driver
+
+    try:
+        cuda_driver.driver()
+    except cuda_driver.CudaCheckpointUnavailable as exc:
+        pytest.skip(str(exc))
+    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        before = json.loads(child.stdout.readline())
+        used = [_used_bytes(0), _used_bytes(1)]
+        proc = cuda_driver.CudaProcess(child.pid)
+        proc.suspend(timeout_ms=5000)
+        first, second = cuda_driver.gpu_uuids()[:2]
+        pairs = {u: u for u in cuda_driver.gpu_uuids()} | {first: second, second: first}
+        proc.resume(pairs)
+        assert proc.state() == "running"
+        moved = 200 << 20  # the child's 256 MiB tensor, at least
+        assert _used_bytes(1) - used[1] >= moved
+        assert used[0] - _used_bytes(0) >= moved
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert json.loads(child.stdout.readline()) == before
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdin.close()
+        child.stdout.close()
+
+
 def test_cuda_driver_refuses_non_cuda_pid() -> None:
     from gpumigrate.snapshot import cuda_driver
 

@@ -1,0 +1,152 @@
+"""Triton kernels for :mod:`gpumigrate.snapshot.devhash` (imported only on CUDA hosts with Triton).
+
+One program lane per BLAKE3 node; all arithmetic on uint32, which wraps as BLAKE3 wants. The round
+function takes the 16 state and 16 message words as scalars per lane so they stay in registers;
+``compress`` writes out the message schedule of the seven rounds (PERMUTATION applied 0..6 times).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotr(x, n: tl.constexpr):
+    return (x >> n) | (x << (32 - n))
+
+
+@triton.jit
+def _g(a, b, c, d, x, y):
+    a = a + b + x
+    d = _rotr(d ^ a, 16)
+    c = c + d
+    b = _rotr(b ^ c, 12)
+    a = a + b + y
+    d = _rotr(d ^ a, 8)
+    c = c + d
+    b = _rotr(b ^ c, 7)
+    return a, b, c, d
+
+
+@triton.jit
+def _round(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+           m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15):
+    s0, s4, s8, s12 = _g(s0, s4, s8, s12, m0, m1)
+    s1, s5, s9, s13 = _g(s1, s5, s9, s13, m2, m3)
+    s2, s6, s10, s14 = _g(s2, s6, s10, s14, m4, m5)
+    s3, s7, s11, s15 = _g(s3, s7, s11, s15, m6, m7)
+    s0, s5, s10, s15 = _g(s0, s5, s10, s15, m8, m9)
+    s1, s6, s11, s12 = _g(s1, s6, s11, s12, m10, m11)
+    s2, s7, s8, s13 = _g(s2, s7, s8, s13, m12, m13)
+    s3, s4, s9, s14 = _g(s3, s4, s9, s14, m14, m15)
+    return s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15
+
+
+@triton.jit
+def _compress(c0, c1, c2, c3, c4, c5, c6, c7,
+              m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, counter, flags):
+    s0, s1, s2, s3, s4, s5, s6, s7 = c0, c1, c2, c3, c4, c5, c6, c7
+    s8 = tl.full(c0.shape, 0x6A09E667, tl.uint32)
+    s9 = tl.full(c0.shape, 0xBB67AE85, tl.uint32)
+    s10 = tl.full(c0.shape, 0x3C6EF372, tl.uint32)
+    s11 = tl.full(c0.shape, 0xA54FF53A, tl.uint32)
+    s12 = counter
+    s13 = tl.zeros(c0.shape, tl.uint32)
+    s14 = tl.full(c0.shape, 64, tl.uint32)
+    s15 = flags
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m3, m4, m10, m12, m13, m2, m7, m14, m6, m5, m9, m0, m11, m15, m8, m1)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m10, m7, m12, m9, m14, m3, m13, m15, m4, m0, m11, m2, m5, m8, m1, m6)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m12, m13, m9, m11, m15, m10, m14, m8, m7, m2, m5, m3, m0, m1, m6, m4)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m9, m14, m11, m5, m8, m12, m15, m1, m13, m3, m0, m10, m2, m6, m4, m7)
+    s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
+        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
+        m11, m15, m5, m0, m1, m9, m8, m6, m14, m10, m2, m12, m3, m4, m7, m13)
+    return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
+
+
+@triton.jit
+def _w(ptr, mask):
+    return tl.load(ptr, mask=mask, other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _iv(shape: tl.constexpr):
+    return (tl.full(shape, 0x6A09E667, tl.uint32), tl.full(shape, 0xBB67AE85, tl.uint32),
+            tl.full(shape, 0x3C6EF372, tl.uint32), tl.full(shape, 0xA54FF53A, tl.uint32),
+            tl.full(shape, 0x510E527F, tl.uint32), tl.full(shape, 0x9B05688C, tl.uint32),
+            tl.full(shape, 0x1F83D9AB, tl.uint32), tl.full(shape, 0x5BE0CD19, tl.uint32))
+
+
+@triton.jit
+def _store8(o, mask, c0, c1, c2, c3, c4, c5, c6, c7):
+    tl.store(o + 0, c0.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 1, c1.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 2, c2.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 3, c3.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 4, c4.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 5, c5.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 6, c6.to(tl.int32, bitcast=True), mask=mask)
+    tl.store(o + 7, c7.to(tl.int32, bitcast=True), mask=mask)
+
+
+@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+def leaf_kernel(base_ptr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
+    """Chaining value of every 1 KiB leaf; input i starts ``offsets[i]`` 32-bit words after base."""
+    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = leaf < total_leaves
+    which = leaf // leaves_per_input
+    index = leaf - which * leaves_per_input
+    p = base_ptr + tl.load(offsets_ptr + which, mask=mask, other=0) + index.to(tl.int64) * 256
+    counter = index.to(tl.uint32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    for b in range(16):
+        q = p + b * 16
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(tl.uint32)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
+            c0, c1, c2, c3, c4, c5, c6, c7,
+            _w(q + 0, mask), _w(q + 1, mask), _w(q + 2, mask), _w(q + 3, mask),
+            _w(q + 4, mask), _w(q + 5, mask), _w(q + 6, mask), _w(q + 7, mask),
+            _w(q + 8, mask), _w(q + 9, mask), _w(q + 10, mask), _w(q + 11, mask),
+            _w(q + 12, mask), _w(q + 13, mask), _w(q + 14, mask), _w(q + 15, mask),
+            counter, flags)
+    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit(do_not_specialize=["total_out", "count_in", "count_out", "flags_value"])
+def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, BLOCK: tl.constexpr):
+    """One tree level: node j of an input = parent(2j, 2j+1), or node 2j itself when it has no pair."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < total_out
+    which = j // count_out
+    k = j - which * count_out
+    left = in_ptr + (which * count_in + 2 * k).to(tl.int64) * 8
+    paired = mask & (2 * k + 1 < count_in)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    p0, p1, p2, p3, p4, p5, p6, p7 = _compress(
+        c0, c1, c2, c3, c4, c5, c6, c7,
+        _w(left + 0, mask), _w(left + 1, mask), _w(left + 2, mask), _w(left + 3, mask),
+        _w(left + 4, mask), _w(left + 5, mask), _w(left + 6, mask), _w(left + 7, mask),
+        _w(left + 8, paired), _w(left + 9, paired), _w(left + 10, paired), _w(left + 11, paired),
+        _w(left + 12, paired), _w(left + 13, paired), _w(left + 14, paired), _w(left + 15, paired),
+        tl.zeros([BLOCK], tl.uint32), tl.zeros([BLOCK], tl.uint32) + flags_value)
+    o = out_ptr + j.to(tl.int64) * 8
+    _store8(o, mask,
+            tl.where(paired, p0, _w(left + 0, mask)), tl.where(paired, p1, _w(left + 1, mask)),
+            tl.where(paired, p2, _w(left + 2, mask)), tl.where(paired, p3, _w(left + 3, mask)),
+            tl.where(paired, p4, _w(left + 4, mask)), tl.where(paired, p5, _w(left + 5, mask)),
+            tl.where(paired, p6, _w(left + 6, mask)), tl.where(paired, p7, _w(left + 7, mask)))

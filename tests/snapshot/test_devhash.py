@@ -1,0 +1,94 @@
+"""BLAKE3 on the device (snapshot/devhash.py): the reference algorithm on CPU in CI, the Triton
+kernels and the device-verified restore on the GPU machine."""
+
+from __future__ import annotations
+
+import blake3
+import pytest
+import torch
+
+from gpumigrate.errors import IntegrityError
+from gpumigrate.snapshot import devhash
+from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.memimage import MemoryStore
+
+KEY = b"d" * 32
+# One leaf (ROOT on the leaf), two (ROOT on the parent), and odd counts whose last node moves up
+# unpaired: the left-balanced tree.
+SHAPES = [(1, 3), (2, 2), (3, 2), (5, 1), (6, 2), (7, 1), (16, 2), (33, 1)]
+
+
+def _inputs(leaves: int, count: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(leaves * 100 + count)
+    return torch.randint(0, 256, (leaves * 1024 * count,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _want(data: torch.Tensor, count: int) -> list[str]:
+    size = data.numel() // count
+    host = data.cpu().numpy()
+    return [blake3.blake3(host[i * size : (i + 1) * size].tobytes()).hexdigest() for i in range(count)]
+
+
+@pytest.mark.parametrize(("leaves", "count"), SHAPES)
+def test_reference_matches_the_blake3_package(leaves: int, count: int) -> None:
+    data = _inputs(leaves, count)
+    assert devhash.blake3_reference(data, count) == _want(data, count)
+
+
+def test_reference_refuses_partial_leaves() -> None:
+    with pytest.raises(ValueError, match="whole number of 1 KiB leaves"):
+        devhash.blake3_reference(torch.zeros(1500, dtype=torch.uint8), 1)
+
+
+def test_words_round_trip() -> None:
+    hex_id = blake3.blake3(b"x").hexdigest()
+    assert devhash.words_hex(devhash.digest_words(hex_id)) == hex_id
+
+
+def test_only_whole_leaf_device_views_are_eligible() -> None:
+    assert not devhash.eligible(torch.zeros(2048, dtype=torch.uint8))  # not on a device
+    assert not devhash.available(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("leaves", "count"), [*SHAPES, (16384, 4)])
+def test_kernels_match_the_blake3_package(leaves: int, count: int) -> None:
+    if not devhash.available(torch.device("cuda")):
+        pytest.skip("Triton is not importable here")
+    data = _inputs(leaves, count, "cuda")
+    size = leaves * 1024
+    views = [data[i * size : (i + 1) * size] for i in range(count)][::-1]  # offsets below the first view too
+    got = [devhash.words_hex(w) for w in devhash.blake3_device(views).cpu().tolist()]
+    assert got == _want(data, count)[::-1]
+
+
+@pytest.mark.gpu
+def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flipped_bit() -> None:
+    dev = torch.device("cuda")
+    if not devhash.available(dev):
+        pytest.skip("Triton is not importable here")
+    src = {"a": torch.randn(3 << 20, device=dev), "odd": torch.randn(777, device=dev)}  # odd: CPU-verified tail
+    arena = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    store = MemoryStore(arena=arena)
+    a = Agent()
+    a.track_tensors("w", src)
+    a.freeze()
+    a.precopy(store.writer(KEY, chunk_size=1 << 20))
+    image = a.last_image.id
+    # Frozen capture takes its ids from the GPU kernels: each must be the CPU's BLAKE3 of the stored bytes.
+    host = arena.numpy()
+    assert len(store.placed) >= 12
+    for cid, (off, n) in store.placed.items():
+        assert blake3.blake3(host[off : off + n].tobytes()).hexdigest() == cid
+    out = {k: torch.zeros_like(v) for k, v in src.items()}
+    b = Agent()
+    b.track_tensors("w", out)
+    b.restore(store.reader(image, KEY))
+    assert all(torch.equal(out[k], src[k]) for k in src)
+    off, _ = next(loc for loc in store.placed.values() if loc[1] > 4096)
+    arena[off + 4096] ^= 1
+    c = Agent()
+    c.track_tensors("w", {k: torch.zeros_like(v) for k, v in src.items()})
+    with pytest.raises(IntegrityError, match="BLAKE3 digest does not match"):
+        c.restore(store.reader(image, KEY))
+    assert not c.ready
