@@ -170,8 +170,8 @@ class Pipeline:
         return [i for i in ids if i is not None], _to_host(fps) if stage else []
 
     def _capture_frozen_hashed_on_device(self, writer: ImageWriter, jobs: Sequence[Job]) -> list[str]:
-        """Frozen bytes cannot change between a hash and a copy, so the ids come from the GPU (a hash
-        stream runs ahead of the copies) and the CPU has no per-chunk work left: the copies go
+        """Frozen bytes cannot change between a hash and a copy, so the ids come from the GPU (on a
+        side stream, beside the copies) and the CPU has no per-chunk work left: the copies go
         straight from the main thread into the writer's reserved memory, unpaced by any ring."""
         ids: list[str] = [""] * len(jobs)
         placed: list[tuple[int, torch.cuda.Event]] = []
@@ -261,7 +261,6 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return total
-
 
     def _restore_verified_on_device(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
         """Host→device copies from the reader's pinned memory, each chunk's BLAKE3 then computed on
