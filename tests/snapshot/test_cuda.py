@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -101,38 +102,55 @@ print(json.dumps({"sum": int(t.sum().item())}), flush=True)
 """
 
 
-def test_cuda_driver_checkpoint_suspend_and_resume() -> None:
+class Holder:
+    """A child process holding 256 MiB on the GPU; ``digest()`` asks it to re-read its memory."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.first = json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+    def digest(self) -> dict[str, int]:
+        self.proc.stdin.write("go\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def holder() -> Iterator[Holder]:
     from gpumigrate.snapshot import cuda_driver
 
     try:
         cuda_driver.driver()
     except cuda_driver.CudaCheckpointUnavailable as exc:
         pytest.skip(str(exc))
-    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    h = Holder()
     try:
-        before = json.loads(child.stdout.readline())
-        proc = cuda_driver.CudaProcess(child.pid)
-        assert proc.state() == "running"
-        with pytest.raises(SnapshotError, match="its CUDA state is running, checkpoint needs locked"):
-            proc.checkpoint()
-        with pytest.raises(SnapshotError, match="unlock needs locked"):
-            proc.unlock()
-        proc.suspend(timeout_ms=5000)
-        assert proc.state() == "checkpointed"
-        with pytest.raises(SnapshotError, match="lock needs running"):
-            proc.lock()
-        uuids = cuda_driver.gpu_uuids()
-        proc.resume({u: u for u in uuids})  # restore with gpuPairs mapping every GPU onto itself
-        assert proc.state() == "running"
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        assert json.loads(child.stdout.readline()) == before
+        yield h
     finally:
-        child.kill()
-        child.wait(10)
-        child.stdin.close()
-        child.stdout.close()
+        h.proc.kill()
+        h.proc.wait(10)
+        h.proc.stdin.close()  # type: ignore[union-attr]
+        h.proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_cuda_driver_checkpoint_suspend_and_resume(holder: Holder) -> None:
+    from gpumigrate.snapshot import cuda_driver
+
+    proc = cuda_driver.CudaProcess(holder.proc.pid)
+    assert proc.state() == "running"
+    with pytest.raises(SnapshotError, match="its CUDA state is running, checkpoint needs locked"):
+        proc.checkpoint()
+    with pytest.raises(SnapshotError, match="unlock needs locked"):
+        proc.unlock()
+    proc.suspend(timeout_ms=5000)
+    assert proc.state() == "checkpointed"
+    with pytest.raises(SnapshotError, match="lock needs running"):
+        proc.lock()
+    uuids = cuda_driver.gpu_uuids()
+    proc.resume({u: u for u in uuids})  # restore with gpuPairs mapping every GPU onto itself
+    assert proc.state() == "running"
+    assert holder.digest() == holder.first
 
 
 def _used_bytes(device: int) -> int:
@@ -141,37 +159,21 @@ def _used_bytes(device: int) -> int:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_cuda_driver_restore_onto_the_other_gpu() -> None:
+def test_cuda_driver_restore_onto_the_other_gpu(holder: Holder) -> None:
     """gpuPairs: a process checkpointed on GPU 0 comes back on GPU 1 (and would take GPU 1's to GPU 0),
     with its memory intact: the driver's way to move an unmodified process between GPUs of one host."""
     from gpumigrate.snapshot import cuda_driver
 
-    try:
-        cuda_driver.driver()
-    except cuda_driver.CudaCheckpointUnavailable as exc:
-        pytest.skip(str(exc))
-    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    try:
-        before = json.loads(child.stdout.readline())
-        used = [_used_bytes(0), _used_bytes(1)]
-        proc = cuda_driver.CudaProcess(child.pid)
-        proc.suspend(timeout_ms=5000)
-        first, second = cuda_driver.gpu_uuids()[:2]
-        pairs = {u: u for u in cuda_driver.gpu_uuids()} | {first: second, second: first}
-        proc.resume(pairs)
-        assert proc.state() == "running"
-        moved = 200 << 20  # the child's 256 MiB tensor, at least
-        assert _used_bytes(1) - used[1] >= moved
-        assert used[0] - _used_bytes(0) >= moved
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        assert json.loads(child.stdout.readline()) == before
-    finally:
-        child.kill()
-        child.wait(10)
-        child.stdin.close()
-        child.stdout.close()
+    used = [_used_bytes(0), _used_bytes(1)]
+    proc = cuda_driver.CudaProcess(holder.proc.pid)
+    proc.suspend(timeout_ms=5000)
+    first, second = cuda_driver.gpu_uuids()[:2]
+    proc.resume({u: u for u in cuda_driver.gpu_uuids()} | {first: second, second: first})
+    assert proc.state() == "running"
+    moved = 200 << 20  # the child's 256 MiB tensor, at least
+    assert _used_bytes(1) - used[1] >= moved
+    assert used[0] - _used_bytes(0) >= moved
+    assert holder.digest() == holder.first
 
 
 def test_cuda_driver_refuses_non_cuda_pid() -> None:
