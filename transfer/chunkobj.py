@@ -80,14 +80,20 @@ class Sealer:
         payload: memoryview | bytes,
         base: str | None = None,
         out: bytearray | None = None,
+        *,
+        in_place: bool = False,
     ) -> bytearray | memoryview:
         """The stored object for one encoded chunk.
 
         With ``out`` (at least :func:`sealed_size` bytes, e.g. a recycled buffer) the object is
         written there and a view of it returned; otherwise into a new bytearray. Reusing buffers
         matters: a fresh multi-MiB allocation per chunk is a new mapping whose pages fault in.
+        ``in_place=True`` says the payload already sits at ``out[HEADER_SIZE:]`` (the encoder wrote
+        it there): it is then encrypted where it lies, with no second buffer and no copy.
         """
         size = sealed_size(len(payload), self.encrypted)
+        if in_place and out is None:
+            raise ValueError("seal: in_place needs the buffer that holds the payload")
         if out is None:
             out = bytearray(size)
         elif len(out) < size:
@@ -97,9 +103,12 @@ class Sealer:
         header = HEADER.pack(MAGIC, codec, FLAG_ENCRYPTED if self._aead else 0, 0, raw_len, nonce,
                              bytes.fromhex(base) if base else ZERO_ID)
         view[:HEADER_SIZE] = header
+        if in_place:
+            payload = view[HEADER_SIZE : HEADER_SIZE + len(payload)]
         if self._aead is None:
-            view[HEADER_SIZE:] = payload
-        else:  # AESGCM releases the GIL while it encrypts
+            if not in_place:
+                view[HEADER_SIZE:] = payload
+        else:  # AESGCM releases the GIL while it encrypts; OpenSSL's GCM runs in place when in is out
             self._aead.encrypt_into(nonce, payload, bytes.fromhex(chunk_id) + header, view[HEADER_SIZE:])
         return out if len(out) == size else view
 

