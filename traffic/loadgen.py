@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -142,16 +141,7 @@ class LoadGenerator:
 
     def run(self) -> LoadReport:
         self._elapsed = 0.0
-        # The generator's own pauses are measured as latency: a faster event loop where installed,
-        # and the objects alive at start kept out of the collector's sweeps.
-        gc.collect()
-        gc.freeze()
-        try:
-            import uvloop
-
-            uvloop.run(self._run())
-        except ImportError:
-            asyncio.run(self._run())
+        asyncio.run(self._run())
         self.report = self._summarise()
         return self.report
 

@@ -7,6 +7,7 @@ process: a ramp running in a flow, ``serve`` in another terminal, ``rollback`` a
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -89,6 +90,13 @@ def envoy(
     """Run one supervised Envoy bootstrapped to the control plane, until interrupted."""
     from gpumigrate.traffic.envoy import Envoy
 
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    # Stop on SIGINT or SIGTERM alike, also where SIGINT came in ignored (a job started with `&` by a
+    # non-interactive shell): Envoy runs in its own session, so dying without stop() would orphan it.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     e = Envoy(workdir, xds_port=xds_port, node_id=node_id, listen_port=listen_port, admin_port=admin_port).start()
     console.print(f"envoy {node_id}: listener {e.url}, admin {e.admin_url}")
     try:
