@@ -222,17 +222,18 @@ class StoreImageWriter:
     def _store_inline(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
         """Store on the sealing thread (local stores): no handoff, and the object is still in cache."""
         try:
-            self.store.put_chunk(chunk_id, blob)
+            self._put_object(chunk_id, blob, buf)
         except BaseException as exc:
-            with self._lock:
-                self._errors.append(exc)
             raise TransferError(f"storing chunk {chunk_id[:16]} in {self.store.url} failed: {exc}") from exc
-        finally:
-            if isinstance(blob, memoryview):
-                blob.release()
-            BUFFERS.give(buf)
 
     def _upload(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
+        try:
+            self._put_object(chunk_id, blob, buf)
+        finally:
+            self._slots.release()
+
+    def _put_object(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
+        """One object into the store; a failure is kept for commit. The buffer goes back either way."""
         try:
             self.store.put_chunk(chunk_id, blob)
         except BaseException as exc:
@@ -243,7 +244,6 @@ class StoreImageWriter:
             if isinstance(blob, memoryview):
                 blob.release()
             BUFFERS.give(buf)  # stores never keep the buffer past put_chunk
-            self._slots.release()
 
     def reuse_chunk(self, region: str, index: int, chunk_id: str, length: int | None = None) -> None:
         """Reference a chunk the parent (or the store) holds. ``length`` is needed for variable-size chunks."""
