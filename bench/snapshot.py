@@ -32,6 +32,7 @@ from gpumigrate.snapshot import devhash
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.pipeline import DEVICE_HASH_BATCH
 
 KEY = b"bench-key-not-secret-0123456789ab"
 TENSOR_MB = 256
@@ -365,12 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):
             sync(device)
             t0 = time.perf_counter()
-            for i in range(0, len(views), 64):
-                devhash.blake3_device(views[i : i + 64])
+            for i in range(0, len(views), DEVICE_HASH_BATCH):
+                devhash.blake3_device(views[i : i + DEVICE_HASH_BATCH])
             sync(device)
             runs.append(time.perf_counter() - t0)
         out["device_blake3"] = {"bytes": total, "GBps": gbps(total, statistics.median(runs)),
-                                "includes": "BLAKE3 (standard, 32-byte) of every chunk in device memory, 64 chunks per launch"}
+                                "includes": f"BLAKE3 (standard, 32-byte) of every chunk in device memory, {DEVICE_HASH_BATCH} chunks per launch"}
     log("arena ...")
     t0 = time.perf_counter()
     arena = torch.empty(total + mutable * 6 + (64 << 20), dtype=torch.uint8, pin_memory=cuda)

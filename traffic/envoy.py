@@ -153,10 +153,8 @@ class Envoy:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise TrafficError(f"envoy exited with code {self.proc.returncode}; log: {self._tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                r = httpx.get(self.admin_url + "/ready", timeout=1.0)
-                if r.status_code == 200 and r.text.strip() == "LIVE":
-                    return
+            if self.admin.live():
+                return
             time.sleep(0.05)
         raise TrafficError(f"envoy not ready within {timeout_s:.0f}s (control plane on port {self.xds_port}?); "
                            f"log: {self._tail()}")
@@ -225,6 +223,14 @@ class EnvoyAdmin:
         if r.status_code != 200:
             raise TrafficError(f"envoy admin {path} answered {r.status_code}")
         return r
+
+    def live(self) -> bool:
+        """Envoy's admin says LIVE (initial config applied); False while it starts or cannot be reached."""
+        try:
+            r = self._client.get(self.url + "/ready", timeout=1.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200 and r.text.strip() == "LIVE"
 
     def stats(self, cluster_prefixes: list[str] | None = None) -> dict[str, Any]:
         """``/stats?format=json`` with cumulative histogram buckets (for windowed percentiles)."""
