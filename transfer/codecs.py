@@ -16,6 +16,7 @@ import numpy as np
 import zstandard
 
 from gpumigrate.errors import IntegrityError, InvalidInputError
+from gpumigrate.transfer import planehuff
 from gpumigrate.transfer.planezstd import compress_plane
 
 NONE = 0
@@ -23,6 +24,7 @@ ZSTD = 1
 BYTEPLANE = 2
 DELTA_FLAG = 0x80
 CODEC_NAMES = {NONE: "none", ZSTD: "zstd", BYTEPLANE: "byteplane"}
+PLANE_HUFF = 2  # plane codec inside a byte-plane payload (0 none and 1 zstd as above); FORMAT.md
 COMPRESSION_MODES = ("auto", "none", "zstd", "byteplane")
 
 SAMPLE_BYTES = 64 * 1024
@@ -71,21 +73,48 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def _worth_compressing(data: memoryview | np.ndarray, compress: Callable[[Any], Sized] | None = None) -> bool:
-    """Compress a sample spread over ``data`` (with ``compress``, default zstd -1); no when it gains under MIN_GAIN."""
+def _sample(data: memoryview | np.ndarray) -> np.ndarray:
+    """Up to SAMPLE_BYTES of ``data``: all of it when small, else four slices spread over it."""
     view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
     n = len(view)
-    if n == 0:
-        return False
     if n <= SAMPLE_BYTES * 2:
-        sample: bytes | memoryview = view
-    else:
-        # Four slices spread over the chunk: one slice from the middle misjudges mixed chunks.
-        part = SAMPLE_BYTES // 4
-        step = (n - part) // 3
-        sample = b"".join(view[i * step : i * step + part] for i in range(4))
-    packed = (compress or _compressor().compress)(np.frombuffer(sample, dtype=np.uint8))
-    return len(packed) <= len(sample) * (1.0 - MIN_GAIN)
+        return np.frombuffer(view, dtype=np.uint8)
+    # Four slices spread over the chunk: one slice from the middle misjudges mixed chunks.
+    part = SAMPLE_BYTES // 4
+    step = (n - part) // 3
+    return np.frombuffer(b"".join(view[i * step : i * step + part] for i in range(4)), dtype=np.uint8)
+
+
+def _worth_compressing(data: memoryview | np.ndarray, compress: Callable[[Any], Sized] | None = None) -> bool:
+    """Compress a sample spread over ``data`` (with ``compress``, default zstd -1); no when it gains under MIN_GAIN."""
+    sample = _sample(data)
+    if len(sample) == 0:
+        return False
+    return len((compress or _compressor().compress)(sample)) <= len(sample) * (1.0 - MIN_GAIN)
+
+
+# Where a Huffman code nears its floor of one bit per byte (long runs, a near-constant plane such as
+# the zero low bytes of fp32 values widened from bf16), zstd's matches do far better: ask it too.
+HUFF_FLOOR = 0.2
+
+
+def _zstd_plane(plane: np.ndarray) -> bytes | memoryview:
+    """zstd for one plane: with the huff coder about, zstd is only picked for runs, so with its match
+    finder (level 1); without it, as the pure literal coder (planezstd.py says why)."""
+    return _compressor().compress(plane) if planehuff.AVAILABLE else compress_plane(plane)
+
+
+def _plane_verdict(plane: np.ndarray) -> int:
+    """The plane codec a sample of ``plane`` asks for: NONE under MIN_GAIN, else huff or zstd, the smaller."""
+    sample = _sample(plane)
+    if not planehuff.AVAILABLE:
+        return ZSTD if _worth_compressing(sample, compress_plane) else NONE
+    size, codec = len(planehuff.compress(sample)), PLANE_HUFF
+    if size <= len(sample) * HUFF_FLOOR:
+        zsize = len(_zstd_plane(sample))
+        if zsize < size:
+            size, codec = zsize, ZSTD
+    return codec if size <= len(sample) * (1.0 - MIN_GAIN) else NONE
 
 
 def _split_plane(u: np.ndarray, k: int, j: int, dest: np.ndarray) -> None:
@@ -101,31 +130,32 @@ def _split_plane(u: np.ndarray, k: int, j: int, dest: np.ndarray) -> None:
 
 
 class PlanePlan:
-    """What the 5% rule said about each byte plane of one region, so most chunks skip the sample.
+    """What the sample said about each byte plane of one region, so most chunks skip the sample.
 
     The planes of one tensor or weights file behave alike from chunk to chunk (bf16 mantissa bytes
     are noise everywhere, exponent bytes compress everywhere), so sampling every plane of every
-    chunk repeats one answer. A verdict is reused for ``RECHECK - 1`` chunks and then sampled
-    again, and a plane compressed on a reused "yes" that gains under MIN_GAIN in full sends the
-    next chunk back to sampling: the rule still decides, it is just asked less often. Shared by the
-    threads encoding one region; a lost update between them only costs one extra sample.
+    chunk repeats one answer. A verdict (the plane codec to use, or NONE) is reused for
+    ``RECHECK - 1`` chunks and then sampled again, and a plane coded on a reused verdict that gains
+    under MIN_GAIN in full sends the next chunk back to sampling: the 5% rule still decides, it is
+    just asked less often. Shared by the threads encoding one region; a lost update between them
+    only costs one extra sample.
     """
 
     RECHECK = 16
 
     def __init__(self) -> None:
-        self._verdicts: dict[int, tuple[bool, int]] = {}
+        self._verdicts: dict[int, tuple[int, int]] = {}
 
-    def reuse(self, plane: int) -> bool | None:
-        """The remembered verdict for ``plane`` (and count one use of it), or None: sample it."""
+    def reuse(self, plane: int) -> int | None:
+        """The remembered plane codec for ``plane`` (and count one use of it), or None: sample it."""
         found = self._verdicts.get(plane)
         if found is None or found[1] <= 0:
             return None
         self._verdicts[plane] = (found[0], found[1] - 1)
         return found[0]
 
-    def remember(self, plane: int, worth: bool) -> None:
-        self._verdicts[plane] = (worth, self.RECHECK - 1)
+    def remember(self, plane: int, codec: int) -> None:
+        self._verdicts[plane] = (codec, self.RECHECK - 1)
 
     def forget(self, plane: int) -> None:
         self._verdicts.pop(plane, None)
@@ -135,7 +165,7 @@ def _byteplane_into(data: memoryview, k: int, dest: memoryview, plan: PlanePlan 
     """Write the byte-plane payload for ``data`` into ``dest``; return the used view.
 
     Each plane is split straight into its final place in the payload; a plane that compresses is
-    then overwritten by its (shorter) zstd frame, so a raw plane is never copied twice.
+    then overwritten by its (shorter) coding, so a raw plane is never copied twice.
     """
     n = len(data) // k
     u = np.frombuffer(data, dtype={2: "<u2", 4: "<u4"}.get(k, np.uint8))
@@ -146,15 +176,23 @@ def _byteplane_into(data: memoryview, k: int, dest: memoryview, plan: PlanePlan 
         plane = out[off : off + n]
         _split_plane(u, k, j, plane)
         codec, length = NONE, n
-        worth = plan.reuse(j) if plan is not None else None
-        if worth is None:
-            worth = _worth_compressing(plane, compress_plane)
+        choice = plan.reuse(j) if plan is not None else None
+        if choice is None:
+            choice = _plane_verdict(plane)
             if plan is not None:
-                plan.remember(j, worth)
-        if worth:
-            packed = compress_plane(plane)  # zstd as a literal coder (planezstd.py says why)
-            if plan is not None and len(packed) > n * (1.0 - MIN_GAIN):
+                plan.remember(j, choice)
+        if choice == PLANE_HUFF and planehuff.AVAILABLE:
+            # coded over the plane's own bytes: the coder reads them all before it writes, and
+            # writes nothing when the result would not be shorter
+            packed_len = planehuff.encode_into(plane, dest[off : off + n - 1])
+            if packed_len > 0:
+                codec, length = PLANE_HUFF, packed_len
+            if plan is not None and not 0 < packed_len <= n * (1.0 - MIN_GAIN):
                 plan.forget(j)  # the full plane no longer pays: sample the next chunk's
+        elif choice != NONE:
+            packed = _zstd_plane(plane)
+            if plan is not None and len(packed) > n * (1.0 - MIN_GAIN):
+                plan.forget(j)
             if len(packed) < n:
                 dest[off : off + len(packed)] = packed
                 codec, length = ZSTD, len(packed)
@@ -208,8 +246,11 @@ def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> Non
         codec, length = _PLANE_HEADER.unpack_from(payload, 1 + j * _PLANE_HEADER.size)
         body = payload[offset : offset + length]
         offset += length
-        plane = _decompressor().decompress(body, max_output_size=n) if codec == ZSTD else body
-        if codec not in (NONE, ZSTD) or len(plane) != n:
+        if codec == PLANE_HUFF:
+            plane = planehuff.decode(body, n)
+        else:
+            plane = _decompressor().decompress(body, max_output_size=n) if codec == ZSTD else body
+        if codec not in (NONE, ZSTD, PLANE_HUFF) or len(plane) != n:
             raise IntegrityError("byte-plane payload is malformed (plane codec or length)")
         planes.append(np.frombuffer(plane, dtype=np.uint8))
     if k == 2:

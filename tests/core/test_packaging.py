@@ -29,6 +29,8 @@ def test_wheel_installs_into_fresh_venv_and_runs(tmp_path: Path) -> None:
     for sub in SUBPACKAGES:
         assert f"gpumigrate/{sub}/__init__.py" in names, f"{sub}/ is not mapped into the wheel"
     assert "gpumigrate/cli/__init__.py" in names
+    # the huff plane coder is compiled into the wheel (setup.py); without it images pack with zstd planes
+    assert any(n.startswith("gpumigrate/transfer/_huffplane") and n.endswith(".so") for n in names), names
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -42,7 +44,8 @@ def test_wheel_installs_into_fresh_venv_and_runs(tmp_path: Path) -> None:
     site = Path(subprocess.check_output([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     where = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import gpumigrate.transfer, gpumigrate; print(gpumigrate.__file__)"],
+        [str(venv / "bin" / "python"), "-c",
+         "import gpumigrate.transfer.planehuff as h, gpumigrate; assert h.AVAILABLE, 'no huff coder'; print(gpumigrate.__file__)"],
         capture_output=True, text=True, cwd=tmp_path, check=True,
     )
     assert where.stdout.strip().startswith(str(venv)), where.stdout

@@ -1,6 +1,6 @@
-"""The pack hot path's shortcuts: zstd as a literal coder, per-region plane verdicts, in-place sealing,
-inline stores. Each one must leave the bytes readers see exactly as before (standard zstd frames,
-FORMAT.md unchanged) and every special float bit pattern intact."""
+"""The pack hot path's shortcuts: the huff plane coder (and zstd as a literal coder where it is
+missing), per-region plane verdicts, in-place sealing, inline stores. Each one must leave the bytes
+readers see exactly as FORMAT.md says and every special float bit pattern intact."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import TransferError
 from gpumigrate.interfaces import RegionInfo
-from gpumigrate.transfer import codecs, open_reader, open_writer, planezstd
+from gpumigrate.transfer import codecs, open_reader, open_writer, planehuff, planezstd
 from gpumigrate.transfer.chunkobj import HEADER_SIZE, Sealer, chunk_id_of, sealed_size
 
 
@@ -49,14 +49,46 @@ def test_literal_coder_writes_standard_frames_that_shrink_exponent_planes() -> N
 
 
 def test_literal_coder_is_in_use_and_fallback_gives_the_same_bytes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the huff coder, exponent planes are zstd frames: literal mode, or the tuned fallback."""
     assert planezstd.USES_LITERAL_MODE  # this libzstd accepts the parameters; otherwise the fallback runs
+    monkeypatch.setattr(planehuff, "AVAILABLE", False)
     data = special_bf16(300_000)
     _, fast = codecs.encode(memoryview(data), dtype="bfloat16")
     fast = bytes(fast)
+    assert [c for c, _ in planes_of(fast)] == [codecs.NONE, codecs.ZSTD]
     monkeypatch.setattr(planezstd, "USES_LITERAL_MODE", False)
     codec, slow = codecs.encode(memoryview(data), dtype="bfloat16")
     assert decode(codec, slow, len(data)) == data == decode(codec, fast, len(data))
     assert len(fast) <= len(slow) * 1.01  # skipping the match finder costs no ratio
+
+
+def test_huff_planes_match_zstd_planes_in_size_and_read_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = special_bf16(1 << 20)
+    codec, huff = codecs.encode(memoryview(data), dtype="bfloat16")
+    huff = bytes(huff)
+    assert [c for c, _ in planes_of(huff)] == [codecs.NONE, codecs.PLANE_HUFF]
+    assert decode(codec, huff, len(data)) == data
+    monkeypatch.setattr(planehuff, "AVAILABLE", False)
+    _, zstd_payload = codecs.encode(memoryview(data), dtype="bfloat16")
+    assert len(huff) <= len(zstd_payload) * 1.01
+
+
+def test_runs_in_a_plane_go_to_zstd_not_to_a_one_bit_per_byte_code() -> None:
+    """fp32 widened from bf16: the two low planes are all zero, which zstd stores in a few bytes."""
+    widened = (bf16_weights(1 << 18).astype(np.uint32) << 16).tobytes()
+    codec, payload = codecs.encode(memoryview(widened), dtype="float32")
+    planes = planes_of(payload)
+    assert [c for c, _ in planes] == [codecs.ZSTD, codecs.ZSTD, codecs.NONE, codecs.PLANE_HUFF]
+    assert planes[0][1] < 100 and planes[1][1] < 100
+    assert decode(codec, payload, len(widened)) == widened
+
+
+def test_a_huff_plane_without_the_extension_is_a_clear_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = special_bf16(100_000)
+    codec, payload = codecs.encode(memoryview(data), dtype="bfloat16")
+    monkeypatch.setattr(planehuff, "_huffplane", None)
+    with pytest.raises(TransferError, match="compiled extension"):
+        decode(codec, payload, len(data))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -77,8 +109,9 @@ def test_plane_plan_round_trips_special_values_over_many_chunks(dtype: str) -> N
 def test_plane_plan_reuses_a_verdict_then_samples_again() -> None:
     plan = codecs.PlanePlan()
     assert plan.reuse(1) is None  # nothing known: sample
-    plan.remember(1, True)
-    assert [plan.reuse(1) for _ in range(codecs.PlanePlan.RECHECK - 1)] == [True] * (codecs.PlanePlan.RECHECK - 1)
+    plan.remember(1, codecs.PLANE_HUFF)
+    reused = [plan.reuse(1) for _ in range(codecs.PlanePlan.RECHECK - 1)]
+    assert reused == [codecs.PLANE_HUFF] * (codecs.PlanePlan.RECHECK - 1)
     assert plan.reuse(1) is None  # used up: the next chunk is sampled again
 
 
@@ -89,7 +122,7 @@ def test_a_plane_that_stops_compressing_is_stored_raw_and_resampled() -> None:
     noise = os.urandom(len(weights))
     scratch = bytearray(codecs.scratch_size(len(weights)))
     _, payload = codecs.encode_into(memoryview(weights), scratch, dtype="bfloat16", plan=plan)
-    assert [c for c, _ in planes_of(payload)] == [codecs.NONE, codecs.ZSTD]  # mantissa raw, exponent coded
+    assert [c for c, _ in planes_of(payload)] == [codecs.NONE, codecs.PLANE_HUFF]  # mantissa raw, exponent coded
     codec, payload = codecs.encode_into(memoryview(noise), scratch, dtype="bfloat16", plan=plan)
     assert planes_of(payload) == [(codecs.NONE, len(noise) // 2)] * 2
     assert decode(codec, payload, len(noise)) == noise
