@@ -34,13 +34,17 @@ static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); 
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline uint32_t load32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint16_t load16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
 /* ------------------------------------------------------------------ per-thread workspace */
 
 typedef struct {
     uint8_t lengths[256];     /* code the pair table below was built for */
     int have_pairs;
-    uint32_t pair[65536];     /* (s0 | s1 << 8) -> code bits (low 24) | total length << 24 */
+    /* (s0 | s1 << 8) -> the two codes' bits and their total length, in two arrays: loads are
+     * cheaper than the masks and shifts that unpacking one packed entry would cost the hot loop */
+    uint32_t pair_code[65536];
+    uint8_t pair_len[65536];
     uint8_t *scratch;         /* the four streams before they are packed behind the header */
     size_t scratch_cap;
 } workspace;
@@ -85,6 +89,7 @@ static void sample_counts(const uint8_t *p, size_t n, uint32_t counts[256]) {
 /* The exact range of the low 7 bits of every byte: one vectorized pass. Every byte of the plane
  * lies in it (in either sign half), so giving its symbols a code is enough, and a plane of float
  * exponents spans a few dozen symbols, not 256: their codes cost almost no code space. */
+__attribute__((target_clones("avx2", "default")))
 static void low7_range(const uint8_t *p, size_t n, int *low, int *high) {
     uint8_t mn = 0x7F, mx = 0;
     for (size_t i = 0; i < n; i++) {
@@ -172,11 +177,29 @@ static int canonical_codes(const uint8_t lengths[256], uint32_t codes[256]) {
 
 typedef struct { uint8_t *p; uint64_t acc; unsigned nbits; } bit_writer;
 
-#define PUT(bw, entry) do { uint32_t e_ = (entry); \
-    (bw).acc |= (uint64_t)(e_ & 0xFFFFFFu) << (bw).nbits; (bw).nbits += e_ >> 24; } while (0)
+#define PUT(bw, code, len) do { (bw).acc |= (uint64_t)(code) << (bw).nbits; (bw).nbits += (len); } while (0)
 /* Store all whole bytes; the partial one is stored too and rewritten by the next flush. */
 #define FLUSH(bw) do { store64((bw).p, (bw).acc); (bw).p += (bw).nbits >> 3; \
     (bw).acc >>= (bw).nbits & 56; (bw).nbits &= 7; } while (0)
+
+/* The hot loop, two streams at a time: two chains keep the core busy, and two writers' state fits
+ * the registers where four writers' did not. Four symbols per stream per round: two pair lookups
+ * (≤ 48 bits) on top of ≤ 7 pending bits. */
+static void encode_two(const uint8_t *a, const uint8_t *b, size_t rounds, const uint32_t *pair_code,
+                       const uint8_t *pair_len, bit_writer *wa, bit_writer *wb) {
+    bit_writer x = *wa, y = *wb;
+    for (size_t i = 0; i < 4 * rounds; i += 4) {
+        uint16_t a0 = load16(a + i), a1 = load16(a + i + 2), b0 = load16(b + i), b1 = load16(b + i + 2);
+        PUT(x, pair_code[a0], pair_len[a0]);
+        PUT(y, pair_code[b0], pair_len[b0]);
+        PUT(x, pair_code[a1], pair_len[a1]);
+        PUT(y, pair_code[b1], pair_len[b1]);
+        FLUSH(x);
+        FLUSH(y);
+    }
+    *wa = x;
+    *wb = y;
+}
 
 /* Encode `n` bytes of `plane` into `out` (capacity `cap`); returns the payload length, or -1 when
  * it would not fit in `cap`, or -2 when out of memory. */
@@ -195,38 +218,35 @@ static Py_ssize_t encode_plane(const uint8_t *plane, size_t n, uint8_t *out, siz
     low7_range(plane, n, &low7, &high7);
     build_lengths(counts, low7, high7, lengths);
     canonical_codes(lengths, codes);
-    uint32_t single[256];
-    for (int s = 0; s < 256; s++) single[s] = codes[s] | (uint32_t)lengths[s] << 24;
     if (!ws->have_pairs || memcmp(ws->lengths, lengths, 256) != 0) {
         /* consecutive chunks of one tensor usually sample to the same code: keep its table */
         for (uint32_t hi = 0; hi < 256; hi++)
             for (uint32_t lo = 0; lo < 256; lo++)
-                ws->pair[hi << 8 | lo] = (codes[lo] | codes[hi] << lengths[lo])
-                                         | (uint32_t)(lengths[lo] + lengths[hi]) << 24;
+            {
+                ws->pair_code[hi << 8 | lo] = codes[lo] | codes[hi] << lengths[lo];
+                ws->pair_len[hi << 8 | lo] = (uint8_t)(lengths[lo] + lengths[hi]);
+            }
         memcpy(ws->lengths, lengths, 256);
         ws->have_pairs = 1;
     }
-    const uint32_t *pair = ws->pair;
+    const uint32_t *pair_code = ws->pair_code;
+    const uint8_t *pair_len = ws->pair_len;
 
     bit_writer bw[NSTREAMS];
     for (int s = 0; s < NSTREAMS; s++) bw[s] = (bit_writer){ws->scratch + s * room, 0, 0};
     const uint8_t *src[NSTREAMS];
     for (int s = 0; s < NSTREAMS; s++) src[s] = plane + start[s];
 
-    /* four symbols per stream per round: two pair lookups (≤ 48 bits) on top of ≤ 7 pending */
     size_t rounds = q / 4;
-    for (size_t r = 0; r < rounds; r++) {
-        size_t i = 4 * r;
-        uint32_t w0 = load32(src[0] + i), w1 = load32(src[1] + i), w2 = load32(src[2] + i), w3 = load32(src[3] + i);
-        PUT(bw[0], pair[w0 & 0xFFFF]); PUT(bw[1], pair[w1 & 0xFFFF]);
-        PUT(bw[2], pair[w2 & 0xFFFF]); PUT(bw[3], pair[w3 & 0xFFFF]);
-        PUT(bw[0], pair[w0 >> 16]); PUT(bw[1], pair[w1 >> 16]);
-        PUT(bw[2], pair[w2 >> 16]); PUT(bw[3], pair[w3 >> 16]);
-        FLUSH(bw[0]); FLUSH(bw[1]); FLUSH(bw[2]); FLUSH(bw[3]);
-    }
+    encode_two(src[0], src[1], rounds, pair_code, pair_len, &bw[0], &bw[1]);
+    encode_two(src[2], src[3], rounds, pair_code, pair_len, &bw[2], &bw[3]);
     size_t used[NSTREAMS], total = HEADER_BYTES;
     for (int s = 0; s < NSTREAMS; s++) {
-        for (size_t i = 4 * rounds; i < count[s]; i++) { PUT(bw[s], single[src[s][i]]); FLUSH(bw[s]); }
+        for (size_t i = 4 * rounds; i < count[s]; i++) {
+            uint8_t sym = src[s][i];
+            PUT(bw[s], codes[sym], lengths[sym]);
+            FLUSH(bw[s]);
+        }
         used[s] = (size_t)(bw[s].p - (ws->scratch + s * room)) + (bw[s].nbits > 0);
         total += used[s];
     }
@@ -291,6 +311,27 @@ static void build_multi(const uint16_t single[TABLE_SIZE], uint32_t multi[TABLE_
     }
 }
 
+/* The hot loop, two streams at a time (as encode_two: two readers' state fits the registers). */
+static void decode_two(bit_reader *ra, bit_reader *rb, uint8_t *da, uint8_t *db, size_t *pa, size_t *pb,
+                       size_t ca, size_t cb, const uint32_t *multi, uint32_t *bad_out) {
+    bit_reader x = *ra, y = *rb;
+    size_t i = *pa, j = *pb;
+    uint32_t bad = 0;
+    while (i + 16 <= ca && j + 16 <= cb && x.p + 8 <= x.end && y.p + 8 <= y.end) {
+        refill(&x);
+        refill(&y);
+        for (int k = 0; k < 4; k++) {
+            DECODE3(x, da, i, multi, bad);
+            DECODE3(y, db, j, multi, bad);
+        }
+    }
+    *ra = x;
+    *rb = y;
+    *pa = i;
+    *pb = j;
+    *bad_out |= bad;
+}
+
 static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out, size_t n) {
     if (len < HEADER_BYTES) return "huff plane is shorter than its header";
     if (payload[0] < 1 || payload[0] > MAXBITS) return "huff plane names an unknown code length limit";
@@ -327,15 +368,10 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
     }
     uint32_t bad = 0;
     /* A round is four lookups per stream (≤ 48 bits, ≤ 12 symbols, stores reach 16 bytes ahead);
-     * rounds stop once any stream is within that of its end, in symbols or in input. */
+     * rounds stop once a stream is within that of its end, in symbols or in input. */
 #define ROOM(s) (pos[s] + 16 <= count[s] && br[s].p + 8 <= br[s].end)
-    while (ROOM(0) && ROOM(1) && ROOM(2) && ROOM(3)) {
-        for (int s = 0; s < NSTREAMS; s++) refill(&br[s]);
-        for (int k = 0; k < 4; k++) {
-            DECODE3(br[0], dst[0], pos[0], multi, bad); DECODE3(br[1], dst[1], pos[1], multi, bad);
-            DECODE3(br[2], dst[2], pos[2], multi, bad); DECODE3(br[3], dst[3], pos[3], multi, bad);
-        }
-    }
+    decode_two(&br[0], &br[1], dst[0], dst[1], &pos[0], &pos[1], count[0], count[1], multi, &bad);
+    decode_two(&br[2], &br[3], dst[2], dst[3], &pos[2], &pos[3], count[2], count[3], multi, &bad);
     for (int s = 0; s < NSTREAMS; s++) {
         while (ROOM(s)) {
             refill(&br[s]);
@@ -352,9 +388,76 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
     return NULL;
 }
 
+/* ------------------------------------------------------------------ splitting into planes */
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* bf16/fp16: 64 bytes of elements into 32 low and 32 high bytes per step */
+__attribute__((target("avx2")))
+static size_t split2_avx2(const uint8_t *data, size_t n, uint8_t *lo, uint8_t *hi) {
+    const __m256i evens_then_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                     0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(data + 2 * i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(data + 2 * i + 32));
+        /* per 128-bit lane: 8 low bytes then 8 high bytes; then the lanes' halves regrouped */
+        a = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(a, evens_then_odds), 0xD8);
+        b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, evens_then_odds), 0xD8);
+        _mm256_storeu_si256((__m256i *)(lo + i), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)(hi + i), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    return i;
+}
+#endif
+
+/* Byte j of every k-byte element into out[j*n .. (j+1)*n): all planes in one pass over the data,
+ * where numpy needs one pass per plane. */
+static void split_planes(const uint8_t *data, size_t n, size_t k, uint8_t *out) {
+    if (k == 2) {
+        uint8_t *lo = out, *hi = out + n;
+        size_t i = 0;
+#if defined(__x86_64__)
+        if (__builtin_cpu_supports("avx2")) i = split2_avx2(data, n, lo, hi);
+#endif
+        for (; i < n; i++) { lo[i] = data[2 * i]; hi[i] = data[2 * i + 1]; }
+    } else if (k == 4) {
+        uint8_t *p0 = out, *p1 = out + n, *p2 = out + 2 * n, *p3 = out + 3 * n;
+        for (size_t i = 0; i < n; i++) {
+            p0[i] = data[4 * i]; p1[i] = data[4 * i + 1]; p2[i] = data[4 * i + 2]; p3[i] = data[4 * i + 3];
+        }
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (size_t j = 0; j < k; j++) out[j * n + i] = data[k * i + j];
+    }
+}
+
 /* ------------------------------------------------------------------ Python */
 
+static PyObject *py_split(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer data, out;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "y*nw*:split", &data, &k, &out)) return NULL;
+    const char *err = NULL;
+    if (k < 1 || data.len % k) err = "split: the data is not a whole number of k-byte elements";
+    else if (out.len < data.len) err = "split: the output is shorter than the data";
+    else if ((const uint8_t *)out.buf < (const uint8_t *)data.buf + data.len && (const uint8_t *)data.buf < (const uint8_t *)out.buf + out.len)
+        err = "split: the output overlaps the data";
+    if (!err) {
+        Py_BEGIN_ALLOW_THREADS
+        split_planes(data.buf, (size_t)(data.len / k), (size_t)k, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&out);
+    if (err) { PyErr_SetString(PyExc_ValueError, err); return NULL; }
+    Py_RETURN_NONE;
+}
+
+
 static PyObject *py_encode(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer plane, out;
     if (!PyArg_ParseTuple(args, "y*w*:encode", &plane, &out)) return NULL;
     Py_ssize_t n;
@@ -368,6 +471,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_decode(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer payload, out;
     if (!PyArg_ParseTuple(args, "y*w*:decode", &payload, &out)) return NULL;
     const char *err;
@@ -381,6 +485,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"split", py_split, METH_VARARGS,
+     "split(data, k, out) -> None: byte j of every k-byte element of `data` into out[j*n:(j+1)*n]."},
     {"encode", py_encode, METH_VARARGS,
      "encode(plane, out) -> int: code the bytes of `plane` into `out`; the length, or -1 if `out` is too small."},
     {"decode", py_decode, METH_VARARGS,
@@ -388,7 +494,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_huffplane", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_huffplane", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__huffplane(void) {
     if (pthread_key_create(&workspace_key, free_workspace) != 0) return PyErr_NoMemory();

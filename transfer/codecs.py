@@ -164,17 +164,26 @@ class PlanePlan:
 def _byteplane_into(data: memoryview, k: int, dest: memoryview, plan: PlanePlan | None = None) -> memoryview:
     """Write the byte-plane payload for ``data`` into ``dest``; return the used view.
 
-    Each plane is split straight into its final place in the payload; a plane that compresses is
-    then overwritten by its (shorter) coding, so a raw plane is never copied twice.
+    Planes are split straight into the payload (with the compiled coder, all k in one pass, plane
+    j at ``base + j*n``: where every plane before it stays raw, as bf16 mantissas do, that is its
+    final place); a plane that compresses is then overwritten by its (shorter) coding, so a raw
+    plane is copied again only after an earlier plane shrank.
     """
     n = len(data) // k
-    u = np.frombuffer(data, dtype={2: "<u2", 4: "<u4"}.get(k, np.uint8))
     out = np.frombuffer(dest, dtype=np.uint8)
     out[0] = k
-    off = 1 + k * _PLANE_HEADER.size
+    base = off = 1 + k * _PLANE_HEADER.size
+    presplit = planehuff.AVAILABLE
+    if presplit:
+        planehuff.split(data, k, out[base : base + k * n])
+    else:
+        u = np.frombuffer(data, dtype={2: "<u2", 4: "<u4"}.get(k, np.uint8))
     for j in range(k):
         plane = out[off : off + n]
-        _split_plane(u, k, j, plane)
+        if not presplit:
+            _split_plane(u, k, j, plane)
+        elif off != base + j * n:
+            plane[:] = out[base + j * n : base + (j + 1) * n]  # numpy copies overlapping ranges safely
         codec, length = NONE, n
         choice = plan.reuse(j) if plan is not None else None
         if choice is None:

@@ -29,6 +29,11 @@ def encode_into(plane: np.ndarray, out: memoryview | bytearray | np.ndarray) -> 
     return _huffplane.encode(plane, out)
 
 
+def split(data: memoryview, k: int, out: np.ndarray) -> None:
+    """Byte j of every k-byte element of ``data`` into ``out[j*n:(j+1)*n]``, all planes in one pass."""
+    _huffplane.split(data, k, out)
+
+
 def compress(sample: np.ndarray) -> memoryview:
     """The payload for ``sample`` (a fresh buffer): what the 5% rule weighs against the sample's size."""
     out = bytearray(len(sample) + HEADER_BYTES + 64)

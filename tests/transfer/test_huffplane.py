@@ -116,3 +116,20 @@ def test_random_damage_never_crashes_the_decoder() -> None:
         except IntegrityError:
             continue
         assert len(out) == len(plane)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("elements", [1, 31, 32, 33, 1000, 65_537])
+def test_split_puts_byte_j_of_every_element_in_plane_j(k: int, elements: int) -> None:
+    data = RNG.integers(0, 256, k * elements, dtype=np.uint8)
+    out = np.empty(len(data) + 5, dtype=np.uint8)
+    planehuff.split(memoryview(data), k, out)
+    assert out[: len(data)].tobytes() == data.reshape(-1, k).T.tobytes()
+
+
+def test_split_refuses_partial_elements_short_outputs_and_overlap() -> None:
+    data = np.arange(10, dtype=np.uint8)
+    for k, out, message in [(4, np.empty(10, np.uint8), "whole number"), (2, np.empty(9, np.uint8), "shorter"),
+                            (2, data, "overlaps")]:
+        with pytest.raises(ValueError, match=message):
+            planehuff.split(memoryview(data), k, out)
