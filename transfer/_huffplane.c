@@ -219,13 +219,21 @@ static Py_ssize_t encode_plane(const uint8_t *plane, size_t n, uint8_t *out, siz
     build_lengths(counts, low7, high7, lengths);
     canonical_codes(lengths, codes);
     if (!ws->have_pairs || memcmp(ws->lengths, lengths, 256) != 0) {
-        /* consecutive chunks of one tensor usually sample to the same code: keep its table */
-        for (uint32_t hi = 0; hi < 256; hi++)
-            for (uint32_t lo = 0; lo < 256; lo++)
-            {
+        /* Only pairs of coded bytes are ever looked up (every byte in the plane has a code), and a
+         * plane of exponents codes a few dozen values: filling just their pairs, not all 65536,
+         * keeps the table's cost per chunk small. Consecutive chunks of one tensor often sample to
+         * the same code: then the table is kept as it is. */
+        uint8_t coded[256];
+        int m = 0;
+        for (int sym = 0; sym < 256; sym++) if (lengths[sym]) coded[m++] = (uint8_t)sym;
+        for (int a = 0; a < m; a++) {
+            uint32_t hi = coded[a];
+            for (int b = 0; b < m; b++) {
+                uint32_t lo = coded[b];
                 ws->pair_code[hi << 8 | lo] = codes[lo] | codes[hi] << lengths[lo];
                 ws->pair_len[hi << 8 | lo] = (uint8_t)(lengths[lo] + lengths[hi]);
             }
+        }
         memcpy(ws->lengths, lengths, 256);
         ws->have_pairs = 1;
     }
