@@ -440,7 +440,75 @@ static void split_planes(const uint8_t *data, size_t n, size_t k, uint8_t *out) 
     }
 }
 
+#if defined(__x86_64__)
+/* bf16/fp16: 32 low and 32 high bytes into 32 elements per step */
+__attribute__((target("avx2")))
+static size_t merge2_avx2(const uint8_t *lo, const uint8_t *hi, size_t n, uint8_t *out) {
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i l = _mm256_loadu_si256((const __m256i *)(lo + i));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(hi + i));
+        __m256i a = _mm256_unpacklo_epi8(l, h), b = _mm256_unpackhi_epi8(l, h);  /* per 128-bit lane */
+        _mm256_storeu_si256((__m256i *)(out + 2 * i), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 2 * i + 32), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    return i;
+}
+#endif
+
+/* The inverse of split_planes, from k separate plane buffers of n bytes each. */
+static void merge_planes(const uint8_t *const *planes, size_t n, size_t k, uint8_t *out) {
+    if (k == 2) {
+        size_t i = 0;
+#if defined(__x86_64__)
+        if (__builtin_cpu_supports("avx2")) i = merge2_avx2(planes[0], planes[1], n, out);
+#endif
+        for (; i < n; i++) { out[2 * i] = planes[0][i]; out[2 * i + 1] = planes[1][i]; }
+    } else if (k == 4) {
+        for (size_t i = 0; i < n; i++) {
+            out[4 * i] = planes[0][i]; out[4 * i + 1] = planes[1][i];
+            out[4 * i + 2] = planes[2][i]; out[4 * i + 3] = planes[3][i];
+        }
+    } else {
+        for (size_t i = 0; i < n; i++)
+            for (size_t j = 0; j < k; j++) out[k * i + j] = planes[j][i];
+    }
+}
+
 /* ------------------------------------------------------------------ Python */
+
+#define MAX_PLANES 16
+
+static PyObject *py_merge(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "Ow*:merge", &seq, &out)) return NULL;
+    PyObject *items = PySequence_Fast(seq, "merge: planes must be a sequence of buffers");
+    if (!items) { PyBuffer_Release(&out); return NULL; }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(items), got = 0;
+    Py_buffer views[MAX_PLANES];
+    const uint8_t *planes[MAX_PLANES];
+    const char *err = NULL;
+    if (k < 1 || k > MAX_PLANES) err = "merge: between 1 and 16 planes";
+    for (; !err && got < k; got++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, got), &views[got], PyBUF_SIMPLE) != 0) break;
+        planes[got] = views[got].buf;
+        if (views[got].len != views[0].len) err = "merge: the planes differ in length";
+    }
+    if (!err && !PyErr_Occurred() && out.len < views[0].len * k) err = "merge: the output is shorter than the planes";
+    if (!err && !PyErr_Occurred()) {
+        Py_BEGIN_ALLOW_THREADS
+        merge_planes(planes, (size_t)views[0].len, (size_t)k, out.buf);
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t j = 0; j < got; j++) PyBuffer_Release(&views[j]);
+    Py_DECREF(items);
+    PyBuffer_Release(&out);
+    if (PyErr_Occurred()) return NULL;
+    if (err) { PyErr_SetString(PyExc_ValueError, err); return NULL; }
+    Py_RETURN_NONE;
+}
 
 static PyObject *py_split(PyObject *self, PyObject *args) {
     (void)self;
@@ -493,6 +561,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"merge", py_merge, METH_VARARGS,
+     "merge(planes, out) -> None: the inverse of split, from a sequence of k equally long plane buffers."},
     {"split", py_split, METH_VARARGS,
      "split(data, k, out) -> None: byte j of every k-byte element of `data` into out[j*n:(j+1)*n]."},
     {"encode", py_encode, METH_VARARGS,

@@ -250,19 +250,23 @@ def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> Non
         raise IntegrityError(f"byte-plane header names element size {k} for {raw_len} bytes")
     n = raw_len // k
     offset = 1 + k * _PLANE_HEADER.size
+    scratch = planehuff.scratch(k * n) if planehuff.AVAILABLE else None
     planes = []
     for j in range(k):
         codec, length = _PLANE_HEADER.unpack_from(payload, 1 + j * _PLANE_HEADER.size)
         body = payload[offset : offset + length]
         offset += length
         if codec == PLANE_HUFF:
-            plane = planehuff.decode(body, n)
+            plane = scratch[j * n : (j + 1) * n] if scratch is not None else np.empty(n, dtype=np.uint8)
+            planehuff.decode_into(body, plane)
         else:
             plane = _decompressor().decompress(body, max_output_size=n) if codec == ZSTD else body
         if codec not in (NONE, ZSTD, PLANE_HUFF) or len(plane) != n:
             raise IntegrityError("byte-plane payload is malformed (plane codec or length)")
         planes.append(np.frombuffer(plane, dtype=np.uint8))
-    if k == 2:
+    if planehuff.AVAILABLE:
+        planehuff.merge(planes, out)  # one pass, all planes
+    elif k == 2:
         o = np.frombuffer(out, dtype="<u2", count=n)
         np.left_shift(planes[1], 8, out=o, dtype=np.uint16)
         o |= planes[0]

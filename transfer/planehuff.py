@@ -8,6 +8,9 @@ plane says what to install instead of failing on a malformed-looking payload.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 
 from gpumigrate.errors import IntegrityError, TransferError
@@ -19,6 +22,7 @@ except ImportError:  # pragma: no cover - only on an install that could not comp
 
 AVAILABLE = _huffplane is not None
 HEADER_BYTES = 1 + 128 + 12
+_local = threading.local()
 
 
 def encode_into(plane: np.ndarray, out: memoryview | bytearray | np.ndarray) -> int:
@@ -41,16 +45,42 @@ def compress(sample: np.ndarray) -> memoryview:
     return memoryview(out)[: max(n, 0)] if n >= 0 else memoryview(out)
 
 
-def decode(payload: memoryview | bytes, n: int) -> np.ndarray:
-    """The ``n`` bytes of a plane from its huff payload."""
+def _missing() -> TransferError:
+    return TransferError(
+        "this chunk's planes use the huff coder (plane codec 2), which needs gpumigrate's compiled "
+        "extension gpumigrate.transfer._huffplane; reinstall gpumigrate where a C compiler is available"
+    )
+
+
+def decode_into(payload: memoryview | bytes, plane: np.ndarray) -> None:
+    """Decode a huff payload into ``plane`` (its length is the plane's byte count)."""
     if _huffplane is None:
-        raise TransferError(
-            "this chunk's planes use the huff coder (plane codec 2), which needs gpumigrate's compiled "
-            "extension gpumigrate.transfer._huffplane; reinstall gpumigrate where a C compiler is available"
-        )
-    plane = np.empty(n, dtype=np.uint8)
+        raise _missing()
     try:
         _huffplane.decode(payload, plane)
     except ValueError as exc:
         raise IntegrityError(f"byte-plane payload does not decode: {exc}") from None
+
+
+def decode(payload: memoryview | bytes, n: int) -> np.ndarray:
+    """The ``n`` bytes of a plane from its huff payload, in a fresh array."""
+    plane = np.empty(n, dtype=np.uint8)
+    decode_into(payload, plane)
     return plane
+
+
+def merge(planes: list[Any], out: memoryview) -> None:
+    """The inverse of :func:`split`: interleave k equally long planes into ``out``."""
+    _huffplane.merge(planes, out)
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable decode buffer, at least ``nbytes`` long.
+
+    A fresh multi-MiB array per chunk costs its page faults every time (buffers.py says how much),
+    and on this machine class a freed page can come back only after the host faults it in again.
+    """
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]

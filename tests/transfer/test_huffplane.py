@@ -133,3 +133,23 @@ def test_split_refuses_partial_elements_short_outputs_and_overlap() -> None:
                             (2, data, "overlaps")]:
         with pytest.raises(ValueError, match=message):
             planehuff.split(memoryview(data), k, out)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("elements", [1, 31, 32, 33, 65_537])
+def test_merge_undoes_split(k: int, elements: int) -> None:
+    data = RNG.integers(0, 256, k * elements, dtype=np.uint8)
+    planes = np.empty(len(data), dtype=np.uint8)
+    planehuff.split(memoryview(data), k, planes)
+    out = bytearray(len(data))
+    planehuff.merge([planes[j * elements : (j + 1) * elements] for j in range(k)], memoryview(out))
+    assert bytes(out) == data.tobytes()
+
+
+def test_merge_refuses_ragged_planes_and_short_outputs() -> None:
+    with pytest.raises(ValueError, match="differ in length"):
+        planehuff.merge([bytes(4), bytes(5)], memoryview(bytearray(10)))
+    with pytest.raises(ValueError, match="shorter"):
+        planehuff.merge([bytes(4), bytes(4)], memoryview(bytearray(7)))
+    with pytest.raises(TypeError):
+        planehuff.merge([bytes(4), 7], memoryview(bytearray(8)))
