@@ -30,6 +30,12 @@
 #define SAMPLE_BLOCK 1024               /* bytes counted out of every SAMPLE_STRIDE */
 #define SAMPLE_STRIDE 16384
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define WITH_AVX2_CLONE __attribute__((target_clones("avx2", "default")))  /* picked at load time */
+#else
+#define WITH_AVX2_CLONE
+#endif
+
 static inline uint64_t load64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static inline void store64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
 static inline void store32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
@@ -89,7 +95,7 @@ static void sample_counts(const uint8_t *p, size_t n, uint32_t counts[256]) {
 /* The exact range of the low 7 bits of every byte: one vectorized pass. Every byte of the plane
  * lies in it (in either sign half), so giving its symbols a code is enough, and a plane of float
  * exponents spans a few dozen symbols, not 256: their codes cost almost no code space. */
-__attribute__((target_clones("avx2", "default")))
+WITH_AVX2_CLONE
 static void low7_range(const uint8_t *p, size_t n, int *low, int *high) {
     uint8_t mn = 0x7F, mx = 0;
     for (size_t i = 0; i < n; i++) {
@@ -270,19 +276,22 @@ static Py_ssize_t encode_plane(const uint8_t *plane, size_t n, uint8_t *out, siz
 
 /* ------------------------------------------------------------------ decoding */
 
-typedef struct { const uint8_t *p, *end; uint64_t buf; unsigned bits; } bit_reader;
+/* `past` counts the zero bytes read beyond the end (p itself never moves past it) */
+typedef struct { const uint8_t *p, *end; uint64_t buf; unsigned bits; size_t past; } bit_reader;
+#define HAS8(br) ((size_t)((br).end - (br).p) >= 8)
 
 /* At least 56 bits in buf; reads past the end see zeros. */
 static inline void refill(bit_reader *br) {
-    if (br->p + 8 <= br->end) {
+    if (HAS8(*br)) {
         br->buf |= load64(br->p) << br->bits;
         br->p += (63 - br->bits) >> 3;
         br->bits |= 56;
     } else {
         while (br->bits <= 56) {
-            uint64_t byte = br->p < br->end ? *br->p : 0;
+            uint64_t byte = 0;
+            if (br->p < br->end) byte = *br->p++;
+            else br->past++;
             br->buf |= byte << br->bits;
-            br->p++;
             br->bits += 8;
         }
     }
@@ -325,7 +334,7 @@ static void decode_two(bit_reader *ra, bit_reader *rb, uint8_t *da, uint8_t *db,
     bit_reader x = *ra, y = *rb;
     size_t i = *pa, j = *pb;
     uint32_t bad = 0;
-    while (i + 16 <= ca && j + 16 <= cb && x.p + 8 <= x.end && y.p + 8 <= y.end) {
+    while (i + 16 <= ca && j + 16 <= cb && HAS8(x) && HAS8(y)) {
         refill(&x);
         refill(&y);
         for (int k = 0; k < 4; k++) {
@@ -369,7 +378,7 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
     uint8_t *dst[NSTREAMS];
     for (int s = 0; s < NSTREAMS; s++) {
         count[s] = s < NSTREAMS - 1 ? q : n - 3 * q;
-        br[s] = (bit_reader){p, p + sizes[s], 0, 0};
+        br[s] = (bit_reader){p, p + sizes[s], 0, 0, 0};
         p += sizes[s];
         dst[s] = out + s * q;
         pos[s] = 0;
@@ -377,7 +386,7 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
     uint32_t bad = 0;
     /* A round is four lookups per stream (≤ 48 bits, ≤ 12 symbols, stores reach 16 bytes ahead);
      * rounds stop once a stream is within that of its end, in symbols or in input. */
-#define ROOM(s) (pos[s] + 16 <= count[s] && br[s].p + 8 <= br[s].end)
+#define ROOM(s) (pos[s] + 16 <= count[s] && HAS8(br[s]))
     decode_two(&br[0], &br[1], dst[0], dst[1], &pos[0], &pos[1], count[0], count[1], multi, &bad);
     decode_two(&br[2], &br[3], dst[2], dst[3], &pos[2], &pos[3], count[2], count[3], multi, &bad);
     for (int s = 0; s < NSTREAMS; s++) {
@@ -390,7 +399,7 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
 #undef ROOM
     if (bad & BAD_MULTI) return "huff plane holds a bit pattern that is no code";
     for (int s = 0; s < NSTREAMS; s++) {
-        size_t consumed = (size_t)(br[s].p - (br[s].end - sizes[s])) * 8 - br[s].bits;
+        size_t consumed = ((size_t)(br[s].p - (br[s].end - sizes[s])) + br[s].past) * 8 - br[s].bits;
         if (consumed > sizes[s] * 8) return "huff plane's stream ends before its symbols do";
     }
     return NULL;
