@@ -4,9 +4,10 @@
  * repeats worth a match, so all that zstd does for it is Huffman-code its literals, and zstd pays
  * for a match finder, a fresh table every 128 KiB block and a full histogram on the way. This
  * coder builds one length-limited code per plane from a 1/16 sample and writes it with a table
- * that codes two symbols per lookup, into four independent bit streams so that the CPU works on
- * four dependency chains at once. Measured on this machine class it codes a bf16 exponent plane
- * about twice as fast as libzstd at the same ratio (bench/transfer.py, FORMAT.md).
+ * that codes two symbols per lookup, into four independent bit streams, worked two at a time so
+ * that the CPU has two dependency chains and their state stays in registers. Measured on this
+ * machine class it codes a bf16 exponent plane at 3.1 GB/s against libzstd's 1.15, to the same
+ * size within 0.2%, and decodes it at 2.3 GB/s (up to three symbols per lookup) against 3.0.
  *
  * Memory safety does not depend on the payload being well formed: every write is bounded by the
  * caller's buffer and reads past a stream's end see zero bits. A malformed payload decodes to
@@ -23,7 +24,7 @@
 #error "the bit streams are read and written as little-endian 64-bit words"
 #endif
 
-#define MAXBITS 12                      /* longest code: two fit a 24-bit pair entry */
+#define MAXBITS 12                      /* longest code: two pairs and 7 pending bits fit 64 bits */
 #define NSTREAMS 4
 #define LENGTHS_BYTES 128               /* 256 code lengths, 4 bits each */
 #define HEADER_BYTES (1 + LENGTHS_BYTES + 4 * (NSTREAMS - 1))
@@ -112,7 +113,7 @@ static int by_weight(const void *a, const void *b) {
     return (*x > *y) - (*x < *y);
 }
 
-/* Huffman code lengths for all 256 symbols (two-queue construction over sorted leaves). */
+/* Huffman code lengths for the symbols with a weight (two-queue construction over sorted leaves). */
 static int build_lengths_once(const uint64_t weight[256], uint8_t lengths[256]) {
     uint64_t key[256], w[511];
     int16_t parent[511];
