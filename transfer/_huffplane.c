@@ -283,18 +283,12 @@ typedef struct { const uint8_t *p, *end; uint64_t buf; unsigned bits; size_t pas
 #define HAS8(br) ((size_t)((br).end - (br).p) >= 8)
 
 /* At least 56 bits in buf, where 8 bytes of input are known to be left. */
-static inline void refill_fast(bit_reader *br) {
-    br->buf |= load64(br->p) << br->bits;
-    br->p += (63 - br->bits) >> 3;
-    br->bits |= 56;
-}
+#define REFILL_FAST(buf, bits, p) do { (buf) |= load64(p) << (bits); (p) += (63 - (bits)) >> 3; (bits) |= 56; } while (0)
 
 /* At least 56 bits in buf; reads past the end see zeros. */
 static inline void refill(bit_reader *br) {
     if (HAS8(*br)) {
-        br->buf |= load64(br->p) << br->bits;
-        br->p += (63 - br->bits) >> 3;
-        br->bits |= 56;
+        REFILL_FAST(br->buf, br->bits, br->p);
     } else {
         while (br->bits <= 56) {
             uint64_t byte = 0;
@@ -316,9 +310,9 @@ static inline void refill(bit_reader *br) {
 
 /* Up to three symbols per lookup: sym0 | sym1 << 8 | sym2 << 16 | count << 24 | bits << 26. The
  * four-byte store's last byte is garbage that the next store overwrites. */
-#define DECODE3(br, dst, pos, table, bad) do { uint32_t e_ = (table)[(br).buf & (TABLE_SIZE - 1)]; \
-    store32((dst) + (pos), e_); (pos) += (e_ >> 24) & 3; (bad) |= e_; \
-    unsigned l_ = (e_ >> 26) & 0xF; (br).buf >>= l_; (br).bits -= l_; } while (0)
+#define DECODE3(buf, bits, o, table, bad) do { uint32_t e_ = (table)[(buf) & (TABLE_SIZE - 1)]; \
+    store32((o), e_); (o) += (e_ >> 24) & 3; (bad) |= e_; \
+    unsigned l_ = (e_ >> 26) & 0xF; (buf) >>= l_; (bits) -= l_; } while (0)
 
 static void build_multi(const uint16_t single[TABLE_SIZE], uint32_t multi[TABLE_SIZE]) {
     for (uint32_t i = 0; i < TABLE_SIZE; i++) {
@@ -345,11 +339,6 @@ static inline size_t safe_rounds(const bit_reader *br, size_t pos, size_t count)
     return by_output < by_input ? by_output : by_input;
 }
 
-#define DECODE3P(buf, bits, o, table, bad) do { uint32_t e_ = (table)[(buf) & (TABLE_SIZE - 1)]; \
-    store32((o), e_); (o) += (e_ >> 24) & 3; (bad) |= e_; \
-    unsigned l_ = (e_ >> 26) & 0xF; (buf) >>= l_; (bits) -= l_; } while (0)
-#define REFILLP(buf, bits, p) do { (buf) |= load64(p) << (bits); (p) += (63 - (bits)) >> 3; (bits) |= 56; } while (0)
-
 /* The hot loop: all four streams, bounds checked once per batch of safe rounds (so the loop body
  * holds only each stream's bit buffer, bit count, input and output pointers). */
 static void decode_four(bit_reader br[NSTREAMS], uint8_t *dst[NSTREAMS], size_t pos[NSTREAMS],
@@ -367,10 +356,10 @@ static void decode_four(bit_reader br[NSTREAMS], uint8_t *dst[NSTREAMS], size_t 
         const uint8_t *p0 = br[0].p, *p1 = br[1].p, *p2 = br[2].p, *p3 = br[3].p;
         uint8_t *o0 = dst[0] + pos[0], *o1 = dst[1] + pos[1], *o2 = dst[2] + pos[2], *o3 = dst[3] + pos[3];
         for (size_t r = 0; r < rounds; r++) {
-            REFILLP(b0, n0, p0); REFILLP(b1, n1, p1); REFILLP(b2, n2, p2); REFILLP(b3, n3, p3);
+            REFILL_FAST(b0, n0, p0); REFILL_FAST(b1, n1, p1); REFILL_FAST(b2, n2, p2); REFILL_FAST(b3, n3, p3);
             for (int k = 0; k < 4; k++) {
-                DECODE3P(b0, n0, o0, multi, bad); DECODE3P(b1, n1, o1, multi, bad);
-                DECODE3P(b2, n2, o2, multi, bad); DECODE3P(b3, n3, o3, multi, bad);
+                DECODE3(b0, n0, o0, multi, bad); DECODE3(b1, n1, o1, multi, bad);
+                DECODE3(b2, n2, o2, multi, bad); DECODE3(b3, n3, o3, multi, bad);
             }
         }
         br[0].buf = b0; br[1].buf = b1; br[2].buf = b2; br[3].buf = b3;
@@ -417,18 +406,22 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
         pos[s] = 0;
     }
     uint32_t bad = 0;
-    /* A round is four lookups per stream (≤ 48 bits, ≤ 12 symbols, stores reach 16 bytes ahead);
-     * rounds stop once a stream is within that of its end, in symbols or in input. */
-#define ROOM(s) (pos[s] + 16 <= count[s] && HAS8(br[s]))
+    /* A round is four lookups per stream (≤ 48 bits, ≤ 12 symbols, stores reach 16 bytes ahead):
+     * all four streams while every one has room for rounds, then each stream's remaining rounds,
+     * then symbol by symbol, with every read bounded. */
     decode_four(br, dst, pos, count, multi, &bad);
     for (int s = 0; s < NSTREAMS; s++) {
-        while (ROOM(s)) {
+        uint8_t *o = dst[s] + pos[s];
+        for (size_t rounds; (rounds = safe_rounds(&br[s], (size_t)(o - dst[s]), count[s])) > 0;)
+            for (size_t r = 0; r < rounds; r++) {
+                REFILL_FAST(br[s].buf, br[s].bits, br[s].p);
+                for (int k = 0; k < 4; k++) DECODE3(br[s].buf, br[s].bits, o, multi, bad);
+            }
+        for (pos[s] = (size_t)(o - dst[s]); pos[s] < count[s]; pos[s]++) {
             refill(&br[s]);
-            for (int k = 0; k < 4; k++) DECODE3(br[s], dst[s], pos[s], multi, bad);
+            DECODE1(br[s], dst[s][pos[s]], single, bad);
         }
-        for (; pos[s] < count[s]; pos[s]++) { refill(&br[s]); DECODE1(br[s], dst[s][pos[s]], single, bad); }
     }
-#undef ROOM
     if (bad & BAD_MULTI) return "huff plane holds a bit pattern that is no code";
     for (int s = 0; s < NSTREAMS; s++) {
         size_t consumed = ((size_t)(br[s].p - (br[s].end - sizes[s])) + br[s].past) * 8 - br[s].bits;

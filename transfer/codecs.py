@@ -250,14 +250,13 @@ def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> Non
         raise IntegrityError(f"byte-plane header names element size {k} for {raw_len} bytes")
     n = raw_len // k
     offset = 1 + k * _PLANE_HEADER.size
-    scratch = planehuff.scratch(k * n) if planehuff.AVAILABLE else None
     planes = []
     for j in range(k):
         codec, length = _PLANE_HEADER.unpack_from(payload, 1 + j * _PLANE_HEADER.size)
         body = payload[offset : offset + length]
         offset += length
         if codec == PLANE_HUFF:
-            plane = scratch[j * n : (j + 1) * n] if scratch is not None else np.empty(n, dtype=np.uint8)
+            plane = planehuff.scratch(k * n)[j * n : (j + 1) * n]
             planehuff.decode_into(body, plane)
         else:
             plane = _decompressor().decompress(body, max_output_size=n) if codec == ZSTD else body
