@@ -136,6 +136,11 @@ def run_cmd(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def rsync_cmd(src: Path, dst: Path) -> list[str]:
+    """The rsync baseline every figure compares with: whole files, no delta algorithm."""
+    return ["rsync", "-a", "--whole-file", str(src), str(dst) + "/"]
+
+
 def baselines(src: Path, work: Path, nbytes: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     dst = work / "baseline-dst"
@@ -152,7 +157,7 @@ def baselines(src: Path, work: Path, nbytes: int) -> dict[str, Any]:
     out["cp+sha256sum"] = {"seconds": round(t_cpsha, 3), "GBps": gbps(nbytes, t_cpsha), "cpu_s_per_GB": cpu_s_per_gb(nbytes),
                            "verified": "sha256 of source and copy compared"}
     if shutil.which("rsync"):
-        _, t = best_of(fresh, lambda: run_cmd(["rsync", "-a", "--whole-file", str(src), str(dst) + "/"]))
+        _, t = best_of(fresh, lambda: run_cmd(rsync_cmd(src, dst)))
         out["rsync --whole-file"] = {"seconds": round(t, 3), "GBps": gbps(nbytes, t), "cpu_s_per_GB": cpu_s_per_gb(nbytes),
                                      "verified": "whole-file checksum"}
     else:
@@ -221,7 +226,7 @@ def paired_with_rsync(src: Path, work: Path, nbytes: int, key: bytes, parallelis
             dst.mkdir(parents=True)
             os.sync()
             if tool == "rsync":
-                _, t = timed(lambda: run_cmd(["rsync", "-a", "--whole-file", str(src), str(dst) + "/"]))
+                _, t = timed(lambda: run_cmd(rsync_cmd(src, dst)))
             else:
                 _, t = timed(lambda: pack_paths([src], f"file://{store}?sync=none", key=key, parallelism=parallelism))
             result[tool] = gbps(nbytes, t)

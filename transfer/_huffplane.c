@@ -181,6 +181,13 @@ static int canonical_codes(const uint8_t lengths[256], uint32_t codes[256]) {
     return 0;
 }
 
+/* Stream s codes plane bytes [s*q, s*q + count[s]) (FORMAT.md): q = n / 4, the last stream the rest. */
+static size_t stream_layout(size_t n, size_t count[NSTREAMS]) {
+    size_t q = n / NSTREAMS;
+    for (int s = 0; s < NSTREAMS; s++) count[s] = s < NSTREAMS - 1 ? q : n - (NSTREAMS - 1) * q;
+    return q;
+}
+
 /* ------------------------------------------------------------------ encoding */
 
 typedef struct { uint8_t *p; uint64_t acc; unsigned nbits; } bit_writer;
@@ -212,8 +219,7 @@ static void encode_two(const uint8_t *a, const uint8_t *b, size_t rounds, const 
 /* Encode `n` bytes of `plane` into `out` (capacity `cap`); returns the payload length, or -1 when
  * it would not fit in `cap`, or -2 when out of memory. */
 static Py_ssize_t encode_plane(const uint8_t *plane, size_t n, uint8_t *out, size_t cap) {
-    size_t q = n / NSTREAMS, count[NSTREAMS], start[NSTREAMS];
-    for (int s = 0; s < NSTREAMS; s++) { start[s] = s * q; count[s] = s < NSTREAMS - 1 ? q : n - 3 * q; }
+    size_t count[NSTREAMS], q = stream_layout(n, count);
     /* worst case MAXBITS per symbol, plus room for the last 8-byte store of each stream */
     size_t room = (count[NSTREAMS - 1] * MAXBITS + 7) / 8 + 16;
     workspace *ws = get_workspace(room * NSTREAMS);
@@ -251,7 +257,7 @@ static Py_ssize_t encode_plane(const uint8_t *plane, size_t n, uint8_t *out, siz
     bit_writer bw[NSTREAMS];
     for (int s = 0; s < NSTREAMS; s++) bw[s] = (bit_writer){ws->scratch + s * room, 0, 0};
     const uint8_t *src[NSTREAMS];
-    for (int s = 0; s < NSTREAMS; s++) src[s] = plane + start[s];
+    for (int s = 0; s < NSTREAMS; s++) src[s] = plane + s * q;
 
     size_t rounds = q / 4;
     encode_two(src[0], src[1], rounds, pair_code, pair_len, &bw[0], &bw[1]);
@@ -391,7 +397,7 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
                 single[k] = (uint16_t)(s | lengths[s] << 8);
     build_multi(single, multi);
 
-    size_t q = n / NSTREAMS, count[NSTREAMS], sizes[NSTREAMS], pos[NSTREAMS], body = len - HEADER_BYTES, sum = 0;
+    size_t count[NSTREAMS], q = stream_layout(n, count), sizes[NSTREAMS], pos[NSTREAMS], body = len - HEADER_BYTES, sum = 0;
     for (int s = 0; s < NSTREAMS - 1; s++) { sizes[s] = load32(payload + 1 + LENGTHS_BYTES + 4 * s); sum += sizes[s]; }
     if (sum > body) return "huff plane's stream sizes exceed its payload";
     sizes[NSTREAMS - 1] = body - sum;
@@ -399,7 +405,6 @@ static const char *decode_plane(const uint8_t *payload, size_t len, uint8_t *out
     const uint8_t *p = payload + HEADER_BYTES;
     uint8_t *dst[NSTREAMS];
     for (int s = 0; s < NSTREAMS; s++) {
-        count[s] = s < NSTREAMS - 1 ? q : n - 3 * q;
         br[s] = (bit_reader){p, p + sizes[s], 0, 0, 0};
         p += sizes[s];
         dst[s] = out + s * q;
