@@ -70,6 +70,18 @@ def _w(ptr, mask):
 
 
 @triton.jit
+def _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, p, first_mask, second_mask, counter, flags):
+    """_compress over the 16 words at ``p``: words 0-7 loaded under ``first_mask``, 8-15 under ``second_mask``."""
+    return _compress(
+        c0, c1, c2, c3, c4, c5, c6, c7,
+        _w(p + 0, first_mask), _w(p + 1, first_mask), _w(p + 2, first_mask), _w(p + 3, first_mask),
+        _w(p + 4, first_mask), _w(p + 5, first_mask), _w(p + 6, first_mask), _w(p + 7, first_mask),
+        _w(p + 8, second_mask), _w(p + 9, second_mask), _w(p + 10, second_mask), _w(p + 11, second_mask),
+        _w(p + 12, second_mask), _w(p + 13, second_mask), _w(p + 14, second_mask), _w(p + 15, second_mask),
+        counter, flags)
+
+
+@triton.jit
 def _iv(shape: tl.constexpr):
     return (tl.full(shape, 0x6A09E667, tl.uint32), tl.full(shape, 0xBB67AE85, tl.uint32),
             tl.full(shape, 0x3C6EF372, tl.uint32), tl.full(shape, 0xA54FF53A, tl.uint32),
@@ -102,13 +114,7 @@ def leaf_kernel(base_ptr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, 
     for b in range(16):
         q = p + b * 16
         flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(tl.uint32)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
-            c0, c1, c2, c3, c4, c5, c6, c7,
-            _w(q + 0, mask), _w(q + 1, mask), _w(q + 2, mask), _w(q + 3, mask),
-            _w(q + 4, mask), _w(q + 5, mask), _w(q + 6, mask), _w(q + 7, mask),
-            _w(q + 8, mask), _w(q + 9, mask), _w(q + 10, mask), _w(q + 11, mask),
-            _w(q + 12, mask), _w(q + 13, mask), _w(q + 14, mask), _w(q + 15, mask),
-            counter, flags)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, q, mask, mask, counter, flags)
     _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
@@ -122,13 +128,8 @@ def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, 
     left = in_ptr + (which * count_in + 2 * k).to(tl.int64) * 8
     paired = mask & (2 * k + 1 < count_in)
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
-    p0, p1, p2, p3, p4, p5, p6, p7 = _compress(
-        c0, c1, c2, c3, c4, c5, c6, c7,
-        _w(left + 0, mask), _w(left + 1, mask), _w(left + 2, mask), _w(left + 3, mask),
-        _w(left + 4, mask), _w(left + 5, mask), _w(left + 6, mask), _w(left + 7, mask),
-        _w(left + 8, paired), _w(left + 9, paired), _w(left + 10, paired), _w(left + 11, paired),
-        _w(left + 12, paired), _w(left + 13, paired), _w(left + 14, paired), _w(left + 15, paired),
-        tl.zeros([BLOCK], tl.uint32), tl.zeros([BLOCK], tl.uint32) + flags_value)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, left, mask, paired,
+                                                  tl.zeros([BLOCK], tl.uint32), tl.zeros([BLOCK], tl.uint32) + flags_value)
     o = out_ptr + j.to(tl.int64) * 8
     _store8(o, mask,
             tl.where(paired, p0, _w(left + 0, mask)), tl.where(paired, p1, _w(left + 1, mask)),
