@@ -26,7 +26,11 @@ CHUNK_PLANE = 2 << 20
 
 def exponent_planes(kind: str, nbytes: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal(nbytes, dtype=np.float32) if kind == "normal" else rng.laplace(size=nbytes).astype(np.float32)
+    x = (
+        rng.standard_normal(nbytes, dtype=np.float32)
+        if kind == "normal"
+        else rng.laplace(size=nbytes).astype(np.float32)
+    )
     bf16 = (x * np.float32(0.02)).view(np.uint32) >> 16
     return (bf16 >> 8).astype(np.uint8)
 
@@ -74,12 +78,16 @@ def measure(planes: np.ndarray, repeat: int) -> dict[str, Any]:
 
     gb = total / 1e9
     res = {
-        "huff": {"ratio": round(sum(map(len, huff)) / total, 4),
-                 "encode_GBps": round(gb / best_cpu(huff_encode, repeat), 3),
-                 "decode_GBps": round(gb / best_cpu(huff_decode, repeat), 3)},
-        "zstd_literal_coder": {"ratio": round(sum(map(len, zstd)) / total, 4),
-                               "encode_GBps": round(gb / best_cpu(zstd_encode, repeat), 3),
-                               "decode_GBps": round(gb / best_cpu(zstd_decode, repeat), 3)},
+        "huff": {
+            "ratio": round(sum(map(len, huff)) / total, 4),
+            "encode_GBps": round(gb / best_cpu(huff_encode, repeat), 3),
+            "decode_GBps": round(gb / best_cpu(huff_decode, repeat), 3),
+        },
+        "zstd_literal_coder": {
+            "ratio": round(sum(map(len, zstd)) / total, 4),
+            "encode_GBps": round(gb / best_cpu(zstd_encode, repeat), 3),
+            "decode_GBps": round(gb / best_cpu(zstd_decode, repeat), 3),
+        },
     }
     res["encode_speedup"] = round(res["huff"]["encode_GBps"] / res["zstd_literal_coder"]["encode_GBps"], 2)
     res["decode_speedup"] = round(res["huff"]["decode_GBps"] / res["zstd_literal_coder"]["decode_GBps"], 2)
@@ -96,11 +104,23 @@ def main() -> None:
     from gpumigrate.transfer import planehuff
 
     if not planehuff.AVAILABLE:
-        print(json.dumps({"bench": "planecoder", "skipped": "the compiled coder is not built (pip install -e . with a C compiler)"}))
+        print(
+            json.dumps(
+                {
+                    "bench": "planecoder",
+                    "skipped": "the compiled coder is not built (pip install -e . with a C compiler)",
+                }
+            )
+        )
         return
-    report: dict[str, Any] = {"bench": "planecoder", "cpu": platform.processor() or platform.machine(),
-                              "cpus": os.cpu_count(), "threads": 1, "plane_bytes_per_chunk": CHUNK_PLANE,
-                              "repeat": args.repeat}
+    report: dict[str, Any] = {
+        "bench": "planecoder",
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "threads": 1,
+        "plane_bytes_per_chunk": CHUNK_PLANE,
+        "repeat": args.repeat,
+    }
     for kind in ("normal", "laplace"):
         report[f"bf16_{kind}_exponent_plane"] = measure(exponent_planes(kind, args.mb << 20), args.repeat)
     print(json.dumps(report, indent=2))

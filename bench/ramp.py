@@ -63,10 +63,32 @@ class Comparator:
 def start_upstream(name: str, fake: bool) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     if fake:
-        cmd = [sys.executable, str(REPO / "tests" / "traffic" / "fake_upstream.py"), "--port", str(port), "--name", name]
+        cmd = [
+            sys.executable,
+            str(REPO / "tests" / "traffic" / "fake_upstream.py"),
+            "--port",
+            str(port),
+            "--name",
+            name,
+        ]
     else:
-        cmd = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", "127.0.0.1", "--port", str(port),
-               "--seed", "0", "--size", "tiny", "--device", "cpu", "--name", name]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpumigrate.workloads.inference",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--seed",
+            "0",
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--name",
+            name,
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -98,9 +120,13 @@ class Stack:
             for n in ("source", "target"):
                 self.procs[n], self.ports[n] = start_upstream(n, fake)
             self.state_dir = work / "xds"
-            StateStore(self.state_dir).init(DesiredState(
-                upstreams={n: Upstream(n, "127.0.0.1", p) for n, p in self.ports.items()},
-                weights=split("source", "target", 0), failover=failover))
+            StateStore(self.state_dir).init(
+                DesiredState(
+                    upstreams={n: Upstream(n, "127.0.0.1", p) for n, p in self.ports.items()},
+                    weights=split("source", "target", 0),
+                    failover=failover,
+                )
+            )
             self.plane_port = free_port()
             self.start_plane()
             self.envoy = Envoy(work / "envoy", xds_port=self.plane_port, node_id="bench").start()
@@ -109,9 +135,20 @@ class Stack:
             raise
 
     def start_plane(self) -> None:
-        self.plane = subprocess.Popen([sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(self.state_dir),
-                                       "--port", str(self.plane_port)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.DEVNULL, start_new_session=True)
+        self.plane = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpumigrate.traffic.xds",
+                "--state-dir",
+                str(self.state_dir),
+                "--port",
+                str(self.plane_port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         assert self.plane.stdout is not None
         self.plane.stdout.readline()
 
@@ -119,7 +156,9 @@ class Stack:
         if kind == "killed":
             kill(self.procs["target"])
             return
-        httpx.post(f"http://127.0.0.1:{self.ports['target']}/admin/fault", json={"kind": kind, "rate": 1.0, **kw}, timeout=5)
+        httpx.post(
+            f"http://127.0.0.1:{self.ports['target']}/admin/fault", json={"kind": kind, "rate": 1.0, **kw}, timeout=5
+        )
 
     @property
     def url(self) -> str:
@@ -135,14 +174,21 @@ class Stack:
             kill(p)
 
 
-def controller(stack: Stack, stages: tuple[tuple[float, float], ...], args: argparse.Namespace, *,
-               probes: bool = True, **kw: Any) -> RampController:
+def controller(
+    stack: Stack, stages: tuple[tuple[float, float], ...], args: argparse.Namespace, *, probes: bool = True, **kw: Any
+) -> RampController:
     assert stack.envoy is not None
     prober = Prober(stack.envoy.url, GOLDEN, Comparator(), every_s=args.interval) if probes else None
-    settings = RampSettings(stages=stages, interval_s=args.interval, baseline_intervals=2, max_inconclusive=60,
-                            gates=GateSettings(min_requests=args.min_requests, p99_slack_ms=args.p99_slack_ms))
-    return RampController(stack.state_dir, [stack.envoy.admin_url], settings, nodes=[stack.envoy.node_id],
-                          prober=prober, **kw)
+    settings = RampSettings(
+        stages=stages,
+        interval_s=args.interval,
+        baseline_intervals=2,
+        max_inconclusive=60,
+        gates=GateSettings(min_requests=args.min_requests, p99_slack_ms=args.p99_slack_ms),
+    )
+    return RampController(
+        stack.state_dir, [stack.envoy.admin_url], settings, nodes=[stack.envoy.node_id], prober=prober, **kw
+    )
 
 
 def warm_target(stack: Stack, *, requests: int) -> None:
@@ -169,17 +215,34 @@ def scenario_ramp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         stack.close()
     before, during = rep.p99_between(1.0, t_start), rep.p99_between(t_start, t_end)
     # Noise-robust companion: the median of per-second p99s (one CPU spike moves a p99, not a median of them).
-    sec_before = statistics.median([b["p99_ms"] for b in rep.per_second if 1.0 <= b["t"] < t_start - 1 and b["p99_ms"]] or [0])
-    sec_during = statistics.median([b["p99_ms"] for b in rep.per_second if t_start <= b["t"] < t_end - 1 and b["p99_ms"]] or [0])
+    sec_before = statistics.median(
+        [b["p99_ms"] for b in rep.per_second if 1.0 <= b["t"] < t_start - 1 and b["p99_ms"]] or [0]
+    )
+    sec_during = statistics.median(
+        [b["p99_ms"] for b in rep.per_second if t_start <= b["t"] < t_end - 1 and b["p99_ms"]] or [0]
+    )
     failed, total = rep.count_between(t_start, t_end)
-    return {"status": result.status, "reason": result.reason, "ramp_seconds": round(result.seconds, 2),
-            "requests_during_ramp": total, "failed_during_ramp": failed, "failed_total": rep.failed,
-            "p99_ms_during_ramp": during, "baseline_p99_ms_before_ramp": before,
-            "p99_ratio": round(during / before, 3) if during and before else None,
-            "median_per_second_p99_ms_during_ramp": sec_during, "median_per_second_p99_ms_before_ramp": sec_before,
-            "median_per_second_p99_ratio": round(sec_during / sec_before, 3) if sec_before else None,
-            "downtime_ms": rep.downtime_ms, "achieved_rps": rep.achieved_rps, "rps": args.rps, "errors": rep.errors,
-            "per_second": [[b["t"], b["total"], b["failed"], b["p99_ms"]] for b in rep.per_second] if args.verbose else None}
+    return {
+        "status": result.status,
+        "reason": result.reason,
+        "ramp_seconds": round(result.seconds, 2),
+        "requests_during_ramp": total,
+        "failed_during_ramp": failed,
+        "failed_total": rep.failed,
+        "p99_ms_during_ramp": during,
+        "baseline_p99_ms_before_ramp": before,
+        "p99_ratio": round(during / before, 3) if during and before else None,
+        "median_per_second_p99_ms_during_ramp": sec_during,
+        "median_per_second_p99_ms_before_ramp": sec_before,
+        "median_per_second_p99_ratio": round(sec_during / sec_before, 3) if sec_before else None,
+        "downtime_ms": rep.downtime_ms,
+        "achieved_rps": rep.achieved_rps,
+        "rps": args.rps,
+        "errors": rep.errors,
+        "per_second": [[b["t"], b["total"], b["failed"], b["p99_ms"]] for b in rep.per_second]
+        if args.verbose
+        else None,
+    }
 
 
 def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover: bool = True) -> dict[str, Any]:
@@ -205,13 +268,20 @@ def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover:
         stack.close()
     failing = [i for i, s in enumerate(result.samples) if s.analysis.get("verdict") == "fail"]
     failed, total = rep.count_between(marks.get("t", 0.0), t_end)
-    return {"status": result.status, "trigger": result.trigger, "reason": (result.reason or "")[:200],
-            "intervals_to_detect": (failing[0] - int(marks["at"]) + 1) if failing and "at" in marks else None,
-            "seconds_fault_to_rollback": round(result.rolled_back_at - marks["epoch"], 3)
-            if "epoch" in marks and result.rolled_back_at else None,
-            "seconds_to_detect": result.seconds_to_detect, "rollback_applied_s": result.rollback_applied_s,
-            "requests_in_fault_window": total, "client_failures": failed,
-            "client_failure_rate": round(failed / total, 5) if total else None}
+    return {
+        "status": result.status,
+        "trigger": result.trigger,
+        "reason": (result.reason or "")[:200],
+        "intervals_to_detect": (failing[0] - int(marks["at"]) + 1) if failing and "at" in marks else None,
+        "seconds_fault_to_rollback": round(result.rolled_back_at - marks["epoch"], 3)
+        if "epoch" in marks and result.rolled_back_at
+        else None,
+        "seconds_to_detect": result.seconds_to_detect,
+        "rollback_applied_s": result.rollback_applied_s,
+        "requests_in_fault_window": total,
+        "client_failures": failed,
+        "client_failure_rate": round(failed / total, 5) if total else None,
+    }
 
 
 def scenario_plane_restart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -240,8 +310,13 @@ def scenario_plane_restart(args: argparse.Namespace, work: Path) -> dict[str, An
         rep = load.wait(120)
     finally:
         stack.close()
-    return {"status": result.status, "stages_passed": sum(1 for s in result.stages if s.outcome == "passed"),
-            "weights_while_plane_down": seen.get("weights_while_down"), "failed": rep.failed, "requests": rep.total}
+    return {
+        "status": result.status,
+        "stages_passed": sum(1 for s in result.stages if s.outcome == "passed"),
+        "weights_while_plane_down": seen.get("weights_while_down"),
+        "failed": rep.failed,
+        "requests": rep.total,
+    }
 
 
 def scenario_manual(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -255,18 +330,28 @@ def scenario_manual(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 asked["at"] = len(ctl.samples)
                 asked["mono"] = time.monotonic()
 
-        ctl = controller(stack, ((5, args.hold), (25, 60.0), (100, 1.0)), args, probes=False, on_interval=ask,
-                         rollback_signal=lambda: {"reason": "bench"} if "at" in asked else None)
+        ctl = controller(
+            stack,
+            ((5, args.hold), (25, 60.0), (100, 1.0)),
+            args,
+            probes=False,
+            on_interval=ask,
+            rollback_signal=lambda: {"reason": "bench"} if "at" in asked else None,
+        )
         result = ctl.run()
         acted = time.monotonic()
         load.stop()
         rep = load.wait(120)
     finally:
         stack.close()
-    return {"status": result.status, "trigger": result.trigger,
-            "intervals_after_request": len(result.samples) - int(asked["at"]) if "at" in asked else None,
-            "seconds_request_to_rollback": round(acted - asked["mono"], 3) if "mono" in asked else None,
-            "analysis_interval_s": args.interval, "failed": rep.failed}
+    return {
+        "status": result.status,
+        "trigger": result.trigger,
+        "intervals_after_request": len(result.samples) - int(asked["at"]) if "at" in asked else None,
+        "seconds_request_to_rollback": round(acted - asked["mono"], 3) if "mono" in asked else None,
+        "analysis_interval_s": args.interval,
+        "failed": rep.failed,
+    }
 
 
 def main() -> None:
@@ -274,20 +359,33 @@ def main() -> None:
     ap.add_argument("--rps", type=float, default=200)
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--hold", type=float, default=3.0)
-    ap.add_argument("--warmup", type=float, default=20.0,
-                    help="seconds of load on the source before the ramp (the baseline p99 window: about as long as the ramp)")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=20.0,
+        help="seconds of load on the source before the ramp (the baseline p99 window: about as long as the ramp)",
+    )
     ap.add_argument("--ramps", type=int, default=3, help="full ramps to run (the p99 ratio is their median)")
     ap.add_argument("--min-requests", type=int, default=10)
-    ap.add_argument("--warm-target", type=int, default=100,
-                    help="requests sent straight to the target before the ramp (as the parity phase does); 0: none")
+    ap.add_argument(
+        "--warm-target",
+        type=int,
+        default=100,
+        help="requests sent straight to the target before the ramp (as the parity phase does); 0: none",
+    )
     ap.add_argument("--p99-slack-ms", type=float, default=100.0, help="noise allowance of the p99 gate on a shared CPU")
     ap.add_argument("--fake", action="store_true", help="stdlib upstreams instead of the reference inference server")
     ap.add_argument("--only", choices=["ramp", "faults", "control_plane_restart", "manual_rollback"], default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     ap.add_argument("--verbose", action="store_true", help="add per-second load figures")
     args = ap.parse_args()
-    out: dict[str, Any] = {"bench": "ramp", "upstream": "fake" if args.fake else "reference-inference-server",
-                           "rps": args.rps, "analysis_interval_s": args.interval, "cpus": os.cpu_count()}
+    out: dict[str, Any] = {
+        "bench": "ramp",
+        "upstream": "fake" if args.fake else "reference-inference-server",
+        "rps": args.rps,
+        "analysis_interval_s": args.interval,
+        "cpus": os.cpu_count(),
+    }
     with tempfile.TemporaryDirectory(prefix="gm-bench-ramp-") as tmp:
         work = Path(tmp)
         if args.only in (None, "ramp"):
@@ -295,19 +393,27 @@ def main() -> None:
             # code); the median over several ramps, each on a fresh stack and each listed, is the figure.
             runs = [scenario_ramp(args, work / f"ramp-{i}") for i in range(args.ramps)]
             ratios = [r["p99_ratio"] for r in runs if r["p99_ratio"] is not None]
-            sec_ratios = [r["median_per_second_p99_ratio"] for r in runs if r["median_per_second_p99_ratio"] is not None]
-            out["ramp"] = {"ramps": len(runs), "failed_total": sum(r["failed_total"] for r in runs),
-                           "requests_during_ramps": sum(r["requests_during_ramp"] for r in runs),
-                           "p99_ratio_median": statistics.median(ratios) if ratios else None,
-                           "p99_ratios": ratios,
-                           "median_per_second_p99_ratio_median": statistics.median(sec_ratios) if sec_ratios else None,
-                           "max_downtime_ms": max(r["downtime_ms"] for r in runs), "runs": runs}
+            sec_ratios = [
+                r["median_per_second_p99_ratio"] for r in runs if r["median_per_second_p99_ratio"] is not None
+            ]
+            out["ramp"] = {
+                "ramps": len(runs),
+                "failed_total": sum(r["failed_total"] for r in runs),
+                "requests_during_ramps": sum(r["requests_during_ramp"] for r in runs),
+                "p99_ratio_median": statistics.median(ratios) if ratios else None,
+                "p99_ratios": ratios,
+                "median_per_second_p99_ratio_median": statistics.median(sec_ratios) if sec_ratios else None,
+                "max_downtime_ms": max(r["downtime_ms"] for r in runs),
+                "runs": runs,
+            }
         if args.only in (None, "faults"):
             faults: dict[str, Any] = {}
             for kind in ("errors", "slow", "drift", "killed"):
                 faults[kind] = scenario_fault(args, work / f"fault-{kind}", kind)
                 if kind in ("errors", "killed"):
-                    faults[kind]["baseline_plain_split"] = scenario_fault(args, work / f"plain-{kind}", kind, failover=False)
+                    faults[kind]["baseline_plain_split"] = scenario_fault(
+                        args, work / f"plain-{kind}", kind, failover=False
+                    )
             out["faults"] = faults
         if args.only in (None, "control_plane_restart"):
             out["control_plane_restart"] = scenario_plane_restart(args, work / "plane")

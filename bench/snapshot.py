@@ -87,8 +87,13 @@ print(json.dumps({"digest": digest()}), flush=True)
 def driver_baseline(total_bytes: int, seed: int) -> dict[str, Any]:
     from gpumigrate.snapshot import cuda_driver
 
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(total_bytes), str(seed)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(total_bytes), str(seed)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         first = json.loads(child.stdout.readline())
         proc = cuda_driver.CudaProcess(child.pid)
@@ -142,8 +147,16 @@ def fingerprint_rate(tensors: dict[str, torch.Tensor], chunk: int, device: torch
     return {"bytes": total, "seconds_median": round(med, 5), "GBps": gbps(total, med)}
 
 
-def agent_capture(tensors: dict[str, torch.Tensor], chunk: int, workers: int, arena: torch.Tensor, *, frozen: bool,
-                  hash_chunks: bool, repeat: int = 3) -> tuple[dict[str, Any], MemoryStore, str]:
+def agent_capture(
+    tensors: dict[str, torch.Tensor],
+    chunk: int,
+    workers: int,
+    arena: torch.Tensor,
+    *,
+    frozen: bool,
+    hash_chunks: bool,
+    repeat: int = 3,
+) -> tuple[dict[str, Any], MemoryStore, str]:
     agent = Agent(workers=workers)
     agent.track_tensors("weights", tensors)
     if frozen:
@@ -162,8 +175,17 @@ def agent_capture(tensors: dict[str, torch.Tensor], chunk: int, workers: int, ar
         stats = agent.precopy(writer)
         runs.append(time.perf_counter() - t0)
     dt = statistics.median(runs)
-    return ({"bytes": total, "seconds_median": round(dt, 4), "GBps": gbps(total, dt), "GBps_runs": [gbps(total, r) for r in runs],
-             "chunks": stats.chunks_dirty}, store, agent.last_image.id)
+    return (
+        {
+            "bytes": total,
+            "seconds_median": round(dt, 4),
+            "GBps": gbps(total, dt),
+            "GBps_runs": [gbps(total, r) for r in runs],
+            "chunks": stats.chunks_dirty,
+        },
+        store,
+        agent.last_image.id,
+    )
 
 
 class CpuVerifiedReader:
@@ -178,8 +200,16 @@ class CpuVerifiedReader:
         return getattr(self._inner, name)
 
 
-def agent_restore(tensors: dict[str, torch.Tensor], store: MemoryStore, image: str, workers: int, *, verify: bool = True,
-                  cpu_verify: bool = False, repeat: int = 3) -> dict[str, Any]:
+def agent_restore(
+    tensors: dict[str, torch.Tensor],
+    store: MemoryStore,
+    image: str,
+    workers: int,
+    *,
+    verify: bool = True,
+    cpu_verify: bool = False,
+    repeat: int = 3,
+) -> dict[str, Any]:
     targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
     runs = []
     for _ in range(repeat):
@@ -197,8 +227,13 @@ def agent_restore(tensors: dict[str, torch.Tensor], store: MemoryStore, image: s
     del targets
     dt = statistics.median(runs)
     n = res["bytes_loaded"]
-    return {"bytes": n, "seconds_median": round(dt, 4), "GBps": gbps(n, dt), "GBps_runs": [gbps(n, r) for r in runs],
-            "bit_identical": ok}
+    return {
+        "bytes": n,
+        "seconds_median": round(dt, 4),
+        "GBps": gbps(n, dt),
+        "GBps_runs": [gbps(n, r) for r in runs],
+        "bit_identical": ok,
+    }
 
 
 def torch_save_baseline(tensors: dict[str, torch.Tensor], limit_bytes: int) -> dict[str, Any]:
@@ -225,9 +260,14 @@ def torch_save_baseline(tensors: dict[str, torch.Tensor], limit_bytes: int) -> d
     sync(dev)
     t3 = time.perf_counter()
     ok = all(torch.equal(targets[k], v) for k, v in subset.items())
-    return {"bytes": n, "save_GBps": gbps(n, t1 - t0), "load_GBps": gbps(n, t3 - t1), "bit_identical": ok,
-            "includes": "torch.save of the tensors into a BytesIO (device→pageable host copy included); load = torch.load "
-                        "+ copy_ into pre-allocated tensors on the source device"}
+    return {
+        "bytes": n,
+        "save_GBps": gbps(n, t1 - t0),
+        "load_GBps": gbps(n, t3 - t1),
+        "bit_identical": ok,
+        "includes": "torch.save of the tensors into a BytesIO (device→pageable host copy included); load = torch.load "
+        "+ copy_ into pre-allocated tensors on the source device",
+    }
 
 
 class Gate:
@@ -247,8 +287,14 @@ class Gate:
             self.lock.release()
 
 
-def downtime(weights: dict[str, torch.Tensor], mutable_bytes: int, chunk: int, workers: int, device: torch.device,
-             arena: torch.Tensor) -> dict[str, Any]:
+def downtime(
+    weights: dict[str, torch.Tensor],
+    mutable_bytes: int,
+    chunk: int,
+    workers: int,
+    device: torch.device,
+    arena: torch.Tensor,
+) -> dict[str, Any]:
     kv = torch.zeros(mutable_bytes // 2, dtype=torch.bfloat16, device=device)
     gate = Gate()
     stop = threading.Event()
@@ -279,7 +325,9 @@ def downtime(weights: dict[str, torch.Tensor], mutable_bytes: int, chunk: int, w
         for _ in range(3):  # live pre-copy while serving; the target pre-loads each round
             st = src.precopy(store.writer(KEY, chunk_size=chunk))
             dst.restore(store.reader(src.last_image.id, KEY), ready=False)
-            rounds.append({"chunks_dirty": st.chunks_dirty, "bytes_dirty": st.bytes_dirty, "seconds": round(st.seconds, 4)})
+            rounds.append(
+                {"chunks_dirty": st.chunks_dirty, "bytes_dirty": st.bytes_dirty, "seconds": round(st.seconds, 4)}
+            )
         t0 = time.perf_counter()
         src.freeze()
         t1 = time.perf_counter()
@@ -304,8 +352,8 @@ def downtime(weights: dict[str, torch.Tensor], mutable_bytes: int, chunk: int, w
         "requests_served_during_precopy": served[0],
         "bit_identical": ok,
         "includes": "freeze at a request safe point → fingerprint all chunks on device → ship dirty chunks (D2H, BLAKE3, in-memory "
-                    "store) → verify (HMAC manifest, BLAKE3 per chunk) and load dirty chunks into the target's pre-allocated "
-                    "tensors (H2D) → target ready; source and target in one process on one GPU (same-host), no network",
+        "store) → verify (HMAC manifest, BLAKE3 per chunk) and load dirty chunks into the target's pre-allocated "
+        "tensors (H2D) → target ready; source and target in one process on one GPU (same-host), no network",
     }
 
 
@@ -328,8 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and devhash.available(device):
         devhash.warm(device)  # compile the hash kernels outside every timing, as a target does at start
     out: dict[str, Any] = {
-        "bench": "snapshot", "device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-        "cpus": os.cpu_count(), "workers": workers, "chunk_bytes": chunk, "tensor_bytes": total,
+        "bench": "snapshot",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "workers": workers,
+        "chunk_bytes": chunk,
+        "tensor_bytes": total,
     }
     if cuda and not args.skip_driver:
         log("driver baseline ...")
@@ -358,8 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     out["fingerprint_fused"] = fingerprint_rate(tensors, chunk, device, fused=True)
     out["fingerprint_eager"] = fingerprint_rate(tensors, chunk, device, fused=False)
     one = byte_view(next(iter(tensors.values())))
-    out["fingerprint_fused_equals_eager"] = bool(torch.equal(fingerprint_chunks(one, chunk), fingerprint_chunks(one, chunk, fused=False)))
-    out["fingerprint_fused"]["includes"] = "read every chunk in device memory once, one int64 per chunk back to the host"
+    out["fingerprint_fused_equals_eager"] = bool(
+        torch.equal(fingerprint_chunks(one, chunk), fingerprint_chunks(one, chunk, fused=False))
+    )
+    out["fingerprint_fused"]["includes"] = (
+        "read every chunk in device memory once, one int64 per chunk back to the host"
+    )
     if cuda and devhash.available(device):
         views = [v for t in tensors.values() for v in byte_view(t).split(chunk)]
         runs = []
@@ -370,35 +427,52 @@ def main(argv: list[str] | None = None) -> int:
                 devhash.blake3_device(views[i : i + DEVICE_HASH_BATCH])
             sync(device)
             runs.append(time.perf_counter() - t0)
-        out["device_blake3"] = {"bytes": total, "GBps": gbps(total, statistics.median(runs)),
-                                "includes": f"BLAKE3 (standard, 32-byte) of every chunk in device memory, {DEVICE_HASH_BATCH} chunks per launch"}
+        out["device_blake3"] = {
+            "bytes": total,
+            "GBps": gbps(total, statistics.median(runs)),
+            "includes": f"BLAKE3 (standard, 32-byte) of every chunk in device memory, {DEVICE_HASH_BATCH} chunks per launch",
+        }
     log("arena ...")
     t0 = time.perf_counter()
     arena = torch.empty(total + mutable * 6 + (64 << 20), dtype=torch.uint8, pin_memory=cuda)
-    out["sink_arena"] = {"bytes": arena.numel(), "pinned": cuda, "alloc_s": round(time.perf_counter() - t0, 2),
-                         "note": "host memory for the in-memory image, allocated (and pinned) once before any timing"}
+    out["sink_arena"] = {
+        "bytes": arena.numel(),
+        "pinned": cuda,
+        "alloc_s": round(time.perf_counter() - t0, 2),
+        "note": "host memory for the in-memory image, allocated (and pinned) once before any timing",
+    }
     log("agent capture ...")
     cap, store, image = agent_capture(tensors, chunk, workers, arena, frozen=True, hash_chunks=True)
-    cap["includes"] = ("frozen stop-and-copy path: on-device fingerprint of every chunk + D2H (2 streams) straight into the "
-                       "sink's pinned host arena + BLAKE3 of every chunk on 'workers' threads + signed manifest commit")
+    cap["includes"] = (
+        "frozen stop-and-copy path: on-device fingerprint of every chunk + D2H (2 streams) straight into the "
+        "sink's pinned host arena + BLAKE3 of every chunk on 'workers' threads + signed manifest commit"
+    )
     out["agent_capture"] = cap
     log("agent restore ...")
     rest = agent_restore(tensors, store, image, workers)
-    rest["includes"] = ("HMAC manifest check + H2D (2 streams) from the pinned arena into pre-allocated tensors + BLAKE3 of "
-                        "every chunk computed on the GPU from the bytes that landed (Triton kernels, a hash stream trailing the "
-                        "copies; CPU where Triton is absent) and compared with its id: a mismatch fails the restore and the "
-                        "target stays unready")
+    rest["includes"] = (
+        "HMAC manifest check + H2D (2 streams) from the pinned arena into pre-allocated tensors + BLAKE3 of "
+        "every chunk computed on the GPU from the bytes that landed (Triton kernels, a hash stream trailing the "
+        "copies; CPU where Triton is absent) and compared with its id: a mismatch fails the restore and the "
+        "target stays unready"
+    )
     out["agent_restore"] = rest
     if cuda:
         cpu_rest = agent_restore(tensors, store, image, workers, cpu_verify=True)
-        cpu_rest["includes"] = "as agent_restore, every chunk's BLAKE3 checked on 'workers' CPU threads instead (overlapped with its DMA)"
+        cpu_rest["includes"] = (
+            "as agent_restore, every chunk's BLAKE3 checked on 'workers' CPU threads instead (overlapped with its DMA)"
+        )
         out["agent_restore_cpu_verify"] = cpu_rest
     nover = agent_restore(tensors, store, image, workers, verify=False)
-    nover["includes"] = "pipeline bound only: as agent_restore without the per-chunk BLAKE3 check (never used for real restores)"
+    nover["includes"] = (
+        "pipeline bound only: as agent_restore without the per-chunk BLAKE3 check (never used for real restores)"
+    )
     out["agent_restore_noverify"] = nover
     del store
     live, _, _ = agent_capture(tensors, chunk, workers, arena, frozen=False, hash_chunks=True)
-    live["includes"] = "live pre-copy path: as agent_capture plus a D2D staging copy and a fingerprint of the staged bytes per chunk"
+    live["includes"] = (
+        "live pre-copy path: as agent_capture plus a D2D staging copy and a fingerprint of the staged bytes per chunk"
+    )
     out["agent_capture_live"] = live
     nohash, _, _ = agent_capture(tensors, chunk, workers, arena, frozen=True, hash_chunks=False)
     nohash["includes"] = "frozen path with the sink's hashing off: fingerprint + D2H into the arena only"
@@ -410,8 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     out["downtime"] = downtime(weights, mutable, chunk, workers, device, arena)
     drv = out["driver"]
     base = out["baseline_torch_save"]
-    out["ratios_vs_torch_save"] = {"capture": round(cap["GBps"] / base["save_GBps"], 1),
-                                   "restore": round(rest["GBps"] / base["load_GBps"], 1)}
+    out["ratios_vs_torch_save"] = {
+        "capture": round(cap["GBps"] / base["save_GBps"], 1),
+        "restore": round(rest["GBps"] / base["load_GBps"], 1),
+    }
     if "checkpoint_GBps" in drv:
         out["ratios"] = {
             "capture_vs_driver_checkpoint": round(cap["GBps"] / drv["checkpoint_GBps"], 1),

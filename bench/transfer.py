@@ -149,22 +149,42 @@ def baselines(src: Path, work: Path, nbytes: int) -> dict[str, Any]:
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
 
-    sha = (f"cd {src.parent} && find {src.name} -type f -print0 | sort -z | xargs -0 sha256sum > {work}/src.sha && "
-           f"cd {dst} && sha256sum -c --quiet {work}/src.sha")
+    sha = (
+        f"cd {src.parent} && find {src.name} -type f -print0 | sort -z | xargs -0 sha256sum > {work}/src.sha && "
+        f"cd {dst} && sha256sum -c --quiet {work}/src.sha"
+    )
     _, t_cp = best_of(fresh, lambda: run_cmd(["cp", "-r", str(src), str(dst)]))
-    out["cp"] = {"seconds": round(t_cp, 3), "GBps": gbps(nbytes, t_cp), "cpu_s_per_GB": cpu_s_per_gb(nbytes), "verified": False}
+    out["cp"] = {
+        "seconds": round(t_cp, 3),
+        "GBps": gbps(nbytes, t_cp),
+        "cpu_s_per_GB": cpu_s_per_gb(nbytes),
+        "verified": False,
+    }
     _, t_cpsha = best_of(fresh, lambda: (run_cmd(["cp", "-r", str(src), str(dst)]), run_cmd(["bash", "-c", sha])))
-    out["cp+sha256sum"] = {"seconds": round(t_cpsha, 3), "GBps": gbps(nbytes, t_cpsha), "cpu_s_per_GB": cpu_s_per_gb(nbytes),
-                           "verified": "sha256 of source and copy compared"}
+    out["cp+sha256sum"] = {
+        "seconds": round(t_cpsha, 3),
+        "GBps": gbps(nbytes, t_cpsha),
+        "cpu_s_per_GB": cpu_s_per_gb(nbytes),
+        "verified": "sha256 of source and copy compared",
+    }
     if shutil.which("rsync"):
         _, t = best_of(fresh, lambda: run_cmd(rsync_cmd(src, dst)))
-        out["rsync --whole-file"] = {"seconds": round(t, 3), "GBps": gbps(nbytes, t), "cpu_s_per_GB": cpu_s_per_gb(nbytes),
-                                     "verified": "whole-file checksum"}
+        out["rsync --whole-file"] = {
+            "seconds": round(t, 3),
+            "GBps": gbps(nbytes, t),
+            "cpu_s_per_GB": cpu_s_per_gb(nbytes),
+            "verified": "whole-file checksum",
+        }
     else:
         out["rsync --whole-file"] = {"skipped": "rsync not installed (apt-get install -y rsync)"}
     if shutil.which("rclone"):
         _, t = best_of(fresh, lambda: run_cmd(["rclone", "copy", str(src), str(dst / src.name)]))
-        out["rclone copy"] = {"seconds": round(t, 3), "GBps": gbps(nbytes, t), "cpu_s_per_GB": cpu_s_per_gb(nbytes), "verified": "md5/size"}
+        out["rclone copy"] = {
+            "seconds": round(t, 3),
+            "GBps": gbps(nbytes, t),
+            "cpu_s_per_GB": cpu_s_per_gb(nbytes),
+            "verified": "md5/size",
+        }
     else:
         out["rclone copy"] = {"skipped": "rclone not installed (apt-get install -y rclone)"}
     shutil.rmtree(dst, ignore_errors=True)
@@ -188,16 +208,29 @@ def ours(src: Path, work: Path, nbytes: int, key: bytes, parallelism: int) -> di
     ref, t_pack = best_of(fresh(store), lambda: pack_paths([src], url, key=key, parallelism=parallelism))
     cpu_pack = cpu_s_per_gb(nbytes)
     _, t_verify = best_of(lambda: None, lambda: verify(url, ref.id, key=key, parallelism=parallelism))
-    stats, t_push = best_of(fresh(dst), lambda: push(url, f"file://{dst}?sync=none", ref.id, key=key, parallelism=parallelism))
+    stats, t_push = best_of(
+        fresh(dst), lambda: push(url, f"file://{dst}?sync=none", ref.id, key=key, parallelism=parallelism)
+    )
     res = {
         "image_id": ref.id,
-        "pack_store": {"seconds": round(t_pack, 3), "GBps": gbps(nbytes, t_pack), "cpu_s_per_GB": cpu_pack,
-                       "what": "read + BLAKE3 + codec + AES-256-GCM + write to page cache (file://...?sync=none), as the baselines write"},
-        "pack_store_durable": {"seconds": round(t_durable, 3), "GBps": gbps(nbytes, t_durable),
-                               "what": "same, every chunk fdatasynced before its rename (the default; syncs on background threads, flush waits)"},
+        "pack_store": {
+            "seconds": round(t_pack, 3),
+            "GBps": gbps(nbytes, t_pack),
+            "cpu_s_per_GB": cpu_pack,
+            "what": "read + BLAKE3 + codec + AES-256-GCM + write to page cache (file://...?sync=none), as the baselines write",
+        },
+        "pack_store_durable": {
+            "seconds": round(t_durable, 3),
+            "GBps": gbps(nbytes, t_durable),
+            "what": "same, every chunk fdatasynced before its rename (the default; syncs on background threads, flush waits)",
+        },
         "verify": {"seconds": round(t_verify, 3), "GBps": gbps(nbytes, t_verify)},
         "pack_then_verify": {"seconds": round(t_pack + t_verify, 3), "GBps": gbps(nbytes, t_pack + t_verify)},
-        "push_store_to_store": {"seconds": round(t_push, 3), "GBps": gbps(nbytes, t_push), "bytes_sent": stats.bytes_sent},
+        "push_store_to_store": {
+            "seconds": round(t_push, 3),
+            "GBps": gbps(nbytes, t_push),
+            "bytes_sent": stats.bytes_sent,
+        },
         "stored_ratio": round(ref.bytes_stored / nbytes, 4),
     }
     shutil.rmtree(dst, ignore_errors=True)
@@ -220,7 +253,7 @@ def paired_with_rsync(src: Path, work: Path, nbytes: int, key: bytes, parallelis
     runs: list[dict[str, float]] = []
     for i in range(rounds):
         result: dict[str, float] = {}
-        for tool in (("rsync", "gpumigrate") if i % 2 == 0 else ("gpumigrate", "rsync")):
+        for tool in ("rsync", "gpumigrate") if i % 2 == 0 else ("gpumigrate", "rsync"):
             for d in (dst, store):
                 shutil.rmtree(d, ignore_errors=True)
             dst.mkdir(parents=True)
@@ -235,8 +268,12 @@ def paired_with_rsync(src: Path, work: Path, nbytes: int, key: bytes, parallelis
     for d in (dst, store):
         shutil.rmtree(d, ignore_errors=True)
     ratios = [r["ratio"] for r in runs]
-    return {"rounds": runs, "median_ratio": round(statistics.median(ratios), 3), "min_ratio": min(ratios),
-            "what": "pack+store (sync=none) vs rsync --whole-file, run back to back, alternating order"}
+    return {
+        "rounds": runs,
+        "median_ratio": round(statistics.median(ratios), 3),
+        "min_ratio": min(ratios),
+        "what": "pack+store (sync=none) vs rsync --whole-file, run back to back, alternating order",
+    }
 
 
 def zstd_whole_ratio(path: Path) -> float:
@@ -265,7 +302,9 @@ def incremental(weights: Path, work: Path, key: bytes, parallelism: int, full: d
             fh.write(os.urandom(64))
     dst = work / "store-remote"
     shutil.rmtree(dst, ignore_errors=True)
-    push(url, f"file://{dst}?sync=none", parent_id, key=key, parallelism=parallelism)  # the destination holds the parent
+    push(
+        url, f"file://{dst}?sync=none", parent_id, key=key, parallelism=parallelism
+    )  # the destination holds the parent
     parent_objects = set(reader.objects)
 
     def forget(root: Path, image_id: str) -> None:
@@ -291,7 +330,9 @@ def incremental(weights: Path, work: Path, key: bytes, parallelism: int, full: d
     # again, against the image just packed). Every chunk id is recomputed from the bytes, so an
     # incremental pack cannot cost less than this plus encoding the changed chunks.
     os.sync()
-    _, t_floor = timed(lambda: pack_paths([weights], url, key=key, parent=image_id, parallelism=parallelism, reuse_unchanged=False))
+    _, t_floor = timed(
+        lambda: pack_paths([weights], url, key=key, parent=image_id, parallelism=parallelism, reuse_unchanged=False)
+    )
     full_pack_s = full["pack_store"]["seconds"]
     full_push_s = full["push_store_to_store"]["seconds"]
     full_sent = full["push_store_to_store"]["bytes_sent"]
@@ -299,12 +340,24 @@ def incremental(weights: Path, work: Path, key: bytes, parallelism: int, full: d
     return {
         "chunks_changed": int(len(changed)),
         "chunks_total": int(nchunks),
-        "pack": {"seconds": round(t_pack, 3), "bytes_sent": ref.bytes_sent,
-                 "time_vs_full": round(t_pack / full_pack_s, 4), "bytes_vs_full": round(ref.bytes_sent / full_sent, 4)},
-        "rehash_only_floor": {"seconds": round(t_floor, 3), "time_vs_full": round(t_floor / full_pack_s, 4),
-                              "what": "pack of an unchanged file with reuse_unchanged=False: read + BLAKE3 of every byte, nothing stored"},
-        "push": {"seconds": round(t_push, 3), "bytes_sent": stats.bytes_sent, "chunks_sent": stats.chunks_sent,
-                 "time_vs_full": round(t_push / full_push_s, 4), "bytes_vs_full": round(stats.bytes_sent / full_sent, 4)},
+        "pack": {
+            "seconds": round(t_pack, 3),
+            "bytes_sent": ref.bytes_sent,
+            "time_vs_full": round(t_pack / full_pack_s, 4),
+            "bytes_vs_full": round(ref.bytes_sent / full_sent, 4),
+        },
+        "rehash_only_floor": {
+            "seconds": round(t_floor, 3),
+            "time_vs_full": round(t_floor / full_pack_s, 4),
+            "what": "pack of an unchanged file with reuse_unchanged=False: read + BLAKE3 of every byte, nothing stored",
+        },
+        "push": {
+            "seconds": round(t_push, 3),
+            "bytes_sent": stats.bytes_sent,
+            "chunks_sent": stats.chunks_sent,
+            "time_vs_full": round(t_push / full_push_s, 4),
+            "bytes_vs_full": round(stats.bytes_sent / full_sent, 4),
+        },
         "targets": {"bytes_vs_full": "<= 0.07", "time_vs_full": "<= 0.15"},
     }
 
@@ -378,36 +431,74 @@ def stream_bench(work: Path, image_id: str, key: bytes, parallelism: int, rate_m
     except (subprocess.CalledProcessError, RuntimeError, OSError) as exc:
         return {"skipped": f"could not build the emulated link: {exc}"}
     try:
-        echo = subprocess.Popen(["ip", "netns", "exec", NS_B, py, "-c", ECHO], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        echo = subprocess.Popen(
+            ["ip", "netns", "exec", NS_B, py, "-c", ECHO], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             eport = echo.stdout.readline().strip()  # type: ignore[union-attr]
-            rtt_ms = float(subprocess.run(["ip", "netns", "exec", NS_A, py, "-c", PING, eport], capture_output=True,
-                                          text=True, check=True, timeout=60).stdout)
+            rtt_ms = float(
+                subprocess.run(
+                    ["ip", "netns", "exec", NS_A, py, "-c", PING, eport],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=60,
+                ).stdout
+            )
         finally:
             echo.wait(timeout=30)
         # baseline: one plain TCP connection over the same link, same byte count as our stored image
         src_store = work / "store"
         nbytes = sum(p.stat().st_size for p in (src_store / "chunks").rglob("*") if p.is_file())
-        sink = subprocess.Popen(["ip", "netns", "exec", NS_B, py, "-c", RAW_SINK], stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        sink = subprocess.Popen(
+            ["ip", "netns", "exec", NS_B, py, "-c", RAW_SINK], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             port = sink.stdout.readline().strip()  # type: ignore[union-attr]
             os.sync()
-            out = subprocess.run(["ip", "netns", "exec", NS_A, py, "-c", RAW_SOURCE, port, str(nbytes)],
-                                 capture_output=True, text=True, check=True, timeout=600).stdout.split()
+            out = subprocess.run(
+                ["ip", "netns", "exec", NS_A, py, "-c", RAW_SOURCE, port, str(nbytes)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=600,
+            ).stdout.split()
             raw_s = float(out[0])
         finally:
             sink.wait(timeout=30)
         recv_store = work / "recv-store"
         shutil.rmtree(recv_store, ignore_errors=True)
-        recv = subprocess.Popen(["ip", "netns", "exec", NS_B, py, "-c", RECEIVER, f"file://{recv_store}", key.hex()],
-                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        recv = subprocess.Popen(
+            ["ip", "netns", "exec", NS_B, py, "-c", RECEIVER, f"file://{recv_store}", key.hex()],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         try:
             url = json.loads(recv.stdout.readline())["url"]  # type: ignore[union-attr]
             os.sync()
-            res = subprocess.run(["ip", "netns", "exec", NS_A, py, "-c", SENDER, f"file://{src_store}", url, image_id,
-                                  key.hex(), str(parallelism)], capture_output=True, text=True, env=env, check=True, timeout=900)
+            res = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    NS_A,
+                    py,
+                    "-c",
+                    SENDER,
+                    f"file://{src_store}",
+                    url,
+                    image_id,
+                    key.hex(),
+                    str(parallelism),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                check=True,
+                timeout=900,
+            )
             ours_res = json.loads(res.stdout.strip().splitlines()[-1])
         finally:
             os.killpg(recv.pid, signal.SIGTERM)
@@ -415,14 +506,25 @@ def stream_bench(work: Path, image_id: str, key: bytes, parallelism: int, rate_m
         shutil.rmtree(recv_store, ignore_errors=True)
         wire = ours_res["bytes_sent"] / ours_res["seconds"]
         return {
-            "link": {"rate_bytes_per_s": link_rate, "rtt_ms_configured": 20, "rtt_ms_measured": round(rtt_ms, 2),
-                     "emulation": "TUN pair + tbf + user-space delay forwarder (no sch_netem in this kernel)"},
-            "gpumigrate_stream": {"connections": parallelism, "seconds": round(ours_res["seconds"], 3),
-                                  "bytes_on_wire": ours_res["bytes_sent"],
-                                  "goodput_vs_link": round(wire / link_rate, 4),
-                                  "logical_bytes_per_s_vs_link": round(ours_res["bytes_logical"] / ours_res["seconds"] / link_rate, 4)},
-            "baseline_single_tcp": {"seconds": round(raw_s, 3), "bytes": nbytes, "goodput_vs_link": round(nbytes / raw_s / link_rate, 4),
-                                    "note": "one plain TCP connection, no TLS, no verification"},
+            "link": {
+                "rate_bytes_per_s": link_rate,
+                "rtt_ms_configured": 20,
+                "rtt_ms_measured": round(rtt_ms, 2),
+                "emulation": "TUN pair + tbf + user-space delay forwarder (no sch_netem in this kernel)",
+            },
+            "gpumigrate_stream": {
+                "connections": parallelism,
+                "seconds": round(ours_res["seconds"], 3),
+                "bytes_on_wire": ours_res["bytes_sent"],
+                "goodput_vs_link": round(wire / link_rate, 4),
+                "logical_bytes_per_s_vs_link": round(ours_res["bytes_logical"] / ours_res["seconds"] / link_rate, 4),
+            },
+            "baseline_single_tcp": {
+                "seconds": round(raw_s, 3),
+                "bytes": nbytes,
+                "goodput_vs_link": round(nbytes / raw_s / link_rate, 4),
+                "note": "one plain TCP connection, no TLS, no verification",
+            },
             "target": "goodput_vs_link >= 0.90",
         }
     except subprocess.CalledProcessError as exc:
@@ -448,8 +550,14 @@ def main() -> None:
     key = os.urandom(32)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="gm-bench-transfer-"))
     work.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"bench": "transfer", "size_mb": args.size_mb, "cpus": os.cpu_count(), "repeat": REPEAT,
-                              "loadavg_at_start": os.getloadavg(), "page_cache": "warm for every tool (same files, read back to back); os.sync() before every timed run"}
+    report: dict[str, Any] = {
+        "bench": "transfer",
+        "size_mb": args.size_mb,
+        "cpus": os.cpu_count(),
+        "repeat": REPEAT,
+        "loadavg_at_start": os.getloadavg(),
+        "page_cache": "warm for every tool (same files, read back to back); os.sync() before every timed run",
+    }
     try:
         wdir = work / "weights"
         wdir.mkdir(exist_ok=True)
@@ -467,8 +575,14 @@ def main() -> None:
                 entry["pack_store_vs_rsync"] = round(mine["pack_store"]["GBps"] / rs["GBps"], 3)
             if name == "bf16_weights_file":
                 entry["zstd_-1_whole_file_ratio"] = zstd_whole_ratio(weights)
-                entry["targets"] = {"pack_store_GBps": ">= 1.0", "pack_store_vs_rsync": ">= 2.4", "stored_ratio": "<= 0.72"}
-                entry["paired_with_rsync"] = paired_with_rsync(weights, work, size, key, args.parallelism, max(5, REPEAT))
+                entry["targets"] = {
+                    "pack_store_GBps": ">= 1.0",
+                    "pack_store_vs_rsync": ">= 2.4",
+                    "stored_ratio": "<= 0.72",
+                }
+                entry["paired_with_rsync"] = paired_with_rsync(
+                    weights, work, size, key, args.parallelism, max(5, REPEAT)
+                )
                 entry["incremental_5pct"] = incremental(weights, work, key, args.parallelism, mine)
                 if not args.skip_stream:
                     # re-pack the full (now modified) file alone so the stream carries one whole image

@@ -130,10 +130,28 @@ def link_up(rate_mbit: int, delay_ms: float) -> Link:
         _sh("ip", "-n", ns, "link", "set", dev, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         # burst must hold a whole 64 KiB GSO packet; the queue must hold a bandwidth-delay product
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
-            "burst", "256kb", "latency", "200ms")
-    proc = subprocess.Popen([sys.executable, __file__, "FORWARD", str(delay_ms)], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+        _sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_mbit}mbit",
+            "burst",
+            "256kb",
+            "latency",
+            "200ms",
+        )
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "FORWARD", str(delay_ms)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     line = proc.stdout.readline() if proc.stdout else ""
     if line.strip() != "ready":
         proc.kill()

@@ -60,7 +60,7 @@ class RunContext:
         """The plan's store with a relative ``file://`` path made absolute against the plan's folder."""
         url = self.plan.transfer.store
         if url.startswith("file://") and not url.startswith("file:///"):
-            return "file://" + str(self.resolve(url[len("file://"):]))
+            return "file://" + str(self.resolve(url[len("file://") :]))
         return url
 
     def key_ref(self) -> dict[str, str] | None:

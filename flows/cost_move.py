@@ -58,8 +58,9 @@ def trigger_deployment(name: str, parameters: dict[str, Any]) -> Any:
     return run_deployment(name=name, parameters=parameters, timeout=0)
 
 
-def decide_and_trigger(plan_path: str | Path, *, trigger: Trigger, image_bytes: int | None = None,
-                       deployment: str = MIGRATE_DEPLOYMENT) -> dict[str, Any]:
+def decide_and_trigger(
+    plan_path: str | Path, *, trigger: Trigger, image_bytes: int | None = None, deployment: str = MIGRATE_DEPLOYMENT
+) -> dict[str, Any]:
     """Evaluate the move; on a go that residency allows, write the derived plan and call ``trigger``."""
     from gpumigrate.infra.cost import evaluate_move
     from gpumigrate.infra.residency import check_region
@@ -74,24 +75,42 @@ def decide_and_trigger(plan_path: str | Path, *, trigger: Trigger, image_bytes: 
         return out
     new_plan = derived_plan(plan, decision.target)
     try:
-        check_region(new_plan.target.provider, new_plan.target.region, plan.data.allowed_jurisdictions,
-                     point="cost-move", record=lambda e, d: log.append(e, d))
+        check_region(
+            new_plan.target.provider,
+            new_plan.target.region,
+            plan.data.allowed_jurisdictions,
+            point="cost-move",
+            record=lambda e, d: log.append(e, d),
+        )
     except ResidencyError as exc:
         out.update(reason=f"residency denies {decision.target}: {exc}")
         log.append("cost.no_go", {"plan": str(plan_path), "reason": out["reason"][:300]})
         return out
     dest = state_root() / "cost-moves" / f"{plan.workload.name}-{time.strftime('%Y%m%d-%H%M%S')}.yaml"
-    atomic_write_bytes(dest, yaml.safe_dump(new_plan.model_dump(mode="json", exclude_none=True), sort_keys=False).encode())
+    atomic_write_bytes(
+        dest, yaml.safe_dump(new_plan.model_dump(mode="json", exclude_none=True), sort_keys=False).encode()
+    )
     run = trigger(deployment, {"plan_path": str(dest)})
-    out.update(triggered=True, derived_plan=str(dest), flow_run=str(getattr(run, "id", run)) if run is not None else None)
-    log.append("cost.triggered", {"plan": str(dest), "target": decision.target, "deployment": deployment,
-                                  "savings_usd": round(decision.savings_usd, 2)})
+    out.update(
+        triggered=True, derived_plan=str(dest), flow_run=str(getattr(run, "id", run)) if run is not None else None
+    )
+    log.append(
+        "cost.triggered",
+        {
+            "plan": str(dest),
+            "target": decision.target,
+            "deployment": deployment,
+            "savings_usd": round(decision.savings_usd, 2),
+        },
+    )
     return out
 
 
 @flow(name="cost-move", flow_run_name="cost-move", persist_result=False)
-def cost_move_flow(plan_path: str, image_bytes: int | None = None, deployment: str = MIGRATE_DEPLOYMENT,
-                   trigger: Trigger | None = None) -> dict[str, Any]:
+def cost_move_flow(
+    plan_path: str, image_bytes: int | None = None, deployment: str = MIGRATE_DEPLOYMENT, trigger: Trigger | None = None
+) -> dict[str, Any]:
     """Evaluate the cost model for ``plan_path``; trigger the migrate deployment only when it pays."""
-    return decide_and_trigger(plan_path, trigger=trigger or trigger_deployment, image_bytes=image_bytes,
-                              deployment=deployment)
+    return decide_and_trigger(
+        plan_path, trigger=trigger or trigger_deployment, image_bytes=image_bytes, deployment=deployment
+    )

@@ -42,8 +42,10 @@ def golden_inputs(dest: Path) -> Path:
     shipped = REPO / "examples" / "golden" / "tiny-lm.jsonl"
     if shipped.is_file():
         return shipped
-    lines = [json.dumps({"id": f"g{i:02d}", "prompt": p, "max_new_tokens": 8})
-             for i, p in enumerate(["Hello", "The GPU", "Migrate me", "zero downtime", "Envoy says", "abc"])]
+    lines = [
+        json.dumps({"id": f"g{i:02d}", "prompt": p, "max_new_tokens": 8})
+        for i, p in enumerate(["Hello", "The GPU", "Migrate me", "zero downtime", "Envoy says", "abc"])
+    ]
     atomic_write_bytes(dest, ("\n".join(lines) + "\n").encode())
     return dest
 
@@ -51,20 +53,41 @@ def golden_inputs(dest: Path) -> Path:
 def demo_plan(*, source: Any, target_host: str, store: Path, key_file: Path, golden: Path) -> dict[str, Any]:
     return {
         "version": 1,
-        "workload": {"name": WORKLOAD, "kind": "inference", "source_host": source.name, "source_provider": "local",
-                     "source_region": "local-a", "endpoint": f"http://{source.address}:{source.ports['service']}",
-                     "agent": f"{source.address}:{source.ports['agent']}"},
+        "workload": {
+            "name": WORKLOAD,
+            "kind": "inference",
+            "source_host": source.name,
+            "source_provider": "local",
+            "source_region": "local-a",
+            "endpoint": f"http://{source.address}:{source.ports['service']}",
+            "agent": f"{source.address}:{source.ports['agent']}",
+        },
         "target": {"provider": "local", "region": "local-b", "host": target_host},
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
         "snapshot": {"backend": "agent", "precopy_rounds": 2, "max_downtime_ms": 500},
-        "transfer": {"store": f"file://{store}", "compression": "auto", "encryption_key": {"file": str(key_file)},
-                     "parallelism": 2},
-        "parity": {"golden_inputs": str(golden), "atol": 1e-4, "rtol": 1e-3,
-                   "environment": {"torch": "must_match", "weights_digest": "must_match", "driver": "may_differ"}},
-        "traffic": {"stages": [{"weight": w, "hold_s": 2} for w in (5, 25, 50, 100)],
-                    "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 5,
-                              "failures_to_rollback": 2},  # two bad intervals in a row: no false alarm
-                    "analysis_interval_s": 1.0, "rollback_window_s": 0},
+        "transfer": {
+            "store": f"file://{store}",
+            "compression": "auto",
+            "encryption_key": {"file": str(key_file)},
+            "parallelism": 2,
+        },
+        "parity": {
+            "golden_inputs": str(golden),
+            "atol": 1e-4,
+            "rtol": 1e-3,
+            "environment": {"torch": "must_match", "weights_digest": "must_match", "driver": "may_differ"},
+        },
+        "traffic": {
+            "stages": [{"weight": w, "hold_s": 2} for w in (5, 25, 50, 100)],
+            "gates": {
+                "min_success_rate": 0.99,
+                "max_p99_ratio": 4.0,
+                "min_requests": 5,
+                "failures_to_rollback": 2,
+            },  # two bad intervals in a row: no false alarm
+            "analysis_interval_s": 1.0,
+            "rollback_window_s": 0,
+        },
     }
 
 
@@ -97,9 +120,25 @@ def _start_source(provider: Any, migration_id: str, name: str) -> Any:
 
     host = provider.provision(HostSpec(name=name, provider="local", region="local-a"), migration_id=migration_id)
     host = provider.wait_ready(host, timeout_s=60)
-    argv = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address,
-            "--port", str(host.ports["service"]), "--agent-port", str(host.ports["agent"]), "--seed", "0",
-            "--size", "tiny", "--device", "cpu", "--name", name]
+    argv = [
+        sys.executable,
+        "-m",
+        "gpumigrate.workloads.inference",
+        "--host",
+        host.address,
+        "--port",
+        str(host.ports["service"]),
+        "--agent-port",
+        str(host.ports["agent"]),
+        "--seed",
+        "0",
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--name",
+        name,
+    ]
     provider.spawn(host, argv, name="workload")
     wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
     return host
@@ -132,18 +171,32 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
     target_name = f"demo-b-{suffix}"
     try:
         source = _start_source(provider, mid, f"demo-a-{suffix}")
-        door = FrontDoor.start(mdir / "traffic", source_host=source.address, source_port=source.ports["service"],
-                               node_id=f"demo-envoy-{suffix}")
-        plan = demo_plan(source=source, target_host=target_name, store=mdir / "store", key_file=key_file,
-                         golden=golden_inputs(mdir / "golden.jsonl"))
+        door = FrontDoor.start(
+            mdir / "traffic",
+            source_host=source.address,
+            source_port=source.ports["service"],
+            node_id=f"demo-envoy-{suffix}",
+        )
+        plan = demo_plan(
+            source=source,
+            target_host=target_name,
+            store=mdir / "store",
+            key_file=key_file,
+            golden=golden_inputs(mdir / "golden.jsonl"),
+        )
         plan_path = mdir / "demo-plan.yaml"
         atomic_write_bytes(plan_path, yaml.safe_dump(plan, sort_keys=False).encode())
-        create_migration(plan_path, migration_id=mid, resume=False,
-                         runtime={"traffic_state_dir": str(mdir / "traffic"), "target_attached": True})
+        create_migration(
+            plan_path,
+            migration_id=mid,
+            resume=False,
+            runtime={"traffic_state_dir": str(mdir / "traffic"), "target_attached": True},
+        )
         m = Migration.open(mid)
         # Its own process: a load generator sharing this process's GIL with the flow would measure itself.
-        load = LoadProcess(door.url + "/v1/generate", rps=DEMO_RPS, seconds=600,
-                           body={"prompt": "hello", "max_new_tokens": 4})
+        load = LoadProcess(
+            door.url + "/v1/generate", rps=DEMO_RPS, seconds=600, body={"prompt": "hello", "max_new_tokens": 4}
+        )
         injector = FaultInjector(m, fault)
         view = LiveView(mid, None, enabled=live)
         lines = PhaseLines(mid)
@@ -152,10 +205,22 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
             result = run_migration(mid)
         load.stop()
         report = load.wait(timeout_s=60)
-        emit(m, "demo.load", {"rps": DEMO_RPS, "total": report.total, "failed": report.failed, "errors": report.errors,
-                              "failed_per_second": {str(b["t"]): b["failed"] for b in report.per_second if b["failed"]}})
-        merge_result(m, requests={"total": report.total, "failed": report.failed, "p50_ms": report.p50_ms,
-                                  "p99_ms": report.p99_ms}, downtime_ms=report.downtime_ms)
+        emit(
+            m,
+            "demo.load",
+            {
+                "rps": DEMO_RPS,
+                "total": report.total,
+                "failed": report.failed,
+                "errors": report.errors,
+                "failed_per_second": {str(b["t"]): b["failed"] for b in report.per_second if b["failed"]},
+            },
+        )
+        merge_result(
+            m,
+            requests={"total": report.total, "failed": report.failed, "p50_ms": report.p50_ms, "p99_ms": report.p99_ms},
+            downtime_ms=report.downtime_ms,
+        )
         from gpumigrate.flows.context import RunContext
         from gpumigrate.flows.phases import write_outputs
 

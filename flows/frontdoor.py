@@ -38,7 +38,8 @@ def read(state_dir: Path) -> dict[str, Any]:
     if not info.get("admin_urls"):
         raise TrafficError(
             f"no front door for this workload in {state_dir}: start Envoy and the control plane there "
-            f"(`gpumigrate demo` shows how) or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR")
+            f"(`gpumigrate demo` shows how) or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR"
+        )
     return info
 
 
@@ -57,23 +58,33 @@ class FrontDoor:
         return self.envoy.admin_url
 
     @classmethod
-    def start(cls, state_dir: Path, *, source_host: str, source_port: int, node_id: str = "gpumigrate-envoy",
-              workdir: Path | None = None) -> FrontDoor:
+    def start(
+        cls,
+        state_dir: Path,
+        *,
+        source_host: str,
+        source_port: int,
+        node_id: str = "gpumigrate-envoy",
+        workdir: Path | None = None,
+    ) -> FrontDoor:
         from gpumigrate.traffic.envoy import Envoy
         from gpumigrate.traffic.state import DesiredState, StateStore, Upstream
         from gpumigrate.traffic.xds import ControlPlane
 
         state_dir.mkdir(parents=True, exist_ok=True)
-        StateStore(state_dir).init(DesiredState(upstreams={"source": Upstream("source", source_host, source_port)},
-                                                weights={"source": 100.0}))
+        StateStore(state_dir).init(
+            DesiredState(upstreams={"source": Upstream("source", source_host, source_port)}, weights={"source": 100.0})
+        )
         plane = ControlPlane(state_dir).start()
         try:
             envoy = Envoy(workdir or state_dir / "envoy", xds_port=plane.port, node_id=node_id).start()
         except BaseException:
             plane.stop()
             raise
-        atomic_write_json(state_dir / FRONTDOOR, {"admin_urls": [envoy.admin_url], "listener": envoy.url,
-                                                  "nodes": [node_id], "xds_port": plane.port})
+        atomic_write_json(
+            state_dir / FRONTDOOR,
+            {"admin_urls": [envoy.admin_url], "listener": envoy.url, "nodes": [node_id], "xds_port": plane.port},
+        )
         return cls(state_dir, plane, envoy)
 
     def stop(self) -> None:

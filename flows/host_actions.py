@@ -66,8 +66,9 @@ def _criu(action: str, params: dict[str, Any]) -> dict[str, Any]:
     key_ref = params.get("key_ref") or {}
     key = transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file")) if key_ref else None
     if action == "checkpoint":
-        ref = criu.dump_and_pack(int(params["pid"]), params["images_dir"],
-                                 lambda paths: transfer.pack_paths(paths, params["store"], key=key))
+        ref = criu.dump_and_pack(
+            int(params["pid"]), params["images_dir"], lambda paths: transfer.pack_paths(paths, params["store"], key=key)
+        )
         return {"image_id": ref.id, "bytes_image": ref.bytes_image, "bytes_sent": ref.bytes_sent}
     if action == "restore":
         transfer.unpack(params["store"], params["image_id"], params["images_dir"], key=key)
@@ -84,13 +85,16 @@ def dispatch(host: str, action: str, params: dict[str, Any], *, timeout_s: float
     if os.environ.get("GPUMIGRATE_HOST_WORKERS") and os.environ.get("PREFECT_API_URL"):
         from prefect.deployments import run_deployment
 
-        run = run_deployment(name=deployment_name(host), parameters={"action": action, "params": params},
-                             timeout=timeout_s)
+        run = run_deployment(
+            name=deployment_name(host), parameters={"action": action, "params": params}, timeout=timeout_s
+        )
         state = run.state
         if state is None or not state.is_completed():
             why = (state.message or "")[:300] if state else ""
-            raise SnapshotError(f"host action {action} on {host} ended {state.name if state else 'unknown'}"
-                                f"{': ' + why if why else ''} (flow run {run.id})")
+            raise SnapshotError(
+                f"host action {action} on {host} ended {state.name if state else 'unknown'}"
+                f"{': ' + why if why else ''} (flow run {run.id})"
+            )
         return state.result()
     return run_action(action, params)
 

@@ -36,7 +36,9 @@ class PhaseLines:
             _, name, what = event.split(".")
             extra = ""
             if what == "completed":
-                extra = "  " + ", ".join(f"{k}={v}" for k, v in list(data.items())[:4] if isinstance(v, (str, int, float)))
+                extra = "  " + ", ".join(
+                    f"{k}={v}" for k, v in list(data.items())[:4] if isinstance(v, (str, int, float))
+                )
             console.print(f"[{_STYLE.get(what, 'white')}]{what:>9}[/] {name}{extra}", soft_wrap=True)
         elif event == "transfer.progress" and data.get("total"):
             pct = int(100 * data["done"] / data["total"]) // 25 * 25
@@ -53,12 +55,17 @@ class PhaseLines:
             console.print(f"  {result.error}", soft_wrap=True)
         rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
         if rq.total is not None:
-            console.print(f"  requests: {rq.total} total, {rq.failed} failed, p50 {rq.p50_ms} ms, p99 {rq.p99_ms} ms; "
-                          f"downtime {result.downtime_ms} ms", soft_wrap=True)
+            console.print(
+                f"  requests: {rq.total} total, {rq.failed} failed, p50 {rq.p50_ms} ms, p99 {rq.p99_ms} ms; "
+                f"downtime {result.downtime_ms} ms",
+                soft_wrap=True,
+            )
         if by.image is not None:
             console.print(f"  bytes: image {by.image:,}, sent {by.sent or 0:,}, stored {by.stored or 0:,}")
         if pa.passed is not None:
-            console.print(f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}")
+            console.print(
+                f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}"
+            )
         if rb.triggered:
             console.print(f"  rollback: {rb.reason} (detected in {rb.seconds_to_detect} s)", soft_wrap=True)
         # soft_wrap: a path must stay on one line, copy-pasteable.
@@ -71,8 +78,9 @@ class PhaseLines:
 class LiveView:
     """A rich Live panel for the demo: phases, ramp, load. ``load_stats`` is polled on each redraw."""
 
-    def __init__(self, migration_id: str, load_stats: Callable[[], dict[str, Any]] | None = None,
-                 *, enabled: bool = True) -> None:
+    def __init__(
+        self, migration_id: str, load_stats: Callable[[], dict[str, Any]] | None = None, *, enabled: bool = True
+    ) -> None:
         self.migration_id = migration_id
         self.load_stats = load_stats
         self.phases: dict[str, str] = dict.fromkeys(PHASES, "pending")
@@ -97,8 +105,10 @@ class LiveView:
             elif event == "traffic.interval":
                 self.ramp = data
             elif event.startswith(("traffic.stage", "traffic.cutover", "rollback.", "fault.", "traffic.gate")):
-                self.events.append(f"{time.strftime('%H:%M:%S')} {event} "
-                                   + " ".join(f"{k}={v}" for k, v in data.items() if isinstance(v, (str, int, float)))[:110])
+                self.events.append(
+                    f"{time.strftime('%H:%M:%S')} {event} "
+                    + " ".join(f"{k}={v}" for k, v in data.items() if isinstance(v, (str, int, float)))[:110]
+                )
                 self.events = self.events[-6:]
 
     def _render(self) -> Group:
@@ -111,14 +121,22 @@ class LiveView:
         parts: list[Any] = [t]
         if self.ramp:
             r = self.ramp
-            parts.append(Text(f"ramp: target weight {r.get('weight', 0):.0f}%  target errors "
-                              f"{100 * (r.get('error_rate') or 0):.2f}%  p99 target {r.get('p99_ms') or 0:.1f} ms / "
-                              f"source {r.get('source_p99_ms') or 0:.1f} ms  verdict {r.get('verdict', '')}"))
+            parts.append(
+                Text(
+                    f"ramp: target weight {r.get('weight', 0):.0f}%  target errors "
+                    f"{100 * (r.get('error_rate') or 0):.2f}%  p99 target {r.get('p99_ms') or 0:.1f} ms / "
+                    f"source {r.get('source_p99_ms') or 0:.1f} ms  verdict {r.get('verdict', '')}"
+                )
+            )
         if self.load_stats is not None:
             try:
                 s = self.load_stats()
-                parts.append(Text(f"load: {s.get('total', 0)} requests, {s.get('failed', 0)} failed, "
-                                  f"p99 {s.get('p99_ms') or 0:.1f} ms"))
+                parts.append(
+                    Text(
+                        f"load: {s.get('total', 0)} requests, {s.get('failed', 0)} failed, "
+                        f"p99 {s.get('p99_ms') or 0:.1f} ms"
+                    )
+                )
             except Exception:
                 pass
         parts += [Text(e, style="dim") for e in self.events]

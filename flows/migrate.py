@@ -177,8 +177,9 @@ def _run_name() -> str:
 
 
 @flow(name="migrate", flow_run_name=_run_name, log_prints=False, persist_result=False)
-def migrate_flow(migration_id: str | None = None, plan_path: str | None = None,
-                 gate_timeout_s: int = 3600) -> dict[str, Any]:
+def migrate_flow(
+    migration_id: str | None = None, plan_path: str | None = None, gate_timeout_s: int = 3600
+) -> dict[str, Any]:
     """Move one workload as its plan says. Returns the result contract (gpumigrate.result).
 
     From the CLI: ``migration_id`` of a created migration. From the deployment (UI, cost-move):
@@ -224,8 +225,14 @@ def migrate_flow(migration_id: str | None = None, plan_path: str | None = None,
     except (RolledBackError, ParityError) as exc:
         status, error = "rolled_back", str(exc)
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
-        merge_result(m, rollback={"triggered": True, "reason": reason[:300],
-                                  "seconds_to_detect": getattr(exc, "seconds_to_detect", None)})
+        merge_result(
+            m,
+            rollback={
+                "triggered": True,
+                "reason": reason[:300],
+                "seconds_to_detect": getattr(exc, "seconds_to_detect", None),
+            },
+        )
     except GpumigrateError as exc:
         status, error = "failed", str(exc)
     except Exception as exc:  # a library bug must still leave a result and a safe source

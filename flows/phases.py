@@ -34,7 +34,9 @@ def preflight(ctx: RunContext) -> dict[str, Any]:
     decisions = validate_plan_residency(plan, record=m.record)
     spec = spec_from_plan(plan, migration_id=m.id)
     get_provider(plan.target.provider, **wiring.provider_options(plan.target.provider)).check_capacity(spec)
-    emit(m, "infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "instance_type": spec.instance_type})
+    emit(
+        m, "infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "instance_type": spec.instance_type}
+    )
     source_info = wiring.service_info(plan.workload.endpoint) if plan.workload.endpoint else {}
     ctx.put(source_info=_facts(source_info))
     env = wiring.host_environment_parity(plan, source_info)
@@ -44,9 +46,13 @@ def preflight(ctx: RunContext) -> dict[str, Any]:
         from gpumigrate.parity.environment import EnvironmentParityError
 
         raise EnvironmentParityError(report)  # a policy denial: exit 2, nothing provisioned
-    return {"residency": "allow", "decisions": len(decisions), "target_host": spec.name,
-            "environment": "match" if env.get("passed") else "deferred",
-            "source_weights_digest": str(source_info.get("weights_digest", ""))[:64] or None}
+    return {
+        "residency": "allow",
+        "decisions": len(decisions),
+        "target_host": spec.name,
+        "environment": "match" if env.get("passed") else "deferred",
+        "source_weights_digest": str(source_info.get("weights_digest", ""))[:64] or None,
+    }
 
 
 def _facts(info: dict[str, Any]) -> dict[str, Any]:
@@ -61,16 +67,22 @@ def provision(ctx: RunContext) -> dict[str, Any]:
 
     provider = get_provider(plan.target.provider, **wiring.provider_options(plan.target.provider, ctx))
     spec = spec_from_plan(plan, migration_id=m.id)
-    host = provision_host(provider, spec, migration_id=m.id,
-                          allowed_jurisdictions=plan.data.allowed_jurisdictions, record=m.record)
+    host = provision_host(
+        provider, spec, migration_id=m.id, allowed_jurisdictions=plan.data.allowed_jurisdictions, record=m.record
+    )
     host = provider.wait_ready(host, timeout_s=300)
     ctx.put(target_host=asdict(host), target_torn_down=False)
     endpoints = wiring.start_target_workload(provider, host, ctx)
     ctx.put(**endpoints)
     # The target's own store: a copy of the image next to the target (pushed by the transfer phase).
     ctx.put(target_store=wiring.target_store_url(host, ctx.store_url()))
-    return {"host": host.name, "provider": host.provider, "region": host.region,
-            "endpoint": endpoints.get("target_endpoint"), "agent": endpoints.get("target_agent")}
+    return {
+        "host": host.name,
+        "provider": host.provider,
+        "region": host.region,
+        "endpoint": endpoints.get("target_endpoint"),
+        "agent": endpoints.get("target_agent"),
+    }
 
 
 # ----------------------------------------------------------------------------- snapshot
@@ -109,12 +121,25 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
         ctx.put(source_frozen=False)
     image_id = final["image_id"]
     ctx.put(image_id=image_id, image=final)
-    emit(m, "image.committed", {"image_id": image_id, "store": wiring.redact(store), "parent": parent,
-                                "bytes_image": final.get("bytes_image"), "bytes_sent": final.get("bytes_sent"),
-                                "precopy_rounds": len(rounds)})
+    emit(
+        m,
+        "image.committed",
+        {
+            "image_id": image_id,
+            "store": wiring.redact(store),
+            "parent": parent,
+            "bytes_image": final.get("bytes_image"),
+            "bytes_sent": final.get("bytes_sent"),
+            "precopy_rounds": len(rounds),
+        },
+    )
     merge_result(m, bytes={"image": final.get("bytes_image"), "stored": final.get("bytes_stored")})
-    return {"image_id": image_id, "precopy_rounds": len(rounds), "frozen_ms": round(frozen_ms, 1),
-            "bytes_image": final.get("bytes_image")}
+    return {
+        "image_id": image_id,
+        "precopy_rounds": len(rounds),
+        "frozen_ms": round(frozen_ms, 1),
+        "bytes_image": final.get("bytes_image"),
+    }
 
 
 def _precopy_converged(rounds: list[dict[str, Any]], max_downtime_ms: float) -> bool:
@@ -148,9 +173,14 @@ def transfer(ctx: RunContext) -> dict[str, Any]:
 
     # Residency at transfer time: the store the bytes land in, before any byte moves there.
     host = ctx.get("target_host") or {}
-    check_store(dst, host.get("region") if dst.startswith("file://") else plan.transfer.store_region,
-                plan.data.allowed_jurisdictions, target_provider=plan.target.provider,
-                target_region=plan.target.region, record=m.record)
+    check_store(
+        dst,
+        host.get("region") if dst.startswith("file://") else plan.transfer.store_region,
+        plan.data.allowed_jurisdictions,
+        target_provider=plan.target.provider,
+        target_region=plan.target.region,
+        record=m.record,
+    )
 
     progress = Progress(f"transfer of image {image_id[:12]} to {ctx.get('target_host', {}).get('name')}")
 
@@ -177,11 +207,19 @@ def restore(ctx: RunContext) -> dict[str, Any]:
         return out
     image_id = ctx.need("image_id")
     target = wiring.agent(ctx.need("target_agent"), "target")
-    out = target.restore(ctx.get("target_store") or ctx.store_url(), image_id, ctx.key_ref(),
-                         dict(ctx.plan.parity.environment))
+    out = target.restore(
+        ctx.get("target_store") or ctx.store_url(), image_id, ctx.key_ref(), dict(ctx.plan.parity.environment)
+    )
     wiring.wait_ready(ctx.need("target_endpoint"), timeout_s=120)
-    emit(m, "image.restored", {"image_id": image_id, "host": ctx.get("target_host", {}).get("name"),
-                               **{k: v for k, v in out.items() if isinstance(v, (str, int, float, bool))}})
+    emit(
+        m,
+        "image.restored",
+        {
+            "image_id": image_id,
+            "host": ctx.get("target_host", {}).get("name"),
+            **{k: v for k, v in out.items() if isinstance(v, (str, int, float, bool))},
+        },
+    )
     return {"image_id": image_id, "ready": True}
 
 
@@ -198,14 +236,21 @@ def parity(ctx: RunContext) -> dict[str, Any]:
     if golden is None:
         emit(m, "parity.output", {"passed": None, "skipped": "plan.parity.golden_inputs is not set"})
         return {"environment": "match", "output": "skipped"}
-    out = wiring.output_parity(src_url, tgt_url, golden, atol=plan.parity.atol, rtol=plan.parity.rtol,
-                               out_dir=m.artifacts / "parity")
+    out = wiring.output_parity(
+        src_url, tgt_url, golden, atol=plan.parity.atol, rtol=plan.parity.rtol, out_dir=m.artifacts / "parity"
+    )
     emit(m, "parity.output", out)
     merge_result(m, parity={k: out.get(k) for k in ("passed", "cases", "max_abs_err")})
     if not out.get("passed"):
-        raise ParityError(f"output parity failed on {len(out.get('failures', []))} checks: "
-                          f"{'; '.join(out.get('failures', [])[:3])}")
-    return {"environment": "match", "output": "passed", "cases": out.get("cases"), "max_abs_err": out.get("max_abs_err")}
+        raise ParityError(
+            f"output parity failed on {len(out.get('failures', []))} checks: {'; '.join(out.get('failures', [])[:3])}"
+        )
+    return {
+        "environment": "match",
+        "output": "passed",
+        "cases": out.get("cases"),
+        "max_abs_err": out.get("max_abs_err"),
+    }
 
 
 # ----------------------------------------------------------------------------- ramp
@@ -221,8 +266,15 @@ def ramp(ctx: RunContext) -> dict[str, Any]:
     if outcome["status"] != "completed":
         reason = outcome.get("reason") or "a gate failed"
         kind = "manual" if outcome.get("trigger") == "manual" else "automatic"
-        emit(m, f"rollback.{kind}", {"reason": reason[:300], "trigger": outcome.get("trigger"),
-                                     "seconds_to_detect": outcome.get("seconds_to_detect")})
+        emit(
+            m,
+            f"rollback.{kind}",
+            {
+                "reason": reason[:300],
+                "trigger": outcome.get("trigger"),
+                "seconds_to_detect": outcome.get("seconds_to_detect"),
+            },
+        )
         raise RolledBackError(reason, seconds_to_detect=outcome.get("seconds_to_detect"))
     emit(m, "traffic.cutover", {"weight": 100})
     return {"stages": outcome.get("stages"), "intervals": len(samples)}
@@ -240,9 +292,16 @@ def finalize(ctx: RunContext) -> dict[str, Any]:
         emit(m, "source.zeroized", {k: v for k, v in record.items() if isinstance(v, (str, int, float, bool))})
         ctx.put(source_zeroized=True, source_retired=True)
         return {"source": "zeroized"}
-    emit(m, "source.kept_warm", {"until": deadline, "rollback_window_s": window,
-                                 "note": f"`gpumigrate rollback {m.id}` works until then; "
-                                         f"`gpumigrate retire {m.id}` zeroizes the source after it"})
+    emit(
+        m,
+        "source.kept_warm",
+        {
+            "until": deadline,
+            "rollback_window_s": window,
+            "note": f"`gpumigrate rollback {m.id}` works until then; "
+            f"`gpumigrate retire {m.id}` zeroizes the source after it",
+        },
+    )
     return {"source": "warm", "rollback_window_s": window}
 
 
@@ -252,7 +311,7 @@ def still_valid(ctx: RunContext, name: str) -> bool:
     if name in ("provision", "restore"):
         endpoint = ctx.get("target_endpoint")
         if not endpoint or not wiring.alive(endpoint):
-            for later in PHASES[PHASES.index("provision"):]:
+            for later in PHASES[PHASES.index("provision") :]:
                 if ctx.migration.phase(later).get("status") == "completed":
                     ctx.migration.set_phase(later, "pending")
             notify(ctx.migration.id, "phase.provision.invalid", {"reason": "target not answering"})
@@ -318,11 +377,20 @@ def undo_target(migration_id: str, *, reason: str) -> None:
         return
     ctx = RunContext(m, _quietly("plan", _plan_of, m))
     reason = failure_reason(m, reason)
-    if ctx.get("target_host") and not ctx.get("target_torn_down") and _quietly("terminate", wiring.terminate_target, ctx):
+    if (
+        ctx.get("target_host")
+        and not ctx.get("target_torn_down")
+        and _quietly("terminate", wiring.terminate_target, ctx)
+    ):
         _quietly("state", ctx.put, target_torn_down=True)
-        _quietly("record", emit, m, "rollback.target_torn_down",
-                 {"host": ctx.get("target_host", {}).get("name"), "reason": reason})
-    for name in PHASES[PHASES.index("provision"):]:
+        _quietly(
+            "record",
+            emit,
+            m,
+            "rollback.target_torn_down",
+            {"host": ctx.get("target_host", {}).get("name"), "reason": reason},
+        )
+    for name in PHASES[PHASES.index("provision") :]:
         if _quietly("phase", m.phase, name) and m.phase(name).get("status") in ("completed", "running", "failed"):
             _quietly("state", m.set_phase, name, "rolled_back")
     undo_source(migration_id)

@@ -38,12 +38,18 @@ def publish(ctx: Any, result: MigrationResult) -> None:
         from gpumigrate.flows.report import phase_rows, summary_markdown
 
         m = ctx.migration
-        create_markdown_artifact(markdown=summary_markdown(m, result), key=_key(m.id, "summary"),
-                                 description=f"migration {m.id}: {result.status}")
+        create_markdown_artifact(
+            markdown=summary_markdown(m, result),
+            key=_key(m.id, "summary"),
+            description=f"migration {m.id}: {result.status}",
+        )
         create_table_artifact(table=phase_rows(m), key=_key(m.id, "phases"), description="phases")
         if result.chart:
-            create_image_artifact(image_url=Path(result.chart).resolve().as_uri(), key=_key(m.id, "ramp-chart"),
-                                  description="traffic weight, error rate and p99 over the ramp")
+            create_image_artifact(
+                image_url=Path(result.chart).resolve().as_uri(),
+                key=_key(m.id, "ramp-chart"),
+                description="traffic weight, error rate and p99 over the ramp",
+            )
     except Exception:
         _log.warning("could not publish Prefect artifacts", exc_info=True)
 

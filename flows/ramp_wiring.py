@@ -24,10 +24,18 @@ def flatten(sample: dict[str, Any]) -> dict[str, Any]:
     clusters = sample.get("clusters", {})
     tgt, src = clusters.get(TARGET, {}), clusters.get(SOURCE, {})
     analysis = sample.get("analysis", {})
-    return {"t": sample.get("t"), "weight": sample.get("weight"), "stage": sample.get("stage"),
-            "error_rate": tgt.get("error_rate"), "p99_ms": tgt.get("p99_ms"), "rps": tgt.get("rps"),
-            "source_p99_ms": src.get("p99_ms"), "source_rps": src.get("rps"),
-            "verdict": analysis.get("verdict"), "reason": (analysis.get("reason") or "")[:200]}
+    return {
+        "t": sample.get("t"),
+        "weight": sample.get("weight"),
+        "stage": sample.get("stage"),
+        "error_rate": tgt.get("error_rate"),
+        "p99_ms": tgt.get("p99_ms"),
+        "rps": tgt.get("rps"),
+        "source_p99_ms": src.get("p99_ms"),
+        "source_rps": src.get("rps"),
+        "verdict": analysis.get("verdict"),
+        "reason": (analysis.get("reason") or "")[:200],
+    }
 
 
 def _add_target(store: Any, host: str, port: int) -> Any:
@@ -58,8 +66,9 @@ class ProbeComparator:
         try:
             return self.inner.compare(src, tgt)
         except Exception as exc:
-            return ParityReport(passed=False, cases=len(src), max_abs_err=None,
-                                failures=(f"probe comparison failed: {exc}",))
+            return ParityReport(
+                passed=False, cases=len(src), max_abs_err=None, failures=(f"probe comparison failed: {exc}",)
+            )
 
 
 def _prober(ctx: Any, listener: str | None) -> Any:
@@ -105,20 +114,51 @@ def run_ramp(ctx: Any) -> dict[str, Any]:
         done = sum(1 for s in stages if s <= w)
         progress.update(100.0 * done / len(stages))
 
-    controller = RampController(state_dir, door["admin_urls"], settings, nodes=nodes, source=SOURCE, target=TARGET,
-                                prober=_prober(ctx, door.get("listener")), rollback_signal=m.rollback_requested,
-                                on_interval=on_interval)
+    controller = RampController(
+        state_dir,
+        door["admin_urls"],
+        settings,
+        nodes=nodes,
+        source=SOURCE,
+        target=TARGET,
+        prober=_prober(ctx, door.get("listener")),
+        rollback_signal=m.rollback_requested,
+        on_interval=on_interval,
+    )
     result = controller.run()
     progress.update(100.0, force=True)
     samples = [flatten(s.to_json()) for s in result.samples]
     if result.status != "completed":  # the chart shows the weight falling back to the source
-        samples.append({"t": round(result.seconds, 3), "weight": 0.0, "stage": None, "error_rate": None,
-                        "p99_ms": None, "source_p99_ms": None, "verdict": "rolled_back", "reason": result.reason})
-    out = {"status": result.status, "reason": result.reason, "trigger": result.trigger,
-           "seconds_to_detect": result.seconds_to_detect, "stages": len(result.stages), "samples": samples,
-           "rollback_applied_s": result.rollback_applied_s}
+        samples.append(
+            {
+                "t": round(result.seconds, 3),
+                "weight": 0.0,
+                "stage": None,
+                "error_rate": None,
+                "p99_ms": None,
+                "source_p99_ms": None,
+                "verdict": "rolled_back",
+                "reason": result.reason,
+            }
+        )
+    out = {
+        "status": result.status,
+        "reason": result.reason,
+        "trigger": result.trigger,
+        "seconds_to_detect": result.seconds_to_detect,
+        "stages": len(result.stages),
+        "samples": samples,
+        "rollback_applied_s": result.rollback_applied_s,
+    }
     if result.status != "completed":
-        emit(m, "traffic.rolled_back", {"reason": (result.reason or "")[:300], "trigger": result.trigger,
-                                        "seconds_to_detect": result.seconds_to_detect,
-                                        "applied_s": result.rollback_applied_s})
+        emit(
+            m,
+            "traffic.rolled_back",
+            {
+                "reason": (result.reason or "")[:300],
+                "trigger": result.trigger,
+                "seconds_to_detect": result.seconds_to_detect,
+                "applied_s": result.rollback_applied_s,
+            },
+        )
     return out

@@ -75,7 +75,11 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
     return MigrationResult(
         migration_id=migration.id,
         status=final_status,
-        phases={n: PhaseResult(status=p.get("status", "pending"), seconds=p.get("seconds")) for n, p in phases.items() if n in PHASES},
+        phases={
+            n: PhaseResult(status=p.get("status", "pending"), seconds=p.get("seconds"))
+            for n, p in phases.items()
+            if n in PHASES
+        },
         requests=Requests(**res.get("requests", {})),
         downtime_ms=res.get("downtime_ms"),
         bytes=Bytes(**res.get("bytes", {})),
@@ -89,6 +93,7 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
 
 def merge_result(migration: Migration, **sections: Any) -> None:
     """Fold fields into ``state.result`` (dicts are merged one level deep, None never overwrites)."""
+
     def change(state: dict[str, Any]) -> None:
         res = state.setdefault("result", {})
         for key, value in sections.items():
@@ -114,8 +119,14 @@ def phase_rows(migration: Migration) -> list[dict[str, Any]]:
     for name in PHASES:
         p = phases.get(name, {"status": "pending"})
         detail = {k: v for k, v in (p.get("result") or {}).items() if isinstance(v, (str, int, float, bool))}
-        rows.append({"phase": name, "status": p.get("status", "pending"), "seconds": p.get("seconds"),
-                     "detail": ", ".join(f"{k}={_fmt(v)}" for k, v in list(detail.items())[:6])})
+        rows.append(
+            {
+                "phase": name,
+                "status": p.get("status", "pending"),
+                "seconds": p.get("seconds"),
+                "detail": ", ".join(f"{k}={_fmt(v)}" for k, v in list(detail.items())[:6]),
+            }
+        )
     return rows
 
 

@@ -32,21 +32,27 @@ def retire_source(migration_id: str, *, force: bool = False, actor: str | None =
     if status != "completed":
         raise InvalidInputError(
             f"migration {m.id} is {status!r}: only a migration that cut over can retire its source "
-            "(a rolled-back or failed migration keeps serving from the source)")
+            "(a rolled-back or failed migration keeps serving from the source)"
+        )
     deadline = ctx.get("rollback_deadline")
     now = time.time()
     if deadline is not None and now < deadline and not force:
         raise InvalidInputError(
             f"the rollback window of migration {m.id} is open until {_iso(deadline)} "
-            f"({deadline - now:.0f}s left): the source must stay warm until then; use --force to retire now")
+            f"({deadline - now:.0f}s left): the source must stay warm until then; use --force to retire now"
+        )
     if ctx.get("source_zeroized"):
         record: dict[str, Any] = {"already": True}
     else:
         record = wiring.agent(plan.workload.agent, "source").zeroize()
         if record.get("verified") is False:
             raise SnapshotError(f"zeroize of the source of {m.id} could not be verified: {record}")
-        emit(m, "source.zeroized", {k: v for k, v in record.items() if isinstance(v, (str, int, float, bool))},
-             actor=actor)
+        emit(
+            m,
+            "source.zeroized",
+            {k: v for k, v in record.items() if isinstance(v, (str, int, float, bool))},
+            actor=actor,
+        )
         ctx.put(source_zeroized=True)
     ctx.put(source_retired=True)
     emit(m, "source.retired", {"forced": bool(force and deadline is not None and now < deadline)}, actor=actor)

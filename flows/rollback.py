@@ -51,8 +51,9 @@ def _answer_gate(flow_run_id: str | None, reason: str) -> None:
         pass
 
 
-def rollback_migration(migration_id: str, *, reason: str, actor: str | None = None,
-                       wait_s: float | None = None) -> dict[str, Any]:
+def rollback_migration(
+    migration_id: str, *, reason: str, actor: str | None = None, wait_s: float | None = None
+) -> dict[str, Any]:
     """Roll a migration back. Idempotent. Returns ``{"status", "how", "exit_code", ...}``."""
     ctx = RunContext.load(migration_id)
     m, plan = ctx.migration, ctx.plan
@@ -60,18 +61,24 @@ def rollback_migration(migration_id: str, *, reason: str, actor: str | None = No
     if status == "rolled_back":
         return {"migration_id": m.id, "status": "rolled_back", "how": "already rolled back", "exit_code": EXIT_OK}
     if status == "denied":
-        return {"migration_id": m.id, "status": "denied", "how": "denied before anything moved: nothing to undo",
-                "exit_code": EXIT_OK}
+        return {
+            "migration_id": m.id,
+            "status": "denied",
+            "how": "denied before anything moved: nothing to undo",
+            "exit_code": EXIT_OK,
+        }
     if status == "completed" and ctx.get("source_zeroized"):
         raise InvalidInputError(
             f"migration {m.id} cut over and its source was zeroized (retired): there is nothing to roll back to; "
-            "migrate back with a new plan instead")
+            "migrate back with a new plan instead"
+        )
     if status == "completed":
         deadline = ctx.get("rollback_deadline")
         if deadline is not None and time.time() > deadline:
             raise InvalidInputError(
                 f"migration {m.id} cut over and its rollback window ({plan.traffic.rollback_window_s:.0f}s) is over: "
-                "the source may be zeroized; migrate back with a new plan instead")
+                "the source may be zeroized; migrate back with a new plan instead"
+            )
     m.request_rollback(reason, actor=actor)
     alive = _flow_alive(ctx)
     if status in ("running", "paused") and alive is not False:
@@ -85,8 +92,12 @@ def rollback_migration(migration_id: str, *, reason: str, actor: str | None = No
         final = m.read().get("status")
         if final not in ("running", "paused") or alive:
             how = "requested; the running flow rolled back" if final == "rolled_back" else f"requested; flow is {final}"
-            return {"migration_id": m.id, "status": final, "how": how,
-                    "exit_code": EXIT_OK if final == "rolled_back" else EXIT_FAILURE}
+            return {
+                "migration_id": m.id,
+                "status": final,
+                "how": how,
+                "exit_code": EXIT_OK if final == "rolled_back" else EXIT_FAILURE,
+            }
         # Its flow ran on another host and did not act within the wait: treat it as gone.
     # No flow is acting on it (it ended, or its process died): undo here, in the same order.
     phases.undo_all(migration_id, reason=reason)
@@ -94,8 +105,12 @@ def rollback_migration(migration_id: str, *, reason: str, actor: str | None = No
     merge_result(m, rollback={"triggered": True, "reason": reason[:300]})
     emit(m, "rollback.completed", {"reason": reason[:300], "after": status}, actor=actor)
     phases.write_outputs(ctx, status="rolled_back", error=f"rolled back: {reason}")
-    return {"migration_id": m.id, "status": "rolled_back", "how": "traffic to source, target torn down",
-            "exit_code": EXIT_OK}
+    return {
+        "migration_id": m.id,
+        "status": "rolled_back",
+        "how": "traffic to source, target torn down",
+        "exit_code": EXIT_OK,
+    }
 
 
 @flow(name="rollback", flow_run_name="rollback-{migration_id}", persist_result=False)

@@ -13,8 +13,9 @@ from gpumigrate.flows import prefect_env
 from gpumigrate.result import MigrationResult
 
 
-def create_migration(plan_path: str | Path, *, migration_id: str | None, resume: bool,
-                     runtime: dict[str, Any] | None = None) -> str:
+def create_migration(
+    plan_path: str | Path, *, migration_id: str | None, resume: bool, runtime: dict[str, Any] | None = None
+) -> str:
     """Validate the plan and create (or, with ``resume``, reopen) the migration's state record."""
     from gpumigrate.errors import InvalidInputError
     from gpumigrate.flows.context import RunContext

@@ -85,15 +85,31 @@ def start_target_workload(provider: Any, host: Host, ctx: Any) -> dict[str, Any]
     if alive(endpoint):  # a retried or resumed provision: the workload already runs there
         return {"target_endpoint": endpoint, "target_agent": agent_addr}
     if plan.workload.kind != "inference":
-        raise InvalidInputError("the flows start inference workloads on a target; training targets must be "
-                                "started with the training job's --await-restore on the target host")
-    argv = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address,
-            "--port", str(service_port), "--agent-port", str(agent_port), "--name", host.name, "--await-restore",
-            *_same_model_args(ctx.get("source_info") or {})]
+        raise InvalidInputError(
+            "the flows start inference workloads on a target; training targets must be "
+            "started with the training job's --await-restore on the target host"
+        )
+    argv = [
+        sys.executable,
+        "-m",
+        "gpumigrate.workloads.inference",
+        "--host",
+        host.address,
+        "--port",
+        str(service_port),
+        "--agent-port",
+        str(agent_port),
+        "--name",
+        host.name,
+        "--await-restore",
+        *_same_model_args(ctx.get("source_info") or {}),
+    ]
     spawn = getattr(provider, "spawn", None)
     if spawn is None:
-        raise ProviderError(f"provider {host.provider} cannot start processes on {host.name}: "
-                            "boot the workload from the machine image instead")
+        raise ProviderError(
+            f"provider {host.provider} cannot start processes on {host.name}: "
+            "boot the workload from the machine image instead"
+        )
     spawn(host, argv, name="workload")
     wait_alive(endpoint, timeout_s=120)
     return {"target_endpoint": endpoint, "target_agent": agent_addr}
@@ -101,8 +117,14 @@ def start_target_workload(provider: Any, host: Host, ctx: Any) -> dict[str, Any]
 
 def _same_model_args(info: dict[str, Any]) -> list[str]:
     """The target allocates the source's model shape (same seed/size/dtype/device) to restore into."""
-    args = ["--seed", str(info.get("seed", 0)), "--dtype", str(info.get("dtype", "float32")),
-            "--device", str(info.get("device") or "cpu")]
+    args = [
+        "--seed",
+        str(info.get("seed", 0)),
+        "--dtype",
+        str(info.get("dtype", "float32")),
+        "--device",
+        str(info.get("device") or "cpu"),
+    ]
     if info.get("params_mb"):
         return [*args, "--params-mb", str(info["params_mb"])]
     return [*args, "--size", str(info.get("size") or "tiny")]
@@ -166,15 +188,17 @@ class _Agent:
         flat["image_id"] = image.get("id") or d.get("image_id")
         return {k: v for k, v in flat.items() if isinstance(v, (str, int, float, bool, type(None)))}
 
-    def precopy(self, store: str, key_ref: dict | None, parent: str | None,
-                options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def precopy(
+        self, store: str, key_ref: dict | None, parent: str | None, options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return self._flat(self.client.precopy(store, key_ref or {}, parent=parent, options=options))
 
     def freeze(self) -> None:
         self.client.freeze()
 
-    def final(self, store: str, key_ref: dict | None, parent: str | None,
-              options: dict[str, Any] | None = None) -> dict[str, Any]:
+    def final(
+        self, store: str, key_ref: dict | None, parent: str | None, options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         out = self._flat(self.client.final(store, key_ref or {}, parent=parent, options=options))
         if not out.get("image_id"):
             raise SnapshotError(f"the {self.side} agent committed no image")
@@ -203,8 +227,10 @@ def host_level_snapshot(ctx: Any) -> dict[str, Any]:
     plan = ctx.plan
     pid = ctx.get("source_info", {}).get("pid")
     if not pid:
-        raise InvalidInputError(f"the {plan.snapshot.backend} backend acts on the source process by pid, and "
-                                f"{plan.workload.endpoint}/v1/info reports none")
+        raise InvalidInputError(
+            f"the {plan.snapshot.backend} backend acts on the source process by pid, and "
+            f"{plan.workload.endpoint}/v1/info reports none"
+        )
     params: dict[str, Any] = {"backend": plan.snapshot.backend, "pid": int(pid)}
     if plan.snapshot.backend == "criu":
         params.update(images_dir=str(ctx.migration.dir / "criu-dump"), store=ctx.store_url(), key_ref=ctx.key_ref())
@@ -224,9 +250,17 @@ def host_level_restore(ctx: Any) -> dict[str, Any]:
         out = dispatch(plan.workload.source_host, "restore", {"backend": "cuda-driver", "pid": ctx.need("source_pid")})
     else:
         host = ctx.need("target_host")
-        out = dispatch(host["name"], "restore", {
-            "backend": "criu", "store": ctx.get("target_store") or ctx.store_url(), "image_id": ctx.need("image_id"),
-            "images_dir": str(Path(host.get("workdir") or ctx.migration.dir) / "criu-restore"), "key_ref": ctx.key_ref()})
+        out = dispatch(
+            host["name"],
+            "restore",
+            {
+                "backend": "criu",
+                "store": ctx.get("target_store") or ctx.store_url(),
+                "image_id": ctx.need("image_id"),
+                "images_dir": str(Path(host.get("workdir") or ctx.migration.dir) / "criu-restore"),
+                "key_ref": ctx.key_ref(),
+            },
+        )
     return {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool))}
 
 
@@ -239,7 +273,9 @@ def resolve_key(key_ref: dict[str, str] | None) -> bytes | None:
     return _resolve(env=key_ref.get("env"), file=key_ref.get("file"))
 
 
-def push_image(src: str, dst: str, image_id: str, key: bytes | None, *, parallelism: int, progress: Any) -> dict[str, Any]:
+def push_image(
+    src: str, dst: str, image_id: str, key: bytes | None, *, parallelism: int, progress: Any
+) -> dict[str, Any]:
     from gpumigrate.transfer import push
 
     kwargs: dict[str, Any] = {"key": key, "parallelism": parallelism, "progress": progress}

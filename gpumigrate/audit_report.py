@@ -33,7 +33,9 @@ def build_report(migration: Migration, head: ChainHead) -> dict[str, Any]:
         "images": [r["data"] for r in pick("image.")],
         "parity": [r["data"] for r in pick("parity.")],
         "traffic": [{"at": _iso(r["ts"]), "event": r["event"], **r["data"]} for r in pick("traffic.")],
-        "rollbacks": [{"at": _iso(r["ts"]), "event": r["event"], "actor": r["actor"], **r["data"]} for r in pick("rollback.")],
+        "rollbacks": [
+            {"at": _iso(r["ts"]), "event": r["event"], "actor": r["actor"], **r["data"]} for r in pick("rollback.")
+        ],
         "timeline": [{"seq": r["seq"], "at": _iso(r["ts"]), "actor": r["actor"], "event": r["event"]} for r in records],
     }
 
@@ -64,6 +66,8 @@ def render_traffic(report: dict[str, Any], console: Console) -> None:
     for col in ("at", "event", "detail"):
         table.add_column(col)
     for r in rows:
-        detail = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("at", "event") and not isinstance(v, (dict, list)))
+        detail = ", ".join(
+            f"{k}={v}" for k, v in r.items() if k not in ("at", "event") and not isinstance(v, (dict, list))
+        )
         table.add_row(r["at"], r["event"], detail[:120])
     console.print(table)

@@ -93,7 +93,9 @@ class Target(_Model):
     provider: Literal["local", "aws", "gcp"]
     region: str
     zone: str | None = None
-    instance_type: str | None = Field(default=None, description="Cloud machine type, e.g. p5.48xlarge or a3-highgpu-8g.")
+    instance_type: str | None = Field(
+        default=None, description="Cloud machine type, e.g. p5.48xlarge or a3-highgpu-8g."
+    )
     gpu_model: Literal["none", "T4", "L4", "A10G", "A100-40GB", "A100-80GB", "H100", "H200", "B200"] = "none"
     gpu_count: Annotated[int, Field(ge=0, le=16)] = 0
     host: str | None = Field(default=None, description="Local provider: name of the target host.")
@@ -122,7 +124,8 @@ class Target(_Model):
 class DataPolicy(_Model):
     classification: Literal["public", "internal", "confidential", "restricted"]
     allowed_jurisdictions: list[str] = Field(
-        min_length=1, description="Countries (ISO 3166 alpha-2, e.g. DE) or blocs (EU, EEA, US, ...) the data may live in."
+        min_length=1,
+        description="Countries (ISO 3166 alpha-2, e.g. DE) or blocs (EU, EEA, US, ...) the data may live in.",
     )
 
     @field_validator("allowed_jurisdictions")
@@ -130,7 +133,9 @@ class DataPolicy(_Model):
     def _codes(cls, v: list[str]) -> list[str]:
         for code in v:
             if not re.match(r"^[A-Z]{2,5}$|^ANY$|^LOCAL$", code):
-                raise ValueError(f"{code!r} is not a jurisdiction code: use ISO country codes (DE) or blocs (EU, EEA, US), ANY or LOCAL")
+                raise ValueError(
+                    f"{code!r} is not a jurisdiction code: use ISO country codes (DE) or blocs (EU, EEA, US), ANY or LOCAL"
+                )
         return v
 
 
@@ -140,7 +145,9 @@ class Snapshot(_Model):
     max_downtime_ms: Annotated[int, Field(gt=0, le=600_000)] = 500
 
 
-_STORE_RE = re.compile(r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|gs://[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9](/.*)?|stream://[A-Za-z0-9_.\-\[\]:]+:\d{1,5})$")
+_STORE_RE = re.compile(
+    r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|gs://[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9](/.*)?|stream://[A-Za-z0-9_.\-\[\]:]+:\d{1,5})$"
+)
 
 
 class KeyRef(_Model):
@@ -161,7 +168,8 @@ class KeyRef(_Model):
 class Transfer(_Model):
     store: str = Field(description="file:///path, s3://bucket/prefix, gs://bucket/prefix or stream://host:port")
     compression: Literal["auto", "none", "zstd", "byteplane"] = Field(
-        default="auto", description="auto picks per chunk (byte-plane for float tensors, zstd, or none when a sample gains < 5%)."
+        default="auto",
+        description="auto picks per chunk (byte-plane for float tensors, zstd, or none when a sample gains < 5%).",
     )
     encryption_key: KeyRef | None = None
     parallelism: Annotated[int, Field(ge=1, le=64)] = 4
@@ -221,7 +229,9 @@ class Cost(_Model):
     horizon_hours: Annotated[float, Field(gt=0, le=24 * 365)] = 24 * 30
     min_savings_usd: Annotated[float, Field(ge=0)] = 0
     schedule: str | None = Field(default=None, description="cron expression for scheduled cost-driven moves")
-    candidates: list[str] = Field(default_factory=list, description="provider:region[:instance_type] the cost planner may propose")
+    candidates: list[str] = Field(
+        default_factory=list, description="provider:region[:instance_type] the cost planner may propose"
+    )
 
 
 class Plan(_Model):
@@ -238,7 +248,9 @@ class Plan(_Model):
     @model_validator(mode="after")
     def _cross(self) -> Plan:
         if self.snapshot.backend == "cuda-driver" and self.target.provider != "local":
-            raise ValueError("snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts")
+            raise ValueError(
+                "snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts"
+            )
         return self
 
 
@@ -257,7 +269,9 @@ def _loc(loc: tuple) -> str:
 def parse_plan(data: object, source: str = "<plan>") -> Plan:
     """Validate already-parsed YAML/JSON data. Raises :class:`PlanError` with field paths."""
     if not isinstance(data, dict):
-        raise PlanError(source, [("(plan)", "the plan must be a YAML mapping with workload, target, data and transfer")])
+        raise PlanError(
+            source, [("(plan)", "the plan must be a YAML mapping with workload, target, data and transfer")]
+        )
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:

@@ -174,7 +174,9 @@ class Migration:
 
     # -- rollback signal -----------------------------------------------------------
     def request_rollback(self, reason: str, *, actor: str | None = None) -> None:
-        atomic_write_json(self.dir / "rollback.request", {"reason": reason, "actor": actor or operator(), "ts": time.time()})
+        atomic_write_json(
+            self.dir / "rollback.request", {"reason": reason, "actor": actor or operator(), "ts": time.time()}
+        )
         self.record("rollback.requested", {"reason": reason}, actor=actor)
 
     def rollback_requested(self) -> dict[str, Any] | None:

@@ -88,12 +88,16 @@ def provision_host(
     check_region(spec.provider, spec.region, allowed_jurisdictions, point="provision", record=record)
     provider.check_capacity(spec)
     if record is not None:
-        record("infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "zone": spec.zone,
-                                      "instance_type": spec.instance_type})
+        record(
+            "infra.capacity.ok",
+            {"provider": spec.provider, "region": spec.region, "zone": spec.zone, "instance_type": spec.instance_type},
+        )
     host = provider.provision(spec, migration_id=migration_id)
     if record is not None:
-        record("infra.provisioned", {"provider": host.provider, "region": host.region, "host": host.name,
-                                     "instance_id": host.instance_id})
+        record(
+            "infra.provisioned",
+            {"provider": host.provider, "region": host.region, "host": host.name, "instance_id": host.instance_id},
+        )
     return host
 
 

@@ -49,7 +49,12 @@ STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard (A, C, D, H, I, M, R
 CAPACITY_CODES = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity", "Unsupported"}
 QUOTA_ERROR_CODES = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
 GONE_CODES = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
-QUOTA_UNAVAILABLE = {"NoSuchResourceException", "UnknownOperationException", "AccessDeniedException", "ServiceException"}
+QUOTA_UNAVAILABLE = {
+    "NoSuchResourceException",
+    "UnknownOperationException",
+    "AccessDeniedException",
+    "ServiceException",
+}
 # The Deep Learning Base AMI (NVIDIA driver) published by AWS as an SSM public parameter.
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 
@@ -140,7 +145,9 @@ class AwsProvider:
             return ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "InvalidInstanceType":
-                raise CapacityError(f"instance type {instance_type!r} does not exist in AWS {region}", region=region) from None
+                raise CapacityError(
+                    f"instance type {instance_type!r} does not exist in AWS {region}", region=region
+                ) from None
             raise _translate(exc, "DescribeInstanceTypes", region) from None
         except BotoCoreError as exc:
             raise _translate(exc, "DescribeInstanceTypes", region) from None
@@ -165,7 +172,9 @@ class AwsProvider:
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in QUOTA_UNAVAILABLE:
                 return None
-            raise ProviderError(f"AWS Service Quotas in {region} failed: {exc.response.get('Error', {}).get('Code')}") from None
+            raise ProviderError(
+                f"AWS Service Quotas in {region} failed: {exc.response.get('Error', {}).get('Code')}"
+            ) from None
         except NoCredentialsError as exc:
             raise _translate(exc, "GetServiceQuota", region) from None
         except BotoCoreError:
@@ -212,12 +221,18 @@ class AwsProvider:
             raise CapacityError(f"instance type {itype} is not offered in any zone of {region}", region=region)
         if spec.zone and spec.zone not in zones:
             raise CapacityError(
-                f"instance type {itype} is not offered in zone {spec.zone}: offered in {', '.join(zones)}", region=region
+                f"instance type {itype} is not offered in zone {spec.zone}: offered in {', '.join(zones)}",
+                region=region,
             )
         vcpus = int(info["VCpuInfo"]["DefaultVCpus"])
         code, qname = quota_for(itype)
-        report: dict[str, Any] = {"instance_type": itype, "gpus": f"{gpu_count} x {gpu_name}", "zones": zones,
-                                  "vcpus": vcpus, "quota_code": code}
+        report: dict[str, Any] = {
+            "instance_type": itype,
+            "gpus": f"{gpu_count} x {gpu_name}",
+            "zones": zones,
+            "vcpus": vcpus,
+            "quota_code": code,
+        }
         limit = self.vcpu_quota(itype, region) if self.check_quota else None
         if limit is None:
             report["quota"] = "unchecked: Service Quotas did not answer here; a launch over quota fails with rule quota"
@@ -310,8 +325,11 @@ class AwsProvider:
                 raise ProviderError(f"AWS instance {host.instance_id} is {state} while waiting for it to run")
             if state == "running":
                 st = self._call(
-                    "DescribeInstanceStatus", host.region, ec2.describe_instance_status,
-                    InstanceIds=[host.instance_id], IncludeAllInstances=True,
+                    "DescribeInstanceStatus",
+                    host.region,
+                    ec2.describe_instance_status,
+                    InstanceIds=[host.instance_id],
+                    IncludeAllInstances=True,
                 )["InstanceStatuses"]
                 checks = [st[0]["InstanceStatus"]["Status"], st[0]["SystemStatus"]["Status"]] if st else []
                 if checks and all(c == "ok" for c in checks):

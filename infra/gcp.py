@@ -46,7 +46,11 @@ ACCELERATORS: dict[str, tuple[str, str]] = {
     "H200": ("nvidia-h200-141gb", "NVIDIA_H200_GPUS"),
     "B200": ("nvidia-b200", "NVIDIA_B200_GPUS"),
 }
-CAPACITY_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", "RESOURCE_POOL_EXHAUSTED")
+CAPACITY_CODES = (
+    "ZONE_RESOURCE_POOL_EXHAUSTED",
+    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
+    "RESOURCE_POOL_EXHAUSTED",
+)
 QUOTA_CODES = ("QUOTA_EXCEEDED",)
 _QUOTA_TEXT = re.compile(r"Quota '[A-Z0-9_]+' exceeded|quotaExceeded")
 DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu124-ubuntu-2204-py310"
@@ -194,13 +198,20 @@ class GcpProvider:
         zone = str(spec.zone)
         mt = self.machine_type(zone, spec.instance_type, region)
         acc_type, count, built_in = self._gpus_of(spec, mt)
-        report: dict[str, Any] = {"machine_type": spec.instance_type, "zone": zone, "gpus": f"{count} x {acc_type or 'none'}"}
+        report: dict[str, Any] = {
+            "machine_type": spec.instance_type,
+            "zone": zone,
+            "gpus": f"{count} x {acc_type or 'none'}",
+        }
         if spec.gpu_count and spec.gpu_model in ACCELERATORS and acc_type != ACCELERATORS[spec.gpu_model][0]:
             raise CapacityError(
-                f"{spec.instance_type} carries {acc_type or 'no GPUs'}, the target asks for {spec.gpu_model}", region=region
+                f"{spec.instance_type} carries {acc_type or 'no GPUs'}, the target asks for {spec.gpu_model}",
+                region=region,
             )
         if spec.gpu_count and count < spec.gpu_count:
-            raise CapacityError(f"{spec.instance_type} has {count} GPUs, the target asks for {spec.gpu_count}", region=region)
+            raise CapacityError(
+                f"{spec.instance_type} has {count} GPUs, the target asks for {spec.gpu_count}", region=region
+            )
         if count:
             offered = self.accelerators_in_zone(zone, region)
             if acc_type not in offered:
@@ -208,7 +219,8 @@ class GcpProvider:
                 raise CapacityError(f"zone {zone} offers no {acc_type} (offers: {names})", region=region)
             if not built_in and count > offered[acc_type]:
                 raise CapacityError(
-                    f"{acc_type} allows at most {offered[acc_type]} per instance, the target asks for {count}", region=region
+                    f"{acc_type} allows at most {offered[acc_type]} per instance, the target asks for {count}",
+                    region=region,
                 )
             metric = next((m for a, m in ACCELERATORS.values() if a == acc_type), None)
             quota = self.gpu_quota(region, metric) if metric else None
@@ -257,7 +269,9 @@ class GcpProvider:
         found = self._get(zone, name, region)
         if found is not None:
             if found.labels.get(LABEL_MIGRATION) != label_value(migration_id):
-                raise ProviderError(f"instance {name} in {zone} exists but was not launched by migration {migration_id}")
+                raise ProviderError(
+                    f"instance {name} in {zone} exists but was not launched by migration {migration_id}"
+                )
             log.info("gcp: %s already inserted for %s", name, migration_id)
             return self._host(spec.name, region, zone, found)
         if not spec.instance_type:
@@ -292,7 +306,9 @@ class GcpProvider:
         request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpumigrate:{migration_id}/{name}"))
         client = self._client(compute_v1.InstancesClient)
         op = self._call(
-            f"insert {spec.instance_type}", region, client.insert_unary,
+            f"insert {spec.instance_type}",
+            region,
+            client.insert_unary,
             request={"project": self.project, "zone": zone, "instance_resource": instance, "request_id": request_id},
         )
         self.wait_operation(op, zone, region)
@@ -327,7 +343,9 @@ class GcpProvider:
             if inst.status in ("STOPPING", "STOPPED", "TERMINATED", "SUSPENDED"):
                 raise ProviderError(f"GCP instance {host.instance_id} is {inst.status} while waiting for it to run")
             if time.monotonic() >= deadline:
-                raise ProviderError(f"GCP instance {host.instance_id} not running after {timeout_s:g} s ({inst.status})")
+                raise ProviderError(
+                    f"GCP instance {host.instance_id} not running after {timeout_s:g} s ({inst.status})"
+                )
             time.sleep(min(self.poll_interval_s, max(0.0, deadline - time.monotonic())))
 
     def terminate(self, host: Host) -> None:

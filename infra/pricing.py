@@ -31,7 +31,9 @@ def hourly(provider: str, region: str, instance_type: str | None) -> float:
     """On-demand USD per hour; InvalidInputError naming what is known when the file has no price."""
     table = price_data()["instances"].get(provider)
     if table is None:
-        raise InvalidInputError(f"no prices for provider {provider!r}: known are {', '.join(price_data()['instances'])}")
+        raise InvalidInputError(
+            f"no prices for provider {provider!r}: known are {', '.join(price_data()['instances'])}"
+        )
     if "*" in table:  # the local provider: one price for everything
         return float(table["*"]["*"])
     if not instance_type:

@@ -107,7 +107,9 @@ def evaluate_region(provider: str, region: str, allowed: Sequence[str], *, point
     allowed_t = tuple(allowed)
     where = lookup(provider, region) if provider in PROVIDERS else None
     if "ANY" in allowed_t:
-        return ResidencyDecision(point, provider, region, where, allowed_t, "allow", "the data policy allows ANY jurisdiction")
+        return ResidencyDecision(
+            point, provider, region, where, allowed_t, "allow", "the data policy allows ANY jurisdiction"
+        )
     if where is None:
         reason = f"region {region!r} of provider {provider} is not in the residency map: denied, not guessed"
         return ResidencyDecision(point, provider, region, None, allowed_t, "deny", reason)
@@ -175,7 +177,9 @@ def check_store(
         allowed_t = tuple(allowed)
         what = "the stream's target region" if point == "stream" else "transfer.store_region"
         if "ANY" in allowed_t:
-            decision = ResidencyDecision(point, provider, "unknown", None, allowed_t, "allow", "the data policy allows ANY")
+            decision = ResidencyDecision(
+                point, provider, "unknown", None, allowed_t, "allow", "the data policy allows ANY"
+            )
         else:
             reason = f"{store_url}: the region of this store is unknown ({what} is not set): denied, not guessed"
             decision = ResidencyDecision(point, provider, "unknown", None, allowed_t, "deny", reason)

@@ -81,7 +81,11 @@ class Agent:
     # ------------------------------------------------------------------ tracking API
     def _add(self, item: tr.Item) -> tr.Item:
         for other in self.items:
-            if other.prefix == item.prefix or other.prefix.startswith(item.prefix + "/") or item.prefix.startswith(other.prefix + "/"):
+            if (
+                other.prefix == item.prefix
+                or other.prefix.startswith(item.prefix + "/")
+                or item.prefix.startswith(other.prefix + "/")
+            ):
                 raise SnapshotError(f"tracked name {item.prefix!r} overlaps {other.prefix!r}: pick distinct names")
         self.items.append(item)
         return item
@@ -95,10 +99,14 @@ class Agent:
     def track_tensor(self, name: str, tensor: torch.Tensor) -> None:
         self._add(tr.TensorsItem(name, lambda: {"": tensor}))
 
-    def track_tensors(self, name: str, tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]) -> None:
+    def track_tensors(
+        self, name: str, tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+    ) -> None:
         self._add(tr.TensorsItem(name, tensors if callable(tensors) else (lambda: tensors)))
 
-    def track_state(self, name: str, getter: Callable[[], Any], setter: Callable[[Any], None], *, raw: bool = False) -> None:
+    def track_state(
+        self, name: str, getter: Callable[[], Any], setter: Callable[[Any], None], *, raw: bool = False
+    ) -> None:
         """Arbitrary state: JSON values by default, bytes with ``raw=True``."""
         self._add(tr.BlobItem(name, getter, setter) if raw else tr.json_blob(name, getter, setter))
 
@@ -118,8 +126,12 @@ class Agent:
     def _info(name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:
         blob = isinstance(item, tr.BlobItem)
         return RegionInfo(
-            name=name, nbytes=t.numel() * t.element_size(), kind="blob" if blob else "tensor",
-            dtype=None if blob else tr.dtype_name(t.dtype), shape=None if blob else tuple(t.shape), device=str(t.device),
+            name=name,
+            nbytes=t.numel() * t.element_size(),
+            kind="blob" if blob else "tensor",
+            dtype=None if blob else tr.dtype_name(t.dtype),
+            shape=None if blob else tuple(t.shape),
+            device=str(t.device),
         )
 
     def info(self) -> dict[str, Any]:
@@ -168,8 +180,11 @@ class Agent:
             fps = host_fps[name] if host_fps is not None else None
             prev = self._shipped.get(name)
             # Reuse only against the same layout and the same chunk boundaries.
-            same_shape = fps is not None and prev is not None and (
-                prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (info.nbytes, info.dtype, info.shape, cs)
+            same_shape = (
+                fps is not None
+                and prev is not None
+                and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (info.nbytes, info.dtype, info.shape, cs)
+            )
             count = chunk_count(view.numel(), cs)
             ids: list[str] = [""] * count
             for i in range(count):
@@ -195,15 +210,18 @@ class Agent:
                 new[name].fingerprints = list(fps)
         for job, fp in shipped_fps:  # live rounds record the fingerprint of the bytes actually shipped
             new[job.region].fingerprints[job.index] = fp
-        writer.set_metadata(META_KEY, {
-            "format": FORMAT,
-            "chunk_size": cs,
-            "round": self.rounds + 1,
-            "final": frozen,
-            "environment": env_facts(),
-            "items": {it.prefix: it.meta() for it in self.items},
-            "chunks": {n: s.ids for n, s in new.items()},
-        })
+        writer.set_metadata(
+            META_KEY,
+            {
+                "format": FORMAT,
+                "chunk_size": cs,
+                "round": self.rounds + 1,
+                "final": frozen,
+                "environment": env_facts(),
+                "items": {it.prefix: it.meta() for it in self.items},
+                "chunks": {n: s.ids for n, s in new.items()},
+            },
+        )
         ref = writer.commit()
         self._shipped = new
         self.last_image = ref
@@ -240,7 +258,9 @@ class Agent:
             self._shipped = {}
 
     # ------------------------------------------------------------------ target side
-    def restore(self, reader: ImageReader, *, policy: Mapping[str, str] | None = None, ready: bool = True) -> dict[str, Any]:
+    def restore(
+        self, reader: ImageReader, *, policy: Mapping[str, str] | None = None, ready: bool = True
+    ) -> dict[str, Any]:
         """Load a verified image into the tracked state; with ``ready`` report ready afterwards.
 
         ``ready=False`` pre-loads a pre-copy image while the source still serves; the next restore
@@ -262,11 +282,19 @@ class Agent:
                 view = byte_view(dst)
                 n = chunk_count(view.numel(), cs)
                 if reader.chunk_count(name) != n or len(table.get(name, ())) != n:
-                    raise ImageMismatchError(f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected")
+                    raise ImageMismatchError(
+                        f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected"
+                    )
                 prev = self._loaded.get(name)
                 # Skip a chunk only if it went into this very tensor before and its content id is unchanged.
-                have = (prev[1] if prev is not None and prev[0] == dst.data_ptr() and self._loaded_cs == cs
-                        and regions[name].kind != "blob" else None)
+                have = (
+                    prev[1]
+                    if prev is not None
+                    and prev[0] == dst.data_ptr()
+                    and self._loaded_cs == cs
+                    and regions[name].kind != "blob"
+                    else None
+                )
                 for i in range(n):
                     if have is not None and have[i] == table[name][i]:
                         skipped += 1
@@ -282,7 +310,9 @@ class Agent:
             for item in self.items:
                 mine = {k: v for k, v in targets.items() if _owned(item, k)}
                 item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, mine)
-            self._loaded = {} if ready else {k: (targets[k].data_ptr(), ids) for k, ids in table.items() if k in targets}
+            self._loaded = (
+                {} if ready else {k: (targets[k].data_ptr(), ids) for k, ids in table.items() if k in targets}
+            )
             self._loaded_cs = cs
             self.last_image = reader.ref
             if ready:
@@ -290,8 +320,13 @@ class Agent:
                     self.set_ready(True)
                 self.ready = True
             return {
-                "image": reader.ref.id, "bytes_loaded": loaded, "chunks_loaded": sum(len(j) for j in jobs_by_device.values()),
-                "chunks_skipped": skipped, "ready": ready, "seconds": time.perf_counter() - t0, "environment": env,
+                "image": reader.ref.id,
+                "bytes_loaded": loaded,
+                "chunks_loaded": sum(len(j) for j in jobs_by_device.values()),
+                "chunks_skipped": skipped,
+                "ready": ready,
+                "seconds": time.perf_counter() - t0,
+                "environment": env,
             }
 
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -304,7 +339,11 @@ class Agent:
         if missing or extra:
             raise ImageMismatchError(
                 "image does not fit this workload: "
-                + (f"missing in image: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; " if missing else "")
+                + (
+                    f"missing in image: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+                    if missing
+                    else ""
+                )
                 + (f"not tracked here: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "")
             )
         problems = []
@@ -313,7 +352,9 @@ class Agent:
             if info.kind == "blob":
                 continue
             if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != tuple(dst.shape):
-                problems.append(f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}")
+                problems.append(
+                    f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}"
+                )
         if problems:
             raise ImageMismatchError("image shapes/dtypes do not match the model: " + "; ".join(problems[:5]))
         return targets
@@ -346,19 +387,36 @@ class Agent:
             self._loaded = {}
             if failed:
                 raise SnapshotError(f"zeroize read-back found non-zero bytes in {', '.join(failed[:5])}")
-            return {"zeroized_regions": regions, "zeroized_bytes": nbytes, "verified": True,
-                    "devices": sorted(devices), "seconds": time.perf_counter() - t0}
+            return {
+                "zeroized_regions": regions,
+                "zeroized_bytes": nbytes,
+                "verified": True,
+                "devices": sorted(devices),
+                "seconds": time.perf_counter() - t0,
+            }
 
     # ------------------------------------------------------------------ wire-level operations
-    def precopy_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
-                   options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def precopy_to(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        parent: str | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         with self._lock:
             writer = self._open_writer(store, key_ref, parent, options)
             stats, ref = self._round(writer, frozen=self.frozen)
             return {"stats": asdict(stats), "image": asdict(ref)}
 
-    def final_to(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
-                 options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def final_to(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        parent: str | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         with self._lock:
             if not self.frozen:
                 raise SnapshotError("final needs a frozen workload: send freeze first")
@@ -366,14 +424,22 @@ class Agent:
             stats, ref = self._round(writer, frozen=True)
             return {"stats": asdict(stats), "image": asdict(ref)}
 
-    def restore_from(self, store: str, image_id: str, key_ref: Mapping[str, str], *, policy: Mapping[str, str] | None = None,
-                     ready: bool = True) -> dict[str, Any]:
+    def restore_from(
+        self,
+        store: str,
+        image_id: str,
+        key_ref: Mapping[str, str],
+        *,
+        policy: Mapping[str, str] | None = None,
+        ready: bool = True,
+    ) -> dict[str, Any]:
         if self.reader_factory is None:
             raise SnapshotError("this agent has no image reader: the workload did not wire the transfer engine")
         return self.restore(self.reader_factory(store, image_id, key_ref), policy=policy, ready=ready)
 
-    def _open_writer(self, store: str, key_ref: Mapping[str, str], parent: str | None,
-                     options: Mapping[str, Any] | None = None) -> ImageWriter:
+    def _open_writer(
+        self, store: str, key_ref: Mapping[str, str], parent: str | None, options: Mapping[str, Any] | None = None
+    ) -> ImageWriter:
         if self.writer_factory is None:
             raise SnapshotError("this agent has no image writer: the workload did not wire the transfer engine")
         if parent is None and self.last_image is not None and self.last_image.store == store:
@@ -381,8 +447,11 @@ class Agent:
         if parent is None or self.last_image is None or parent != self.last_image.id:
             self._shipped = {}  # the parent holds none of our chunk ids: ship everything
         # Options (compression, parallelism from the plan) only when given: factories may take just three.
-        return self.writer_factory(store, key_ref, parent, **dict(options)) if options else self.writer_factory(
-            store, key_ref, parent)
+        return (
+            self.writer_factory(store, key_ref, parent, **dict(options))
+            if options
+            else self.writer_factory(store, key_ref, parent)
+        )
 
     def close(self) -> None:
         for p in self._pipelines.values():

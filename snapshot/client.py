@@ -17,8 +17,18 @@ from gpumigrate.snapshot.precopy import Convergence, converge
 _ERRORS: dict[str, type[GpumigrateError]] = {
     "ImageMismatchError": ImageMismatchError,
     "EnvironmentMismatchError": EnvironmentMismatchError,
-    **{n: getattr(errors, n) for n in ("SnapshotError", "IntegrityError", "DecryptionError", "NotFoundError",
-                                        "TransferError", "InvalidInputError", "PolicyDeniedError")},
+    **{
+        n: getattr(errors, n)
+        for n in (
+            "SnapshotError",
+            "IntegrityError",
+            "DecryptionError",
+            "NotFoundError",
+            "TransferError",
+            "InvalidInputError",
+            "PolicyDeniedError",
+        )
+    },
 }
 
 
@@ -93,11 +103,19 @@ class AgentClient:
     def info(self) -> dict[str, Any]:
         return self.call("info")
 
-    def precopy(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
-                options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def precopy(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        parent: str | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return self.call("precopy", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
 
-    def precopy_until(self, store: str, key_ref: Mapping[str, str], *, max_rounds: int, max_downtime_ms: float) -> Convergence:
+    def precopy_until(
+        self, store: str, key_ref: Mapping[str, str], *, max_rounds: int, max_downtime_ms: float
+    ) -> Convergence:
         """Pre-copy rounds until the dirty set fits ``max_downtime_ms`` or stops shrinking."""
         images: list[str] = []
 
@@ -113,16 +131,31 @@ class AgentClient:
     def freeze(self) -> dict[str, Any]:
         return self.call("freeze")
 
-    def final(self, store: str, key_ref: Mapping[str, str], parent: str | None = None, *,
-              options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def final(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        parent: str | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
         return self.call("final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
 
     def resume(self) -> dict[str, Any]:
         return self.call("resume")
 
-    def restore(self, store: str, image_id: str, key_ref: Mapping[str, str], *, policy: Mapping[str, str] | None = None,
-                ready: bool = True) -> dict[str, Any]:
-        return self.call("restore", store=store, image_id=image_id, key_ref=dict(key_ref), policy=dict(policy or {}), ready=ready)
+    def restore(
+        self,
+        store: str,
+        image_id: str,
+        key_ref: Mapping[str, str],
+        *,
+        policy: Mapping[str, str] | None = None,
+        ready: bool = True,
+    ) -> dict[str, Any]:
+        return self.call(
+            "restore", store=store, image_id=image_id, key_ref=dict(key_ref), policy=dict(policy or {}), ready=ready
+        )
 
     def zeroize(self) -> dict[str, Any]:
         return self.call("zeroize")

@@ -56,20 +56,26 @@ def detect(binary: str | None = None, *, need_cuda: bool = True) -> CriuInfo:
     """Find CRIU, check it is 4+ and (for GPU processes) that its CUDA plugin is installed."""
     path = shutil.which(binary or "criu")
     if not path:
-        raise CriuUnavailable(f"CRIU is not installed on this host (no {binary or 'criu'!r} found)",
-                              hint=f"install CRIU {MIN_VERSION[0]}.{MIN_VERSION[1]}+ with its CUDA plugin, or use snapshot backend 'agent'")
+        raise CriuUnavailable(
+            f"CRIU is not installed on this host (no {binary or 'criu'!r} found)",
+            hint=f"install CRIU {MIN_VERSION[0]}.{MIN_VERSION[1]}+ with its CUDA plugin, or use snapshot backend 'agent'",
+        )
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise CriuUnavailable(f"cannot run {path} --version: {exc}") from None
     version = parse_version(out.stdout + out.stderr)
     if version[:2] < MIN_VERSION:
-        raise CriuUnavailable(f"CRIU {'.'.join(map(str, version))} at {path} is too old: GPU checkpoints need CRIU "
-                              f"{MIN_VERSION[0]}.{MIN_VERSION[1]}+ with its CUDA plugin")
+        raise CriuUnavailable(
+            f"CRIU {'.'.join(map(str, version))} at {path} is too old: GPU checkpoints need CRIU "
+            f"{MIN_VERSION[0]}.{MIN_VERSION[1]}+ with its CUDA plugin"
+        )
     plugin = find_plugin()
     if need_cuda and plugin is None:
-        raise CriuUnavailable(f"CRIU {'.'.join(map(str, version))} has no CUDA plugin ({PLUGIN_NAMES[0]} not found in "
-                              f"{', '.join(PLUGIN_DIRS)} or $CRIU_LIBS_DIR)")
+        raise CriuUnavailable(
+            f"CRIU {'.'.join(map(str, version))} has no CUDA plugin ({PLUGIN_NAMES[0]} not found in "
+            f"{', '.join(PLUGIN_DIRS)} or $CRIU_LIBS_DIR)"
+        )
     return CriuInfo(path, version, plugin)
 
 
@@ -84,13 +90,24 @@ def check_kernel(binary: str | None = None) -> None:
         raise CriuUnavailable("criu check failed on this kernel: " + "; ".join(lines[-3:]))
 
 
-def dump(pid: int, images_dir: str | Path, *, info: CriuInfo | None = None, timeout_s: int = 10,
-         leave_running: bool = False) -> Path:
+def dump(
+    pid: int, images_dir: str | Path, *, info: CriuInfo | None = None, timeout_s: int = 10, leave_running: bool = False
+) -> Path:
     """Dump the process tree rooted at ``pid`` into ``images_dir`` (the CUDA plugin locks and checkpoints GPUs)."""
     info = info or detect()
     d = Path(images_dir)
     d.mkdir(parents=True, exist_ok=True)
-    cmd = [info.binary, "dump", "--shell-job", "--images-dir", str(d), "--tree", str(int(pid)), "--timeout", str(timeout_s)]
+    cmd = [
+        info.binary,
+        "dump",
+        "--shell-job",
+        "--images-dir",
+        str(d),
+        "--tree",
+        str(int(pid)),
+        "--timeout",
+        str(timeout_s),
+    ]
     if leave_running:
         cmd.append("--leave-running")
     if info.plugin:
@@ -104,7 +121,16 @@ def restore(images_dir: str | Path, *, info: CriuInfo | None = None) -> int:
     info = info or detect()
     d = Path(images_dir)
     pidfile = d / "restored.pid"
-    cmd = [info.binary, "restore", "--shell-job", "--restore-detached", "--images-dir", str(d), "--pidfile", str(pidfile)]
+    cmd = [
+        info.binary,
+        "restore",
+        "--shell-job",
+        "--restore-detached",
+        "--images-dir",
+        str(d),
+        "--pidfile",
+        str(pidfile),
+    ]
     if info.plugin:
         cmd += ["--libdir", str(Path(info.plugin).parent)]
     _run(cmd, "restore", d)
@@ -115,7 +141,9 @@ def _run(cmd: list[str], what: str, d: Path) -> None:
     log = d / f"{what}.log"
     out = subprocess.run([*cmd, "-o", str(log), "-v4"], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        tail = log.read_text(errors="replace").splitlines()[-5:] if log.exists() else (out.stderr or "").splitlines()[-5:]
+        tail = (
+            log.read_text(errors="replace").splitlines()[-5:] if log.exists() else (out.stderr or "").splitlines()[-5:]
+        )
         raise SnapshotError(f"criu {what} failed (exit {out.returncode}): " + " | ".join(tail))
 
 

@@ -21,8 +21,14 @@ from typing import Any
 from gpumigrate.errors import SnapshotError
 
 STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
-_NEEDED = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
-           "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState", "CUcheckpointLockArgs")
+_NEEDED = (
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+    "CUcheckpointLockArgs",
+)
 
 
 class CudaCheckpointUnavailable(SnapshotError):
@@ -50,7 +56,9 @@ def driver() -> Any:
         ) from None
     missing = [n for n in _NEEDED if not hasattr(cu, n)]
     if missing:
-        raise CudaCheckpointUnavailable(f"this cuda-bindings lacks {', '.join(missing)}: need 13.0.2+ (13.3.1+ on the 13.3 line)")
+        raise CudaCheckpointUnavailable(
+            f"this cuda-bindings lacks {', '.join(missing)}: need 13.0.2+ (13.3.1+ on the 13.3 line)"
+        )
     try:
         (err,) = cu.cuInit(0)
     except Exception as exc:  # libcuda.so missing: the bindings raise at call time
@@ -102,15 +110,19 @@ class CudaProcess:
         cu = driver()
         err, st = cu.cuCheckpointProcessGetState(self.pid)
         if int(err) != 0:
-            raise SnapshotError(f"cannot read the CUDA checkpoint state of pid {self.pid} ({_name(cu, err)}): "
-                                "is it a CUDA process that has initialised the driver?")
+            raise SnapshotError(
+                f"cannot read the CUDA checkpoint state of pid {self.pid} ({_name(cu, err)}): "
+                "is it a CUDA process that has initialised the driver?"
+            )
         return STATES.get(int(st), f"unknown({int(st)})")
 
     def _expect(self, want: str, action: str) -> None:
         st = self.state()
         if st != want:
-            raise SnapshotError(f"cannot {action} pid {self.pid}: its CUDA state is {st}, {action} needs {want}",
-                                hint="order is lock → checkpoint → restore → unlock")
+            raise SnapshotError(
+                f"cannot {action} pid {self.pid}: its CUDA state is {st}, {action} needs {want}",
+                hint="order is lock → checkpoint → restore → unlock",
+            )
 
     def lock(self, timeout_ms: int = 10_000) -> None:
         cu = driver()
@@ -120,10 +132,16 @@ class CudaProcess:
         t0 = time.perf_counter()
         (err,) = cu.cuCheckpointProcessLock(self.pid, args)
         self.timing.lock_s = time.perf_counter() - t0
-        timeouts = {int(getattr(cu.CUresult, n)) for n in ("CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT") if hasattr(cu.CUresult, n)}
+        timeouts = {
+            int(getattr(cu.CUresult, n))
+            for n in ("CUDA_ERROR_NOT_READY", "CUDA_ERROR_TIMEOUT")
+            if hasattr(cu.CUresult, n)
+        }
         if int(err) in timeouts:
-            raise LockTimeout(f"pid {self.pid} did not reach a lockable point within {timeout_ms} ms; "
-                              f"it was left running (state: {self.state()})")
+            raise LockTimeout(
+                f"pid {self.pid} did not reach a lockable point within {timeout_ms} ms; "
+                f"it was left running (state: {self.state()})"
+            )
         _check(cu, err, "cuCheckpointProcessLock", self.pid)
 
     def checkpoint(self) -> None:
@@ -171,7 +189,9 @@ class CudaProcess:
 
 def _restore_args(cu: Any, pairs: Mapping[str, str], keep: list[Any]) -> Any:
     if not hasattr(cu, "CUcheckpointGpuPair") or not hasattr(cu, "CUcheckpointRestoreArgs"):
-        raise CudaCheckpointUnavailable("this cuda-bindings cannot remap GPUs on restore: need 13.0.2+ / 13.3.1+ and driver 580+")
+        raise CudaCheckpointUnavailable(
+            "this cuda-bindings cannot remap GPUs on restore: need 13.0.2+ / 13.3.1+ and driver 580+"
+        )
     out = []
     for old, new in pairs.items():
         pair = cu.CUcheckpointGpuPair()

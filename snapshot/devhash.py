@@ -51,7 +51,9 @@ def words_hex(words: Sequence[int]) -> str:
 
 
 # ---------------------------------------------------------------- reference (plain torch, int64 lanes)
-def _ref_compress(cv: list[torch.Tensor], m: list[torch.Tensor], counter: torch.Tensor, flags: int) -> list[torch.Tensor]:
+def _ref_compress(
+    cv: list[torch.Tensor], m: list[torch.Tensor], counter: torch.Tensor, flags: int
+) -> list[torch.Tensor]:
     zero = torch.zeros_like(counter)
     s = [*cv, *(zero + v for v in IV[:4]), counter, zero, zero + 64, zero + flags]
 
@@ -93,7 +95,9 @@ def blake3_reference(data: torch.Tensor, count: int) -> list[str]:
     counter = torch.arange(leaves, dtype=torch.int64, device=data.device).repeat(count)
     cv = [torch.full_like(counter, v) for v in IV]
     for b in range(16):
-        flags = (CHUNK_START if b == 0 else 0) | (CHUNK_END if b == 15 else 0) | (ROOT if b == 15 and leaves == 1 else 0)
+        flags = (
+            (CHUNK_START if b == 0 else 0) | (CHUNK_END if b == 15 else 0) | (ROOT if b == 15 and leaves == 1 else 0)
+        )
         cv = _ref_compress(cv, [words[:, b, w] for w in range(16)], counter, flags)
     nodes = torch.stack(cv, dim=1).view(count, leaves, 8)
     while nodes.shape[1] > 1:
@@ -101,8 +105,9 @@ def blake3_reference(data: torch.Tensor, count: int) -> list[str]:
         pairs = nodes[:, : c - c % 2].reshape(count, c // 2, 16)
         flat = pairs.reshape(-1, 16)
         zero = torch.zeros(flat.shape[0], dtype=torch.int64, device=data.device)
-        out = _ref_compress([zero + v for v in IV], [flat[:, w] for w in range(16)], zero,
-                            PARENT | (ROOT if c == 2 else 0))
+        out = _ref_compress(
+            [zero + v for v in IV], [flat[:, w] for w in range(16)], zero, PARENT | (ROOT if c == 2 else 0)
+        )
         up = torch.stack(out, dim=1).view(count, c // 2, 8)
         nodes = torch.cat([up, nodes[:, c - 1 :]], dim=1) if c % 2 else up
     return [words_hex(row) for row in nodes[:, 0].tolist()]
@@ -127,23 +132,29 @@ def blake3_device(views: Sequence[torch.Tensor]) -> torch.Tensor:
     k = _kernels()
     size = views[0].numel()
     if not all(v.numel() == size and eligible(v) for v in views):
-        raise ValueError("blake3_device: views must be device uint8, one length, a multiple of 1024 bytes, 4-byte aligned")
+        raise ValueError(
+            "blake3_device: views must be device uint8, one length, a multiple of 1024 bytes, 4-byte aligned"
+        )
     base = min(views, key=lambda v: v.data_ptr())
     device = base.device
     origin = base.data_ptr()
-    offsets = torch.tensor([(v.data_ptr() - origin) // 4 for v in views], dtype=torch.int64).to(device, non_blocking=True)
+    offsets = torch.tensor([(v.data_ptr() - origin) // 4 for v in views], dtype=torch.int64).to(
+        device, non_blocking=True
+    )
     leaves = size // LEAF
     count = len(views)
     nodes = torch.empty(count * leaves * 8, dtype=torch.int32, device=device)
     total = count * leaves
     k.leaf_kernel[(triton_cdiv(total, LEAF_BLOCK),)](
-        base.view(torch.int32), offsets, nodes, total, leaves, ROOT if leaves == 1 else 0, BLOCK=LEAF_BLOCK)
+        base.view(torch.int32), offsets, nodes, total, leaves, ROOT if leaves == 1 else 0, BLOCK=LEAF_BLOCK
+    )
     c = leaves
     while c > 1:
         up = (c + 1) // 2
         out = torch.empty(count * up * 8, dtype=torch.int32, device=device)
         k.parent_kernel[(triton_cdiv(count * up, PARENT_BLOCK),)](
-            nodes, out, count * up, c, up, PARENT | (ROOT if c == 2 else 0), BLOCK=PARENT_BLOCK)
+            nodes, out, count * up, c, up, PARENT | (ROOT if c == 2 else 0), BLOCK=PARENT_BLOCK
+        )
         nodes, c = out, up
     return nodes.view(count, 8)
 

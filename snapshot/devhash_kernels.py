@@ -30,8 +30,40 @@ def _g(a, b, c, d, x, y):
 
 
 @triton.jit
-def _round(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-           m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15):
+def _round(
+    s0,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    s6,
+    s7,
+    s8,
+    s9,
+    s10,
+    s11,
+    s12,
+    s13,
+    s14,
+    s15,
+    m0,
+    m1,
+    m2,
+    m3,
+    m4,
+    m5,
+    m6,
+    m7,
+    m8,
+    m9,
+    m10,
+    m11,
+    m12,
+    m13,
+    m14,
+    m15,
+):
     s0, s4, s8, s12 = _g(s0, s4, s8, s12, m0, m1)
     s1, s5, s9, s13 = _g(s1, s5, s9, s13, m2, m3)
     s2, s6, s10, s14 = _g(s2, s6, s10, s14, m4, m5)
@@ -44,8 +76,9 @@ def _round(s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
 
 
 @triton.jit
-def _compress(c0, c1, c2, c3, c4, c5, c6, c7,
-              m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, counter, flags):
+def _compress(
+    c0, c1, c2, c3, c4, c5, c6, c7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, counter, flags
+):
     s0, s1, s2, s3, s4, s5, s6, s7 = c0, c1, c2, c3, c4, c5, c6, c7
     s8 = tl.full(c0.shape, 0x6A09E667, tl.uint32)
     s9 = tl.full(c0.shape, 0xBB67AE85, tl.uint32)
@@ -57,10 +90,57 @@ def _compress(c0, c1, c2, c3, c4, c5, c6, c7,
     s15 = flags
     for _ in tl.static_range(7):  # the same PERMUTATION after every round (the last one unused)
         s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
-            s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15,
-            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15)
+            s0,
+            s1,
+            s2,
+            s3,
+            s4,
+            s5,
+            s6,
+            s7,
+            s8,
+            s9,
+            s10,
+            s11,
+            s12,
+            s13,
+            s14,
+            s15,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+        )
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = (
-            m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8)
+            m2,
+            m6,
+            m3,
+            m10,
+            m7,
+            m0,
+            m4,
+            m13,
+            m1,
+            m11,
+            m12,
+            m5,
+            m9,
+            m14,
+            m15,
+            m8,
+        )
     return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
 
 
@@ -73,20 +153,47 @@ def _w(ptr, mask):
 def _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, p, first_mask, second_mask, counter, flags):
     """_compress over the 16 words at ``p``: words 0-7 loaded under ``first_mask``, 8-15 under ``second_mask``."""
     return _compress(
-        c0, c1, c2, c3, c4, c5, c6, c7,
-        _w(p + 0, first_mask), _w(p + 1, first_mask), _w(p + 2, first_mask), _w(p + 3, first_mask),
-        _w(p + 4, first_mask), _w(p + 5, first_mask), _w(p + 6, first_mask), _w(p + 7, first_mask),
-        _w(p + 8, second_mask), _w(p + 9, second_mask), _w(p + 10, second_mask), _w(p + 11, second_mask),
-        _w(p + 12, second_mask), _w(p + 13, second_mask), _w(p + 14, second_mask), _w(p + 15, second_mask),
-        counter, flags)
+        c0,
+        c1,
+        c2,
+        c3,
+        c4,
+        c5,
+        c6,
+        c7,
+        _w(p + 0, first_mask),
+        _w(p + 1, first_mask),
+        _w(p + 2, first_mask),
+        _w(p + 3, first_mask),
+        _w(p + 4, first_mask),
+        _w(p + 5, first_mask),
+        _w(p + 6, first_mask),
+        _w(p + 7, first_mask),
+        _w(p + 8, second_mask),
+        _w(p + 9, second_mask),
+        _w(p + 10, second_mask),
+        _w(p + 11, second_mask),
+        _w(p + 12, second_mask),
+        _w(p + 13, second_mask),
+        _w(p + 14, second_mask),
+        _w(p + 15, second_mask),
+        counter,
+        flags,
+    )
 
 
 @triton.jit
 def _iv(shape: tl.constexpr):
-    return (tl.full(shape, 0x6A09E667, tl.uint32), tl.full(shape, 0xBB67AE85, tl.uint32),
-            tl.full(shape, 0x3C6EF372, tl.uint32), tl.full(shape, 0xA54FF53A, tl.uint32),
-            tl.full(shape, 0x510E527F, tl.uint32), tl.full(shape, 0x9B05688C, tl.uint32),
-            tl.full(shape, 0x1F83D9AB, tl.uint32), tl.full(shape, 0x5BE0CD19, tl.uint32))
+    return (
+        tl.full(shape, 0x6A09E667, tl.uint32),
+        tl.full(shape, 0xBB67AE85, tl.uint32),
+        tl.full(shape, 0x3C6EF372, tl.uint32),
+        tl.full(shape, 0xA54FF53A, tl.uint32),
+        tl.full(shape, 0x510E527F, tl.uint32),
+        tl.full(shape, 0x9B05688C, tl.uint32),
+        tl.full(shape, 0x1F83D9AB, tl.uint32),
+        tl.full(shape, 0x5BE0CD19, tl.uint32),
+    )
 
 
 @triton.jit
@@ -113,7 +220,9 @@ def leaf_kernel(base_ptr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, 
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
     for b in range(16):
         q = p + b * 16
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(tl.uint32)
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
+            tl.uint32
+        )
         c0, c1, c2, c3, c4, c5, c6, c7 = _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, q, mask, mask, counter, flags)
     _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
 
@@ -128,11 +237,31 @@ def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, 
     left = in_ptr + (which * count_in + 2 * k).to(tl.int64) * 8
     paired = mask & (2 * k + 1 < count_in)
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
-    p0, p1, p2, p3, p4, p5, p6, p7 = _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, left, mask, paired,
-                                                  tl.zeros([BLOCK], tl.uint32), tl.zeros([BLOCK], tl.uint32) + flags_value)
+    p0, p1, p2, p3, p4, p5, p6, p7 = _compress_at(
+        c0,
+        c1,
+        c2,
+        c3,
+        c4,
+        c5,
+        c6,
+        c7,
+        left,
+        mask,
+        paired,
+        tl.zeros([BLOCK], tl.uint32),
+        tl.zeros([BLOCK], tl.uint32) + flags_value,
+    )
     o = out_ptr + j.to(tl.int64) * 8
-    _store8(o, mask,
-            tl.where(paired, p0, _w(left + 0, mask)), tl.where(paired, p1, _w(left + 1, mask)),
-            tl.where(paired, p2, _w(left + 2, mask)), tl.where(paired, p3, _w(left + 3, mask)),
-            tl.where(paired, p4, _w(left + 4, mask)), tl.where(paired, p5, _w(left + 5, mask)),
-            tl.where(paired, p6, _w(left + 6, mask)), tl.where(paired, p7, _w(left + 7, mask)))
+    _store8(
+        o,
+        mask,
+        tl.where(paired, p0, _w(left + 0, mask)),
+        tl.where(paired, p1, _w(left + 1, mask)),
+        tl.where(paired, p2, _w(left + 2, mask)),
+        tl.where(paired, p3, _w(left + 3, mask)),
+        tl.where(paired, p4, _w(left + 4, mask)),
+        tl.where(paired, p5, _w(left + 5, mask)),
+        tl.where(paired, p6, _w(left + 6, mask)),
+        tl.where(paired, p7, _w(left + 7, mask)),
+    )

@@ -59,14 +59,18 @@ def _read_facts() -> dict[str, Any]:
     return facts
 
 
-def check_policy(source: Mapping[str, Any], here: Mapping[str, Any], policy: Mapping[str, str] | None) -> dict[str, Any]:
+def check_policy(
+    source: Mapping[str, Any], here: Mapping[str, Any], policy: Mapping[str, str] | None
+) -> dict[str, Any]:
     """Raise EnvironmentMismatchError listing every forbidden difference; return what was checked."""
     checked: dict[str, str] = {}
     not_checked: list[str] = []
     problems: list[str] = []
     for key, rule in (policy or {}).items():
         if rule not in POLICY_VALUES:
-            raise SnapshotError(f"environment policy for {key!r} is {rule!r}: allowed values are {', '.join(POLICY_VALUES)}")
+            raise SnapshotError(
+                f"environment policy for {key!r} is {rule!r}: allowed values are {', '.join(POLICY_VALUES)}"
+            )
         if key not in source and key not in here:
             not_checked.append(key)
             continue
@@ -76,7 +80,8 @@ def check_policy(source: Mapping[str, Any], here: Mapping[str, Any], policy: Map
         checked[key] = "match" if a == b else "differs (allowed)" if rule == "may_differ" else "differs"
     if problems:
         raise EnvironmentMismatchError(
-            "refusing to restore: the source environment differs where the plan requires a match: " + "; ".join(problems),
+            "refusing to restore: the source environment differs where the plan requires a match: "
+            + "; ".join(problems),
             hint="set the fact to may_differ in the plan's parity.environment if the difference is acceptable",
         )
     return {"checked": checked, "not_checked": not_checked}

@@ -74,7 +74,9 @@ class MemoryStore:
             return self.view(*loc)
         return self.chunks.get(chunk_id)
 
-    def writer(self, key: bytes, *, chunk_size: int = 4 << 20, parent: str | None = None, hash_chunks: bool = True) -> MemoryWriter:
+    def writer(
+        self, key: bytes, *, chunk_size: int = 4 << 20, parent: str | None = None, hash_chunks: bool = True
+    ) -> MemoryWriter:
         return MemoryWriter(self, key, chunk_size=chunk_size, parent=parent, hash_chunks=hash_chunks)
 
     def reader(self, image_id: str, key: bytes, *, verify_chunks: bool = True) -> MemoryReader:
@@ -82,7 +84,9 @@ class MemoryStore:
 
 
 class MemoryWriter:
-    def __init__(self, store: MemoryStore, key: bytes, *, chunk_size: int, parent: str | None, hash_chunks: bool) -> None:
+    def __init__(
+        self, store: MemoryStore, key: bytes, *, chunk_size: int, parent: str | None, hash_chunks: bool
+    ) -> None:
         self.store = store
         self.chunk_size = chunk_size
         self._key = key
@@ -166,8 +170,13 @@ class MemoryWriter:
             chunks[name] = [got[i] for i in range(n)]
             del info
         manifest = json.dumps(
-            {"regions": [asdict(r) for r in self._regions.values()], "chunks": chunks, "metadata": self._meta,
-             "parent": self._parent, "chunk_size": self.chunk_size},
+            {
+                "regions": [asdict(r) for r in self._regions.values()],
+                "chunks": chunks,
+                "metadata": self._meta,
+                "parent": self._parent,
+                "chunk_size": self.chunk_size,
+            },
             sort_keys=True,
         ).encode()
         image_id = _digest(manifest)
@@ -175,8 +184,14 @@ class MemoryWriter:
         with self.store._lock:
             self.store.manifests[image_id] = (manifest, sig)
         total = sum(r.nbytes for r in self._regions.values())
-        return ImageRef(id=image_id, store=self.store.url, parent=self._parent, bytes_image=total,
-                        bytes_sent=self.bytes_sent, bytes_stored=self.bytes_sent)
+        return ImageRef(
+            id=image_id,
+            store=self.store.url,
+            parent=self._parent,
+            bytes_image=total,
+            bytes_sent=self.bytes_sent,
+            bytes_stored=self.bytes_sent,
+        )
 
 
 class MemoryReader:
@@ -188,13 +203,17 @@ class MemoryReader:
             raise NotFoundError(f"image {image_id} is not in {store.url}")
         manifest, sig = store.manifests[image_id]
         if not hmac.compare_digest(hmac.new(key, manifest, hashlib.sha256).hexdigest(), sig):
-            raise IntegrityError(f"image {image_id}: manifest signature does not verify (forged, altered, or wrong key)")
+            raise IntegrityError(
+                f"image {image_id}: manifest signature does not verify (forged, altered, or wrong key)"
+            )
         if _digest(manifest) != image_id:
             raise IntegrityError(f"image {image_id}: manifest digest does not match its id")
         doc = json.loads(manifest)
         self.store = store
         self.ref = ImageRef(id=image_id, store=store.url, parent=doc["parent"])
-        self._regions = [RegionInfo(**{**r, "shape": tuple(r["shape"]) if r["shape"] is not None else None}) for r in doc["regions"]]
+        self._regions = [
+            RegionInfo(**{**r, "shape": tuple(r["shape"]) if r["shape"] is not None else None}) for r in doc["regions"]
+        ]
         self._chunks: dict[str, list[str]] = doc["chunks"]
         self._meta = doc["metadata"]
 

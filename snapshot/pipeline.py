@@ -69,7 +69,9 @@ def _cuda_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:
 class Pipeline:
     """Reusable capture/restore machinery for one device (rings and streams are allocated once)."""
 
-    def __init__(self, device: torch.device, chunk_size: int, *, slots: int = 8, streams: int = 2, workers: int = 4) -> None:
+    def __init__(
+        self, device: torch.device, chunk_size: int, *, slots: int = 8, streams: int = 2, workers: int = 4
+    ) -> None:
         self.device = device
         self.chunk_size = chunk_size
         self.workers = max(1, workers)
@@ -317,7 +319,8 @@ class Pipeline:
             for job, got, want in zip(owners, words.cpu().tolist(), ids, strict=True):
                 if devhash.words_hex(got) != want:
                     raise IntegrityError(
-                        f"chunk {job.index} of {job.region}: BLAKE3 digest does not match its id (corrupted)")
+                        f"chunk {job.index} of {job.region}: BLAKE3 digest does not match its id (corrupted)"
+                    )
         return total
 
 

@@ -46,8 +46,11 @@ def converge(round_fn: Callable[[], RoundStats], *, max_rounds: int, max_downtim
         out.rounds.append(round_fn())
         out.predicted_downtime_ms, out.rate_bytes_per_s = predict_ms(out.rounds)
         last = out.rounds[-1]
-        if last.bytes_dirty == 0 or (out.predicted_downtime_ms is not None and len(out.rounds) > 1
-                                     and out.predicted_downtime_ms <= max_downtime_ms):
+        if last.bytes_dirty == 0 or (
+            out.predicted_downtime_ms is not None
+            and len(out.rounds) > 1
+            and out.predicted_downtime_ms <= max_downtime_ms
+        ):
             out.reason = f"dirty set fits the downtime budget ({last.bytes_dirty} bytes)"
             return out
         if len(out.rounds) >= 2 and last.bytes_dirty > out.rounds[-2].bytes_dirty * SHRINK_FACTOR:

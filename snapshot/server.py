@@ -26,8 +26,14 @@ def key_ref_arg(value: Any) -> dict[str, str]:
     """
     if value is None or value == {}:
         return {}
-    if not isinstance(value, Mapping) or set(value) not in ({"env"}, {"file"}) or not all(isinstance(v, str) for v in value.values()):
-        raise SnapshotError('key_ref must be {"env": VARIABLE} or {"file": PATH}: the agent resolves keys locally, never over the wire')
+    if (
+        not isinstance(value, Mapping)
+        or set(value) not in ({"env"}, {"file"})
+        or not all(isinstance(v, str) for v in value.values())
+    ):
+        raise SnapshotError(
+            'key_ref must be {"env": VARIABLE} or {"file": PATH}: the agent resolves keys locally, never over the wire'
+        )
     return dict(value)
 
 
@@ -43,7 +49,9 @@ def writer_options_arg(value: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "compression" in value:
         if value["compression"] not in WRITER_COMPRESSION:
-            raise SnapshotError(f"options.compression {value['compression']!r}: allowed are {', '.join(WRITER_COMPRESSION)}")
+            raise SnapshotError(
+                f"options.compression {value['compression']!r}: allowed are {', '.join(WRITER_COMPRESSION)}"
+            )
         out["compression"] = value["compression"]
     if "parallelism" in value:
         p = value["parallelism"]
@@ -57,15 +65,26 @@ def _dispatch(agent: Agent, cmd: str, args: Mapping[str, Any]) -> Any:
     handlers: dict[str, Callable[[], Any]] = {
         "ping": lambda: {"pong": True},
         "info": agent.info,
-        "precopy": lambda: agent.precopy_to(str(args["store"]), key_ref_arg(args.get("key_ref")), args.get("parent"),
-                                            options=writer_options_arg(args.get("options"))),
+        "precopy": lambda: agent.precopy_to(
+            str(args["store"]),
+            key_ref_arg(args.get("key_ref")),
+            args.get("parent"),
+            options=writer_options_arg(args.get("options")),
+        ),
         "freeze": lambda: (agent.freeze(), {"frozen": True})[1],
-        "final": lambda: agent.final_to(str(args["store"]), key_ref_arg(args.get("key_ref")), args.get("parent"),
-                                        options=writer_options_arg(args.get("options"))),
+        "final": lambda: agent.final_to(
+            str(args["store"]),
+            key_ref_arg(args.get("key_ref")),
+            args.get("parent"),
+            options=writer_options_arg(args.get("options")),
+        ),
         "resume": lambda: (agent.resume(), {"frozen": False})[1],
         "restore": lambda: agent.restore_from(
-            str(args["store"]), str(args["image_id"]), key_ref_arg(args.get("key_ref")),
-            policy=args.get("policy"), ready=bool(args.get("ready", True)),
+            str(args["store"]),
+            str(args["image_id"]),
+            key_ref_arg(args.get("key_ref")),
+            policy=args.get("policy"),
+            ready=bool(args.get("ready", True)),
         ),
         "zeroize": agent.zeroize,
     }
@@ -94,11 +113,27 @@ class _Handler(socketserver.StreamRequestHandler):
                 result = _dispatch(self.server.agent, str(req.get("cmd")), req.get("args") or {})
                 reply = {"id": rid, "ok": True, "result": result}
             except GpumigrateError as exc:
-                reply = {"id": rid, "ok": False, "error": {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint}}
+                reply = {
+                    "id": rid,
+                    "ok": False,
+                    "error": {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint},
+                }
             except json.JSONDecodeError as exc:
-                reply = {"id": rid, "ok": False, "error": {"type": "SnapshotError", "message": f"request is not JSON: {exc.msg}", "hint": None}}
+                reply = {
+                    "id": rid,
+                    "ok": False,
+                    "error": {"type": "SnapshotError", "message": f"request is not JSON: {exc.msg}", "hint": None},
+                }
             except Exception as exc:  # an agent bug must not kill the workload's control thread
-                reply = {"id": rid, "ok": False, "error": {"type": "SnapshotError", "message": f"agent failed: {type(exc).__name__}: {exc}", "hint": None}}
+                reply = {
+                    "id": rid,
+                    "ok": False,
+                    "error": {
+                        "type": "SnapshotError",
+                        "message": f"agent failed: {type(exc).__name__}: {exc}",
+                        "hint": None,
+                    },
+                }
             self.wfile.write((json.dumps(reply, default=str) + "\n").encode())
             self.wfile.flush()
 

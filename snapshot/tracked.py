@@ -20,8 +20,18 @@ from gpumigrate.errors import SnapshotError
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
     )
 }
 for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
@@ -115,7 +125,9 @@ class OptimizerItem(Item):
                 continue
             index = int(name.split("/")[-2])
             if index >= len(params):
-                raise SnapshotError(f"image has optimizer state for parameter {index}; this optimizer has {len(params)}")
+                raise SnapshotError(
+                    f"image has optimizer state for parameter {index}; this optimizer has {len(params)}"
+                )
             # 'step' lives on the CPU in torch's optimizers unless capturable/fused; keep the source's placement.
             device = params[index].device if (info.device or "cpu") != "cpu" else torch.device("cpu")
             out[name] = torch.empty(info.shape or (), dtype=DTYPES[info.dtype], device=device)
@@ -142,7 +154,11 @@ class BlobItem(Item):
 
     def tensors(self) -> dict[str, torch.Tensor]:
         data = bytes(self._get())
-        return {self.prefix: torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)}
+        return {
+            self.prefix: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if data
+            else torch.empty(0, dtype=torch.uint8)
+        }
 
     def targets(self, regions: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         info = regions[self.prefix]
@@ -178,11 +194,13 @@ def rng_items(prefix: str = "rng") -> list[BlobItem]:
     try:
         import numpy as np
 
-        items.append(json_blob(
-            f"{prefix}/numpy",
-            lambda: _np_state_to_json(np.random.get_state()),
-            lambda v: np.random.set_state((v[0], np.array(v[1], dtype=np.uint32), v[2], v[3], v[4])),
-        ))
+        items.append(
+            json_blob(
+                f"{prefix}/numpy",
+                lambda: _np_state_to_json(np.random.get_state()),
+                lambda v: np.random.set_state((v[0], np.array(v[1], dtype=np.uint32), v[2], v[3], v[4])),
+            )
+        )
     except ImportError:  # numpy is optional for the agent
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():

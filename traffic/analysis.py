@@ -43,9 +43,14 @@ class GateSettings:
 
     @classmethod
     def from_plan(cls, gates: Any, **extra: Any) -> GateSettings:
-        return cls(min_success_rate=gates.min_success_rate, max_p99_ratio=gates.max_p99_ratio,
-                   max_p99_ms=gates.max_p99_ms, min_requests=gates.min_requests,
-                   failures_to_rollback=gates.failures_to_rollback, **extra)
+        return cls(
+            min_success_rate=gates.min_success_rate,
+            max_p99_ratio=gates.max_p99_ratio,
+            max_p99_ms=gates.max_p99_ms,
+            min_requests=gates.min_requests,
+            failures_to_rollback=gates.failures_to_rollback,
+            **extra,
+        )
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,13 @@ class Measurement:
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"metric": self.metric, "verdict": str(self.verdict), "value": self.value,
-                "threshold": self.threshold, "detail": self.detail}
+        return {
+            "metric": self.metric,
+            "verdict": str(self.verdict),
+            "value": self.value,
+            "threshold": self.threshold,
+            "detail": self.detail,
+        }
 
 
 @dataclass(frozen=True)
@@ -72,19 +82,38 @@ class Analysis:
         return "; ".join(m.detail for m in bad) if bad else str(self.verdict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": str(self.verdict), "reason": self.reason,
-                "measurements": [m.to_json() for m in self.measurements]}
+        return {
+            "verdict": str(self.verdict),
+            "reason": self.reason,
+            "measurements": [m.to_json() for m in self.measurements],
+        }
 
 
-def analyze(target: ClusterWindow, baseline_p99_ms: float | None, gates: GateSettings, *,
-            probe: ParityReport | None, probes_expected: bool, target_name: str = "target") -> Analysis:
+def analyze(
+    target: ClusterWindow,
+    baseline_p99_ms: float | None,
+    gates: GateSettings,
+    *,
+    probe: ParityReport | None,
+    probes_expected: bool,
+    target_name: str = "target",
+) -> Analysis:
     """One verdict for one window of the target's figures."""
     ms: list[Measurement] = []
     if target.healthy == 0:
-        ms.append(Measurement("health", Verdict.FAIL, 0, 1, f"{target_name} has no healthy host (active health checks)"))
+        ms.append(
+            Measurement("health", Verdict.FAIL, 0, 1, f"{target_name} has no healthy host (active health checks)")
+        )
     elif target.ejected > 0:
-        ms.append(Measurement("health", Verdict.FAIL, target.ejected, 0,
-                              f"{target_name} ejected by outlier detection (consecutive 5xx)"))
+        ms.append(
+            Measurement(
+                "health",
+                Verdict.FAIL,
+                target.ejected,
+                0,
+                f"{target_name} ejected by outlier detection (consecutive 5xx)",
+            )
+        )
     else:
         ms.append(Measurement("health", Verdict.PASS, target.healthy, 1, "healthy"))
 
@@ -92,38 +121,75 @@ def analyze(target: ClusterWindow, baseline_p99_ms: float | None, gates: GateSet
     sr = target.success_rate
     if sr is not None and target.failures and (enough or _already_too_many(target, gates)):
         ok = sr >= gates.min_success_rate
-        ms.append(Measurement("success_rate", Verdict.PASS if ok else Verdict.FAIL, round(sr, 5), gates.min_success_rate,
-                              f"{target_name} success rate {sr:.4f} (< {gates.min_success_rate}) over "
-                              f"{target.requests} requests, {target.failures} failed or retried"))
+        ms.append(
+            Measurement(
+                "success_rate",
+                Verdict.PASS if ok else Verdict.FAIL,
+                round(sr, 5),
+                gates.min_success_rate,
+                f"{target_name} success rate {sr:.4f} (< {gates.min_success_rate}) over "
+                f"{target.requests} requests, {target.failures} failed or retried",
+            )
+        )
     elif enough:
-        ms.append(Measurement("success_rate", Verdict.PASS, 1.0 if sr is None else round(sr, 5), gates.min_success_rate,
-                              f"{target_name} success rate {sr}"))
+        ms.append(
+            Measurement(
+                "success_rate",
+                Verdict.PASS,
+                1.0 if sr is None else round(sr, 5),
+                gates.min_success_rate,
+                f"{target_name} success rate {sr}",
+            )
+        )
     else:
-        ms.append(Measurement("success_rate", Verdict.INCONCLUSIVE, sr, gates.min_success_rate,
-                              f"only {target.requests} {target_name} requests in window (< min_requests {gates.min_requests})"))
+        ms.append(
+            Measurement(
+                "success_rate",
+                Verdict.INCONCLUSIVE,
+                sr,
+                gates.min_success_rate,
+                f"only {target.requests} {target_name} requests in window (< min_requests {gates.min_requests})",
+            )
+        )
 
     p99 = target.p99_ms
     if enough and p99 is not None:
         if gates.max_p99_ms is not None and p99 > gates.max_p99_ms:
-            ms.append(Measurement("p99_ms", Verdict.FAIL, round(p99, 2), gates.max_p99_ms,
-                                  f"{target_name} p99 {p99:.0f} ms > max_p99_ms {gates.max_p99_ms:.0f}"))
+            ms.append(
+                Measurement(
+                    "p99_ms",
+                    Verdict.FAIL,
+                    round(p99, 2),
+                    gates.max_p99_ms,
+                    f"{target_name} p99 {p99:.0f} ms > max_p99_ms {gates.max_p99_ms:.0f}",
+                )
+            )
         if baseline_p99_ms is not None:
             limit = max(baseline_p99_ms * gates.max_p99_ratio, baseline_p99_ms + gates.p99_slack_ms)
             ok = p99 <= limit
-            ms.append(Measurement("p99_ratio", Verdict.PASS if ok else Verdict.FAIL, round(p99 / max(baseline_p99_ms, 1e-3), 3),
-                                  gates.max_p99_ratio,
-                                  f"{target_name} p99 {p99:.0f} ms vs baseline {baseline_p99_ms:.0f} ms "
-                                  f"(limit {limit:.0f} ms)"))
+            ms.append(
+                Measurement(
+                    "p99_ratio",
+                    Verdict.PASS if ok else Verdict.FAIL,
+                    round(p99 / max(baseline_p99_ms, 1e-3), 3),
+                    gates.max_p99_ratio,
+                    f"{target_name} p99 {p99:.0f} ms vs baseline {baseline_p99_ms:.0f} ms (limit {limit:.0f} ms)",
+                )
+            )
         else:
             ms.append(Measurement("p99_ratio", Verdict.INCONCLUSIVE, None, gates.max_p99_ratio, "no baseline p99 yet"))
     elif not enough:
-        ms.append(Measurement("p99_ratio", Verdict.INCONCLUSIVE, None, gates.max_p99_ratio, "too few requests for a p99"))
+        ms.append(
+            Measurement("p99_ratio", Verdict.INCONCLUSIVE, None, gates.max_p99_ratio, "too few requests for a p99")
+        )
 
     if probes_expected:
         if probe is None:
             ms.append(Measurement("parity", Verdict.INCONCLUSIVE, None, None, "no parity probe round finished yet"))
         elif probe.passed:
-            ms.append(Measurement("parity", Verdict.PASS, probe.cases, None, f"parity probes agree ({probe.cases} cases)"))
+            ms.append(
+                Measurement("parity", Verdict.PASS, probe.cases, None, f"parity probes agree ({probe.cases} cases)")
+            )
         else:
             why = "; ".join(probe.failures[:3]) or "outputs differ"
             ms.append(Measurement("parity", Verdict.FAIL, probe.max_abs_err, None, f"parity probes disagree: {why}"))

@@ -28,8 +28,44 @@ from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
 from gpumigrate.traffic import resources as res
 
-LATENCY_BUCKETS_MS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 60, 80, 100, 125, 150, 200, 250, 300,
-                      400, 500, 600, 800, 1000, 1250, 1500, 2000, 3000, 5000, 10000, 30000, 60000]
+LATENCY_BUCKETS_MS = [
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    12,
+    15,
+    20,
+    25,
+    30,
+    40,
+    50,
+    60,
+    80,
+    100,
+    125,
+    150,
+    200,
+    250,
+    300,
+    400,
+    500,
+    600,
+    800,
+    1000,
+    1250,
+    1500,
+    2000,
+    3000,
+    5000,
+    10000,
+    30000,
+    60000,
+]
 
 
 def find_envoy_binary() -> str:
@@ -51,17 +87,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def bootstrap(*, node_id: str, listen_port: int, admin_port: int, xds_port: int,
-              max_connection_s: float = 60.0, drain_s: float = 2.0) -> dict[str, Any]:
+def bootstrap(
+    *,
+    node_id: str,
+    listen_port: int,
+    admin_port: int,
+    xds_port: int,
+    max_connection_s: float = 60.0,
+    drain_s: float = 2.0,
+) -> dict[str, Any]:
     """The bootstrap config (Envoy JSON)."""
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
-        "rds": {"route_config_name": res.ROUTE_NAME,
-                "config_source": {"ads": {}, "resource_api_version": "V3"}},
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+        "rds": {"route_config_name": res.ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+            }
+        ],
         # Long-lived client connections are closed (gracefully, GOAWAY / Connection: close) now and
         # then, so clients that reconnect land on the current split too.
         "common_http_protocol_options": {"max_connection_duration": f"{max_connection_s:.3f}s"},
@@ -73,32 +119,65 @@ def bootstrap(*, node_id: str, listen_port: int, admin_port: int, xds_port: int,
         "stats_flush_interval": "0.5s",
         # Finer latency buckets than Envoy's default (…10, 25, 50…) so a windowed p99 read from
         # bucket diffs is within ~25% of the truth, enough for a 1.5x ratio gate.
-        "stats_config": {"histogram_bucket_settings": [{"match": {"suffix": "upstream_rq_time"}, "buckets": LATENCY_BUCKETS_MS}]},
+        "stats_config": {
+            "histogram_bucket_settings": [{"match": {"suffix": "upstream_rq_time"}, "buckets": LATENCY_BUCKETS_MS}]
+        },
         "dynamic_resources": {
             "ads_config": {
-                "api_type": "GRPC", "transport_api_version": "V3", "set_node_on_first_message_only": True,
-                "grpc_services": [{"envoy_grpc": {
-                    "cluster_name": "xds",
-                    # A restarted control plane is found again within a second.
-                    "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}}}}],
+                "api_type": "GRPC",
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": True,
+                "grpc_services": [
+                    {
+                        "envoy_grpc": {
+                            "cluster_name": "xds",
+                            # A restarted control plane is found again within a second.
+                            "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
+                        }
+                    }
+                ],
             },
             "cds_config": {"ads": {}, "resource_api_version": "V3"},
         },
         "static_resources": {
-            "listeners": [{
-                "name": "ingress",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": hcm}]}],
-            }],
-            "clusters": [{
-                "name": "xds", "type": "STATIC", "connect_timeout": "1s",
-                "load_assignment": {"cluster_name": "xds", "endpoints": [{"lb_endpoints": [{"endpoint": {
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": xds_port}}}}]}]},
-                "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}}}},
-            }],
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
+                    "filter_chains": [
+                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
+                    ],
+                }
+            ],
+            "clusters": [
+                {
+                    "name": "xds",
+                    "type": "STATIC",
+                    "connect_timeout": "1s",
+                    "load_assignment": {
+                        "cluster_name": "xds",
+                        "endpoints": [
+                            {
+                                "lb_endpoints": [
+                                    {
+                                        "endpoint": {
+                                            "address": {
+                                                "socket_address": {"address": "127.0.0.1", "port_value": xds_port}
+                                            }
+                                        }
+                                    }
+                                ]
+                            }
+                        ],
+                    },
+                    "typed_extension_protocol_options": {
+                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                            "explicit_http_config": {"http2_protocol_options": {}},
+                        }
+                    },
+                }
+            ],
         },
     }
 
@@ -106,9 +185,18 @@ def bootstrap(*, node_id: str, listen_port: int, admin_port: int, xds_port: int,
 class Envoy:
     """One supervised Envoy process. Use as a context manager or call start()/stop()."""
 
-    def __init__(self, workdir: str | Path, *, xds_port: int, node_id: str = "gpumigrate-envoy",
-                 listen_port: int | None = None, admin_port: int | None = None, concurrency: int = 1,
-                 binary: str | None = None, max_connection_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        xds_port: int,
+        node_id: str = "gpumigrate-envoy",
+        listen_port: int | None = None,
+        admin_port: int | None = None,
+        concurrency: int = 1,
+        binary: str | None = None,
+        max_connection_s: float = 60.0,
+    ) -> None:
         self.workdir = Path(workdir)
         self.node_id = node_id
         self.xds_port = xds_port
@@ -134,16 +222,36 @@ class Envoy:
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
-        atomic_write_json(cfg, bootstrap(node_id=self.node_id, listen_port=self.listen_port,
-                                         admin_port=self.admin_port, xds_port=self.xds_port,
-                                         max_connection_s=self.max_connection_s))
+        atomic_write_json(
+            cfg,
+            bootstrap(
+                node_id=self.node_id,
+                listen_port=self.listen_port,
+                admin_port=self.admin_port,
+                xds_port=self.xds_port,
+                max_connection_s=self.max_connection_s,
+            ),
+        )
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child; closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
             # No hot restart: no shared memory, so any number of Envoys run side by side on one host.
-            [self.binary, "-c", str(cfg), "--concurrency", str(self.concurrency), "--disable-hot-restart",
-             "--log-level", "warn", "--drain-time-s", "2"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                self.binary,
+                "-c",
+                str(cfg),
+                "--concurrency",
+                str(self.concurrency),
+                "--disable-hot-restart",
+                "--log-level",
+                "warn",
+                "--drain-time-s",
+                "2",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.wait_ready(ready_timeout_s)
         return self
 
@@ -156,8 +264,9 @@ class Envoy:
             if self.admin.live():
                 return
             time.sleep(0.05)
-        raise TrafficError(f"envoy not ready within {timeout_s:.0f}s (control plane on port {self.xds_port}?); "
-                           f"log: {self._tail()}")
+        raise TrafficError(
+            f"envoy not ready within {timeout_s:.0f}s (control plane on port {self.xds_port}?); log: {self._tail()}"
+        )
 
     def _tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -253,6 +362,8 @@ class EnvoyAdmin:
                     for route in vh.get("routes", []):
                         wc = route.get("route", {}).get("weighted_clusters")
                         if wc:
-                            return {c["name"].removesuffix(res.FAILOVER_SUFFIX): int(c.get("weight", 0))
-                                    for c in wc.get("clusters", [])}
+                            return {
+                                c["name"].removesuffix(res.FAILOVER_SUFFIX): int(c.get("weight", 0))
+                                for c in wc.get("clusters", [])
+                            }
         return {}

@@ -78,9 +78,19 @@ def _pct(sorted_vals: list[float], q: float) -> float | None:
 class LoadGenerator:
     """``run()`` blocks; ``start()``/``stop()`` run it on a background thread (tests, bench, demo)."""
 
-    def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None,
-                 timeout_s: float = 30.0, max_in_flight: int = 4096, connections: int = 64,
-                 bucket_s: float = 1.0, keep_records: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        rps: float,
+        seconds: float,
+        body: dict[str, Any] | None = None,
+        timeout_s: float = 30.0,
+        max_in_flight: int = 4096,
+        connections: int = 64,
+        bucket_s: float = 1.0,
+        keep_records: bool = False,
+    ) -> None:
         if rps <= 0 or seconds <= 0:
             raise ValueError("rps and seconds must be positive")
         self.url = url
@@ -181,26 +191,45 @@ class LoadGenerator:
         for b in sorted(buckets):
             rows = buckets[b]
             bl = sorted(r[1] for r in rows if r[2])
-            per_second.append({"t": round(b * self.bucket_s, 3), "total": len(rows), "failed": sum(1 for r in rows if not r[2]),
-                               "p50_ms": _pct(bl, 0.5), "p99_ms": _pct(bl, 0.99)})
+            per_second.append(
+                {
+                    "t": round(b * self.bucket_s, 3),
+                    "total": len(rows),
+                    "failed": sum(1 for r in rows if not r[2]),
+                    "p50_ms": _pct(bl, 0.5),
+                    "p99_ms": _pct(bl, 0.99),
+                }
+            )
         # Downtime: longest gap between successive successful completions (and the run's edges).
         done = sorted(r[0] + r[1] / 1000 for r in recs if r[2])
         edges = [0.0, *done, max(self._elapsed, done[-1] if done else 0.0)]
         gap = max((b - a for a, b in zip(edges, edges[1:], strict=False)), default=0.0)
         ok = sum(1 for r in recs if r[2])
-        return LoadReport(url=self.url, rps=self.rps, seconds=self.seconds, total=len(recs), ok=ok,
-                          failed=len(recs) - ok, errors=errors, p50_ms=_pct(lat, 0.5), p99_ms=_pct(lat, 0.99),
-                          max_ms=_pct(lat, 1.0), downtime_ms=round(gap * 1000, 1), per_second=per_second,
-                          achieved_rps=round(len(recs) / self._elapsed, 1) if self._elapsed else 0.0,
-                          started_at=self.started_at,
-                          records=[[round(r[0], 4), round(r[1], 3), r[2]] for r in recs] if self.keep_records else None)
+        return LoadReport(
+            url=self.url,
+            rps=self.rps,
+            seconds=self.seconds,
+            total=len(recs),
+            ok=ok,
+            failed=len(recs) - ok,
+            errors=errors,
+            p50_ms=_pct(lat, 0.5),
+            p99_ms=_pct(lat, 0.99),
+            max_ms=_pct(lat, 1.0),
+            downtime_ms=round(gap * 1000, 1),
+            per_second=per_second,
+            achieved_rps=round(len(recs) / self._elapsed, 1) if self._elapsed else 0.0,
+            started_at=self.started_at,
+            records=[[round(r[0], 4), round(r[1], 3), r[2]] for r in recs] if self.keep_records else None,
+        )
 
 
 class LoadProcess:
     """The load generator in its own process, so its timing is not coupled to the caller's GIL."""
 
-    def __init__(self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None,
-                 keep_records: bool = False) -> None:
+    def __init__(
+        self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None, keep_records: bool = False
+    ) -> None:
         cmd = [sys.executable, "-m", "gpumigrate.traffic.loadgen", url, "--rps", str(rps), "--seconds", str(seconds)]
         if keep_records:
             cmd.append("--records")
@@ -246,8 +275,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--body", default=None, help="JSON body to POST")
     ap.add_argument("--records", action="store_true", help="include every request's (start, latency, ok)")
     args = ap.parse_args(argv)
-    gen = LoadGenerator(args.url, rps=args.rps, seconds=args.seconds,
-                        body=json.loads(args.body) if args.body else None, keep_records=args.records)
+    gen = LoadGenerator(
+        args.url,
+        rps=args.rps,
+        seconds=args.seconds,
+        body=json.loads(args.body) if args.body else None,
+        keep_records=args.records,
+    )
     signal.signal(signal.SIGINT, lambda *_: gen.stop())
     signal.signal(signal.SIGTERM, lambda *_: gen.stop())
     gen.on_start = lambda t: print(f"started {t}", flush=True)

@@ -27,7 +27,9 @@ class TrafficMetrics:
         r = self.registry
         self.weight = Gauge("gpumigrate_traffic_weight_percent", "Share of client traffic", ["cluster"], registry=r)
         self.rps = Gauge("gpumigrate_traffic_requests_per_second", "Attempts per second", ["cluster"], registry=r)
-        self.error_rate = Gauge("gpumigrate_traffic_error_rate", "Failed or retried attempts share", ["cluster"], registry=r)
+        self.error_rate = Gauge(
+            "gpumigrate_traffic_error_rate", "Failed or retried attempts share", ["cluster"], registry=r
+        )
         self.p99 = Gauge("gpumigrate_traffic_p99_ms", "p99 upstream request time (ms)", ["cluster"], registry=r)
         self.healthy = Gauge("gpumigrate_traffic_healthy_hosts", "Hosts passing health checks", ["cluster"], registry=r)
         self.parity = Gauge("gpumigrate_traffic_parity_ok", "1 agree, 0 disagree, -1 unknown", registry=r)
@@ -36,8 +38,9 @@ class TrafficMetrics:
         self.parity.set(-1)
         self._server: Any = None
 
-    def observe(self, weights: dict[str, float], clusters: dict[str, dict[str, Any]],
-                analysis: dict[str, Any] | None = None) -> None:
+    def observe(
+        self, weights: dict[str, float], clusters: dict[str, dict[str, Any]], analysis: dict[str, Any] | None = None
+    ) -> None:
         """One interval: ``clusters`` as in ``Sample.clusters`` (ClusterWindow.to_json per upstream)."""
         for name, w in weights.items():
             self.weight.labels(name).set(w)

@@ -20,9 +20,18 @@ from gpumigrate.traffic.resources import PROBE_HEADER
 
 
 class Prober:
-    def __init__(self, envoy_url: str, inputs: Sequence[Mapping[str, Any]], comparator: OutputComparator, *,
-                 source: str = "source", target: str = "target", path: str = "/v1/generate",
-                 every_s: float = 1.0, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        envoy_url: str,
+        inputs: Sequence[Mapping[str, Any]],
+        comparator: OutputComparator,
+        *,
+        source: str = "source",
+        target: str = "target",
+        path: str = "/v1/generate",
+        every_s: float = 1.0,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.url = envoy_url.rstrip("/") + path
         self.inputs = list(inputs)
         self.comparator = comparator
@@ -56,14 +65,22 @@ class Prober:
         tgt = [self._ask(self._client, self.target, b) for b in self.inputs]
         errors = tuple(row["_error"] for row in src + tgt if "_error" in row)
         if errors:
-            report = ParityReport(passed=False, cases=len(self.inputs), max_abs_err=None,
-                                  failures=tuple(f"probe failed: {e}" for e in errors))
+            report = ParityReport(
+                passed=False,
+                cases=len(self.inputs),
+                max_abs_err=None,
+                failures=tuple(f"probe failed: {e}" for e in errors),
+            )
         else:
             try:
                 report = self.comparator.compare(src, tgt)
             except Exception as exc:  # a broken comparator is a failed round, never a dead probe thread
-                report = ParityReport(passed=False, cases=len(self.inputs), max_abs_err=None,
-                                      failures=(f"probe comparison failed: {type(exc).__name__}: {exc}",))
+                report = ParityReport(
+                    passed=False,
+                    cases=len(self.inputs),
+                    max_abs_err=None,
+                    failures=(f"probe comparison failed: {type(exc).__name__}: {exc}",),
+                )
         with self._lock:
             self._latest = (time.monotonic(), report)
             self.rounds += 1

@@ -44,8 +44,12 @@ class RampSettings:
     def from_plan(cls, traffic: Any, **extra: Any) -> RampSettings:
         """From ``gpumigrate.plan.Traffic``; ``extra`` may set any other field (gate extras via ``gates``)."""
         gates = extra.pop("gates", None) or GateSettings.from_plan(traffic.gates)
-        return cls(stages=tuple((s.weight, s.hold_s) for s in traffic.stages), interval_s=traffic.analysis_interval_s,
-                   gates=gates, **extra)
+        return cls(
+            stages=tuple((s.weight, s.hold_s) for s in traffic.stages),
+            interval_s=traffic.analysis_interval_s,
+            gates=gates,
+            **extra,
+        )
 
 
 @dataclass
@@ -59,8 +63,15 @@ class Sample:
     analysis: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        return {"t": round(self.t, 3), "ts": self.ts, "stage": self.stage, "weight": self.weight,
-                "clusters": self.clusters, "window_s": round(self.window_s, 3), "analysis": self.analysis}
+        return {
+            "t": round(self.t, 3),
+            "ts": self.ts,
+            "stage": self.stage,
+            "weight": self.weight,
+            "clusters": self.clusters,
+            "window_s": round(self.window_s, 3),
+            "analysis": self.analysis,
+        }
 
 
 @dataclass
@@ -75,9 +86,16 @@ class StageRecord:
     outcome: str = "running"  # passed | rolled_back | running
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "weight": self.weight, "hold_s": self.hold_s, "started_t": round(self.started_t, 3),
-                "ended_t": None if self.ended_t is None else round(self.ended_t, 3), "intervals": self.intervals,
-                "inconclusive": self.inconclusive, "outcome": self.outcome}
+        return {
+            "index": self.index,
+            "weight": self.weight,
+            "hold_s": self.hold_s,
+            "started_t": round(self.started_t, 3),
+            "ended_t": None if self.ended_t is None else round(self.ended_t, 3),
+            "intervals": self.intervals,
+            "inconclusive": self.inconclusive,
+            "outcome": self.outcome,
+        }
 
 
 @dataclass
@@ -94,11 +112,18 @@ class RampResult:
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"status": self.status, "reason": self.reason, "trigger": self.trigger,
-                "seconds_to_detect": None if self.seconds_to_detect is None else round(self.seconds_to_detect, 3),
-                "rolled_back_at": self.rolled_back_at, "rollback_applied_s": self.rollback_applied_s,
-                "baseline_p99_ms": self.baseline_p99_ms, "seconds": round(self.seconds, 3),
-                "stages": [s.to_json() for s in self.stages], "samples": [s.to_json() for s in self.samples]}
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "trigger": self.trigger,
+            "seconds_to_detect": None if self.seconds_to_detect is None else round(self.seconds_to_detect, 3),
+            "rolled_back_at": self.rolled_back_at,
+            "rollback_applied_s": self.rollback_applied_s,
+            "baseline_p99_ms": self.baseline_p99_ms,
+            "seconds": round(self.seconds, 3),
+            "stages": [s.to_json() for s in self.stages],
+            "samples": [s.to_json() for s in self.samples],
+        }
 
 
 class _RolledBack(Exception):
@@ -110,10 +135,19 @@ class _RolledBack(Exception):
 class RampController:
     """Drive one ramp. ``admin_urls``: every Envoy in front of the service (stats are summed)."""
 
-    def __init__(self, state_dir: str | Path, admin_urls: list[str], settings: RampSettings, *,
-                 nodes: list[str] | None = None, source: str = "source", target: str = "target",
-                 prober: Prober | None = None, rollback_signal: Callable[[], Any] | None = None,
-                 on_interval: Callable[[Sample], None] | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: str | Path,
+        admin_urls: list[str],
+        settings: RampSettings,
+        *,
+        nodes: list[str] | None = None,
+        source: str = "source",
+        target: str = "target",
+        prober: Prober | None = None,
+        rollback_signal: Callable[[], Any] | None = None,
+        on_interval: Callable[[Sample], None] | None = None,
+    ) -> None:
         self.store = StateStore(state_dir)
         self.admins = [EnvoyAdmin(u) for u in admin_urls]
         self.settings = settings
@@ -135,7 +169,9 @@ class RampController:
 
     def _snapshot(self) -> StatsSnapshot:
         ups = [self.source, self.target]
-        return merge([parse_stats(a.stats(ups), ups, ts=time.monotonic(), failover=self._failover) for a in self.admins])
+        return merge(
+            [parse_stats(a.stats(ups), ups, ts=time.monotonic(), failover=self._failover) for a in self.admins]
+        )
 
     def _apply(self, weight: float) -> None:
         try:
@@ -153,7 +189,9 @@ class RampController:
                 why = sig.get("reason") if isinstance(sig, dict) else None
                 asked = sig.get("ts") if isinstance(sig, dict) else None
                 # The request's own timestamp (Migration.request_rollback writes one) gives request → action.
-                since = time.monotonic() - max(0.0, time.time() - float(asked)) if isinstance(asked, int | float) else None
+                since = (
+                    time.monotonic() - max(0.0, time.time() - float(asked)) if isinstance(asked, int | float) else None
+                )
                 raise _RolledBack(f"manual rollback: {why or 'requested'}", "manual", since)
         state = self.store.read()
         if state.rolled_back:
@@ -166,7 +204,9 @@ class RampController:
                 return
             time.sleep(min(left, 0.05))
 
-    def _record(self, stage: int, prev: StatsSnapshot, cur: StatsSnapshot, window_s: float, analysis: Analysis) -> Sample:
+    def _record(
+        self, stage: int, prev: StatsSnapshot, cur: StatsSnapshot, window_s: float, analysis: Analysis
+    ) -> Sample:
         per = {u: w.to_json() for u, w in window(prev, cur).items()}
         sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
         self.samples.append(sample)
@@ -180,8 +220,13 @@ class RampController:
 
     def _progress(self, status: str, sample: Sample | None, **extra: Any) -> None:
         """``ramp.json`` in the state directory: what ``gpumigrate traffic watch`` shows from any process."""
-        doc = {"status": status, "weight": self._weight, "updated": time.time(),
-               "sample": sample.to_json() if sample else None, **extra}
+        doc = {
+            "status": status,
+            "weight": self._weight,
+            "updated": time.time(),
+            "sample": sample.to_json() if sample else None,
+            **extra,
+        }
         try:
             atomic_write_json(self.store.dir / PROGRESS_FILE, doc)
         except OSError:  # progress is a view; never a reason to stop a ramp
@@ -200,9 +245,18 @@ class RampController:
             src = window(start, cur)[self.source]
             if src.requests >= g.min_requests and src.p99_ms is not None:
                 self.baseline_p99 = src.p99_ms
-            a = Analysis(Verdict.INCONCLUSIVE, [Measurement("baseline_p99_ms", Verdict.PASS if self.baseline_p99 else
-                                                            Verdict.INCONCLUSIVE, self.baseline_p99, None,
-                                                            f"source p99 over {src.requests} requests")])
+            a = Analysis(
+                Verdict.INCONCLUSIVE,
+                [
+                    Measurement(
+                        "baseline_p99_ms",
+                        Verdict.PASS if self.baseline_p99 else Verdict.INCONCLUSIVE,
+                        self.baseline_p99,
+                        None,
+                        f"source p99 over {src.requests} requests",
+                    )
+                ],
+            )
             self._record(-1, prev, cur, cur.ts - start.ts, a)
             prev = cur
 
@@ -236,15 +290,30 @@ class RampController:
             except TrafficError as exc:  # an unreadable admin makes this interval inconclusive, not a pass
                 rec.intervals += 1
                 rec.inconclusive += 1
-                self.samples.append(Sample(self._now(), time.time(), index, weight, {}, 0.0,
-                                           {"verdict": "inconclusive", "reason": str(exc), "measurements": []}))
+                self.samples.append(
+                    Sample(
+                        self._now(),
+                        time.time(),
+                        index,
+                        weight,
+                        {},
+                        0.0,
+                        {"verdict": "inconclusive", "reason": str(exc), "measurements": []},
+                    )
+                )
                 continue
             w, window_s = self._analysis_window(snaps)
             src = w[self.source]
             base = src.p99_ms if src.requests >= s.gates.min_requests and src.p99_ms is not None else self.baseline_p99
             probe = self.prober.latest(newer_than=started) if self.prober else None
-            a = analyze(w[self.target], base, s.gates, probe=probe, probes_expected=self.prober is not None,
-                        target_name=self.target)
+            a = analyze(
+                w[self.target],
+                base,
+                s.gates,
+                probe=probe,
+                probes_expected=self.prober is not None,
+                target_name=self.target,
+            )
             self._record(index, snaps[-2], snaps[-1], window_s, a)
             rec.intervals += 1
             if a.verdict == Verdict.FAIL:
@@ -263,8 +332,12 @@ class RampController:
             rec.inconclusive += 1
             if rec.inconclusive > s.max_inconclusive and s.inconclusive_policy == "rollback":
                 rec.outcome = "rolled_back"
-                raise _RolledBack(f"stage {weight:g}% stayed inconclusive for {rec.inconclusive} intervals after its hold: "
-                                  f"{a.reason}", "inconclusive", None)
+                raise _RolledBack(
+                    f"stage {weight:g}% stayed inconclusive for {rec.inconclusive} intervals after its hold: "
+                    f"{a.reason}",
+                    "inconclusive",
+                    None,
+                )
 
     def run(self) -> RampResult:
         self._t0 = time.monotonic()
@@ -319,6 +392,15 @@ class RampController:
             rec.ended_t = rec.ended_t or self._now()
         detect = None if rb.detect_from is None else decided - rb.detect_from
         self._progress("rolled_back", self.samples[-1] if self.samples else None, reason=rb.reason, trigger=rb.trigger)
-        return RampResult("rolled_back", self.stages, self.samples, self.baseline_p99, reason=rb.reason,
-                          trigger=rb.trigger, seconds_to_detect=detect, rolled_back_at=rolled_at,
-                          rollback_applied_s=applied, seconds=self._now())
+        return RampResult(
+            "rolled_back",
+            self.stages,
+            self.samples,
+            self.baseline_p99,
+            reason=rb.reason,
+            trigger=rb.trigger,
+            seconds_to_detect=detect,
+            rolled_back_at=rolled_at,
+            rollback_applied_s=applied,
+            seconds=self._now(),
+        )

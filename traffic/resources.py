@@ -42,8 +42,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.3f}s"
 
 
-def endpoint_cluster(name: str, host: str, port: int, *, health_path: str = "/readyz",
-                     health_interval_s: float = 0.5, max_connection_s: float = 30.0) -> dict[str, Any]:
+def endpoint_cluster(
+    name: str,
+    host: str,
+    port: int,
+    *,
+    health_path: str = "/readyz",
+    health_interval_s: float = 0.5,
+    max_connection_s: float = 30.0,
+) -> dict[str, Any]:
     """The real upstream. Health: 2 failed checks (≈1 s) mark it down; 1 good check brings it back."""
     return {
         "name": name,
@@ -51,18 +58,25 @@ def endpoint_cluster(name: str, host: str, port: int, *, health_path: str = "/re
         "connect_timeout": "0.25s",
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {
-                "socket_address": {"address": host, "port_value": int(port)}}}}]}],
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
+                    ]
+                }
+            ],
         },
-        "health_checks": [{
-            "timeout": _duration(max(0.25, health_interval_s)),
-            "interval": _duration(health_interval_s),
-            "no_traffic_interval": _duration(health_interval_s),
-            "no_traffic_healthy_interval": _duration(health_interval_s),
-            "unhealthy_threshold": 2,
-            "healthy_threshold": 1,
-            "http_health_check": {"path": health_path},
-        }],
+        "health_checks": [
+            {
+                "timeout": _duration(max(0.25, health_interval_s)),
+                "interval": _duration(health_interval_s),
+                "no_traffic_interval": _duration(health_interval_s),
+                "no_traffic_healthy_interval": _duration(health_interval_s),
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": health_path},
+            }
+        ],
         # consecutive-5xx works with one host; the success-rate mode needs ≥ 5 (NOTES.md).
         "outlier_detection": {
             "consecutive_5xx": 5,
@@ -72,14 +86,19 @@ def endpoint_cluster(name: str, host: str, port: int, *, health_path: str = "/re
             "max_ejection_percent": 100,
         },
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
-        "circuit_breakers": {"thresholds": [{"max_connections": 4096, "max_pending_requests": 4096,
-                                             "max_requests": 4096, "max_retries": 1024}]},
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 4096, "max_pending_requests": 4096, "max_requests": 4096, "max_retries": 1024}
+            ]
+        },
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                 # Upstream connections are recycled so a restored target is picked up by every worker.
-                "common_http_protocol_options": {"max_connection_duration": _duration(max_connection_s),
-                                                 "idle_timeout": "4s"},  # < uvicorn's 5 s keep-alive
+                "common_http_protocol_options": {
+                    "max_connection_duration": _duration(max_connection_s),
+                    "idle_timeout": "4s",
+                },  # < uvicorn's 5 s keep-alive
                 "explicit_http_config": {"http_protocol_options": {}},
             }
         },
@@ -92,12 +111,14 @@ def failover_cluster(name: str, order: list[str]) -> dict[str, Any]:
         "name": name,
         "connect_timeout": "0.25s",
         "lb_policy": "CLUSTER_PROVIDED",
-        "circuit_breakers": {"thresholds": [{"max_connections": 4096, "max_pending_requests": 4096,
-                                             "max_requests": 4096, "max_retries": 1024}]},
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 4096, "max_pending_requests": 4096, "max_requests": 4096, "max_retries": 1024}
+            ]
+        },
         "cluster_type": {
             "name": "envoy.clusters.aggregate",
-            "typed_config": {"@type": _T + "envoy.extensions.clusters.aggregate.v3.ClusterConfig",
-                             "clusters": order},
+            "typed_config": {"@type": _T + "envoy.extensions.clusters.aggregate.v3.ClusterConfig", "clusters": order},
         },
     }
 
@@ -106,10 +127,12 @@ def retry_policy(idempotent: bool) -> dict[str, Any]:
     return {
         "retry_on": IDEMPOTENT_RETRY_ON if idempotent else SAFE_RETRY_ON,
         "num_retries": 2,
-        "retry_host_predicate": [{
-            "name": "envoy.retry_host_predicates.previous_hosts",
-            "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
-        }],
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _T + "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"},
+            }
+        ],
         "host_selection_retry_max_attempts": 3,
         # The retry of an attempt that failed on priority 0 (X) goes to priority 1 (the other side).
         "retry_priority": {
@@ -123,8 +146,9 @@ def retry_policy(idempotent: bool) -> dict[str, Any]:
     }
 
 
-def route_config(upstreams: list[str], weights: dict[str, float], *, idempotent: bool,
-                 timeout_s: float = 30.0, failover: bool = True) -> dict[str, Any]:
+def route_config(
+    upstreams: list[str], weights: dict[str, float], *, idempotent: bool, timeout_s: float = 30.0, failover: bool = True
+) -> dict[str, Any]:
     """One route configuration: probe routes by header, then the weighted split of client traffic.
 
     ``failover=False`` splits over the endpoint clusters directly (a plain weighted split, as most
@@ -138,18 +162,22 @@ def route_config(upstreams: list[str], weights: dict[str, float], *, idempotent:
         }
         for u in upstreams
     ]
-    split = [{"name": failover_name(u) if failover else u, "weight": int(round(weights.get(u, 0.0) * WEIGHT_SCALE))}
-             for u in upstreams]
+    split = [
+        {"name": failover_name(u) if failover else u, "weight": int(round(weights.get(u, 0.0) * WEIGHT_SCALE))}
+        for u in upstreams
+    ]
     split = [c for c in split if c["weight"] > 0]
-    routes.append({
-        "name": "split",
-        "match": {"prefix": "/"},
-        "route": {
-            "weighted_clusters": {"clusters": split},
-            "timeout": _duration(timeout_s),
-            "retry_policy": retry_policy(idempotent),
-        },
-    })
+    routes.append(
+        {
+            "name": "split",
+            "match": {"prefix": "/"},
+            "route": {
+                "weighted_clusters": {"clusters": split},
+                "timeout": _duration(timeout_s),
+                "retry_policy": retry_policy(idempotent),
+            },
+        }
+    )
     return {"name": ROUTE_NAME, "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]}
 
 

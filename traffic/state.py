@@ -57,17 +57,25 @@ class DesiredState:
         if d.get("format") != FORMAT_VERSION:
             raise TrafficError(f"traffic state format {d.get('format')!r} is not supported (expected {FORMAT_VERSION})")
         ups = {k: Upstream(**v) for k, v in d["upstreams"].items()}
-        return cls(upstreams=ups, weights={k: float(v) for k, v in d["weights"].items()}, primary=d["primary"],
-                   idempotent=bool(d.get("idempotent", True)), version=int(d["version"]),
-                   rolled_back=d.get("rolled_back"), updated=float(d.get("updated", 0)),
-                   failover=bool(d.get("failover", True)))
+        return cls(
+            upstreams=ups,
+            weights={k: float(v) for k, v in d["weights"].items()},
+            primary=d["primary"],
+            idempotent=bool(d.get("idempotent", True)),
+            version=int(d["version"]),
+            rolled_back=d.get("rolled_back"),
+            updated=float(d.get("updated", 0)),
+            failover=bool(d.get("failover", True)),
+        )
 
     def validate(self) -> None:
         if self.primary not in self.upstreams:
             raise InvalidInputError(f"primary upstream {self.primary!r} is not one of {sorted(self.upstreams)}")
         unknown = set(self.weights) - set(self.upstreams)
         if unknown:
-            raise InvalidInputError(f"weights name unknown upstreams {sorted(unknown)}; allowed: {sorted(self.upstreams)}")
+            raise InvalidInputError(
+                f"weights name unknown upstreams {sorted(unknown)}; allowed: {sorted(self.upstreams)}"
+            )
         if any(w < 0 or w > 100 for w in self.weights.values()):
             raise InvalidInputError(f"weights must be 0..100 percent, got {self.weights}")
         if abs(sum(self.weights.values()) - 100.0) > 1e-6:
@@ -148,7 +156,9 @@ class StateStore:
     def set_weights(self, weights: dict[str, float], *, allow_after_rollback: bool = False) -> DesiredState:
         def change(s: DesiredState) -> None:
             if s.rolled_back and not allow_after_rollback:
-                raise TrafficError(f"traffic was rolled back ({s.rolled_back.get('reason')}); weights stay on {s.primary}")
+                raise TrafficError(
+                    f"traffic was rolled back ({s.rolled_back.get('reason')}); weights stay on {s.primary}"
+                )
             s.weights = dict(weights)
 
         return self.update(change)
@@ -178,15 +188,19 @@ class StateStore:
                 s = st.get(_safe(node), {})
                 nack = s.get("nack")
                 if nack and int(nack.get("version", -1)) >= version:
-                    raise TrafficError(f"envoy {node} rejected config version {nack['version']} ({nack.get('type')}): "
-                                       f"{nack.get('error')}; it keeps serving its last good config")
+                    raise TrafficError(
+                        f"envoy {node} rejected config version {nack['version']} ({nack.get('type')}): "
+                        f"{nack.get('error')}; it keeps serving its last good config"
+                    )
                 if int(s.get("applied", -1)) < version:
                     pending.append(node)
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise TrafficError(f"envoy {', '.join(pending)} did not apply traffic config version {version} "
-                                   f"within {timeout_s:.0f}s (is the control plane running?)")
+                raise TrafficError(
+                    f"envoy {', '.join(pending)} did not apply traffic config version {version} "
+                    f"within {timeout_s:.0f}s (is the control plane running?)"
+                )
             time.sleep(0.02)
 
 

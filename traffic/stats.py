@@ -61,14 +61,20 @@ class ClusterWindow:
         return None if self.requests == 0 else 1.0 - self.failures / self.requests
 
     def to_json(self) -> dict[str, Any]:
-        return {"requests": self.requests, "failures": self.failures, "rps": round(self.rps, 2),
-                "error_rate": None if self.error_rate is None else round(self.error_rate, 5),
-                "p99_ms": None if self.p99_ms is None else round(self.p99_ms, 2),
-                "healthy": self.healthy, "ejected": self.ejected}
+        return {
+            "requests": self.requests,
+            "failures": self.failures,
+            "rps": round(self.rps, 2),
+            "error_rate": None if self.error_rate is None else round(self.error_rate, 5),
+            "p99_ms": None if self.p99_ms is None else round(self.p99_ms, 2),
+            "healthy": self.healthy,
+            "ejected": self.ejected,
+        }
 
 
-def parse_stats(stats_json: dict[str, Any], upstreams: list[str], ts: float | None = None, *,
-                failover: bool = True) -> StatsSnapshot:
+def parse_stats(
+    stats_json: dict[str, Any], upstreams: list[str], ts: float | None = None, *, failover: bool = True
+) -> StatsSnapshot:
     """Pick our upstreams' counters out of ``/stats?format=json&histogram_buckets=cumulative``.
 
     ``failover=False`` (a plain split, the benchmark's baseline) counts client traffic on the
@@ -89,7 +95,7 @@ def parse_stats(stats_json: dict[str, Any], upstreams: list[str], ts: float | No
         name, value = entry.get("name", ""), entry.get("value", 0)
         for prefix, u in agg.items():
             if name.startswith(prefix):
-                key = name[len(prefix):]
+                key = name[len(prefix) :]
                 if key == "upstream_rq_completed":
                     out[u].completed = int(value)
                 elif key == "upstream_rq_5xx":

@@ -52,8 +52,12 @@ class Watcher:
                 ramp = json.loads((self.state_dir / PROGRESS_FILE).read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 ramp = None
-        return {"ts": time.time(), "weights": {u: weights.get(u, 0.0) for u in self.upstreams},
-                "clusters": clusters, "ramp": ramp}
+        return {
+            "ts": time.time(),
+            "weights": {u: weights.get(u, 0.0) for u in self.upstreams},
+            "clusters": clusters,
+            "ramp": ramp,
+        }
 
 
 def _fmt(v: Any, spec: str, none: str = "–") -> str:
@@ -73,8 +77,15 @@ def render(row: dict[str, Any]) -> Table:
         c = row["clusters"].get(u, {})
         err = c.get("error_rate")
         style = "red" if err else None
-        t.add_row(u, _fmt(row["weights"].get(u), ".2f"), _fmt(c.get("rps"), ".1f"), _fmt(err, ".4f"),
-                  _fmt(c.get("p99_ms"), ".1f"), _fmt(c.get("healthy"), "d"), style=style)
+        t.add_row(
+            u,
+            _fmt(row["weights"].get(u), ".2f"),
+            _fmt(c.get("rps"), ".1f"),
+            _fmt(err, ".4f"),
+            _fmt(c.get("p99_ms"), ".1f"),
+            _fmt(c.get("healthy"), "d"),
+            style=style,
+        )
     if parity:
         t.add_row("parity probes", "", "", "", "", parity.get("verdict", "–"))
     return t

@@ -51,9 +51,11 @@ def build_snapshot(state: DesiredState) -> Snapshot:
     names = list(state.upstreams)
     # The primary goes first so that its probe route and failover order are stable.
     names.sort(key=lambda n: (n != state.primary, n))
-    return Snapshot(state.version, res.clusters_for({n: ups[n] for n in names}),
-                    res.route_config(names, state.weights, idempotent=state.idempotent,
-                                    failover=state.failover))
+    return Snapshot(
+        state.version,
+        res.clusters_for({n: ups[n] for n in names}),
+        res.route_config(names, state.weights, idempotent=state.idempotent, failover=state.failover),
+    )
 
 
 class _Stream:
@@ -104,8 +106,11 @@ class _Stream:
                         nonce = str(self.nonce)
                         self.inflight = (type_url, nonce, resources, version)
                         yield discovery_pb2.DiscoveryResponse(
-                            version_info=str(version), type_url=type_url, nonce=nonce,
-                            resources=[res.to_any(r, type_url) for r in _as_list(type_url, resources)])
+                            version_info=str(version),
+                            type_url=type_url,
+                            nonce=nonce,
+                            resources=[res.to_any(r, type_url) for r in _as_list(type_url, resources)],
+                        )
         finally:
             if self.node:
                 self._write_status(connected=False)
@@ -129,8 +134,11 @@ class _Stream:
         self.inflight = None
         if req.HasField("error_detail") and req.error_detail.code != 0:
             self.nacked_version = version
-            self.nack = {"type": "CDS" if type_url == CDS else "RDS", "version": version,
-                         "error": req.error_detail.message[:2000]}
+            self.nack = {
+                "type": "CDS" if type_url == CDS else "RDS",
+                "version": version,
+                "error": req.error_detail.message[:2000],
+            }
             log.warning("envoy %s NACKed %s version %s: %s", self.node, self.nack["type"], version, self.nack["error"])
         else:
             self.acked[type_url] = resources
@@ -162,10 +170,17 @@ class _Stream:
 
     def _write_status(self, *, connected: bool) -> None:
         try:
-            self.plane.store.write_status(self.node, {
-                "node": self.node, "connected": connected, "applied": self.applied,
-                "acked": {"cds": self.acked_version.get(CDS), "rds": self.acked_version.get(RDS)},
-                "nack": self.nack, "updated": time.time()})
+            self.plane.store.write_status(
+                self.node,
+                {
+                    "node": self.node,
+                    "connected": connected,
+                    "applied": self.applied,
+                    "acked": {"cds": self.acked_version.get(CDS), "rds": self.acked_version.get(RDS)},
+                    "nack": self.nack,
+                    "updated": time.time(),
+                },
+            )
         except OSError as exc:  # a full disk must not take the stream (and Envoy's config) down
             log.warning("cannot write status for %s: %s", self.node, exc)
 
@@ -219,8 +234,10 @@ class ControlPlane:
                 yield from _Stream(plane, request_iterator, context).run()
 
         self._refresh()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=[
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.so_reuseport", 0)])
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=32),
+            options=[("grpc.keepalive_time_ms", 10_000), ("grpc.so_reuseport", 0)],
+        )
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(), self._server)
         bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
         if bound == 0:

@@ -60,7 +60,9 @@ def open_writer(
     )
 
 
-def open_reader(store_url: str | Store, image_id: str, *, key: bytes | None, endpoint_url: str | None = None) -> StoreImageReader:
+def open_reader(
+    store_url: str | Store, image_id: str, *, key: bytes | None, endpoint_url: str | None = None
+) -> StoreImageReader:
     """A verified ImageReader: the manifest's id, key id and signature are checked here."""
     store = _store(store_url, endpoint_url)
     return StoreImageReader(store, resolve_image_id(store, image_id), Sealer(key))

@@ -50,7 +50,9 @@ def parse_header(blob: memoryview | bytes, chunk_id: str) -> ObjectHeader:
     if magic != MAGIC:
         raise IntegrityError(f"chunk {chunk_id[:16]} is not a gpumigrate chunk object (bad magic)")
     if raw_len > MAX_RAW_LEN:  # checked before anyone allocates a buffer of that size
-        raise IntegrityError(f"chunk {chunk_id[:16]} claims {raw_len} bytes, more than any chunk may hold ({MAX_RAW_LEN})")
+        raise IntegrityError(
+            f"chunk {chunk_id[:16]} claims {raw_len} bytes, more than any chunk may hold ({MAX_RAW_LEN})"
+        )
     return ObjectHeader(codec, bool(flags & FLAG_ENCRYPTED), raw_len, nonce, None if base == ZERO_ID else base.hex())
 
 
@@ -100,8 +102,15 @@ class Sealer:
             raise ValueError(f"seal: output buffer of {len(out)} bytes is smaller than the object ({size})")
         view = memoryview(out)[:size]
         nonce = os.urandom(12) if self._aead else ZERO_NONCE
-        header = HEADER.pack(MAGIC, codec, FLAG_ENCRYPTED if self._aead else 0, 0, raw_len, nonce,
-                             bytes.fromhex(base) if base else ZERO_ID)
+        header = HEADER.pack(
+            MAGIC,
+            codec,
+            FLAG_ENCRYPTED if self._aead else 0,
+            0,
+            raw_len,
+            nonce,
+            bytes.fromhex(base) if base else ZERO_ID,
+        )
         view[:HEADER_SIZE] = header
         if in_place:
             payload = view[HEADER_SIZE : HEADER_SIZE + len(payload)]

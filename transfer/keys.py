@@ -62,7 +62,9 @@ def resolve_key(env: str | None = None, file: str | None = None) -> bytes:
     if env:
         value = os.environ.get(env)
         if not value:
-            raise InvalidInputError(f"environment variable {env} is not set or empty", hint="it must hold the image key")
+            raise InvalidInputError(
+                f"environment variable {env} is not set or empty", hint="it must hold the image key"
+            )
         return _decode(value.encode(), f"environment variable {env}")
     path = Path(str(file))
     try:

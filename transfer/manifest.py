@@ -24,7 +24,10 @@ def canonical(obj: Any) -> bytes:
 def seal_manifest(body: dict[str, Any], sealer: Sealer) -> tuple[str, bytes]:
     """Sign ``body`` and serialise; returns (image id, bytes)."""
     if sealer.hmac_key is not None:
-        signature = {"alg": "hmac-sha256", "value": hmac.new(sealer.hmac_key, canonical(body), hashlib.sha256).hexdigest()}
+        signature = {
+            "alg": "hmac-sha256",
+            "value": hmac.new(sealer.hmac_key, canonical(body), hashlib.sha256).hexdigest(),
+        }
     else:
         signature = {"alg": "none", "value": ""}
     data = canonical({"format": FORMAT_NAME, "version": FORMAT_VERSION, "body": body, "signature": signature})
@@ -44,11 +47,15 @@ def open_manifest(data: bytes, image_id: str, sealer: Sealer) -> dict[str, Any]:
     if fmt != FORMAT_NAME:
         raise IntegrityError(f"image {image_id[:16]}: format {fmt!r} is not {FORMAT_NAME!r}")
     if version != FORMAT_VERSION:
-        raise IntegrityError(f"image {image_id[:16]}: format version {version} is not supported (this reader: {FORMAT_VERSION})")
+        raise IntegrityError(
+            f"image {image_id[:16]}: format version {version} is not supported (this reader: {FORMAT_VERSION})"
+        )
     alg = sig.get("alg")
     if sealer.hmac_key is None:
         if alg != "none" or body.get("encryption") != "none":
-            raise InvalidInputError(f"image {image_id[:16]} is encrypted and signed: give its key (--key-env or --key-file)")
+            raise InvalidInputError(
+                f"image {image_id[:16]} is encrypted and signed: give its key (--key-env or --key-file)"
+            )
         return body
     if alg != "hmac-sha256":
         raise IntegrityError(f"image {image_id[:16]} is not signed (alg {alg!r}) but a key was given: refusing it")

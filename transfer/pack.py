@@ -60,7 +60,9 @@ def _walk(paths: Iterable[str | Path]) -> Iterator[tuple[str, Path, os.stat_resu
                 rel = Path(dirpath).relative_to(top)
                 for name in dirnames + sorted(filenames):
                     p = Path(dirpath) / name
-                    items.append(((PurePosixPath(base) / rel.as_posix() / name).as_posix().replace("/./", "/"), p, p.lstat()))
+                    items.append(
+                        ((PurePosixPath(base) / rel.as_posix() / name).as_posix().replace("/./", "/"), p, p.lstat())
+                    )
         for name, p, s in items:
             name = str(PurePosixPath(name))
             if name in seen:
@@ -115,9 +117,19 @@ def pack_paths(
     """
     entries = list(_walk(paths))
     if dtype and codecs.float_itemsize(dtype) is None:
-        raise InvalidInputError(f"dtype {dtype!r} is not one the byte-plane codec knows", hint=", ".join(codecs.FLOAT_ITEMSIZE))
-    writer = open_writer(store_url, key=key, parent=parent, compression=compression, parallelism=parallelism,
-                         chunk_size=chunk_size, source=source, endpoint_url=endpoint_url)
+        raise InvalidInputError(
+            f"dtype {dtype!r} is not one the byte-plane codec knows", hint=", ".join(codecs.FLOAT_ITEMSIZE)
+        )
+    writer = open_writer(
+        store_url,
+        key=key,
+        parent=parent,
+        compression=compression,
+        parallelism=parallelism,
+        chunk_size=chunk_size,
+        source=source,
+        endpoint_url=endpoint_url,
+    )
     counter = ProgressCounter(progress, sum(s.st_size for _, _, s in entries if stat.S_ISREG(s.st_mode)))
     tree: dict[str, dict[str, Any]] = {}
     maps: list[tuple[Any, mmap.mmap, memoryview]] = []
@@ -310,8 +322,13 @@ def unpack(
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     counter.finish()
-    return {"image_id": reader.image_id, "files": moved, "bytes": reader.ref.bytes_image,
-            "seconds": round(time.monotonic() - t0, 3), "out_dir": str(out)}
+    return {
+        "image_id": reader.image_id,
+        "files": moved,
+        "bytes": reader.ref.bytes_image,
+        "seconds": round(time.monotonic() - t0, 3),
+        "out_dir": str(out),
+    }
 
 
 def _restore_bundled(reader: StoreImageReader, bundles: set[str], tree: dict[str, dict[str, Any]], stage: Path) -> None:

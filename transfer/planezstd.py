@@ -44,8 +44,14 @@ def _fallback() -> zstandard.ZstdCompressor:
     comp = getattr(_local, "fallback", None)
     if comp is None:
         params = zstandard.ZstdCompressionParameters(
-            window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
-            strategy=zstandard.STRATEGY_FAST, write_content_size=True,
+            window_log=17,
+            hash_log=6,
+            chain_log=6,
+            search_log=1,
+            min_match=7,
+            target_length=0,
+            strategy=zstandard.STRATEGY_FAST,
+            write_content_size=True,
         )
         comp = _local.fallback = zstandard.ZstdCompressor(compression_params=params)
     return comp
@@ -103,8 +109,9 @@ def compress_plane(plane: np.ndarray) -> bytes | memoryview:
     if out is None or len(out) < bound:
         out = _local.out = bytearray(bound)  # kept per thread: a fresh buffer per plane faults its pages in
     # cffi releases the GIL around the call, so planes of several chunks compress in parallel
-    n = _lib.ZSTD_compress2(cctx, _ffi.from_buffer(out, require_writable=True), len(out), _ffi.from_buffer(plane), len(plane))
+    n = _lib.ZSTD_compress2(
+        cctx, _ffi.from_buffer(out, require_writable=True), len(out), _ffi.from_buffer(plane), len(plane)
+    )
     if _lib.ZSTD_isError(n):
         raise zstandard.ZstdError(_ffi.string(_lib.ZSTD_getErrorName(n)).decode())
     return memoryview(out)[:n]
-

@@ -80,7 +80,9 @@ class StoreImageReader:
 
     def _fetch(self, chunk_id: str) -> bytes:
         if not self.store.readable:
-            raise InvalidInputError(f"{self.store.url} is write-only: read the image's chunks from the receiver's store")
+            raise InvalidInputError(
+                f"{self.store.url} is write-only: read the image's chunks from the receiver's store"
+            )
         try:
             return self.store.get_chunk(chunk_id)
         except TransferError as exc:

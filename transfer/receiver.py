@@ -64,7 +64,9 @@ def _self_signed(host: str) -> tuple[bytes, bytes, str]:
         .not_valid_after(now + dt.timedelta(days=2))
         .sign(key, hashes.SHA256())
     )
-    pem_key = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fingerprint = hashlib.sha256(cert.public_bytes(serialization.Encoding.DER)).hexdigest()
     return cert.public_bytes(serialization.Encoding.PEM), pem_key, fingerprint
 
@@ -214,7 +216,10 @@ class StreamServer:
         have = self.store.list_chunks()
         missing = [cid for cid, entry in body["objects"].items() if have.get(cid) != int(entry[0])]
         if missing:
-            return REJECTED, f"{len(missing)} chunks named by the manifest have not arrived (first {missing[0][:16]})".encode()
+            return (
+                REJECTED,
+                f"{len(missing)} chunks named by the manifest have not arrived (first {missing[0][:16]})".encode(),
+            )
         self.store.flush()
         self.store.put_manifest(image_id, data)
         with self._lock:
@@ -246,7 +251,9 @@ class StreamServer:
         self.close()
 
 
-def serve_stream(listen: str, store_url: str, *, key: bytes | None = None, endpoint_url: str | None = None) -> StreamServer:
+def serve_stream(
+    listen: str, store_url: str, *, key: bytes | None = None, endpoint_url: str | None = None
+) -> StreamServer:
     """Start a receiver on ``listen`` (host:port, port 0 = any) that writes into ``store_url``."""
     store = open_store(store_url, endpoint_url=endpoint_url, sync="deferred")
     if not store.readable:

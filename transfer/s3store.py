@@ -42,7 +42,9 @@ class S3Store(BucketStore):
         self._client = boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint,
-            config=Config(max_pool_connections=max(10, parallelism * 2), retries={"max_attempts": 5, "mode": "standard"}),
+            config=Config(
+                max_pool_connections=max(10, parallelism * 2), retries={"max_attempts": 5, "mode": "standard"}
+            ),
         )
         self._transfer = TransferConfig(
             multipart_threshold=max(threshold, MIN_PART),
@@ -58,14 +60,18 @@ class S3Store(BucketStore):
         from botocore.exceptions import ClientError, NoCredentialsError
 
         if isinstance(exc, NoCredentialsError):
-            return InvalidInputError(f"no AWS credentials for {self.url}", hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile")
+            return InvalidInputError(
+                f"no AWS credentials for {self.url}", hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+            )
         if isinstance(exc, ClientError):
             code = exc.response.get("Error", {}).get("Code", "")
             if code in ("NoSuchKey", "404", "NotFound"):
                 return NotFoundError(f"{what} not found in {self.url}")
             if code == "NoSuchBucket":
                 return InvalidInputError(f"bucket {self.bucket} does not exist ({self.url})")
-            return TransferError(f"S3 {what} failed in {self.url}: {code} {exc.response.get('Error', {}).get('Message', '')}")
+            return TransferError(
+                f"S3 {what} failed in {self.url}: {code} {exc.response.get('Error', {}).get('Message', '')}"
+            )
         return TransferError(f"S3 {what} failed in {self.url}: {exc}")
 
     def _put(self, rel: str, data: bytes | bytearray | memoryview, what: str) -> None:
@@ -95,7 +101,9 @@ class S3Store(BucketStore):
 
     def chunk_size(self, chunk_id: str) -> int | None:
         try:
-            return int(self._client.head_object(Bucket=self.bucket, Key=self._key(chunk_key(chunk_id)))["ContentLength"])
+            return int(
+                self._client.head_object(Bucket=self.bucket, Key=self._key(chunk_key(chunk_id)))["ContentLength"]
+            )
         except Exception as exc:
             err = self._err(exc, f"chunk {chunk_id[:16]}")
             if isinstance(err, NotFoundError):
@@ -105,7 +113,9 @@ class S3Store(BucketStore):
     def _list(self, rel_prefix: str) -> dict[str, int]:
         found: dict[str, int] = {}
         try:
-            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(rel_prefix))
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(rel_prefix)
+            )
             for page in pages:
                 for obj in page.get("Contents", []):
                     found[obj["Key"].rsplit("/", 1)[-1]] = int(obj["Size"])

@@ -99,7 +99,6 @@ class Store:
         self.close()
 
 
-
 class BucketStore(Store):
     """Object stores (S3, GCS): the layout of TRANSPORTS.md on top of three primitives.
 
@@ -151,7 +150,9 @@ class FileStore(Store):
 
     def __init__(self, root: Path, url: str, *, sync: str = "chunk") -> None:
         if sync not in SYNC_MODES:
-            raise InvalidInputError(f"file store sync mode {sync!r} is unknown", hint=f"allowed: {', '.join(SYNC_MODES)}")
+            raise InvalidInputError(
+                f"file store sync mode {sync!r} is unknown", hint=f"allowed: {', '.join(SYNC_MODES)}"
+            )
         self.root = root
         self.url = url
         self.sync = sync
@@ -165,7 +166,9 @@ class FileStore(Store):
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def _write(self, key: str, data: bytes | bytearray | memoryview, *, durable: bool, rename: bool = True) -> tuple[Path, Path]:
+    def _write(
+        self, key: str, data: bytes | bytearray | memoryview, *, durable: bool, rename: bool = True
+    ) -> tuple[Path, Path]:
         """Write ``data`` to a fresh temp file beside ``key`` and (unless ``rename=False``) rename it into place."""
         path = self._path(key)
         parent = str(path.parent)
@@ -391,7 +394,8 @@ def resolve_image_id(store: Store, image: str | None) -> str:
         if len(ids) == 1:
             return ids[0]
         raise InvalidInputError(
-            f"{store.url} holds {len(ids)} images; name one as URL#IMAGE_ID", hint="ids: " + ", ".join(i[:12] for i in ids)
+            f"{store.url} holds {len(ids)} images; name one as URL#IMAGE_ID",
+            hint="ids: " + ", ".join(i[:12] for i in ids),
         )
     matches = [i for i in ids if i.startswith(image)]
     if len(matches) != 1:

@@ -136,7 +136,9 @@ class StreamStore(Store):
             cert = sock.getpeercert(binary_form=True) or b""
             if hashlib.sha256(cert).hexdigest() != self.fingerprint.lower():
                 sock.close()
-                raise TransferError(f"receiver {self.host}:{self.port} presented a certificate that does not match the pinned fingerprint")
+                raise TransferError(
+                    f"receiver {self.host}:{self.port} presented a certificate that does not match the pinned fingerprint"
+                )
         sock.settimeout(300)
         return sock
 
@@ -233,7 +235,9 @@ class StreamStore(Store):
         while conn.pending and (conn.sock.pending() or select.select([conn.sock], [], [], 0)[0]):
             self._read_reply(conn)
 
-    def _request(self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview, what: str, wait: bool) -> _Pending:
+    def _request(
+        self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview, what: str, wait: bool
+    ) -> _Pending:
         conn = self._locked_conn()
         try:
             p = _Pending(what, len(payload), conn)
@@ -259,7 +263,9 @@ class StreamStore(Store):
         finally:
             conn.lock.release()
 
-    def _call(self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview = b"", what: str = "a request") -> tuple[int, bytes]:
+    def _call(
+        self, kind: int, ident: bytes, payload: bytes | bytearray | memoryview = b"", what: str = "a request"
+    ) -> tuple[int, bytes]:
         p = self._request(kind, ident, payload, what, wait=True)
         assert p.status is not None
         return p.status, p.body
@@ -370,7 +376,9 @@ class StreamStore(Store):
             self._check(status, body, "hello")
             self._hello = json.loads(body)
             if self._hello.get("version") != PROTOCOL_VERSION:
-                raise TransferError(f"receiver speaks stream protocol {self._hello.get('version')}, this sender {PROTOCOL_VERSION}")
+                raise TransferError(
+                    f"receiver speaks stream protocol {self._hello.get('version')}, this sender {PROTOCOL_VERSION}"
+                )
         return bool(self._hello.get("verifies"))
 
     def flush(self) -> None:

@@ -63,7 +63,9 @@ class StoreImageWriter:
         self.compression = codecs.check_mode(compression)
         self.chunk_size = int(chunk_size or (parent or {}).get("chunk_size") or DEFAULT_CHUNK_SIZE)
         if self.chunk_size <= 0 or self.chunk_size % 8 or self.chunk_size > MAX_RAW_LEN:
-            raise InvalidInputError(f"chunk size {self.chunk_size} must be a positive multiple of 8 bytes, at most {MAX_RAW_LEN}")
+            raise InvalidInputError(
+                f"chunk size {self.chunk_size} must be a positive multiple of 8 bytes, at most {MAX_RAW_LEN}"
+            )
         self.source = source
         self.parent_id = parent_id
         self._parent_objects: dict[str, list[Any]] = dict((parent or {}).get("objects", {}))
@@ -144,7 +146,9 @@ class StoreImageWriter:
             if base_entry is None:
                 size = self._stored_size(base)
                 if size is None:
-                    raise TransferError(f"delta base {base[:16]} of chunk {chunk_id[:16]} is missing from {self.store.url}")
+                    raise TransferError(
+                        f"delta base {base[:16]} of chunk {chunk_id[:16]} is missing from {self.store.url}"
+                    )
                 base_entry = [size, codecs.NONE, None]
             self._objects[base] = base_entry
 
@@ -153,11 +157,15 @@ class StoreImageWriter:
         reg = self._region(region)
         view = memoryview(data)
         if not view.c_contiguous:
-            raise InvalidInputError(f"put_chunk({region!r}, {index}): the buffer must be C-contiguous (copy strided views first)")
+            raise InvalidInputError(
+                f"put_chunk({region!r}, {index}): the buffer must be C-contiguous (copy strided views first)"
+            )
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         if len(view) > MAX_RAW_LEN:
-            raise InvalidInputError(f"put_chunk({region!r}, {index}): {len(view)} bytes is more than a chunk may hold ({MAX_RAW_LEN})")
+            raise InvalidInputError(
+                f"put_chunk({region!r}, {index}): {len(view)} bytes is more than a chunk may hold ({MAX_RAW_LEN})"
+            )
         chunk_id = chunk_id_of(view)
         with self._lock:
             self._record(reg, index, chunk_id, len(view))
@@ -191,8 +199,9 @@ class StoreImageWriter:
         buf = BUFFERS.take(sealed_size(codecs.scratch_size(max(self.chunk_size, len(view))), True))
         try:
             scratch = memoryview(buf)[HEADER_SIZE:]
-            codec, payload = codecs.encode_into(payload_src, scratch, mode=self.compression, dtype=reg.info.dtype,
-                                                plan=None if base_id else reg.planes)
+            codec, payload = codecs.encode_into(
+                payload_src, scratch, mode=self.compression, dtype=reg.info.dtype, plan=None if base_id else reg.planes
+            )
             in_place = isinstance(payload, memoryview) and payload.obj is buf
             if base_id:
                 codec |= codecs.DELTA_FLAG
@@ -296,7 +305,9 @@ class StoreImageWriter:
             raise TransferError(f"region {info.name!r} is missing chunks {missing[:10] or [0]}")
         lengths = [reg.lengths[i] for i in range(count)]
         if sum(lengths) != info.nbytes:
-            raise TransferError(f"region {info.name!r}: chunks hold {sum(lengths)} bytes, the region declares {info.nbytes}")
+            raise TransferError(
+                f"region {info.name!r}: chunks hold {sum(lengths)} bytes, the region declares {info.nbytes}"
+            )
         fixed = count == math.ceil(info.nbytes / self.chunk_size) and all(
             n == self._chunk_length(reg, i) for i, n in enumerate(lengths)
         )

@@ -27,16 +27,28 @@ def _key(key_ref: Mapping[str, str]) -> bytes | None:
     return transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file"))
 
 
-def open_writer(store: str, key_ref: Mapping[str, str], parent: str | None, *, compression: str = "auto",
-                parallelism: int | None = None) -> ImageWriter:
+def open_writer(
+    store: str,
+    key_ref: Mapping[str, str],
+    parent: str | None,
+    *,
+    compression: str = "auto",
+    parallelism: int | None = None,
+) -> ImageWriter:
     from gpumigrate import transfer
 
     workers = parallelism or int(os.environ.get("GPUMIGRATE_SNAPSHOT_PARALLELISM", "4"))
     # Larger chunks suit GPU capture (fewer per-chunk launches); default: the transfer engine's (4 MiB).
     chunk_mb = int(os.environ.get("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "0"))
-    return transfer.open_writer(store, key=_key(key_ref), parent=parent, parallelism=workers, source="agent",
-                                compression=compression,
-                                chunk_size=(chunk_mb << 20) or None)
+    return transfer.open_writer(
+        store,
+        key=_key(key_ref),
+        parent=parent,
+        parallelism=workers,
+        source="agent",
+        compression=compression,
+        chunk_size=(chunk_mb << 20) or None,
+    )
 
 
 def open_reader(store: str, image_id: str, key_ref: Mapping[str, str]) -> ImageReader:

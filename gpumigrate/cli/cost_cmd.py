@@ -29,8 +29,12 @@ def _usd(x: float | None) -> str:
 def cost(
     plan_file: Path = typer.Argument(..., help="Plan file (YAML)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object as the last line of stdout."),
-    image_gb: float | None = typer.Option(None, "--image-gb", help="Image size in GB (default: the target's GPU memory)."),
-    hours: float | None = typer.Option(None, "--hours", help="Savings horizon in hours (default: plan cost.horizon_hours)."),
+    image_gb: float | None = typer.Option(
+        None, "--image-gb", help="Image size in GB (default: the target's GPU memory)."
+    ),
+    hours: float | None = typer.Option(
+        None, "--hours", help="Savings horizon in hours (default: plan cost.horizon_hours)."
+    ),
     setup_hours: float = typer.Option(0.5, "--setup-hours", help="Hours the target runs before the ramp starts."),
 ) -> None:
     """Migration cost (image egress, dual running) against savings over the horizon, with the break-even
@@ -69,11 +73,15 @@ def cost(
         for p in moves.proposals:
             e = p.estimate
             be = "never" if e.break_even_hours is None else f"{e.break_even_hours:.1f}"
-            table.add_row(p.target.label, _usd(e.target_hourly_usd), _usd(e.migration_cost_usd), _usd(e.net_savings_usd), be)
+            table.add_row(
+                p.target.label, _usd(e.target_hourly_usd), _usd(e.migration_cost_usd), _usd(e.net_savings_usd), be
+            )
         for r in moves.rejected:
             table.add_row(r["target"], "-", "-", "-", f"left out: {r['reason']}")
         console.print(table)
-    console.print(f"decision: {'[green]go[/]' if decision.go else '[yellow]stay[/]'} — {decision.reason}", soft_wrap=True)
+    console.print(
+        f"decision: {'[green]go[/]' if decision.go else '[yellow]stay[/]'} — {decision.reason}", soft_wrap=True
+    )
 
 
 def _print_estimate(e: dict[str, Any]) -> None:
@@ -84,8 +92,14 @@ def _print_estimate(e: dict[str, Any]) -> None:
     rows = [
         ("source / target per hour", f"{_usd(e['source_hourly_usd'])} / {_usd(e['target_hourly_usd'])}"),
         ("image", image),
-        ("egress", " + ".join(f"{h['path']} ${h['usd_per_gb']}/GB" for h in e["egress"]) + f" = {_usd(e['egress_usd'])}"),
-        ("dual running", f"{e['overlap_hours']:.2f} h overlap + {e['rollback_window_hours']:.2f} h rollback window = {_usd(e['dual_running_usd'])}"),
+        (
+            "egress",
+            " + ".join(f"{h['path']} ${h['usd_per_gb']}/GB" for h in e["egress"]) + f" = {_usd(e['egress_usd'])}",
+        ),
+        (
+            "dual running",
+            f"{e['overlap_hours']:.2f} h overlap + {e['rollback_window_hours']:.2f} h rollback window = {_usd(e['dual_running_usd'])}",
+        ),
         ("migration cost", _usd(e["migration_cost_usd"])),
         (f"savings over {e['horizon_hours']:g} h", _usd(e["savings_usd"])),
         ("net savings", _usd(e["net_savings_usd"])),

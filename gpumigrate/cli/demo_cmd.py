@@ -13,7 +13,8 @@ def register(app: typer.Typer) -> None:
 
 def demo(
     fault: str | None = typer.Option(
-        None, "--fault",
+        None,
+        "--fault",
         help="Break the target during the ramp to show the automatic rollback (exit 3): "
         "target-errors, target-slow, target-drift or target-crash.",
     ),

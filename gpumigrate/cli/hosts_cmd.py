@@ -66,7 +66,9 @@ def up(
     for n in names:
         host = provider.provision(HostSpec(name=n, provider="local", region=_region_for(n)), migration_id=None)
         hosts.append(host)
-        console.print(f"up  {host.name:<12} {host.address:<12} service={host.ports['service']} agent={host.ports['agent']}")
+        console.print(
+            f"up  {host.name:<12} {host.address:<12} service={host.ports['service']} agent={host.ports['agent']}"
+        )
     if as_json:
         emit_json({"hosts": [_host_json(h) for h in hosts]})
 
@@ -82,7 +84,9 @@ def list_hosts(as_json: bool = typer.Option(False, "--json", help="print one JSO
         console.print("no local hosts are up")
     for h in hosts:
         ports = " ".join(f"{k}={v}" for k, v in h.ports.items())
-        console.print(f"{h.name:<12} {h.address:<12} pid={h.meta.get('supervisor_pid')} netns={h.meta.get('netns') or '-'} {ports}")
+        console.print(
+            f"{h.name:<12} {h.address:<12} pid={h.meta.get('supervisor_pid')} netns={h.meta.get('netns') or '-'} {ports}"
+        )
 
 
 @app.command("down")

@@ -35,7 +35,9 @@ KeyFile = typer.Option(None, "--key-file", help="file holding the image key (hex
 NoKey = typer.Option(False, "--no-key", help="no encryption or signature (integrity by BLAKE3 ids only)")
 JsonOut = typer.Option(False, "--json", help="print a JSON summary as the last stdout line")
 Parallelism = typer.Option(4, "--parallelism", "-j", min=1, max=64, help="worker threads / parallel connections")
-Endpoint = typer.Option(None, "--endpoint-url", help="S3/GCS API endpoint (default: AWS_ENDPOINT_URL / GPUMIGRATE_GCS_ENDPOINT)")
+Endpoint = typer.Option(
+    None, "--endpoint-url", help="S3/GCS API endpoint (default: AWS_ENDPOINT_URL / GPUMIGRATE_GCS_ENDPOINT)"
+)
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bar")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)(?:/s)?\s*$", re.IGNORECASE)
@@ -70,7 +72,8 @@ def _key(key_env: str | None, key_file: Path | None, no_key: bool) -> bytes | No
     if os.environ.get(DEFAULT_KEY_ENV):
         return resolve_key(env=DEFAULT_KEY_ENV)
     raise InvalidInputError(
-        "no image key given", hint=f"use --key-env VAR, --key-file FILE, set {DEFAULT_KEY_ENV}, or --no-key for an unencrypted image"
+        "no image key given",
+        hint=f"use --key-env VAR, --key-file FILE, set {DEFAULT_KEY_ENV}, or --no-key for an unencrypted image",
     )
 
 
@@ -89,8 +92,13 @@ def _progress(label: str, quiet: bool) -> Iterator[Any]:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     bar = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-        console=console, transient=False,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
     )
     task = bar.add_task(label, total=None)
     started = threading.Event()
@@ -142,9 +150,13 @@ def keygen(
 def pack(
     paths: list[Path] = typer.Argument(..., help="files and directories to pack"),
     out: str = typer.Option(..., "--out", help="store URL to write the image to"),
-    parent: str | None = typer.Option(None, "--parent", help="parent image id (in the same store): unchanged chunks cost nothing"),
+    parent: str | None = typer.Option(
+        None, "--parent", help="parent image id (in the same store): unchanged chunks cost nothing"
+    ),
     compression: str = typer.Option("auto", "--compression", help="auto | none | zstd | byteplane"),
-    dtype: str | None = typer.Option(None, "--dtype", help="treat file contents as this float dtype (bfloat16, float16, float32)"),
+    dtype: str | None = typer.Option(
+        None, "--dtype", help="treat file contents as this float dtype (bfloat16, float16, float32)"
+    ),
     chunk_size: int | None = typer.Option(None, "--chunk-size", help="fixed chunk size in bytes (default 4 MiB)"),
     key_env: str | None = KeyEnv,
     key_file: Path | None = KeyFile,
@@ -162,12 +174,31 @@ def pack(
     key = _key(key_env, key_file, no_key)
     t0 = time.monotonic()
     with _progress("pack", quiet) as cb:
-        ref = pack_paths(paths, out, key=key, parent=parent, compression=compression, parallelism=parallelism,
-                         chunk_size=chunk_size, dtype=dtype, endpoint_url=endpoint_url, progress=cb)
+        ref = pack_paths(
+            paths,
+            out,
+            key=key,
+            parent=parent,
+            compression=compression,
+            parallelism=parallelism,
+            chunk_size=chunk_size,
+            dtype=dtype,
+            endpoint_url=endpoint_url,
+            progress=cb,
+        )
     secs = time.monotonic() - t0
-    summary = {"image": f"{ref.store}#{ref.id}", "image_id": ref.id, "parent": ref.parent, "bytes_image": ref.bytes_image,
-               "bytes_sent": ref.bytes_sent, "bytes_stored": ref.bytes_stored, "seconds": round(secs, 3)}
-    _summary(summary, as_json, f"packed {ref.bytes_image} bytes into {ref.store}#{ref.id} ({ref.bytes_sent} bytes sent)")
+    summary = {
+        "image": f"{ref.store}#{ref.id}",
+        "image_id": ref.id,
+        "parent": ref.parent,
+        "bytes_image": ref.bytes_image,
+        "bytes_sent": ref.bytes_sent,
+        "bytes_stored": ref.bytes_stored,
+        "seconds": round(secs, 3),
+    }
+    _summary(
+        summary, as_json, f"packed {ref.bytes_image} bytes into {ref.store}#{ref.id} ({ref.bytes_sent} bytes sent)"
+    )
 
 
 @app.command("push")
@@ -179,7 +210,9 @@ def push(
     no_key: bool = NoKey,
     parallelism: int = Parallelism,
     rate_limit: str | None = typer.Option(None, "--rate-limit", help="cap on bytes/s, e.g. 100MB, 1GiB"),
-    verify_existing: bool = typer.Option(False, "--verify-existing", help="re-verify chunks the destination already holds"),
+    verify_existing: bool = typer.Option(
+        False, "--verify-existing", help="re-verify chunks the destination already holds"
+    ),
     endpoint_url: str | None = Endpoint,
     quiet: bool = Quiet,
     as_json: bool = JsonOut,
@@ -190,12 +223,23 @@ def push(
     store, image = _image_url(src)
     key = _key(key_env, key_file, no_key)
     with _progress("push", quiet) as cb:
-        stats = do_push(store, dst, image or "", key=key, parallelism=parallelism, progress=cb,
-                        check_existing="full" if verify_existing else "size", rate_limit=parse_rate(rate_limit),
-                        endpoint_url=endpoint_url)
-    _summary(stats.as_dict(), as_json,
-             f"pushed {stats.image_id[:16]}: {stats.chunks_sent} chunks sent ({stats.bytes_sent} bytes), "
-             f"{stats.chunks_skipped} already there, in {stats.seconds:.2f}s")
+        stats = do_push(
+            store,
+            dst,
+            image or "",
+            key=key,
+            parallelism=parallelism,
+            progress=cb,
+            check_existing="full" if verify_existing else "size",
+            rate_limit=parse_rate(rate_limit),
+            endpoint_url=endpoint_url,
+        )
+    _summary(
+        stats.as_dict(),
+        as_json,
+        f"pushed {stats.image_id[:16]}: {stats.chunks_sent} chunks sent ({stats.bytes_sent} bytes), "
+        f"{stats.chunks_skipped} already there, in {stats.seconds:.2f}s",
+    )
 
 
 @app.command("verify")
@@ -216,7 +260,11 @@ def verify(
     key = _key(key_env, key_file, no_key)
     with _progress("verify", quiet) as cb:
         stats = do_verify(store, image or "", key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb)
-    _summary({**stats.as_dict(), "ok": True}, as_json, f"image {stats.image_id[:16]} verified: {stats.chunks_total} chunks ok")
+    _summary(
+        {**stats.as_dict(), "ok": True},
+        as_json,
+        f"image {stats.image_id[:16]} verified: {stats.chunks_total} chunks ok",
+    )
 
 
 @app.command("unpack")
@@ -237,7 +285,9 @@ def unpack(
     store, image = _image_url(image_url)
     key = _key(key_env, key_file, no_key)
     with _progress("unpack", quiet) as cb:
-        summary = do_unpack(store, image or "", out_dir, key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb)
+        summary = do_unpack(
+            store, image or "", out_dir, key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb
+        )
     _summary(summary, as_json, f"unpacked {summary['files']} files ({summary['bytes']} bytes) into {out_dir}")
 
 
@@ -248,7 +298,9 @@ def receive(
     key_env: str | None = KeyEnv,
     key_file: Path | None = KeyFile,
     no_key: bool = typer.Option(False, "--no-key", help="accept chunks without decrypting them (header checks only)"),
-    exit_after: int = typer.Option(0, "--exit-after", min=0, help="exit after this many images arrived (0: run until SIGTERM/SIGINT)"),
+    exit_after: int = typer.Option(
+        0, "--exit-after", min=0, help="exit after this many images arrived (0: run until SIGTERM/SIGINT)"
+    ),
     endpoint_url: str | None = Endpoint,
 ) -> None:
     """Receive stream:// pushes into a local store. Prints one JSON line with the sender URL, then a summary on exit."""
@@ -260,8 +312,15 @@ def receive(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        emit_json({"listening": f"{server.host}:{server.port}", "port": server.port, "url": server.url,
-                   "fingerprint": server.fingerprint, "store": store})
+        emit_json(
+            {
+                "listening": f"{server.host}:{server.port}",
+                "port": server.port,
+                "url": server.url,
+                "fingerprint": server.fingerprint,
+                "store": store,
+            }
+        )
         while not stop.is_set():
             if exit_after and len(server.manifests) >= exit_after:
                 break
@@ -269,8 +328,14 @@ def receive(
             server.manifest_event.clear()
     finally:
         server.close()
-    emit_json({"images": server.manifests, "chunks_received": server.chunks_received,
-               "chunks_rejected": server.chunks_rejected, "bytes_received": server.bytes_received})
+    emit_json(
+        {
+            "images": server.manifests,
+            "chunks_received": server.chunks_received,
+            "chunks_rejected": server.chunks_rejected,
+            "bytes_received": server.bytes_received,
+        }
+    )
 
 
 @app.command("ls")
@@ -292,8 +357,15 @@ def ls(
         except (ValueError, KeyError):
             rows.append({"image_id": image_id, "error": "unreadable manifest"})
             continue
-        rows.append({"image_id": image_id, "created": body.get("created"), "parent": body.get("parent"),
-                     "bytes": sum(int(r["nbytes"]) for r in body.get("regions", [])), "encryption": body.get("encryption")})
+        rows.append(
+            {
+                "image_id": image_id,
+                "created": body.get("created"),
+                "parent": body.get("parent"),
+                "bytes": sum(int(r["nbytes"]) for r in body.get("regions", [])),
+                "encryption": body.get("encryption"),
+            }
+        )
     if as_json:
         emit_json({"store": store, "images": rows})
     else:

@@ -66,7 +66,9 @@ def status(
 
     for name in PHASES:
         ph = state.get("phases", {}).get(name, {"status": "pending"})
-        table.add_row(name, ph.get("status", "pending"), f"{ph['seconds']:.2f}" if ph.get("seconds") is not None else "")
+        table.add_row(
+            name, ph.get("status", "pending"), f"{ph['seconds']:.2f}" if ph.get("seconds") is not None else ""
+        )
     console.print(table)
 
 

@@ -33,7 +33,9 @@ def validate(
             console.print(f"[green]valid[/] {path}")
         except PlanError as exc:
             errors.append(exc)
-            results.append({"plan": str(path), "valid": False, "problems": [{"field": f, "message": m} for f, m in exc.problems]})
+            results.append(
+                {"plan": str(path), "valid": False, "problems": [{"field": f, "message": m} for f, m in exc.problems]}
+            )
             console.print(f"[red]invalid[/] {path}")
             for field, msg in exc.problems:
                 console.print(f"  [bold]{field}[/]: {msg}", soft_wrap=True)
@@ -63,5 +65,7 @@ def show(
     table.add_column("section")
     table.add_column("settings")
     for section, value in data.items():
-        table.add_row(section, yaml.safe_dump(value, sort_keys=False).strip() if isinstance(value, dict) else str(value))
+        table.add_row(
+            section, yaml.safe_dump(value, sort_keys=False).strip() if isinstance(value, dict) else str(value)
+        )
     console.print(table)

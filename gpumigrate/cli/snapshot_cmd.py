@@ -19,8 +19,12 @@ app = typer.Typer(help="Capture and restore a workload's GPU state through its s
 
 AgentOpt = Annotated[str, typer.Option("--agent", help="HOST:PORT of the workload's snapshot agent")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")]
-StoreOpt = Annotated[str, typer.Option("--store", help="image store URL: file:///path, s3://..., gs://..., stream://host:port")]
-KeyEnvOpt = Annotated[str | None, typer.Option("--key-env", help="environment variable (on the agent's host) holding the key")]
+StoreOpt = Annotated[
+    str, typer.Option("--store", help="image store URL: file:///path, s3://..., gs://..., stream://host:port")
+]
+KeyEnvOpt = Annotated[
+    str | None, typer.Option("--key-env", help="environment variable (on the agent's host) holding the key")
+]
 KeyFileOpt = Annotated[str | None, typer.Option("--key-file", help="key file path (on the agent's host)")]
 
 
@@ -44,7 +48,9 @@ def _policy(items: list[str] | None) -> dict[str, str]:
     for item in items or []:
         name, sep, rule = item.partition("=")
         if not sep or rule not in ("must_match", "may_differ"):
-            raise InvalidInputError(f"--policy {item!r}: use FACT=must_match or FACT=may_differ (e.g. torch=must_match)")
+            raise InvalidInputError(
+                f"--policy {item!r}: use FACT=must_match or FACT=may_differ (e.g. torch=must_match)"
+            )
         out[name] = rule
     return out
 
@@ -60,16 +66,29 @@ def _show(result: Any, as_json: bool, summary: str) -> None:
 def info(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Regions, sizes, dtypes, environment facts and the agent's state."""
     res = _client(agent).info()
-    _show(res, as_json, f"{len(res['regions'])} regions, {res['bytes_total']} bytes; frozen={res['frozen']} ready={res['ready']} "
-          f"last image={res['last_image']}")
+    _show(
+        res,
+        as_json,
+        f"{len(res['regions'])} regions, {res['bytes_total']} bytes; frozen={res['frozen']} ready={res['ready']} "
+        f"last image={res['last_image']}",
+    )
 
 
 @app.command("precopy")
 def precopy(
-    agent: AgentOpt, store: StoreOpt, key_env: KeyEnvOpt = None, key_file: KeyFileOpt = None,
-    parent: Annotated[str | None, typer.Option(help="parent image id (default: the agent's last image in this store)")] = None,
-    rounds: Annotated[int, typer.Option(min=1, max=50, help="run up to N rounds, stopping once the dirty set converges")] = 1,
-    max_downtime_ms: Annotated[float, typer.Option(help="stop when the last dirty set ships within this budget")] = 500.0,
+    agent: AgentOpt,
+    store: StoreOpt,
+    key_env: KeyEnvOpt = None,
+    key_file: KeyFileOpt = None,
+    parent: Annotated[
+        str | None, typer.Option(help="parent image id (default: the agent's last image in this store)")
+    ] = None,
+    rounds: Annotated[
+        int, typer.Option(min=1, max=50, help="run up to N rounds, stopping once the dirty set converges")
+    ] = 1,
+    max_downtime_ms: Annotated[
+        float, typer.Option(help="stop when the last dirty set ships within this budget")
+    ] = 500.0,
     as_json: JsonOpt = False,
 ) -> None:
     """Live pre-copy round(s): ship only chunks whose on-device fingerprint changed."""
@@ -77,12 +96,21 @@ def precopy(
     ref = _key_ref(key_env, key_file)
     if rounds == 1:
         res = client.precopy(store, ref, parent)
-        _show(res, as_json, f"round {res['stats']['round']}: {res['stats']['chunks_dirty']}/{res['stats']['chunks_total']} chunks dirty, "
-              f"{res['stats']['bytes_dirty']} bytes; image {res['image']['id']}")
+        _show(
+            res,
+            as_json,
+            f"round {res['stats']['round']}: {res['stats']['chunks_dirty']}/{res['stats']['chunks_total']} chunks dirty, "
+            f"{res['stats']['bytes_dirty']} bytes; image {res['image']['id']}",
+        )
         return
     conv = client.precopy_until(store, ref, max_rounds=rounds, max_downtime_ms=max_downtime_ms)
-    res = {"rounds": [asdict(r) for r in conv.rounds], "images": conv.images, "reason": conv.reason,
-           "predicted_downtime_ms": conv.predicted_downtime_ms, "image": conv.images[-1] if conv.images else None}
+    res = {
+        "rounds": [asdict(r) for r in conv.rounds],
+        "images": conv.images,
+        "reason": conv.reason,
+        "predicted_downtime_ms": conv.predicted_downtime_ms,
+        "image": conv.images[-1] if conv.images else None,
+    }
     _show(res, as_json, f"{len(conv.rounds)} rounds ({conv.reason}); last image {res['image']}")
 
 
@@ -93,8 +121,14 @@ def freeze(agent: AgentOpt, as_json: JsonOpt = False) -> None:
 
 
 @app.command("final")
-def final(agent: AgentOpt, store: StoreOpt, key_env: KeyEnvOpt = None, key_file: KeyFileOpt = None,
-          parent: Annotated[str | None, typer.Option(help="parent image id")] = None, as_json: JsonOpt = False) -> None:
+def final(
+    agent: AgentOpt,
+    store: StoreOpt,
+    key_env: KeyEnvOpt = None,
+    key_file: KeyFileOpt = None,
+    parent: Annotated[str | None, typer.Option(help="parent image id")] = None,
+    as_json: JsonOpt = False,
+) -> None:
     """Ship the last dirty set of a frozen workload and commit the image."""
     res = _client(agent).final(store, _key_ref(key_env, key_file), parent)
     _show(res, as_json, f"final image {res['image']['id']} ({res['stats']['bytes_dirty']} bytes in the last round)")
@@ -108,22 +142,35 @@ def resume(agent: AgentOpt, as_json: JsonOpt = False) -> None:
 
 @app.command("restore")
 def restore(
-    agent: AgentOpt, store: StoreOpt, image: Annotated[str, typer.Option("--image", help="image id to restore")],
-    key_env: KeyEnvOpt = None, key_file: KeyFileOpt = None,
-    policy: Annotated[list[str] | None, typer.Option("--policy", help="FACT=must_match|may_differ (repeatable)")] = None,
-    ready: Annotated[bool, typer.Option("--ready/--no-ready", help="report ready afterwards (--no-ready: pre-load)")] = True,
+    agent: AgentOpt,
+    store: StoreOpt,
+    image: Annotated[str, typer.Option("--image", help="image id to restore")],
+    key_env: KeyEnvOpt = None,
+    key_file: KeyFileOpt = None,
+    policy: Annotated[
+        list[str] | None, typer.Option("--policy", help="FACT=must_match|may_differ (repeatable)")
+    ] = None,
+    ready: Annotated[
+        bool, typer.Option("--ready/--no-ready", help="report ready afterwards (--no-ready: pre-load)")
+    ] = True,
     as_json: JsonOpt = False,
 ) -> None:
     """Verify and load an image into the target workload, then report ready."""
     res = _client(agent).restore(store, image, _key_ref(key_env, key_file), policy=_policy(policy), ready=ready)
-    _show(res, as_json, f"restored {res['image']}: {res['chunks_loaded']} chunks loaded, {res['chunks_skipped']} already there; "
-          f"ready={res['ready']}")
+    _show(
+        res,
+        as_json,
+        f"restored {res['image']}: {res['chunks_loaded']} chunks loaded, {res['chunks_skipped']} already there; "
+        f"ready={res['ready']}",
+    )
 
 
 @app.command("zeroize")
 def zeroize(
     agent: AgentOpt,
-    migration: Annotated[str | None, typer.Option("--migration", help="append the record to this migration's audit log")] = None,
+    migration: Annotated[
+        str | None, typer.Option("--migration", help="append the record to this migration's audit log")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Overwrite the source's tracked memory with zeros and verify by reading it back."""
@@ -132,5 +179,7 @@ def zeroize(
     m = Migration.open(migration) if migration else None  # fails before anything is wiped when the id is unknown
     res = _client(agent).zeroize()
     if m is not None:
-        m.record("source.zeroized", {k: v for k, v in res.items() if isinstance(v, (str, int, float, bool))}, actor="cli")
+        m.record(
+            "source.zeroized", {k: v for k, v in res.items() if isinstance(v, (str, int, float, bool))}, actor="cli"
+        )
     _show(res, as_json, json.dumps(res))

@@ -22,13 +22,16 @@ def _existing_state(state_dir: Path) -> Path:
     from gpumigrate.traffic.state import StateStore
 
     if not StateStore(state_dir).exists():
-        raise NotFoundError(f"no traffic state in {state_dir}: run `gpumigrate traffic init` there first, "
-                            "or give the --state-dir of a running migration")
+        raise NotFoundError(
+            f"no traffic state in {state_dir}: run `gpumigrate traffic init` there first, "
+            "or give the --state-dir of a running migration"
+        )
     return state_dir
 
 
-app = typer.Typer(help="Traffic shifting through Envoy: control plane, weights, rollback, live view, load.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Traffic shifting through Envoy: control plane, weights, rollback, live view, load.", no_args_is_help=True
+)
 
 STATE_DIR = typer.Option(..., "--state-dir", help="The control plane's state directory.")
 
@@ -46,8 +49,9 @@ def init(
     source: str = typer.Option(..., "--source", help="host:port of the source service."),
     target: str | None = typer.Option(None, "--target", help="host:port of the target service."),
     health_path: str = typer.Option("/readyz", "--health-path", help="Path Envoy health-checks."),
-    not_idempotent: bool = typer.Option(False, "--not-idempotent",
-                                        help="Retry only failures before the request reached the service."),
+    not_idempotent: bool = typer.Option(
+        False, "--not-idempotent", help="Retry only failures before the request reached the service."
+    ),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Write the desired state: upstreams, 100% to the source."""
@@ -56,8 +60,11 @@ def init(
     ups = {"source": Upstream("source", *_hostport(source, "--source"), health_path=health_path)}
     if target:
         ups["target"] = Upstream("target", *_hostport(target, "--target"), health_path=health_path)
-    state = StateStore(state_dir).init(DesiredState(upstreams=ups, weights={n: (100.0 if n == "source" else 0.0) for n in ups},
-                                                    idempotent=not not_idempotent))
+    state = StateStore(state_dir).init(
+        DesiredState(
+            upstreams=ups, weights={n: (100.0 if n == "source" else 0.0) for n in ups}, idempotent=not not_idempotent
+        )
+    )
     if json_out:
         emit_json(state.to_json())
     else:
@@ -233,5 +240,7 @@ def load(
     if json_out:
         emit_json(report.to_json())
     else:
-        console.print(f"{report.total} requests, {report.failed} failed {report.errors or ''}; p50 {report.p50_ms} ms, "
-                      f"p99 {report.p99_ms} ms, downtime {report.downtime_ms} ms, {report.achieved_rps} req/s")
+        console.print(
+            f"{report.total} requests, {report.failed} failed {report.errors or ''}; p50 {report.p50_ms} ms, "
+            f"p99 {report.p99_ms} ms, downtime {report.downtime_ms} ms, {report.achieved_rps} req/s"
+        )

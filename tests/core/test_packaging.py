@@ -35,21 +35,51 @@ def test_wheel_installs_into_fresh_venv_and_runs(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            str(wheel),
+        ],
         check=True,
         timeout=300,
     )
     # Dependencies come from the dev venv through a path entry (processed .pth files there are not,
     # so the editable install of the checkout stays invisible): what runs is the wheel's own code.
-    site = Path(subprocess.check_output([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    site = Path(
+        subprocess.check_output(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     where = subprocess.run(
-        [str(venv / "bin" / "python"), "-c",
-         "import gpumigrate.transfer.planehuff as h, gpumigrate; assert h.AVAILABLE, 'no huff coder'; print(gpumigrate.__file__)"],
-        capture_output=True, text=True, cwd=tmp_path, check=True,
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import gpumigrate.transfer.planehuff as h, gpumigrate; assert h.AVAILABLE, 'no huff coder'; print(gpumigrate.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
     )
     assert where.stdout.strip().startswith(str(venv)), where.stdout
-    help_out = subprocess.run([str(venv / "bin" / "gpumigrate", ), "--help"], capture_output=True, text=True, cwd=tmp_path)
+    help_out = subprocess.run(
+        [
+            str(
+                venv / "bin" / "gpumigrate",
+            ),
+            "--help",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert help_out.returncode == 0, help_out.stderr
     assert "migrate" in help_out.stdout + help_out.stderr
 

@@ -14,14 +14,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _plan(tmp_path: Path, **cost: Any) -> Path:
     data = {
-        "workload": {"name": "svc", "kind": "training", "source_host": "i-1", "source_provider": "aws",
-                     "source_region": "eu-central-1", "source_instance_type": "p4d.24xlarge"},
-        "target": {"provider": "aws", "region": "eu-central-1", "zone": "eu-central-1a",
-                   "instance_type": "p4d.24xlarge", "gpu_model": "A100-40GB", "gpu_count": 8},
+        "workload": {
+            "name": "svc",
+            "kind": "training",
+            "source_host": "i-1",
+            "source_provider": "aws",
+            "source_region": "eu-central-1",
+            "source_instance_type": "p4d.24xlarge",
+        },
+        "target": {
+            "provider": "aws",
+            "region": "eu-central-1",
+            "zone": "eu-central-1a",
+            "instance_type": "p4d.24xlarge",
+            "gpu_model": "A100-40GB",
+            "gpu_count": 8,
+        },
         "data": {"classification": "internal", "allowed_jurisdictions": ["EU"]},
         "transfer": {"store": "s3://images-eu-west-1/svc", "store_region": "eu-west-1"},
-        "traffic": {"stages": [{"weight": 50, "hold_s": 1800}, {"weight": 100, "hold_s": 1800}],
-                    "rollback_window_s": 3600},
+        "traffic": {
+            "stages": [{"weight": 50, "hold_s": 1800}, {"weight": 100, "hold_s": 1800}],
+            "rollback_window_s": 3600,
+        },
         "cost": {"horizon_hours": 720, "candidates": ["aws:eu-west-1:p4d.24xlarge"], **cost},
     }
     path = tmp_path / "plan.yaml"
@@ -29,13 +43,17 @@ def _plan(tmp_path: Path, **cost: Any) -> Path:
     return path
 
 
-def test_cost_flow_triggers_the_migrate_deployment_when_it_pays(prefect_api: str, gm_home: Path,
-                                                               tmp_path: Path) -> None:
+def test_cost_flow_triggers_the_migrate_deployment_when_it_pays(
+    prefect_api: str, gm_home: Path, tmp_path: Path
+) -> None:
     from gpumigrate.flows.cost_move import cost_move_flow
 
     calls: list[tuple[str, dict[str, Any]]] = []
-    out = cost_move_flow(str(_plan(tmp_path, min_savings_usd=0)), image_bytes=10**11,
-                         trigger=lambda name, params: calls.append((name, params)))
+    out = cost_move_flow(
+        str(_plan(tmp_path, min_savings_usd=0)),
+        image_bytes=10**11,
+        trigger=lambda name, params: calls.append((name, params)),
+    )
     assert out["go"] and out["triggered"] and out["target"] == "aws:eu-west-1:p4d.24xlarge"
     assert calls and calls[0][0] == "migrate/migrate"
     derived = yaml.safe_load(Path(calls[0][1]["plan_path"]).read_text())
@@ -49,8 +67,9 @@ def test_cost_flow_does_nothing_below_the_threshold(prefect_api: str, gm_home: P
     from gpumigrate.flows.cost_move import cost_move_flow
 
     calls: list[Any] = []
-    out = cost_move_flow(str(_plan(tmp_path, min_savings_usd=1_000_000)), image_bytes=10**11,
-                         trigger=lambda *a: calls.append(a))
+    out = cost_move_flow(
+        str(_plan(tmp_path, min_savings_usd=1_000_000)), image_bytes=10**11, trigger=lambda *a: calls.append(a)
+    )
     assert not out["go"] and not out["triggered"] and calls == []
     assert "minimum" in out["reason"]
 
@@ -65,8 +84,9 @@ def test_cost_flow_never_moves_where_residency_forbids(gm_home: Path, tmp_path: 
     assert not out["triggered"] and calls == [] and "outside the allowed" in out["reason"]
 
 
-@pytest.mark.parametrize("deployment", yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"],
-                         ids=lambda d: d["name"])
+@pytest.mark.parametrize(
+    "deployment", yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"], ids=lambda d: d["name"]
+)
 def test_prefect_yaml_deployments_point_at_real_flows(deployment: dict[str, Any]) -> None:
     from prefect.flows import Flow, load_flow_from_entrypoint
 

@@ -19,8 +19,9 @@ def _leftovers(migration_id: str) -> list[str]:
 
 
 def _run_demo(cli_cmd: list[str], env: dict[str, str], *args: str) -> tuple[int, dict[str, Any], str]:
-    proc = subprocess.run([*cli_cmd, "demo", "--json", "--no-live", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [*cli_cmd, "demo", "--json", "--no-live", *args], env=env, capture_output=True, text=True, timeout=300
+    )
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
     return proc.returncode, json.loads(lines[-1]), proc.stderr
@@ -31,8 +32,16 @@ def test_demo_migrates_to_cutover(cli_cmd: list[str], gm_home: Path, prefect_api
     code, result, stderr = _run_demo(cli_cmd, env)
     assert code == 0, stderr[-3000:]
     assert result["status"] == "completed" and result["error"] is None
-    assert set(result["phases"]) == {"preflight", "provision", "snapshot", "transfer", "restore", "parity", "ramp",
-                                     "finalize"}
+    assert set(result["phases"]) == {
+        "preflight",
+        "provision",
+        "snapshot",
+        "transfer",
+        "restore",
+        "parity",
+        "ramp",
+        "finalize",
+    }
     assert all(p["status"] == "completed" for p in result["phases"].values())
     rq = result["requests"]
     assert rq["total"] > 100 and rq["failed"] == 0 and rq["p50_ms"] > 0 and rq["p99_ms"] >= rq["p50_ms"]
@@ -54,8 +63,9 @@ def test_demo_migrates_to_cutover(cli_cmd: list[str], gm_home: Path, prefect_api
 
 
 @pytest.mark.parametrize("fault", ["target-errors"])
-def test_demo_fault_rolls_back_on_the_embedded_api(cli_cmd: list[str], gm_home: Path, tmp_path: Path,
-                                                   fault: str) -> None:
+def test_demo_fault_rolls_back_on_the_embedded_api(
+    cli_cmd: list[str], gm_home: Path, tmp_path: Path, fault: str
+) -> None:
     """No PREFECT_API_URL: Prefect's ephemeral API with a fresh project-local home."""
     env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
@@ -63,8 +73,10 @@ def test_demo_fault_rolls_back_on_the_embedded_api(cli_cmd: list[str], gm_home: 
     assert code == 3, stderr[-3000:]
     assert result["status"] == "rolled_back" and result["rollback"]["triggered"] is True
     assert "gate failed" in result["rollback"]["reason"]
-    records = [json.loads(x) for x in
-               (gm_home / "migrations" / result["migration_id"] / "audit.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x)
+        for x in (gm_home / "migrations" / result["migration_id"] / "audit.jsonl").read_text().splitlines()
+    ]
     load = next(r["data"] for r in records if r["event"] == "demo.load")
     # The source kept serving: clients see (almost) nothing of the broken target. The traffic layer's
     # own tests hold the tight bound (<= 0.1%); here a busy CI box may add a few timeouts.

@@ -10,11 +10,17 @@ from pathlib import Path
 import yaml
 
 
-def test_migrate_denied_by_residency_moves_nothing(cli_cmd: list[str], gm_home: Path, prefect_api: str,
-                                                   tmp_path: Path) -> None:
+def test_migrate_denied_by_residency_moves_nothing(
+    cli_cmd: list[str], gm_home: Path, prefect_api: str, tmp_path: Path
+) -> None:
     plan = {
-        "workload": {"name": "svc", "kind": "inference", "source_host": "local-a", "endpoint": "http://127.0.0.1:9",
-                     "agent": "127.0.0.1:9"},
+        "workload": {
+            "name": "svc",
+            "kind": "inference",
+            "source_host": "local-a",
+            "endpoint": "http://127.0.0.1:9",
+            "agent": "127.0.0.1:9",
+        },
         "target": {"provider": "local", "region": "local-b", "host": "never-started"},
         "data": {"classification": "restricted", "allowed_jurisdictions": ["EU"]},
         "transfer": {"store": "file://store"},
@@ -22,8 +28,13 @@ def test_migrate_denied_by_residency_moves_nothing(cli_cmd: list[str], gm_home: 
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
     env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api}
-    out = subprocess.run([*cli_cmd, "migrate", str(path), "--id", "denied-1", "--json"], env=env,
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [*cli_cmd, "migrate", str(path), "--id", "denied-1", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["status"] == "denied" and "data-residency" in result["error"] and "local-b" in result["error"]
@@ -34,6 +45,9 @@ def test_migrate_denied_by_residency_moves_nothing(cli_cmd: list[str], gm_home: 
     assert not list((gm_home / "hosts").glob("*/host.json")) if (gm_home / "hosts").exists() else True
     assert not (tmp_path / "store").exists()  # no byte moved
     # The audit command shows the decision for the residency-denial runbook.
-    audit = subprocess.run([*cli_cmd, "audit", "denied-1", "--json"], env=env, capture_output=True, text=True,
-                           timeout=60)
-    assert audit.returncode == 0 and json.loads(audit.stdout.strip().splitlines()[-1])["residency"][0]["verdict"] == "deny"
+    audit = subprocess.run(
+        [*cli_cmd, "audit", "denied-1", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (
+        audit.returncode == 0 and json.loads(audit.stdout.strip().splitlines()[-1])["residency"][0]["verdict"] == "deny"
+    )

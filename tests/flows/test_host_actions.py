@@ -71,7 +71,8 @@ def test_dispatch_goes_through_the_hosts_deployment(prefect_api: str, monkeypatc
             for _ in range(600):
                 runs = await client.read_flow_runs(
                     deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["local-a"])),
-                    flow_run_filter=FlowRunFilter())
+                    flow_run_filter=FlowRunFilter(),
+                )
                 if runs:
                     await runner.execute_flow_run(runs[0].id)
                     return

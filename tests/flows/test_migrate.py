@@ -71,13 +71,33 @@ def source(home: Path, prefect_api: str) -> Iterator[Source]:
     host = door = None
     try:
         host = provider.wait_ready(provider.provision(HostSpec("flows-src", "local", "local-a"), migration_id="tests"))
-        provider.spawn(host, [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address,
-                              "--port", str(host.ports["service"]), "--agent-port", str(host.ports["agent"]),
-                              "--seed", "0", "--size", "tiny", "--device", "cpu", "--name", "flows-src"],
-                       name="workload")
+        provider.spawn(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "gpumigrate.workloads.inference",
+                "--host",
+                host.address,
+                "--port",
+                str(host.ports["service"]),
+                "--agent-port",
+                str(host.ports["agent"]),
+                "--seed",
+                "0",
+                "--size",
+                "tiny",
+                "--device",
+                "cpu",
+                "--name",
+                "flows-src",
+            ],
+            name="workload",
+        )
         wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
-        door = FrontDoor.start(default_dir(WORKLOAD), source_host=host.address, source_port=host.ports["service"],
-                               node_id="flows-envoy")
+        door = FrontDoor.start(
+            default_dir(WORKLOAD), source_host=host.address, source_port=host.ports["service"], node_id="flows-envoy"
+        )
         yield Source(home, host, door, key_file)
     finally:
         if door is not None:
@@ -91,16 +111,26 @@ def write_plan(src: Source, path: Path, *, target: str, manual_gate: bool = Fals
 
     plan = {
         "version": 1,
-        "workload": {"name": WORKLOAD, "kind": "inference", "source_host": "flows-src", "endpoint": src.endpoint,
-                     "agent": src.agent, "source_region": "local-a"},
+        "workload": {
+            "name": WORKLOAD,
+            "kind": "inference",
+            "source_host": "flows-src",
+            "endpoint": src.endpoint,
+            "agent": src.agent,
+            "source_region": "local-a",
+        },
         "target": {"provider": "local", "region": "local-b", "host": target},
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
         "snapshot": {"precopy_rounds": 1},
         "transfer": {"store": "file://store", "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
         "parity": {"golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")), "atol": 1e-4, "rtol": 1e-3},
-        "traffic": {"stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
-                    "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
-                    "analysis_interval_s": 0.5, "rollback_window_s": window_s, "manual_gate": manual_gate},
+        "traffic": {
+            "stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
+            "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
+            "analysis_interval_s": 0.5,
+            "rollback_window_s": window_s,
+            "manual_gate": manual_gate,
+        },
     }
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
@@ -132,7 +162,9 @@ def artifact_types(flow_run_id: str) -> set[str]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
     return {a.type for a in found}
 
 
@@ -151,20 +183,28 @@ def wait_paused(flow_run_id: str, timeout_s: float = 60) -> None:
 
 def serves(url: str) -> bool:
     try:
-        return httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=10).status_code == 200
+        return (
+            httpx.post(url + "/v1/generate", json={"prompt": "hi", "max_new_tokens": 2}, timeout=10).status_code == 200
+        )
     except httpx.HTTPError:
         return False
 
 
-def test_interrupted_migration_resumes_without_resending(source: Source, prefect_api: str, cli_cmd: list[str],
-                                                         tmp_path: Path) -> None:
+def test_interrupted_migration_resumes_without_resending(
+    source: Source, prefect_api: str, cli_cmd: list[str], tmp_path: Path
+) -> None:
     """SIGKILL the CLI mid-transfer; `--resume` with the same id sends only the missing chunks, then cuts over."""
     plan = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-resume")
     mid = "flows-resume"
     # A slow link (bytes/s) so the transfer is still running when we kill the process.
     env = cli_env(prefect_api, source.home, GPUMIGRATE_TRANSFER_RATE_LIMIT="250000")
-    proc = subprocess.Popen([*cli_cmd, "migrate", str(plan), "--id", mid], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [*cli_cmd, "migrate", str(plan), "--id", mid],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         arrived = 0
@@ -176,7 +216,9 @@ def test_interrupted_migration_resumes_without_resending(source: Source, prefect
                 if arrived >= 3:
                     break
             time.sleep(0.05)
-        assert proc.poll() is None, f"the migration ended before it could be interrupted: {proc.stderr.read()[-2000:]!r}"
+        assert proc.poll() is None, (
+            f"the migration ended before it could be interrupted: {proc.stderr.read()[-2000:]!r}"
+        )
         assert arrived >= 3, "no chunk arrived at the target's store in time"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -185,8 +227,13 @@ def test_interrupted_migration_resumes_without_resending(source: Source, prefect
 
     lp = load(source)
     try:
-        out = subprocess.run([*cli_cmd, "migrate", str(plan), "--id", mid, "--resume", "--json"],
-                             env=cli_env(prefect_api, source.home), capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [*cli_cmd, "migrate", str(plan), "--id", mid, "--resume", "--json"],
+            env=cli_env(prefect_api, source.home),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         lp.stop()
         report = lp.wait(timeout_s=60)
@@ -207,8 +254,9 @@ def test_interrupted_migration_resumes_without_resending(source: Source, prefect
     SHARED["cut_over"] = mid
 
 
-def test_rollback_through_the_rollback_deployment(source: Source, prefect_api: str, cli_cmd: list[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rollback_through_the_rollback_deployment(
+    source: Source, prefect_api: str, cli_cmd: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Prefect UI's button: a run of the `rollback` deployment, executed by a runner process."""
     mid = SHARED.get("cut_over")
     if mid is None:
@@ -227,8 +275,9 @@ def test_rollback_through_the_rollback_deployment(source: Source, prefect_api: s
     async def run() -> str:
         runner = Runner(name="rollback-test")
         await runner.add_flow(rollback_flow, name="rollback")
-        flow_run = await run_deployment(name="rollback/rollback", timeout=0,
-                                        parameters={"migration_id": mid, "reason": "SRE pressed the button"})
+        flow_run = await run_deployment(
+            name="rollback/rollback", timeout=0, parameters={"migration_id": mid, "reason": "SRE pressed the button"}
+        )
         await runner.execute_flow_run(flow_run.id)
         from prefect.client.orchestration import get_client
 
@@ -246,8 +295,13 @@ def test_rollback_through_the_rollback_deployment(source: Source, prefect_api: s
     names = [e["event"] for e in events(source.home, mid)]
     assert "rollback.requested" in names and "rollback.target_torn_down" in names and "rollback.completed" in names
     # `gpumigrate rollback` reaches the same path; a second rollback is a no-op, not an error.
-    again = subprocess.run([*cli_cmd, "rollback", mid, "--json"], env=cli_env(prefect_api, source.home),
-                           capture_output=True, text=True, timeout=180)
+    again = subprocess.run(
+        [*cli_cmd, "rollback", mid, "--json"],
+        env=cli_env(prefect_api, source.home),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout.strip().splitlines()[-1])["how"] == "already rolled back"
 
@@ -265,8 +319,12 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
     runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid, gate_timeout_s=120)))
     runner.start()
     deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and state(source.home, mid).get("status") not in ("paused", "failed",
-                                                                                       "rolled_back", "denied"):
+    while time.monotonic() < deadline and state(source.home, mid).get("status") not in (
+        "paused",
+        "failed",
+        "rolled_back",
+        "denied",
+    ):
         time.sleep(0.1)
     st = state(source.home, mid)
     assert st.get("status") == "paused", (st.get("phases"), out)
@@ -301,8 +359,7 @@ def test_rollback_during_the_ramp_acts_within_an_interval(source: Source, prefec
     runner.start()
     try:
         deadline = time.monotonic() + 150
-        while time.monotonic() < deadline and not any(
-                e["event"] == "traffic.stage" for e in events(source.home, mid)):
+        while time.monotonic() < deadline and not any(e["event"] == "traffic.stage" for e in events(source.home, mid)):
             assert runner.is_alive(), out
             time.sleep(0.1)
         outcome = rollback_flow(migration_id=mid, reason="pager says stop")

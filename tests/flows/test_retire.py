@@ -30,8 +30,13 @@ def cut_over(gm_home: Path) -> Iterator[dict[str, Any]]:
         src = start_inference(provider, host, seed=0, size="tiny")
         plan = {
             "version": 1,
-            "workload": {"name": "tiny-lm", "kind": "inference", "source_host": "retire-src", "endpoint": src["url"],
-                         "agent": f"{host.address}:{src['agent_port']}"},
+            "workload": {
+                "name": "tiny-lm",
+                "kind": "inference",
+                "source_host": "retire-src",
+                "endpoint": src["url"],
+                "agent": f"{host.address}:{src['agent_port']}",
+            },
             "target": {"provider": "local", "region": "local-b", "host": "retire-tgt"},
             "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
             "transfer": {"store": "file://store"},

@@ -47,7 +47,8 @@ def default_state() -> GceState:
         }
         s.accelerators[zone] = {"nvidia-tesla-a100": 16, "nvidia-tesla-t4": 4}
     s.machine_types["europe-west4-a"]["a3-highgpu-8g"] = {
-        "name": "a3-highgpu-8g", "guestCpus": 208,
+        "name": "a3-highgpu-8g",
+        "guestCpus": 208,
         "accelerators": [{"guestAcceleratorType": "nvidia-h100-80gb", "guestAcceleratorCount": 8}],
     }
     for region in ("europe-west4", "us-central1"):
@@ -56,8 +57,11 @@ def default_state() -> GceState:
 
 
 def _gpu_metric(acc_type: str) -> str | None:
-    return {"nvidia-tesla-a100": "NVIDIA_A100_GPUS", "nvidia-tesla-t4": "NVIDIA_T4_GPUS",
-            "nvidia-h100-80gb": "NVIDIA_H100_GPUS"}.get(acc_type)
+    return {
+        "nvidia-tesla-a100": "NVIDIA_A100_GPUS",
+        "nvidia-tesla-t4": "NVIDIA_T4_GPUS",
+        "nvidia-h100-80gb": "NVIDIA_H100_GPUS",
+    }.get(acc_type)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -75,7 +79,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(raw)
 
     def _error(self, code: int, message: str, reason: str = "notFound") -> None:
-        self._send(code, {"error": {"code": code, "message": message, "errors": [{"message": message, "reason": reason}]}})
+        self._send(
+            code, {"error": {"code": code, "message": message, "errors": [{"message": message, "reason": reason}]}}
+        )
 
     def _handle(self, method: str) -> None:
         url = urlparse(self.path)
@@ -83,8 +89,15 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length) or b"{}") if length else {}
         st = self.server.state
         with st.lock:
-            st.requests.append({"method": method, "path": url.path, "query": parse_qs(url.query), "body": body,
-                                "authorization": self.headers.get("Authorization")})
+            st.requests.append(
+                {
+                    "method": method,
+                    "path": url.path,
+                    "query": parse_qs(url.query),
+                    "body": body,
+                    "authorization": self.headers.get("Authorization"),
+                }
+            )
             code, out = self.server.route(method, url.path, body)
         if code >= 400:
             self._error(code, out["message"], out.get("reason", "notFound"))
@@ -111,10 +124,19 @@ class _Server(ThreadingHTTPServer):
 
     def _op(self, zone: str, kind: str, target: str, error: str | None = None) -> dict[str, Any]:
         name = f"operation-{next(self._ids)}"
-        op = {"name": name, "zone": zone, "operationType": kind, "targetLink": target, "status": "RUNNING", "kind": "compute#operation"}
+        op = {
+            "name": name,
+            "zone": zone,
+            "operationType": kind,
+            "targetLink": target,
+            "status": "RUNNING",
+            "kind": "compute#operation",
+        }
         final = {**op, "status": "DONE", "progress": 100}
         if error:
-            final["error"] = {"errors": [{"code": error, "message": f"The zone does not have enough resources ({error})"}]}
+            final["error"] = {
+                "errors": [{"code": error, "message": f"The zone does not have enough resources ({error})"}]
+            }
         self.state.operations[name] = final
         return op  # RUNNING: the client must wait for it
 
@@ -125,8 +147,11 @@ class _Server(ThreadingHTTPServer):
             q = st.quotas.get(m["region"])
             if q is None:
                 return 404, {"message": f"region {m['region']} not found"}
-            return 200, {"name": m["region"], "status": "UP",
-                         "quotas": [{"metric": k, "limit": v[0], "usage": v[1]} for k, v in q.items()]}
+            return 200, {
+                "name": m["region"],
+                "status": "UP",
+                "quotas": [{"metric": k, "limit": v[0], "usage": v[1]} for k, v in q.items()],
+            }
         m = re.match(PREFIX + r"/zones/(?P<zone>[^/]+)/machineTypes/(?P<name>[^/]+)$", path)
         if m and method == "GET":
             mt = st.machine_types.get(m["zone"], {}).get(m["name"])
@@ -163,7 +188,9 @@ class _Server(ThreadingHTTPServer):
         mt_name = inst["machineType"].rsplit("/", 1)[-1]
         mt = self.state.machine_types.get(zone, {}).get(mt_name, {})
         accs = [(a["guestAcceleratorType"], a["guestAcceleratorCount"]) for a in mt.get("accelerators", [])]
-        accs += [(a["acceleratorType"].rsplit("/", 1)[-1], a["acceleratorCount"]) for a in inst.get("guestAccelerators", [])]
+        accs += [
+            (a["acceleratorType"].rsplit("/", 1)[-1], a["acceleratorCount"]) for a in inst.get("guestAccelerators", [])
+        ]
         return accs
 
     def _count_gpus(self, zone: str, inst: dict[str, Any], sign: int) -> None:
@@ -183,8 +210,14 @@ class _Server(ThreadingHTTPServer):
             return status, {"message": message, "reason": reason}
         if st.insert_error:
             return 200, self._op(zone, "insert", name, error=st.insert_error)
-        inst = {**body, "status": "PROVISIONING", "zone": zone,
-                "networkInterfaces": [{**(body.get("networkInterfaces") or [{}])[0], "networkIP": f"10.164.0.{len(st.instances) + 2}"}]}
+        inst = {
+            **body,
+            "status": "PROVISIONING",
+            "zone": zone,
+            "networkInterfaces": [
+                {**(body.get("networkInterfaces") or [{}])[0], "networkIP": f"10.164.0.{len(st.instances) + 2}"}
+            ],
+        }
         st.instances[(zone, name)] = inst
         self._count_gpus(zone, inst, +1)
         return 200, self._op(zone, "insert", name)

@@ -19,8 +19,16 @@ AMI = "ami-12c6146b"  # one of moto's built-in images
 
 
 def spec(**kw: Any) -> HostSpec:
-    base = dict(name="gm-target", provider="aws", region="us-east-1", zone="us-east-1a",
-                instance_type="p4d.24xlarge", gpu_model="A100-40GB", gpu_count=8, image=AMI)
+    base = dict(
+        name="gm-target",
+        provider="aws",
+        region="us-east-1",
+        zone="us-east-1a",
+        instance_type="p4d.24xlarge",
+        gpu_model="A100-40GB",
+        gpu_count=8,
+        image=AMI,
+    )
     base.update(kw)
     return HostSpec(**base)
 
@@ -36,7 +44,9 @@ def quota_answer(value: float) -> Any:
     """Service Quotas as AWS answers it (moto has none for EC2): returned from a before-call hook."""
 
     def hook(**_: Any) -> tuple[AWSResponse, dict[str, Any]]:
-        return AWSResponse("https://servicequotas", 200, {}, None), {"Quota": {"QuotaCode": "L-417A185B", "Value": value}}
+        return AWSResponse("https://servicequotas", 200, {}, None), {
+            "Quota": {"QuotaCode": "L-417A185B", "Value": value}
+        }
 
     return hook
 
@@ -130,8 +140,13 @@ def test_other_api_errors_are_provider_errors(aws: Any, migration_id: str) -> No
 def test_residency_denial_at_provisioning_launches_nothing(aws: Any, ec2_of: Any, migration_id: str) -> None:
     records: list[tuple[str, dict]] = []
     with pytest.raises(ResidencyError) as err:
-        provision_host(aws, spec(), migration_id=migration_id, allowed_jurisdictions=["EU"],
-                       record=lambda e, d: records.append((e, d)))
+        provision_host(
+            aws,
+            spec(),
+            migration_id=migration_id,
+            allowed_jurisdictions=["EU"],
+            record=lambda e, d: records.append((e, d)),
+        )
     assert err.value.rule == "data-residency" and err.value.region == "us-east-1"
     assert records[0][0] == "residency.deny" and records[0][1]["point"] == "provision"
     assert all_instances(ec2_of("us-east-1"), migration_id) == []
@@ -140,8 +155,11 @@ def test_residency_denial_at_provisioning_launches_nothing(aws: Any, ec2_of: Any
 def test_provision_host_in_allowed_region(aws: Any, ec2_of: Any, migration_id: str) -> None:
     records: list[str] = []
     host = provision_host(
-        aws, spec(region="eu-central-1", zone="eu-central-1b"), migration_id=migration_id,
-        allowed_jurisdictions=["DE"], record=lambda e, d: records.append(e),
+        aws,
+        spec(region="eu-central-1", zone="eu-central-1b"),
+        migration_id=migration_id,
+        allowed_jurisdictions=["DE"],
+        record=lambda e, d: records.append(e),
     )
     assert records == ["residency.allow", "infra.capacity.ok", "infra.provisioned"]
     assert aws.jurisdiction("eu-central-1").country == "DE" and aws.price(spec(region="eu-central-1")) > 0

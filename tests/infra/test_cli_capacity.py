@@ -34,8 +34,12 @@ def run(cli_cmd: list[str], *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_capacity_aws(tmp_path: Path, aws_env: str, gm_home: Path, cli_cmd: list[str]) -> None:
-    ok = run(cli_cmd, "capacity", str(write_plan(tmp_path, "aws-eu.yaml", instance_type="p4d.24xlarge",
-                                                 gpu_model="A100-40GB")), "--json")
+    ok = run(
+        cli_cmd,
+        "capacity",
+        str(write_plan(tmp_path, "aws-eu.yaml", instance_type="p4d.24xlarge", gpu_model="A100-40GB")),
+        "--json",
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout.splitlines()[-1])["report"]["gpus"] == "8 x A100"
     # moto's offering data has no p5.48xlarge in eu-central-1: a capacity refusal, exit 2, no traceback
@@ -81,15 +85,25 @@ def test_planted_credentials_never_written(
     try:
         # AWS: a whole provision recorded into a migration's state and audit log
         data = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
-        data["target"].update(region="us-east-1", zone="us-east-1a", instance_type="p4d.24xlarge",
-                              gpu_model="A100-40GB", image="ami-12c6146b")
+        data["target"].update(
+            region="us-east-1",
+            zone="us-east-1a",
+            instance_type="p4d.24xlarge",
+            gpu_model="A100-40GB",
+            image="ami-12c6146b",
+        )
         data["data"]["allowed_jurisdictions"] = ["US"]
         data["transfer"]["store_region"] = "us-east-1"
         plan = parse_plan(data)
         m = Migration.create("secret-scan-aws", yaml.safe_dump(data))
         aws = get_provider("aws", poll_interval_s=0.05)  # credentials from the environment chain
-        host = provision_host(aws, spec_from_plan(plan, migration_id=m.id), migration_id=m.id,
-                              allowed_jurisdictions=["US"], record=m.record)
+        host = provision_host(
+            aws,
+            spec_from_plan(plan, migration_id=m.id),
+            migration_id=m.id,
+            allowed_jurisdictions=["US"],
+            record=m.record,
+        )
         m.record("host.ready", {"address": aws.wait_ready(host, timeout_s=30).address})
         aws.terminate(host)
         assert all_instances(ec2_of("us-east-1"), m.id)
@@ -100,13 +114,20 @@ def test_planted_credentials_never_written(
         gplan = parse_plan(gcp_data)
         g = Migration.create("secret-scan-gcp", yaml.safe_dump(gcp_data))
         gcp = get_provider("gcp", project="p", api_endpoint=fake.endpoint, credentials=Credentials(token=GCP_TOKEN))
-        provision_host(gcp, spec_from_plan(gplan, migration_id=g.id), migration_id=g.id,
-                       allowed_jurisdictions=["EEA"], record=g.record)
+        provision_host(
+            gcp,
+            spec_from_plan(gplan, migration_id=g.id),
+            migration_id=g.id,
+            allowed_jurisdictions=["EEA"],
+            record=g.record,
+        )
         assert fake.state.requests[-1]["authorization"] == f"Bearer {GCP_TOKEN}"  # the token was really used
         # the CLI with the planted environment
-        for args in (["capacity", str(write_plan(tmp_path, "aws-eu.yaml"))],
-                     ["plan", "validate", str(REPO / "examples" / "aws-eu.yaml")],
-                     ["cost", str(REPO / "examples" / "aws-eu.yaml"), "--json"]):
+        for args in (
+            ["capacity", str(write_plan(tmp_path, "aws-eu.yaml"))],
+            ["plan", "validate", str(REPO / "examples" / "aws-eu.yaml")],
+            ["cost", str(REPO / "examples" / "aws-eu.yaml"), "--json"],
+        ):
             out = run(cli_cmd, *args)
             outputs += [out.stdout, out.stderr]
     finally:

@@ -21,13 +21,28 @@ SRC_HOURLY, DST_HOURLY = 26.791, 24.595
 
 def plan_data(**over: Any) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "workload": {"name": "svc", "kind": "training", "source_host": "i-1", "source_provider": "aws",
-                     "source_region": "eu-central-1", "source_instance_type": "p4d.24xlarge"},
-        "target": {"provider": "aws", "region": "eu-west-1", "zone": "eu-west-1c", "instance_type": "p4d.24xlarge",
-                   "gpu_model": "A100-40GB", "gpu_count": 8},
+        "workload": {
+            "name": "svc",
+            "kind": "training",
+            "source_host": "i-1",
+            "source_provider": "aws",
+            "source_region": "eu-central-1",
+            "source_instance_type": "p4d.24xlarge",
+        },
+        "target": {
+            "provider": "aws",
+            "region": "eu-west-1",
+            "zone": "eu-west-1c",
+            "instance_type": "p4d.24xlarge",
+            "gpu_model": "A100-40GB",
+            "gpu_count": 8,
+        },
         "data": {"classification": "internal", "allowed_jurisdictions": ["EU"]},
         "transfer": {"store": "s3://images-eu-west-1/svc", "store_region": "eu-west-1"},
-        "traffic": {"stages": [{"weight": 50, "hold_s": 1800}, {"weight": 100, "hold_s": 1800}], "rollback_window_s": 3600},
+        "traffic": {
+            "stages": [{"weight": 50, "hold_s": 1800}, {"weight": 100, "hold_s": 1800}],
+            "rollback_window_s": 3600,
+        },
         "cost": {"horizon_hours": 720, "min_savings_usd": 0},
     }
     for key, value in over.items():
@@ -86,8 +101,13 @@ def test_no_savings_never_breaks_even() -> None:
 
 
 def test_planner_never_proposes_forbidden_regions() -> None:
-    cands = ["aws:us-east-1:p4d.24xlarge", "aws:eu-west-2:p4d.24xlarge", "aws:eu-west-1:p4d.24xlarge",
-             "gcp:europe-west4", "aws:eu-mars-1:p4d.24xlarge"]
+    cands = [
+        "aws:us-east-1:p4d.24xlarge",
+        "aws:eu-west-2:p4d.24xlarge",
+        "aws:eu-west-1:p4d.24xlarge",
+        "gcp:europe-west4",
+        "aws:eu-mars-1:p4d.24xlarge",
+    ]
     moves = plan_moves(make_plan(), cands, image_bytes=10**10)
     labels = [p.target.label for p in moves.proposals]
     # us-east-1 is cheapest but outside the EU; eu-west-2 is London (not EU); eu-mars-1 is unknown
@@ -124,8 +144,12 @@ def test_evaluate_move_go_and_no_go() -> None:
 def test_cli_cost_json(tmp_path: Path, gm_home: Path, cli_cmd: list[str]) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan_data(cost__candidates=["aws:eu-west-1", "aws:us-east-1"])))
-    out = subprocess.run([*cli_cmd, "cost", str(path), "--json", "--image-gb", "100", "--hours", "100"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*cli_cmd, "cost", str(path), "--json", "--image-gb", "100", "--hours", "100"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout.splitlines()[-1])
     est = doc["estimate"]
@@ -137,11 +161,16 @@ def test_cli_cost_json(tmp_path: Path, gm_home: Path, cli_cmd: list[str]) -> Non
 
 
 def test_cli_cost_human_and_bad_flags(cli_cmd: list[str], gm_home: Path, repo: Path) -> None:
-    ok = subprocess.run([*cli_cmd, "cost", str(repo / "examples" / "gcp-training.yaml")],
-                        capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [*cli_cmd, "cost", str(repo / "examples" / "gcp-training.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert ok.returncode == 0 and "break-even" in ok.stderr
-    bad = subprocess.run([*cli_cmd, "cost", str(repo / "examples" / "gcp-training.yaml"), "--hours", "-1"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*cli_cmd, "cost", str(repo / "examples" / "gcp-training.yaml"), "--hours", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--hours must be more than 0" in bad.stderr and "Traceback" not in bad.stderr
 
 

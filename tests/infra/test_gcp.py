@@ -14,8 +14,15 @@ from gpumigrate.interfaces import HostSpec
 
 
 def spec(**kw: Any) -> HostSpec:
-    base = dict(name="gm-lm-train-1", provider="gcp", region="europe-west4", zone="europe-west4-a",
-                instance_type="a2-highgpu-1g", gpu_model="A100-40GB", gpu_count=1)
+    base = dict(
+        name="gm-lm-train-1",
+        provider="gcp",
+        region="europe-west4",
+        zone="europe-west4-a",
+        instance_type="a2-highgpu-1g",
+        gpu_model="A100-40GB",
+        gpu_count=1,
+    )
     base.update(kw)
     return HostSpec(**base)
 
@@ -39,7 +46,9 @@ def test_round_trip_insert_wait_delete(gcp: Any, gce: FakeGce) -> None:
 def test_insert_waits_on_its_own_operations_client(gcp: Any, gce: FakeGce) -> None:
     gcp.provision(spec(), migration_id="m-ops")
     waits = [r for r in gce.state.requests if r["path"].endswith("/wait")]
-    assert waits and all(r["path"].startswith("/compute/v1/projects/test-proj/zones/europe-west4-a/operations/") for r in waits)
+    assert waits and all(
+        r["path"].startswith("/compute/v1/projects/test-proj/zones/europe-west4-a/operations/") for r in waits
+    )
 
 
 def test_guest_accelerators_for_n1(gcp: Any, gce: FakeGce) -> None:
@@ -101,7 +110,11 @@ def test_zone_exhausted_during_insert_is_capacity_error(gcp: Any, gce: FakeGce) 
 
 def test_quota_refused_by_the_insert_call_is_quota_error(gcp: Any, gce: FakeGce) -> None:
     # the regional quota looked fine, but the API refuses the insert (a race with another launch)
-    gce.state.insert_http_error = (403, "quotaExceeded", "Quota 'NVIDIA_A100_GPUS' exceeded.  Limit: 8.0 in region europe-west4.")
+    gce.state.insert_http_error = (
+        403,
+        "quotaExceeded",
+        "Quota 'NVIDIA_A100_GPUS' exceeded.  Limit: 8.0 in region europe-west4.",
+    )
     with pytest.raises(CapacityError) as err:
         gcp.provision(spec(), migration_id="m-race")
     assert err.value.rule == "quota" and "NVIDIA_A100_GPUS" in str(err.value) and gce.state.instances == {}
@@ -109,8 +122,9 @@ def test_quota_refused_by_the_insert_call_is_quota_error(gcp: Any, gce: FakeGce)
 
 def test_residency_denial_inserts_nothing(gcp: Any, gce: FakeGce) -> None:
     with pytest.raises(ResidencyError, match="us-central1"):
-        provision_host(gcp, spec(region="us-central1", zone="us-central1-a"), migration_id="m-r",
-                       allowed_jurisdictions=["EU"])
+        provision_host(
+            gcp, spec(region="us-central1", zone="us-central1-a"), migration_id="m-r", allowed_jurisdictions=["EU"]
+        )
     assert gce.state.requests == []  # refused before any API call
 
 

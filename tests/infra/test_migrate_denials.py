@@ -28,8 +28,14 @@ def test_migrate_to_forbidden_region_launches_nothing_moves_nothing(
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump(data))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    out = subprocess.run([*cli_cmd, "migrate", str(plan), "--id", "deny-e2e", "--json"],
-                         capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [*cli_cmd, "migrate", str(plan), "--id", "deny-e2e", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "data-residency" in out.stderr and "us-east-1" in out.stderr
     audit = [json.loads(x) for x in (gm_home / "migrations" / "deny-e2e" / "audit.jsonl").read_text().splitlines()]

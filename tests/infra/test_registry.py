@@ -58,12 +58,21 @@ def test_gcp_without_credentials_is_a_clear_provider_error(monkeypatch: pytest.M
 
 def test_gcp_wait_ready_times_out(gcp: Any, gce: FakeGce) -> None:
     gce.state.gets_until_running = 10**6
-    spec = HostSpec(name="slow", provider="gcp", region="europe-west4", zone="europe-west4-a",
-                    instance_type="a2-highgpu-1g", gpu_model="A100-40GB", gpu_count=1)
+    spec = HostSpec(
+        name="slow",
+        provider="gcp",
+        region="europe-west4",
+        zone="europe-west4-a",
+        instance_type="a2-highgpu-1g",
+        gpu_model="A100-40GB",
+        gpu_count=1,
+    )
     host = gcp.provision(spec, migration_id="m-slow")
     with pytest.raises(ProviderError, match="not running after 0.2 s"):
         gcp.wait_ready(host, timeout_s=0.2)
-    gone = Host(name="x", provider="gcp", region="europe-west4", address="", instance_id="never-made", zone="europe-west4-a")
+    gone = Host(
+        name="x", provider="gcp", region="europe-west4", address="", instance_id="never-made", zone="europe-west4-a"
+    )
     gcp.terminate(gone)  # already gone: no error
 
 

@@ -70,8 +70,14 @@ def test_check_region_records_then_raises() -> None:
     event, data = seen[0]
     assert event == "residency.deny"
     assert data | {"reason": ""} == {
-        "rule": "data-residency", "point": "provision", "provider": "gcp", "region": "us-central1",
-        "jurisdiction": {"country": "US", "blocs": []}, "allowed": ["EU"], "verdict": "deny", "reason": "",
+        "rule": "data-residency",
+        "point": "provision",
+        "provider": "gcp",
+        "region": "us-central1",
+        "jurisdiction": {"country": "US", "blocs": []},
+        "allowed": ["EU"],
+        "verdict": "deny",
+        "reason": "",
     }
 
 
@@ -119,7 +125,9 @@ def _write_plan(tmp_path: Path, data: dict) -> Path:
 
 def test_cli_plan_validate_denies_with_exit_2_and_audit(tmp_path: Path, gm_home: Path, cli_cmd: list[str]) -> None:
     plan = _write_plan(tmp_path, _plan_dict(**{"target.region": "us-east-1", "target.zone": "us-east-1a"}))
-    out = subprocess.run([*cli_cmd, "plan", "validate", str(plan), "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*cli_cmd, "plan", "validate", str(plan), "--json"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2, out.stderr
     assert "data-residency" in out.stderr and "us-east-1" in out.stderr
     denial = json.loads(out.stdout.splitlines()[-1])["plans"][0]["denied"]
@@ -127,7 +135,9 @@ def test_cli_plan_validate_denies_with_exit_2_and_audit(tmp_path: Path, gm_home:
     log = AuditLog(gm_home / "audit" / "policy.jsonl")
     log.verify()
     [rec] = log.records()
-    assert rec["event"] == "residency.deny" and rec["data"]["region"] == "us-east-1" and rec["data"]["allowed"] == ["EU"]
+    assert (
+        rec["event"] == "residency.deny" and rec["data"]["region"] == "us-east-1" and rec["data"]["allowed"] == ["EU"]
+    )
 
 
 def test_cli_plan_validate_allows_examples(gm_home: Path, cli_cmd: list[str]) -> None:

@@ -34,7 +34,9 @@ def test_fused_fingerprint_matches_eager_and_sees_changes() -> None:
 def test_cuda_training_roundtrip_bit_identical() -> None:
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)).to(dev)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)
+    ).to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, 256, device=dev), torch.randn(64, 16, device=dev)
 
@@ -60,7 +62,9 @@ def test_cuda_training_roundtrip_bit_identical() -> None:
     expected = step(model, opt)
 
     torch.manual_seed(123)
-    model2 = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)).to(dev)
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)
+    ).to(dev)
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
     dst = Agent()
     dst.track_module("model", model2)
@@ -106,8 +110,13 @@ class Holder:
     """A child process holding 256 MiB on the GPU; ``digest()`` asks it to re-read its memory."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.first = json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
 
     def digest(self) -> dict[str, int]:

@@ -31,10 +31,25 @@ def _free_port() -> int:
 class Server:
     def __init__(self, *extra: str, env: dict[str, str]) -> None:
         self.agent_port = _free_port()
-        cmd = [sys.executable, "-m", "gpumigrate.workloads.inference", "--port", "0", "--agent-port", str(self.agent_port),
-               "--seed", "0", "--size", "tiny", "--device", "cpu", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpumigrate.workloads.inference",
+            "--port",
+            "0",
+            "--agent-port",
+            str(self.agent_port),
+            "--seed",
+            "0",
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        )
         line = self.proc.stdout.readline()  # {"event": "listening", "port": ...}
         if not line:
             raise RuntimeError("server did not start: " + self.proc.stderr.read()[-2000:])
@@ -93,8 +108,20 @@ def test_rolled_back_migration_keeps_source_serving(servers, key_env, store_url,
     assert info["bytes_total"] > 0 and not info["frozen"]
     assert any(r["name"].startswith("model/") and r["dtype"] == "float32" for r in info["regions"])
 
-    pre = _cli(cli_cmd, "precopy", "--agent", src.agent, "--store", store_url, "--key-env", key_env["env"],
-               "--rounds", "3", "--max-downtime-ms", "1000")
+    pre = _cli(
+        cli_cmd,
+        "precopy",
+        "--agent",
+        src.agent,
+        "--store",
+        store_url,
+        "--key-env",
+        key_env["env"],
+        "--rounds",
+        "3",
+        "--max-downtime-ms",
+        "1000",
+    )
     assert pre["rounds"][0]["chunks_dirty"] == pre["rounds"][0]["chunks_total"]
     _cli(cli_cmd, "freeze", "--agent", src.agent)
     # A request during the freeze waits at the safe point instead of failing.
@@ -113,8 +140,9 @@ def test_rolled_back_migration_keeps_source_serving(servers, key_env, store_url,
     assert httpx.get(src.url + "/readyz", timeout=5).status_code == 200
 
 
-def test_completed_migration_target_answers_like_source_then_source_is_zeroized(servers, key_env, store_url, cli_cmd,
-                                                                                gm_home) -> None:
+def test_completed_migration_target_answers_like_source_then_source_is_zeroized(
+    servers, key_env, store_url, cli_cmd, gm_home
+) -> None:
     src = servers()
     dst = servers("--await-restore")
     expected = src.generate().json()
@@ -126,7 +154,9 @@ def test_completed_migration_target_answers_like_source_then_source_is_zeroized(
         assert dst.generate().status_code == 503
         s.freeze()
         final = s.final(store_url, key_env)
-        res = d.restore(store_url, final["image"]["id"], key_env, policy={"torch": "must_match", "python": "must_match"})
+        res = d.restore(
+            store_url, final["image"]["id"], key_env, policy={"torch": "must_match", "python": "must_match"}
+        )
         assert res["ready"] and res["chunks_loaded"] == 0  # the pre-load already had every chunk
     assert dst.generate().json()["tokens"] == expected["tokens"]
     src_info = httpx.get(src.url + "/v1/info", timeout=30).json()
@@ -138,21 +168,46 @@ def test_completed_migration_target_answers_like_source_then_source_is_zeroized(
     m = Migration.create("snapshot-test-1", "version: 1\n")
     record = _cli(cli_cmd, "zeroize", "--agent", src.agent, "--migration", m.id)
     assert record["verified"] and record["zeroized_bytes"] == sum(
-        r["nbytes"] for r in _cli(cli_cmd, "info", "--agent", src.agent)["regions"])
+        r["nbytes"] for r in _cli(cli_cmd, "info", "--agent", src.agent)["regions"]
+    )
     audited = [r for r in m.audit.records() if r.get("event") == "source.zeroized"]
     assert len(audited) == 1 and audited[0]["data"]["zeroized_bytes"] == record["zeroized_bytes"]
     m.verify_audit()
 
 
 def test_cli_errors_are_one_line(cli_cmd, servers, key_env, store_url) -> None:
-    out = subprocess.run([*cli_cmd, "snapshot", "info", "--agent", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*cli_cmd, "snapshot", "info", "--agent", "127.0.0.1:1"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1 and "cannot reach the snapshot agent" in out.stderr and "Traceback" not in out.stderr
     src = servers()
-    out = subprocess.run([*cli_cmd, "snapshot", "final", "--agent", src.agent, "--store", store_url, "--key-env", key_env["env"]],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*cli_cmd, "snapshot", "final", "--agent", src.agent, "--store", store_url, "--key-env", key_env["env"]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "freeze" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([*cli_cmd, "snapshot", "restore", "--agent", src.agent, "--store", store_url, "--image", "0" * 64,
-                          "--key-env", key_env["env"], "--key-file", "/x"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            *cli_cmd,
+            "snapshot",
+            "restore",
+            "--agent",
+            src.agent,
+            "--store",
+            store_url,
+            "--image",
+            "0" * 64,
+            "--key-env",
+            key_env["env"],
+            "--key-file",
+            "/x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "exactly one" in out.stderr
 
 

@@ -37,8 +37,14 @@ def _raw(address: str, *lines: bytes) -> list[dict]:
 
 def test_framing_and_typed_errors(served) -> None:
     _, address = served
-    replies = _raw(address, b'{"id": 1, "cmd": "ping"}\n', b"not json\n", b'{"id": 3, "cmd": "explode"}\n',
-                   b'{"id": 4, "cmd": "precopy", "args": {"key_ref": {"env": "X"}}}\n', b'{"id": 5, "cmd": "info"}\n')
+    replies = _raw(
+        address,
+        b'{"id": 1, "cmd": "ping"}\n',
+        b"not json\n",
+        b'{"id": 3, "cmd": "explode"}\n',
+        b'{"id": 4, "cmd": "precopy", "args": {"key_ref": {"env": "X"}}}\n',
+        b'{"id": 5, "cmd": "info"}\n',
+    )
     assert replies[0] == {"id": 1, "ok": True, "result": {"pong": True}}
     assert replies[1]["ok"] is False and "not JSON" in replies[1]["error"]["message"]
     assert replies[2]["error"]["type"] == "SnapshotError" and "allowed are" in replies[2]["error"]["message"]
@@ -62,7 +68,10 @@ def test_client_raises_the_matching_error_classes(served, key_env, store_url) ->
     other.track_tensor("t", torch.zeros(999))
     server = serve(other, 0)
     try:
-        with AgentClient(server.address) as c, pytest.raises(ImageMismatchError, match=r"\[1000\], model float32\[999\]"):
+        with (
+            AgentClient(server.address) as c,
+            pytest.raises(ImageMismatchError, match=r"\[1000\], model float32\[999\]"),
+        ):
             c.restore(store_url, image, key_env)
     finally:
         server.stop()

@@ -27,10 +27,27 @@ def _start(tmp: Path, name: str, *extra: str) -> tuple[subprocess.Popen, str, Pa
     port = _free_port()
     out = tmp / f"{name}.json"
     log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
-    cmd = [sys.executable, "-m", "gpumigrate.workloads.training", "--steps", str(STEPS), "--seed", "3", "--device", "cpu",
-           "--agent-port", str(port), "--out", str(out), "--name", name, *extra]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpumigrate.workloads.training",
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "--agent-port",
+        str(port),
+        "--out",
+        str(out),
+        "--name",
+        name,
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     proc._log = log  # type: ignore[attr-defined]
     return proc, f"127.0.0.1:{port}", out
 
@@ -78,8 +95,11 @@ def test_training_job_migrates_mid_run_with_identical_losses(tmp_path, key_env, 
         assert b["losses"] == a["losses"]  # the restored prefix and every step after it, bit for bit
         assert b["weights_digest"] == a["weights_digest"]
         # The target took only the steps after the freeze: it continued, it did not start over.
-        dst_steps = [json.loads(line)["step"] for line in (tmp_path / "target.log").read_text().splitlines()
-                     if line.startswith('{"event": "step"')]
+        dst_steps = [
+            json.loads(line)["step"]
+            for line in (tmp_path / "target.log").read_text().splitlines()
+            if line.startswith('{"event": "step"')
+        ]
         assert dst_steps == list(range(step_at_freeze + 1, STEPS + 1))
     finally:
         _stop(src)

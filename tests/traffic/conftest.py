@@ -65,8 +65,23 @@ def start_upstream(name: str, *, real: bool | None = None) -> UpstreamProc:
     port = free_port()
     real = _use_real() if real is None else real
     if real:
-        cmd = [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", "127.0.0.1", "--port", str(port),
-               "--seed", "0", "--size", "tiny", "--device", "cpu", "--name", name]
+        cmd = [
+            sys.executable,
+            "-m",
+            "gpumigrate.workloads.inference",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--seed",
+            "0",
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--name",
+            name,
+        ]
     else:
         cmd = [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port), "--name", name]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -117,8 +132,12 @@ def _env(tmp_path: Path, *, external_plane: bool, real: bool | None = None) -> I
             ups[n] = start_upstream(n, real=real)
         state_dir = tmp_path / "xds"
         store = StateStore(state_dir)
-        store.init(DesiredState(upstreams={n: Upstream(n, "127.0.0.1", u.port) for n, u in ups.items()},
-                                weights=split("source", "target", 0)))
+        store.init(
+            DesiredState(
+                upstreams={n: Upstream(n, "127.0.0.1", u.port) for n, u in ups.items()},
+                weights=split("source", "target", 0),
+            )
+        )
         proc = None
         if external_plane:
             proc, port = start_control_plane_process(state_dir)
@@ -177,9 +196,12 @@ class TokensComparator:
 
 def start_control_plane_process(state_dir: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
     """``python -m gpumigrate.traffic.xds`` as its own process; returns (process, port)."""
-    proc = subprocess.Popen([sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     line = proc.stdout.readline().decode() if proc.stdout else ""
     if not line.startswith("listening "):
         kill_group(proc)

@@ -52,8 +52,13 @@ class Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(length) or b"{}")
         if self.path == "/admin/fault":
             with _lock:
-                _fault.update({"kind": body.get("kind", "none"), "rate": float(body.get("rate", 1.0)),
-                               "delay_ms": int(body.get("delay_ms", 0))})
+                _fault.update(
+                    {
+                        "kind": body.get("kind", "none"),
+                        "rate": float(body.get("rate", 1.0)),
+                        "delay_ms": int(body.get("delay_ms", 0)),
+                    }
+                )
             self._send(200, dict(_fault))
             return
         if self.path != "/v1/generate":
@@ -69,8 +74,16 @@ class Handler(BaseHTTPRequestHandler):
         if hit and kind == "slow":
             time.sleep(delay / 1000)
         toks = _tokens(str(body.get("prompt", "")), int(body.get("max_new_tokens", 4)), hit and kind == "drift")
-        self._send(200, {"tokens": toks, "text": " ".join(map(str, toks)), "logprobs": [-0.5] * len(toks),
-                         "model": "fake", "host": self.server_name})
+        self._send(
+            200,
+            {
+                "tokens": toks,
+                "text": " ".join(map(str, toks)),
+                "logprobs": [-0.5] * len(toks),
+                "model": "fake",
+                "host": self.server_name,
+            },
+        )
 
 
 def main() -> None:

@@ -30,18 +30,32 @@ def test_rollback_command_stops_a_running_ramp(light_env: Any, cli_cmd: list[str
     out: dict[str, Any] = {}
 
     def rollback_from_another_process() -> None:
-        out["proc"] = _run(cli_cmd, "rollback", "--state-dir", str(env.state_dir), "--reason", "pager went off",
-                           "--wait-node", env.envoy.node_id, "--json")
+        out["proc"] = _run(
+            cli_cmd,
+            "rollback",
+            "--state-dir",
+            str(env.state_dir),
+            "--reason",
+            "pager went off",
+            "--wait-node",
+            env.envoy.node_id,
+            "--json",
+        )
 
     def on_interval(sample: Any) -> None:
         if sample.stage == 1 and "thread" not in out:
             out["thread"] = threading.Thread(target=rollback_from_another_process)
             out["thread"].start()
 
-    settings = RampSettings(stages=((5, 1.0), (25, 60.0), (100, 1.0)), interval_s=0.5,
-                            gates=GateSettings(min_requests=3, p99_slack_ms=150), max_inconclusive=200)
-    ctl = RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id],
-                         on_interval=on_interval)
+    settings = RampSettings(
+        stages=((5, 1.0), (25, 60.0), (100, 1.0)),
+        interval_s=0.5,
+        gates=GateSettings(min_requests=3, p99_slack_ms=150),
+        max_inconclusive=200,
+    )
+    ctl = RampController(
+        env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id], on_interval=on_interval
+    )
     load = LoadProcess(env.url, rps=30, seconds=90, body=BODY)
     try:
         result = ctl.run()
@@ -61,9 +75,27 @@ def test_rollback_command_stops_a_running_ramp(light_env: Any, cli_cmd: list[str
 
 def test_load_watch_status_and_bad_input(light_env: Any, cli_cmd: list[str]) -> None:
     env = light_env
-    watch = subprocess.Popen([*cli_cmd, "traffic", "watch", "--admin", env.envoy.admin_url, "--state-dir",
-                              str(env.state_dir), "--interval", "0.5", "--seconds", "2", "--json",
-                              "--prometheus-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(
+        [
+            *cli_cmd,
+            "traffic",
+            "watch",
+            "--admin",
+            env.envoy.admin_url,
+            "--state-dir",
+            str(env.state_dir),
+            "--interval",
+            "0.5",
+            "--seconds",
+            "2",
+            "--json",
+            "--prometheus-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     load = _run(cli_cmd, "load", env.url, "--rps", "40", "--seconds", "2", "--body", json.dumps(BODY), "--json")
     w_out, w_err = watch.communicate(timeout=60)
     assert load.returncode == 0, load.stderr
@@ -90,10 +122,17 @@ def test_load_watch_status_and_bad_input(light_env: Any, cli_cmd: list[str]) -> 
 
 def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) -> None:
     state = tmp_path / "xds"
-    init = _run(cli_cmd, "init", "--state-dir", str(state), "--source", "127.0.0.1:1", "--target", "127.0.0.1:2", "--json")
+    init = _run(
+        cli_cmd, "init", "--state-dir", str(state), "--source", "127.0.0.1:1", "--target", "127.0.0.1:2", "--json"
+    )
     assert init.returncode == 0, init.stderr
-    serve = subprocess.Popen([*cli_cmd, "traffic", "serve", "--state-dir", str(state), "--port", "0"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    serve = subprocess.Popen(
+        [*cli_cmd, "traffic", "serve", "--state-dir", str(state), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         line = serve.stdout.readline() if serve.stdout else ""
         assert line.startswith("listening ")
@@ -101,10 +140,26 @@ def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) 
         assert sw.returncode == 0, sw.stderr
         assert json.loads(sw.stdout.splitlines()[-1])["weights"] == {"source": 75.0, "target": 25.0}
         admin_port, listen_port = free_port(), free_port()
-        envoy = subprocess.Popen([*cli_cmd, "traffic", "envoy", "--xds-port", line.split()[1], "--workdir",
-                                  str(tmp_path / "envoy"), "--admin-port", str(admin_port), "--listen-port",
-                                  str(listen_port), "--node-id", "cli-envoy"], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True)
+        envoy = subprocess.Popen(
+            [
+                *cli_cmd,
+                "traffic",
+                "envoy",
+                "--xds-port",
+                line.split()[1],
+                "--workdir",
+                str(tmp_path / "envoy"),
+                "--admin-port",
+                str(admin_port),
+                "--listen-port",
+                str(listen_port),
+                "--node-id",
+                "cli-envoy",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and "listener" not in (envoy.stderr.readline() if envoy.stderr else ""):

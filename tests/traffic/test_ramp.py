@@ -16,13 +16,27 @@ INTERVAL = 0.5
 BODY = {"prompt": "hello", "max_new_tokens": 1}
 
 
-def _controller(env: Any, stages: tuple[tuple[float, float], ...], *, comparator: Any = None, golden: Any = None,
-                min_requests: int = 10, interval: float = INTERVAL, **kw: Any) -> RampController:
+def _controller(
+    env: Any,
+    stages: tuple[tuple[float, float], ...],
+    *,
+    comparator: Any = None,
+    golden: Any = None,
+    min_requests: int = 10,
+    interval: float = INTERVAL,
+    **kw: Any,
+) -> RampController:
     prober = Prober(env.envoy.url, golden, comparator, every_s=interval) if comparator else None
-    settings = RampSettings(stages=stages, interval_s=interval, baseline_intervals=2,
-                            gates=GateSettings(min_requests=min_requests, min_success_rate=0.999, p99_slack_ms=150), max_inconclusive=40)
-    return RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id],
-                          prober=prober, **kw)
+    settings = RampSettings(
+        stages=stages,
+        interval_s=interval,
+        baseline_intervals=2,
+        gates=GateSettings(min_requests=min_requests, min_success_rate=0.999, p99_slack_ms=150),
+        max_inconclusive=40,
+    )
+    return RampController(
+        env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id], prober=prober, **kw
+    )
 
 
 def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparator: Any, golden: Any) -> None:
@@ -34,7 +48,14 @@ def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparato
     finally:
         load.stop()
     report = load.wait(60)
-    print(json.dumps({"stages": [s.to_json() for s in result.stages], "load": {k: v for k, v in report.to_json().items() if k != "per_second"}}))
+    print(
+        json.dumps(
+            {
+                "stages": [s.to_json() for s in result.stages],
+                "load": {k: v for k, v in report.to_json().items() if k != "per_second"},
+            }
+        )
+    )
     assert result.status == "completed", result.reason
     assert [s.outcome for s in result.stages] == ["passed"] * 5
     assert traffic_env.envoy.admin.live_weights() == {"target": 10000}
@@ -44,7 +65,8 @@ def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparato
 
 @pytest.mark.parametrize("fault", ["errors", "slow", "drift", "killed"])
 def test_fault_on_target_at_25_percent_rolls_back_within_two_intervals(
-        traffic_env: Any, comparator: Any, golden: Any, fault: str) -> None:
+    traffic_env: Any, comparator: Any, golden: Any, fault: str
+) -> None:
     marks: dict[str, int] = {}
 
     def inject(sample: Any) -> None:
@@ -61,8 +83,15 @@ def test_fault_on_target_at_25_percent_rolls_back_within_two_intervals(
 
     # Envoy times a request when it completes: a +500 ms fault can only show in an interval longer than
     # the added latency, so that case runs at 1 s (the demo's interval) instead of 0.5 s.
-    ctl = _controller(traffic_env, ((25, 30.0), (100, 1.0)), comparator=comparator, golden=golden,
-                      min_requests=5, on_interval=inject, interval=1.0 if fault == "slow" else INTERVAL)
+    ctl = _controller(
+        traffic_env,
+        ((25, 30.0), (100, 1.0)),
+        comparator=comparator,
+        golden=golden,
+        min_requests=5,
+        on_interval=inject,
+        interval=1.0 if fault == "slow" else INTERVAL,
+    )
     load = LoadProcess(traffic_env.url, rps=100, seconds=60, body=BODY)
     try:
         result = ctl.run()
@@ -94,8 +123,13 @@ def test_manual_rollback_acts_within_one_interval(traffic_env: Any, gm_home: Any
             asked["at"] = len(ctl.samples)
             migration.request_rollback("operator pressed the button")
 
-    ctl = _controller(traffic_env, ((5, 1.0), (25, 30.0), (100, 1.0)), min_requests=5,
-                      rollback_signal=lambda: migration.rollback_requested(), on_interval=ask)
+    ctl = _controller(
+        traffic_env,
+        ((5, 1.0), (25, 30.0), (100, 1.0)),
+        min_requests=5,
+        rollback_signal=lambda: migration.rollback_requested(),
+        on_interval=ask,
+    )
     load = LoadProcess(traffic_env.url, rps=50, seconds=60, body=BODY)
     try:
         result = ctl.run()
@@ -114,8 +148,13 @@ def test_manual_rollback_acts_within_one_interval(traffic_env: Any, gm_home: Any
 
 def test_quiet_service_stays_inconclusive_then_policy_rolls_back(light_env: Any) -> None:
     # No load at all: no stage may pass on "no data"; the documented policy rolls back.
-    settings = RampSettings(stages=((5, 0.2), (100, 0.2)), interval_s=0.2, baseline_intervals=1,
-                            gates=GateSettings(min_requests=5), max_inconclusive=3)
+    settings = RampSettings(
+        stages=((5, 0.2), (100, 0.2)),
+        interval_s=0.2,
+        baseline_intervals=1,
+        gates=GateSettings(min_requests=5),
+        max_inconclusive=3,
+    )
     ctl = RampController(light_env.state_dir, [light_env.envoy.admin_url], settings, nodes=[light_env.envoy.node_id])
     result = ctl.run()
     assert result.status == "rolled_back"
@@ -131,8 +170,12 @@ def test_rerun_resumes_at_the_current_weight(light_env: Any) -> None:
     env = light_env
     state = env.store.set_weights(split("source", "target", 25))
     env.store.wait_applied(state.version, [env.envoy.node_id])
-    settings = RampSettings(stages=((5, 0.5), (25, 0.5), (100, 0.5)), interval_s=0.25,
-                            gates=GateSettings(min_requests=3, p99_slack_ms=150), max_inconclusive=40)
+    settings = RampSettings(
+        stages=((5, 0.5), (25, 0.5), (100, 0.5)),
+        interval_s=0.25,
+        gates=GateSettings(min_requests=3, p99_slack_ms=150),
+        max_inconclusive=40,
+    )
     ctl = RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id])
     load = LoadProcess(env.url, rps=40, seconds=30, body=BODY)
     try:

@@ -21,17 +21,27 @@ from gpumigrate.traffic.stats import ClusterWindow, parse_stats, percentile_from
 from gpumigrate.traffic.xds import build_snapshot
 
 
-def _stats(completed: int, xx5: int, retries: int, buckets: list[tuple[float, int]], healthy: int = 1) -> dict[str, Any]:
-    return {"stats": [
-        {"name": "cluster.target_failover.upstream_rq_completed", "value": completed},
-        {"name": "cluster.target_failover.upstream_rq_5xx", "value": xx5},
-        {"name": "cluster.target_failover.upstream_rq_retry", "value": retries},
-        {"name": "cluster.target_failover.retry.upstream_rq_5xx", "value": retries},
-        {"name": "cluster.target.membership_healthy", "value": healthy},
-        {"name": "cluster.target.upstream_rq_completed", "value": 10_000},  # probes: not client traffic
-        {"histograms": [{"name": "cluster.target_failover.upstream_rq_time",
-                         "buckets": [{"upper_bound": ub, "cumulative": n} for ub, n in buckets]}]},
-    ]}
+def _stats(
+    completed: int, xx5: int, retries: int, buckets: list[tuple[float, int]], healthy: int = 1
+) -> dict[str, Any]:
+    return {
+        "stats": [
+            {"name": "cluster.target_failover.upstream_rq_completed", "value": completed},
+            {"name": "cluster.target_failover.upstream_rq_5xx", "value": xx5},
+            {"name": "cluster.target_failover.upstream_rq_retry", "value": retries},
+            {"name": "cluster.target_failover.retry.upstream_rq_5xx", "value": retries},
+            {"name": "cluster.target.membership_healthy", "value": healthy},
+            {"name": "cluster.target.upstream_rq_completed", "value": 10_000},  # probes: not client traffic
+            {
+                "histograms": [
+                    {
+                        "name": "cluster.target_failover.upstream_rq_time",
+                        "buckets": [{"upper_bound": ub, "cumulative": n} for ub, n in buckets],
+                    }
+                ]
+            },
+        ]
+    }
 
 
 def test_window_counts_retried_failures_and_diffs_histograms() -> None:
@@ -51,7 +61,9 @@ def test_percentile_interpolates_inside_bucket_and_handles_empty() -> None:
     assert percentile_from_buckets([(10, 50), (20, 100)], 0.75) == pytest.approx(15)
 
 
-def _w(requests: int, failures: int = 0, p99: float | None = 10.0, healthy: int | None = 1, ejected: int = 0) -> ClusterWindow:
+def _w(
+    requests: int, failures: int = 0, p99: float | None = 10.0, healthy: int | None = 1, ejected: int = 0
+) -> ClusterWindow:
     return ClusterWindow(requests, failures, 1.0, p99, healthy, ejected)
 
 
@@ -76,8 +88,13 @@ def test_verdicts_pass_fail_inconclusive() -> None:
 
 
 def test_settings_from_plan() -> None:
-    plan = Traffic.model_validate({"stages": [{"weight": 10, "hold_s": 3}, {"weight": 100, "hold_s": 1}],
-                                   "gates": {"min_requests": 7, "failures_to_rollback": 2}, "analysis_interval_s": 0.5})
+    plan = Traffic.model_validate(
+        {
+            "stages": [{"weight": 10, "hold_s": 3}, {"weight": 100, "hold_s": 1}],
+            "gates": {"min_requests": 7, "failures_to_rollback": 2},
+            "analysis_interval_s": 0.5,
+        }
+    )
     s = RampSettings.from_plan(plan)
     assert s.stages == ((10, 3), (100, 1)) and s.interval_s == 0.5
     assert s.gates.min_requests == 7 and s.gates.failures_to_rollback == 2
@@ -85,8 +102,12 @@ def test_settings_from_plan() -> None:
 
 def _state(tmp_path: Path) -> StateStore:
     store = StateStore(tmp_path / "xds")
-    store.init(DesiredState(upstreams={"source": Upstream("source", "127.0.0.1", 1), "target": Upstream("target", "127.0.0.1", 2)},
-                            weights=split("source", "target", 0)))
+    store.init(
+        DesiredState(
+            upstreams={"source": Upstream("source", "127.0.0.1", 1), "target": Upstream("target", "127.0.0.1", 2)},
+            weights=split("source", "target", 0),
+        )
+    )
     return store
 
 
@@ -132,7 +153,9 @@ def test_resources_split_and_failover_order(tmp_path: Path) -> None:
     assert order == ["target", "source"]  # a failed attempt on the target is retried on the source
     split_route = snap.route["virtual_hosts"][0]["routes"][-1]["route"]
     assert split_route["weighted_clusters"]["clusters"] == [
-        {"name": "source_failover", "weight": 8750}, {"name": "target_failover", "weight": 1250}]
+        {"name": "source_failover", "weight": 8750},
+        {"name": "target_failover", "weight": 1250},
+    ]
     assert "5xx" in split_route["retry_policy"]["retry_on"]
     for c in snap.clusters.values():  # every resource is valid protobuf
         res.to_any(c, res.CLUSTER_TYPE)
@@ -157,10 +180,14 @@ def test_prometheus_endpoint_exports_per_cluster_figures() -> None:
     m = TrafficMetrics()
     port = m.serve(0)
     try:
-        m.observe({"source": 75.0, "target": 25.0},
-                  {"source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},
-                   "target": {"rps": 50.0, "error_rate": 0.02, "p99_ms": 12.0, "healthy": 1}},
-                  {"verdict": "fail", "measurements": [{"metric": "parity", "verdict": "fail"}]})
+        m.observe(
+            {"source": 75.0, "target": 25.0},
+            {
+                "source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},
+                "target": {"rps": 50.0, "error_rate": 0.02, "p99_ms": 12.0, "healthy": 1},
+            },
+            {"verdict": "fail", "measurements": [{"metric": "parity", "verdict": "fail"}]},
+        )
         m.rolled_back()
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     finally:
@@ -178,12 +205,23 @@ def test_live_view_renders_both_sides_and_the_gate() -> None:
 
     from gpumigrate.traffic.watch import render
 
-    row = {"weights": {"source": 75.0, "target": 25.0},
-           "clusters": {"source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},
-                        "target": {"rps": 50.0, "error_rate": 0.02, "p99_ms": 12.0, "healthy": 1}},
-           "ramp": {"status": "running", "sample": {"analysis": {
-               "verdict": "fail", "reason": "target success rate 0.98",
-               "measurements": [{"metric": "parity", "verdict": "pass"}]}}}}
+    row = {
+        "weights": {"source": 75.0, "target": 25.0},
+        "clusters": {
+            "source": {"rps": 150.0, "error_rate": 0.0, "p99_ms": 9.5, "healthy": 1},
+            "target": {"rps": 50.0, "error_rate": 0.02, "p99_ms": 12.0, "healthy": 1},
+        },
+        "ramp": {
+            "status": "running",
+            "sample": {
+                "analysis": {
+                    "verdict": "fail",
+                    "reason": "target success rate 0.98",
+                    "measurements": [{"metric": "parity", "verdict": "pass"}],
+                }
+            },
+        },
+    }
     console = Console(width=120, record=True)
     console.print(render(row))
     text = console.export_text()

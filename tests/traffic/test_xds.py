@@ -100,8 +100,12 @@ def test_control_plane_killed_mid_ramp_envoy_keeps_weights_and_ramp_resumes(traf
             env.kill_plane()
             threading.Thread(target=restart_later, daemon=True).start()
 
-    settings = RampSettings(stages=((5, 1.0), (25, 1.0), (50, 1.0), (100, 1.0)), interval_s=0.5,
-                            gates=GateSettings(min_requests=3, p99_slack_ms=150), max_inconclusive=40)
+    settings = RampSettings(
+        stages=((5, 1.0), (25, 1.0), (50, 1.0), (100, 1.0)),
+        interval_s=0.5,
+        gates=GateSettings(min_requests=3, p99_slack_ms=150),
+        max_inconclusive=40,
+    )
     ctl = RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id], on_interval=chaos)
     load = LoadProcess(env.url, rps=50, seconds=60, body=BODY)
     try:
@@ -157,8 +161,10 @@ def test_max_connection_duration_closes_long_lived_client_connections(light_env:
     env = light_env
     with Envoy(tmp_path / "short", xds_port=env.plane.port, node_id="short-envoy", max_connection_s=1.0) as short:
         body = json.dumps(BODY).encode()
-        request = (f"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                   f"content-length: {len(body)}\r\n\r\n").encode() + body
+        request = (
+            f"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode() + body
         with socket.create_connection(("127.0.0.1", short.listen_port), timeout=10) as s:
             s.sendall(request)
             data = b""
@@ -166,7 +172,9 @@ def test_max_connection_duration_closes_long_lived_client_connections(light_env:
                 data += s.recv(65536)
             head, rest = data.split(b"\r\n\r\n", 1)
             assert b" 200 " in head.split(b"\r\n", 1)[0]
-            length = int(next(h.split(b":", 1)[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+            length = int(
+                next(h.split(b":", 1)[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            )
             while len(rest) < length:  # the whole response, so that what follows can only be the close
                 rest += s.recv(65536)
             time.sleep(1.5)  # past max_connection_duration, idle: Envoy closes the connection itself

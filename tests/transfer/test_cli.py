@@ -84,19 +84,29 @@ def test_exit_codes(cli_cmd: list[str], env: dict[str, str], tmp_path: Path) -> 
     assert "Traceback" not in corrupt.stderr
 
 
-def test_killed_push_resumes_without_resending(cli_cmd: list[str], env: dict[str, str], tmp_path: Path, procs: list) -> None:
+def test_killed_push_resumes_without_resending(
+    cli_cmd: list[str], env: dict[str, str], tmp_path: Path, procs: list
+) -> None:
     src = tmp_path / "state.img"
     src.write_bytes(os.urandom(16 << 20))
     k = ["--key-env", "GM_TEST_IMAGE_KEY"]
-    image = last_json(run(cli_cmd, env, "pack", str(src), "--out", f"file://{tmp_path / 's1'}", *k, "--json", "-q"))["image"]
+    image = last_json(run(cli_cmd, env, "pack", str(src), "--out", f"file://{tmp_path / 's1'}", *k, "--json", "-q"))[
+        "image"
+    ]
     dst_dir = tmp_path / "s2"
     dst = f"file://{dst_dir}"
 
     def arrived() -> int:
         return sum(1 for p in (dst_dir / "chunks").rglob("*") if p.is_file() and not p.name.startswith("."))
 
-    slow = subprocess.Popen([*cli_cmd, "image", "push", image, dst, *k, "--rate-limit", "3MB", "-j", "2", "-q"],
-                            env=env, text=True, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slow = subprocess.Popen(
+        [*cli_cmd, "image", "push", image, dst, *k, "--rate-limit", "3MB", "-j", "2", "-q"],
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     procs.append(slow)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (not (dst_dir / "chunks").exists() or arrived() < 3):
@@ -117,10 +127,27 @@ def test_receive_and_push_over_stream(cli_cmd: list[str], env: dict[str, str], t
     src = tmp_path / "f"
     src.write_bytes(os.urandom(3 << 20))
     k = ["--key-env", "GM_TEST_IMAGE_KEY"]
-    image = last_json(run(cli_cmd, env, "pack", str(src), "--out", f"file://{tmp_path / 's1'}", *k, "--json", "-q"))["image"]
+    image = last_json(run(cli_cmd, env, "pack", str(src), "--out", f"file://{tmp_path / 's1'}", *k, "--json", "-q"))[
+        "image"
+    ]
     recv = subprocess.Popen(
-        [*cli_cmd, "image", "receive", "--listen", "127.0.0.1:0", "--store", f"file://{tmp_path / 'target'}", *k, "--exit-after", "1"],
-        env=env, text=True, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [
+            *cli_cmd,
+            "image",
+            "receive",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            f"file://{tmp_path / 'target'}",
+            *k,
+            "--exit-after",
+            "1",
+        ],
+        env=env,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     procs.append(recv)
     assert recv.stdout is not None

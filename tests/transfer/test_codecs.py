@@ -22,14 +22,18 @@ def roundtrip(data: bytes, **kw: object) -> tuple[int, int]:
 
 def special_floats(dtype: str) -> bytes:
     if dtype == "float32":
-        vals = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.4e38], dtype=np.float32)
+        vals = np.array(
+            [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.4e38], dtype=np.float32
+        )
         payload_nan = np.array([0x7FC00001, 0xFFA00000, 0x00000001, 0x807FFFFF], dtype=np.uint32).view(np.float32)
         arr = np.concatenate([vals, payload_nan] * 300)
     elif dtype == "float16":
         arr = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 6e-8, -6e-8, 65504.0, 6.1e-5], dtype=np.float16)
         arr = np.concatenate([arr, np.array([0x7E01, 0xFC01, 0x0001, 0x83FF], dtype=np.uint16).view(np.float16)] * 500)
     else:  # bfloat16 bit patterns: NaNs with payloads, infinities, zeros, denormals
-        bits = np.array([0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x3F80, 0x7F7F], dtype=np.uint16)
+        bits = np.array(
+            [0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x3F80, 0x7F7F], dtype=np.uint16
+        )
         arr = np.concatenate([bits] * 500)
     return arr.tobytes()
 

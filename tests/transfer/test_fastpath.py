@@ -34,7 +34,9 @@ def decode(codec: int, payload: bytes | memoryview, n: int) -> bytes:
 def special_bf16(n: int) -> bytes:
     """bf16 weights with NaNs (with payloads), ±Inf, ±0, denormals sprinkled through."""
     w = bf16_weights(n, seed=5)
-    specials = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x0040], dtype=np.uint16)
+    specials = np.array(
+        [0x7FC0, 0xFFC1, 0x7F81, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x0040], dtype=np.uint16
+    )
     w[::97] = np.resize(specials, len(w[::97]))
     return w.tobytes()
 
@@ -97,7 +99,9 @@ def test_plane_plan_round_trips_special_values_over_many_chunks(dtype: str) -> N
     chunk = special_bf16(64 * 1024)
     if dtype == "float32":
         x = np.frombuffer(special_bf16(2 * 64 * 1024), dtype=np.uint32).copy()
-        x[::53] = np.resize(np.array([0x7FC00001, 0xFF800000, 0x80000000, 0x00000001, 0x007FFFFF], dtype=np.uint32), len(x[::53]))
+        x[::53] = np.resize(
+            np.array([0x7FC00001, 0xFF800000, 0x80000000, 0x00000001, 0x007FFFFF], dtype=np.uint32), len(x[::53])
+        )
         chunk = x.tobytes()
     scratch = bytearray(codecs.scratch_size(len(chunk)))
     for _ in range(codecs.PlanePlan.RECHECK * 2 + 3):

@@ -32,7 +32,9 @@ PLANES = {
     "one symbol": lambda n: np.full(n, 0xA5, dtype=np.uint8),
     "two symbols": lambda n: RNG.choice(np.array([0, 255], dtype=np.uint8), n),
     "geometric": lambda n: np.minimum(RNG.geometric(0.3, n), 255).astype(np.uint8),
-    "every byte once then zeros": lambda n: np.concatenate([np.arange(256, dtype=np.uint8), np.zeros(max(0, n - 256), np.uint8)])[:n],
+    "every byte once then zeros": lambda n: np.concatenate(
+        [np.arange(256, dtype=np.uint8), np.zeros(max(0, n - 256), np.uint8)]
+    )[:n],
 }
 
 
@@ -129,8 +131,11 @@ def test_split_puts_byte_j_of_every_element_in_plane_j(k: int, elements: int) ->
 
 def test_split_refuses_partial_elements_short_outputs_and_overlap() -> None:
     data = np.arange(10, dtype=np.uint8)
-    for k, out, message in [(4, np.empty(10, np.uint8), "whole number"), (2, np.empty(9, np.uint8), "shorter"),
-                            (2, data, "overlaps")]:
+    for k, out, message in [
+        (4, np.empty(10, np.uint8), "whole number"),
+        (2, np.empty(9, np.uint8), "shorter"),
+        (2, data, "overlaps"),
+    ]:
         with pytest.raises(ValueError, match=message):
             planehuff.split(memoryview(data), k, out)
 

@@ -70,10 +70,23 @@ def test_coder_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_pat
         pytest.skip("gcc's sanitizer runtimes (libasan, libubsan) are not installed")
     lib = tmp_path / "_huffplane_sanitized.so"
     subprocess.run(
-        ["gcc", "-O1", "-g", "-std=c11", "-fPIC", "-shared", "-fsanitize=address,undefined",
-         "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", f"-I{sysconfig.get_paths()['include']}",
-         str(REPO / "transfer" / "_huffplane.c"), "-o", str(lib)],
-        check=True, timeout=120,
+        [
+            "gcc",
+            "-O1",
+            "-g",
+            "-std=c11",
+            "-fPIC",
+            "-shared",
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(REPO / "transfer" / "_huffplane.c"),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+        timeout=120,
     )
     env = {**os.environ, "LD_PRELOAD": f"{asan} {ubsan}", "ASAN_OPTIONS": "detect_leaks=0"}
     run = subprocess.run([sys.executable, "-c", FUZZ, str(lib)], capture_output=True, text=True, env=env, timeout=600)

@@ -26,7 +26,9 @@ def packed(tmp_path: Path, key: bytes) -> tuple[str, str, Path]:
     return local, pack_paths([src], local, key=key).id, src
 
 
-def test_s3_push_verify_unpack_and_resume(packed: tuple[str, str, Path], key: bytes, s3_bucket: str, moto_endpoint: str, tmp_path: Path) -> None:
+def test_s3_push_verify_unpack_and_resume(
+    packed: tuple[str, str, Path], key: bytes, s3_bucket: str, moto_endpoint: str, tmp_path: Path
+) -> None:
     local, image_id, src = packed
     url = f"s3://{s3_bucket}/images/run1"
     first = push(local, url, image_id, key=key, endpoint_url=moto_endpoint)
@@ -45,7 +47,9 @@ def test_s3_push_verify_unpack_and_resume(packed: tuple[str, str, Path], key: by
     assert store_region(url, endpoint_url=moto_endpoint) == "eu-central-1"
 
 
-def test_s3_corrupt_object_is_detected(packed: tuple[str, str, Path], key: bytes, s3_bucket: str, moto_endpoint: str) -> None:
+def test_s3_corrupt_object_is_detected(
+    packed: tuple[str, str, Path], key: bytes, s3_bucket: str, moto_endpoint: str
+) -> None:
     local, image_id, _ = packed
     url = f"s3://{s3_bucket}/x"
     push(local, url, image_id, key=key, endpoint_url=moto_endpoint)
@@ -77,7 +81,9 @@ def test_s3_missing_image_and_bucket(key: bytes, s3_bucket: str, moto_endpoint: 
         open_store("s3://gm-no-such-bucket/x", endpoint_url=moto_endpoint).put_manifest("ab" * 32, b"{}")
 
 
-def test_gcs_pack_push_verify_unpack(packed: tuple[str, str, Path], key: bytes, fake_gcs: FakeGcs, tmp_path: Path) -> None:
+def test_gcs_pack_push_verify_unpack(
+    packed: tuple[str, str, Path], key: bytes, fake_gcs: FakeGcs, tmp_path: Path
+) -> None:
     local, image_id, src = packed
     url = "gs://gm-bucket/images"
     first = push(local, url, image_id, key=key, endpoint_url=fake_gcs.endpoint)

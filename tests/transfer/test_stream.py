@@ -54,7 +54,9 @@ def test_writer_streams_tensors_straight_to_the_target(tmp_path: Path, key: byte
     assert np.array_equal(np.frombuffer(got, dtype=np.uint16), data)
 
 
-def test_receiver_rejects_a_tampered_chunk_and_an_early_manifest(key: bytes, receiver: StreamServer, tmp_path: Path) -> None:
+def test_receiver_rejects_a_tampered_chunk_and_an_early_manifest(
+    key: bytes, receiver: StreamServer, tmp_path: Path
+) -> None:
     sealer = Sealer(key)
     from gpumigrate.transfer.chunkobj import chunk_id_of
 
@@ -109,7 +111,9 @@ def test_pinned_fingerprint_mismatch_and_no_receiver(receiver: StreamServer) -> 
         StreamStore(f"stream://127.0.0.1:{free}").list_chunks()
 
 
-def test_precopy_rounds_written_straight_to_the_stream_chain_parents(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+def test_precopy_rounds_written_straight_to_the_stream_chain_parents(
+    tmp_path: Path, key: bytes, receiver: StreamServer
+) -> None:
     data = bf16_weights(800_000)
     chunk = 256 * 1024
 
@@ -144,7 +148,9 @@ def test_writer_reuses_chunks_the_receiver_already_holds(tmp_path: Path, key: by
     assert bytes(open_reader(f"file://{tmp_path / 'target'}", refs[1][0].id, key=key).read_region("b")) == data
 
 
-def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_its_base(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_its_base(
+    tmp_path: Path, key: bytes, receiver: StreamServer
+) -> None:
     """Bases and deltas in one push: the receiver must hold each base before a delta built on it arrives."""
     local = f"file://{tmp_path / 'local'}"
     base = bf16_weights(600_000)

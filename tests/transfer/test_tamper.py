@@ -29,7 +29,9 @@ def chunk_paths(root: Path, image_id: str) -> list[Path]:
     return [root / chunk_key(cid) for cid in body["objects"]]
 
 
-def test_flipped_bit_is_detected_by_verify_and_read(packed: tuple[str, Path], store: str, key: bytes, tmp_path: Path) -> None:
+def test_flipped_bit_is_detected_by_verify_and_read(
+    packed: tuple[str, Path], store: str, key: bytes, tmp_path: Path
+) -> None:
     image_id, root = packed
     victim = chunk_paths(root, image_id)[0]
     data = bytearray(victim.read_bytes())
@@ -107,7 +109,9 @@ def test_wrong_key_writes_nothing(packed: tuple[str, Path], store: str, tmp_path
     assert not (tmp_path / "dst").exists()
 
 
-def test_push_resends_truncated_and_corrupt_destination_chunks(packed: tuple[str, Path], store: str, key: bytes, tmp_path: Path) -> None:
+def test_push_resends_truncated_and_corrupt_destination_chunks(
+    packed: tuple[str, Path], store: str, key: bytes, tmp_path: Path
+) -> None:
     image_id, _ = packed
     dst = f"file://{tmp_path / 'dst'}"
     first = push(store, dst, image_id, key=key)
@@ -139,7 +143,9 @@ def test_corrupt_source_chunk_is_never_copied(packed: tuple[str, Path], store: s
     assert not (dst / manifest_key(image_id)).exists()
 
 
-def test_header_claiming_a_huge_length_is_refused_before_allocating(packed: tuple[str, Path], store: str, key: bytes) -> None:
+def test_header_claiming_a_huge_length_is_refused_before_allocating(
+    packed: tuple[str, Path], store: str, key: bytes
+) -> None:
     image_id, root = packed
     victim = chunk_paths(root, image_id)[0]
     data = bytearray(victim.read_bytes())

@@ -53,13 +53,25 @@ class FakeGcs:
     def _resource(self, bucket: str, name: str, data: bytes) -> dict[str, object]:
         crc = base64.b64encode(google_crc32c.Checksum(data).digest()).decode()
         return {
-            "kind": "storage#object", "bucket": bucket, "name": name, "size": str(len(data)),
-            "id": f"{bucket}/{name}/1", "generation": "1", "metageneration": "1", "crc32c": crc,
+            "kind": "storage#object",
+            "bucket": bucket,
+            "name": name,
+            "size": str(len(data)),
+            "id": f"{bucket}/{name}/1",
+            "generation": "1",
+            "metageneration": "1",
+            "crc32c": crc,
             "contentType": "application/octet-stream",
         }
 
-    def _send(self, h: BaseHTTPRequestHandler, code: int, body: bytes, ctype: str = "application/json",
-              headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        h: BaseHTTPRequestHandler,
+        code: int,
+        body: bytes,
+        ctype: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         h.send_response(code)
         h.send_header("Content-Type", ctype)
         h.send_header("Content-Length", str(len(body)))
@@ -91,12 +103,25 @@ class FakeGcs:
         if bucket not in self.locations:
             return self._not_found(h, f"bucket {bucket}")
         if len(segs) == 4:
-            return self._json(h, 200, {"kind": "storage#bucket", "name": bucket, "id": bucket,
-                                       "location": self.locations[bucket], "storageClass": "STANDARD"})
+            return self._json(
+                h,
+                200,
+                {
+                    "kind": "storage#bucket",
+                    "name": bucket,
+                    "id": bucket,
+                    "location": self.locations[bucket],
+                    "storageClass": "STANDARD",
+                },
+            )
         if len(segs) == 5 and segs[4] == "o":
             prefix = query.get("prefix", [""])[0]
             with self.lock:
-                items = [self._resource(b, n, d) for (b, n), d in sorted(self.objects.items()) if b == bucket and n.startswith(prefix)]
+                items = [
+                    self._resource(b, n, d)
+                    for (b, n), d in sorted(self.objects.items())
+                    if b == bucket and n.startswith(prefix)
+                ]
             return self._json(h, 200, {"kind": "storage#objects", "items": items})
         name = "/".join(segs[5:])
         with self.lock:
@@ -110,8 +135,9 @@ class FakeGcs:
             start_s, _, end_s = rng[6:].partition("-")
             start, end = int(start_s), min(int(end_s) if end_s else len(data) - 1, len(data) - 1)
             body = data[start : end + 1]
-            return self._send(h, 206, body, "application/octet-stream",
-                              {"Content-Range": f"bytes {start}-{end}/{len(data)}"})
+            return self._send(
+                h, 206, body, "application/octet-stream", {"Content-Range": f"bytes {start}-{end}/{len(data)}"}
+            )
         crc = self._resource(bucket, name, data)["crc32c"]
         return self._send(h, 200, data, "application/octet-stream", {"x-goog-hash": f"crc32c={crc}"})
 
