@@ -8,8 +8,9 @@ The plan never holds secrets: encryption keys are named by reference (an env var
 from __future__ import annotations
 
 import re
+import string
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -44,6 +45,85 @@ class Endpoint(_Model):
         return v.rstrip("/")
 
 
+LAUNCH_PLACEHOLDERS = ("host", "service_port", "agent_port", "agent_addr", "python", "plan_dir", "name")
+_HTTP_PATH_RE = re.compile(r"^/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*$")
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _placeholders(text: str) -> list[str]:
+    """The ``{name}`` fields of a launch string (``{{``/``}}`` are literal braces)."""
+    try:
+        return [name for _, name, _, _ in string.Formatter().parse(text) if name is not None]
+    except ValueError as exc:
+        raise ValueError(f"{text!r}: {exc} (write {{{{ and }}}} for literal braces)") from None
+
+
+def _check_placeholders(text: str) -> str:
+    for name in _placeholders(text):
+        if name not in LAUNCH_PLACEHOLDERS:
+            allowed = ", ".join("{" + p + "}" for p in LAUNCH_PLACEHOLDERS)
+            raise ValueError(f"{text!r} uses {{{name}}}: allowed placeholders are {allowed}")
+    return text
+
+
+class Launch(_Model):
+    """How the workload starts on a target host. The flow starts it with ``GPUMIGRATE_AWAIT_RESTORE=1``,
+    ``GPUMIGRATE_AGENT_ADDR`` and the control key's reference in its environment, waits until it is
+    alive, and restores its state through the agent. Placeholders: ``{host}`` (the address to bind on
+    the target), ``{service_port}``, ``{agent_port}``, ``{agent_addr}`` (host:agent_port), ``{python}``
+    (the Python that runs gpumigrate there), ``{plan_dir}`` (the plan's folder, on local hosts),
+    ``{name}`` (the target host's name)."""
+
+    argv: list[str] = Field(min_length=1, description="Program and arguments; placeholders allowed.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment; placeholders allowed.")
+    cwd: str | None = Field(default=None, description="Working directory, relative to the plan's folder.")
+    ready_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 300
+
+    @field_validator("argv")
+    @classmethod
+    def _argv(cls, v: list[str]) -> list[str]:
+        for arg in v:
+            _check_placeholders(arg)
+        if not v[0].strip():
+            raise ValueError("the program (argv[0]) is empty")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not _ENV_NAME_RE.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            _check_placeholders(value)
+        return v
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        return _check_placeholders(v) if v is not None else v
+
+
+def _http_path(v: str) -> str:
+    if not _HTTP_PATH_RE.match(v):
+        raise ValueError("must be an HTTP path starting with '/', such as /readyz")
+    return v
+
+
+class KeyRef(_Model):
+    """Where the encryption key lives. Exactly one of env/file; the key itself never enters the plan."""
+
+    env: str | None = None
+    file: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> KeyRef:
+        if (self.env is None) == (self.file is None):
+            raise ValueError("give exactly one of 'env' (an environment variable name) or 'file' (a path)")
+        if self.env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.env):
+            raise ValueError("'env' must be an environment variable name")
+        return self
+
+
 class Workload(_Model):
     name: str = Field(description="Stable name of the workload, used in tags and audit records.")
     kind: Literal["inference", "training"]
@@ -55,6 +135,21 @@ class Workload(_Model):
     source_instance_type: str | None = Field(
         default=None, description="Machine type the source runs on (for the cost model); default: the target's type."
     )
+    launch: Launch | None = Field(
+        default=None, description="How the workload starts on a target (required with snapshot.backend agent)."
+    )
+    health_path: str = Field(default="/healthz", description="Answers 200 while the process lives.")
+    ready_path: str = Field(default="/readyz", description="Answers 200 once the workload serves (after a restore).")
+    control_key: KeyRef | None = Field(
+        default=None,
+        description="The control key's reference (agent, receiver); default: GPUMIGRATE_CONTROL_KEY[_FILE], "
+        "else <state root>/control.key (gpumigrate/CONTROL.md).",
+    )
+
+    @field_validator("health_path", "ready_path")
+    @classmethod
+    def _paths(cls, v: str) -> str:
+        return _http_path(v)
 
     @field_validator("name")
     @classmethod
@@ -150,21 +245,6 @@ _STORE_RE = re.compile(
 )
 
 
-class KeyRef(_Model):
-    """Where the encryption key lives. Exactly one of env/file; the key itself never enters the plan."""
-
-    env: str | None = None
-    file: str | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> KeyRef:
-        if (self.env is None) == (self.file is None):
-            raise ValueError("give exactly one of 'env' (an environment variable name) or 'file' (a path)")
-        if self.env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", self.env):
-            raise ValueError("'env' must be an environment variable name")
-        return self
-
-
 class Transfer(_Model):
     store: str = Field(description="file:///path, s3://bucket/prefix, gs://bucket/prefix or stream://host:port")
     compression: Literal["auto", "none", "zstd", "byteplane"] = Field(
@@ -183,8 +263,56 @@ class Transfer(_Model):
         return v
 
 
+class FieldCheck(_Model):
+    """One field of the workload's JSON answer to compare between source and target."""
+
+    field: str = Field(description="Dotted path into the JSON answer; integer parts index lists (data.0.embedding).")
+    kind: Literal["numeric", "exact"] = Field(
+        description="numeric: numbers (or arrays of them) within atol + rtol*|source|; exact: equal as JSON."
+    )
+    atol: Annotated[float, Field(ge=0)] | None = Field(default=None, description="Overrides parity.atol.")
+    rtol: Annotated[float, Field(ge=0)] | None = Field(default=None, description="Overrides parity.rtol.")
+
+    @field_validator("field")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$", v):
+            raise ValueError("must be a dotted path of names and list indexes, such as embedding or data.0.embedding")
+        return v
+
+
+class ParityRequest(_Model):
+    """How parity asks the workload a question: each golden case becomes one HTTP request."""
+
+    method: Literal["GET", "POST", "PUT"] = "POST"
+    path: str = Field(description="Request path on the service, such as /v1/generate or /embed.")
+    body: Any = Field(
+        default=None,
+        description="null: the golden case without its id, as is. Otherwise a JSON template: a string that is "
+        "exactly '{name}' becomes the case's value of that name.",
+    )
+    headers: dict[str, str] = Field(default_factory=dict)
+    compare: list[FieldCheck] = Field(min_length=1, description="Which fields of the JSON answer to compare, and how.")
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
+
+    @field_validator("path")
+    @classmethod
+    def _p(cls, v: str) -> str:
+        return _http_path(v)
+
+
+class TrainingParity(_Model):
+    """Training: the target's next steps must give the losses the source gives for the same steps."""
+
+    steps: Annotated[int, Field(ge=1, le=1000)] = 3
+    atol: Annotated[float, Field(ge=0)] = 0.0
+    rtol: Annotated[float, Field(ge=0)] = 0.0
+
+
 class Parity(_Model):
     golden_inputs: str | None = Field(default=None, description="JSONL file of golden inputs, relative to the plan.")
+    request: ParityRequest | None = Field(default=None, description="How golden inputs are asked (inference).")
+    training: TrainingParity = Field(default_factory=TrainingParity)
     atol: Annotated[float, Field(ge=0)] = 1e-5
     rtol: Annotated[float, Field(ge=0)] = 1e-4
     environment: dict[str, Literal["must_match", "may_differ"]] = Field(default_factory=dict)

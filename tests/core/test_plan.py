@@ -80,6 +80,19 @@ BAD_PLANS = [
     ("success-rate-range", "traffic.gates.min_success_rate", 1.5, "traffic.gates.min_success_rate"),
     ("unknown-field", "traffic.speed", "fast", "traffic.speed"),
     ("bad-version", "version", 2, "version"),
+    ("launch-empty-argv", "workload.launch.argv", [], "workload.launch.argv"),
+    ("launch-bad-placeholder", "workload.launch.argv", ["serve", "--port", "{port}"], "workload.launch.argv"),
+    ("launch-unbalanced-brace", "workload.launch.argv", ["serve", "{service_port"], "workload.launch.argv"),
+    ("launch-bad-env-name", "workload.launch.env", {"1BAD": "x"}, "workload.launch.env"),
+    ("launch-env-placeholder", "workload.launch.env", {"PORT": "{nope}"}, "workload.launch.env"),
+    ("bad-ready-path", "workload.ready_path", "readyz", "workload.ready_path"),
+    ("parity-bad-path", "parity.request.path", "http://x/y", "parity.request.path"),
+    ("parity-no-compare", "parity.request.compare", [], "parity.request.compare"),
+    ("parity-bad-field", "parity.request.compare.0.field", "a..b", "parity.request.compare[0].field"),
+    ("parity-bad-kind", "parity.request.compare.0.kind", "fuzzy", "parity.request.compare[0].kind"),
+    ("parity-bad-method", "parity.request.method", "DELETE", "parity.request.method"),
+    ("training-steps", "parity.training", {"steps": 0}, "parity.training.steps"),
+    ("control-key-inline", "workload.control_key", {"value": "00"}, "workload.control_key.value"),
 ]
 
 
@@ -102,6 +115,18 @@ def test_cross_field_rules() -> None:
     with pytest.raises(PlanError) as info:
         parse_plan(_set(aws, "snapshot.backend", "cuda-driver"), "aws")
     assert any("cuda-driver" in m for _, m in info.value.problems)
+
+
+def test_launch_placeholders_and_literal_braces() -> None:
+    plan = parse_plan(
+        _set(
+            BASE,
+            "workload.launch",
+            {"argv": ["{python}", "-c", "print({{1: 2}})", "{agent_addr}"], "env": {"A": "{host}"}},
+        ),
+        "braces",
+    )
+    assert plan.workload.launch is not None and plan.workload.launch.argv[2] == "print({{1: 2}})"
 
 
 def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
