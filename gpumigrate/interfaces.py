@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from gpumigrate.launch import WorkloadLaunch
 
 # ----------------------------------------------------------------------------- infra
 
@@ -28,6 +31,8 @@ class HostSpec:
     gpu_count: int = 0
     image: str | None = None
     tags: Mapping[str, str] = field(default_factory=dict)
+    # The workload to start there (cloud providers put it in user data / a startup script at launch).
+    launch: WorkloadLaunch | None = None
 
 
 @dataclass
@@ -63,6 +68,11 @@ class Provider(Protocol):
         """Launch (or find the host already launched for this migration: idempotent)."""
 
     def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host: ...
+
+    def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
+        """Start the workload on ``host`` (local: spawn it; cloud: wait for the boot script started at launch)
+        and return the host with the ``service``/``agent`` ports it listens on. On failure: raise
+        ProviderError carrying the workload's last output lines; the caller terminates the host."""
 
     def terminate(self, host: Host) -> None:
         """Idempotent; never raises for a host that is already gone."""
