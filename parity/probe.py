@@ -1,74 +1,21 @@
 """Environment probe: ``python -m gpumigrate.parity.probe [--weights FILE ...]`` prints one JSON line.
 
 Run on a host (locally, over ssh, or by a cloud's run-command) when no workload is up yet to ask
-through ``/v1/info``. Keys follow the workload's ``/v1/info`` names, which
-:func:`gpumigrate.parity.environment.normalize_facts` maps onto the policy's vocabulary. Only an
-allow-list of environment variables is reported: the environment holds secrets.
+through ``/v1/info``. The facts are :func:`gpumigrate.environment.collect_facts` (the one collector,
+in the policy's vocabulary); only an allow-list of environment variables is reported.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import shutil
-import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPORTED_ENV = (
-    "CUDA_VISIBLE_DEVICES",
-    "CUBLAS_WORKSPACE_CONFIG",
-    "NVIDIA_TF32_OVERRIDE",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
-)
+from gpumigrate.environment import REPORTED_ENV, collect_facts
 
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _nvidia_smi() -> dict[str, Any]:
-    smi = shutil.which("nvidia-smi")
-    if not smi:
-        return {}
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=20, check=False,
-        )  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    rows = [r.split(", ") for r in out.stdout.strip().splitlines() if r.strip()] if out.returncode == 0 else []
-    if not rows or len(rows[0]) < 3:
-        return {}
-    name, mem_mib, driver = rows[0][:3]
-    return {"gpu_model": name, "gpu_memory_bytes": int(float(mem_mib)) * 2**20, "driver_version": driver,
-            "gpu_count": len(rows)}  # fmt: skip
-
-
-def _torch_facts() -> dict[str, Any]:
-    try:
-        import torch
-    except ImportError:
-        return {"torch": None}
-    cuda = torch.cuda.is_available()
-    return {
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": cuda,
-        "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "num_threads": torch.get_num_threads(),
-    }
+__all__ = ["REPORTED_ENV", "collect", "weights_file_digest"]  # REPORTED_ENV: workloads/environment.py reads it
 
 
 def weights_file_digest(paths: list[Path]) -> str:
@@ -84,18 +31,8 @@ def weights_file_digest(paths: list[Path]) -> str:
 
 
 def collect(weights: list[Path] | None = None, *, with_torch: bool = True) -> dict[str, Any]:
-    facts: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "lightning": _version("pytorch-lightning") or _version("lightning"),
-        "numpy": _version("numpy"),
-        "env": {k: os.environ[k] for k in REPORTED_ENV if k in os.environ},
-        "gpu_model": "none",
-        "gpu_memory_bytes": None,
-    }
-    if with_torch:
-        facts.update(_torch_facts())
-    facts.update(_nvidia_smi())
+    """This host's facts (the core's one collector) plus, with ``weights``, their digest."""
+    facts = collect_facts(with_torch=with_torch)
     if weights:
         facts["weights_digest"] = weights_file_digest(weights)
     return facts
