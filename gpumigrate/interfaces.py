@@ -2,8 +2,10 @@
 
 They live in the core so that siblings never import each other: ``snapshot/`` writes into an
 :class:`ImageWriter` that ``transfer/`` implements; ``traffic/`` calls a :class:`OutputComparator`
-that ``parity/`` implements; ``flows/`` (or a workload embedding the agent) passes the concrete
-objects in. A new cloud, snapshot backend or store is one new module implementing one Protocol.
+that ``parity/`` implements; the flow drives a :class:`SnapshotBackend` whose host-level
+implementations reach hosts through the flows' :class:`HostActions`; ``flows/`` (or a workload
+embedding the agent) passes the concrete objects in. A new cloud, snapshot backend or store is one
+new module implementing one Protocol.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ class Jurisdiction:
 class Provider(Protocol):
     name: str
 
-    def check_capacity(self, spec: HostSpec) -> None:
-        """Raise CapacityError (exit 2) when the type, zone or quota cannot take ``spec``. Launches nothing."""
+    def check_capacity(self, spec: HostSpec) -> dict[str, Any] | None:
+        """Raise CapacityError (exit 2) when the type, zone or quota cannot take ``spec``. Launches nothing.
+        Returns what it saw, for the report (None: nothing to report)."""
 
     def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
         """Launch (or find the host already launched for this migration: idempotent)."""
@@ -162,28 +165,88 @@ class RoundStats:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Round:
+    """One live pre-copy round: the dirty set it shipped and the image it committed (the next round's parent)."""
+
+    stats: RoundStats
+    image: ImageRef
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore did on the target."""
+
+    image_id: str
+    seconds: float
+    bytes_loaded: int = 0
+    chunks_loaded: int = 0
+    chunks_skipped: int = 0
+    ready: bool = True  # False after a pre-load: the workload does not serve yet
+    pid: int | None = None  # the process the restore started (CRIU), where it started one
+    pid_start: int | None = None  # when it started (clock ticks since boot): with pid, one process, never a reused pid
+    environment: Mapping[str, Any] = field(default_factory=dict)  # what the environment policy checked
+
+
 @runtime_checkable
-class Snapshotter(Protocol):
-    """Source side of a capture. The agent, the CUDA driver and CRIU backends implement it."""
+class HostActions(Protocol):
+    """Runs one host-level snapshot action (a driver checkpoint, a CRIU dump) on the host that holds the process.
 
-    def precopy(self, writer: ImageWriter) -> RoundStats:
-        """One live round while the workload runs: ship chunks whose fingerprint changed."""
+    The flows implement it twice: through that host's Prefect worker, or in-process when the host is
+    this machine (and refused otherwise). ``params`` and the reply are small JSON-able dicts.
+    """
 
-    def freeze(self) -> None:
-        """Stop the workload at a safe point (between requests or steps)."""
+    def __call__(self, host: str, action: str, params: Mapping[str, Any]) -> dict[str, Any]: ...
 
-    def final(self, writer: ImageWriter) -> ImageRef:
-        """Ship the last dirty set while frozen and commit the image."""
+
+@runtime_checkable
+class SnapshotBackend(Protocol):
+    """One way to capture a workload's state on the source and bring it back on the target.
+
+    The migrate flow calls only this; one factory (``gpumigrate.snapshot.backends.snapshot_backend``)
+    picks the implementation from ``plan.snapshot.backend``: ``agent`` (the agent embedded in the
+    workload, over its control address), ``cuda-driver`` and ``criu`` (host-level actions on an
+    unmodified process). Source-side methods never leave the source frozen on an error.
+    """
+
+    name: str
+    # Whether the workload on the target is started by the flow (``workload.launch``) and then filled by
+    # restore (agent); False: restore itself brings the process up (CRIU) or resumes the source (cuda-driver).
+    needs_launch: bool
+    # Whether precopy() runs live rounds while the source serves; False: everything moves while frozen.
+    live_rounds: bool
+
+    def check(self) -> dict[str, Any]:
+        """Preflight: raise (exit 2 for a plan that cannot work) naming what is missing; moves nothing.
+
+        Returns what it found (small JSON-able facts): the flow records it and hands it back in later
+        phases as ``Setup.checked`` (the source process's start time, say)."""
+
+    # -- source side
+    def precopy(self) -> Round:
+        """One live round while the source serves: ship what changed since the last round."""
+
+    def freeze(self, lease_s: float | None = None) -> None:
+        """Stop the source at a safe point; with ``lease_s`` it resumes by itself unless the lease is renewed."""
+
+    def final(self) -> ImageRef | None:
+        """While frozen: ship the last dirty set and commit. None: the state stays in the process (in place)."""
 
     def resume(self) -> None:
-        """Un-freeze the source (rollback). Idempotent."""
+        """The source runs again (the undo of freeze and final). Idempotent."""
 
+    def retire(self) -> dict[str, Any]:
+        """After the cut-over held: wipe (or stop) the source; return the audit record."""
 
-@runtime_checkable
-class Restorer(Protocol):
-    """Target side: rebuild the state from a verified image before the service reports ready."""
+    # -- target side
+    def preload(self, image: ImageRef) -> None:
+        """Load a pre-copy image into the target before the final one, so that restore loads only the delta."""
 
-    def restore(self, reader: ImageReader) -> dict[str, Any]: ...
+    def restore(self, image: ImageRef | None) -> Restored:
+        """Rebuild the state on the target from the verified image; the workload reports ready after it."""
+
+    def discard(self) -> None:
+        """Undo of restore for what the host's terminate does not stop (a process CRIU restored). Idempotent."""
 
 
 # ----------------------------------------------------------------------------- parity

@@ -6,11 +6,12 @@ import json
 import socket
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gpumigrate import errors
 from gpumigrate.errors import GpumigrateError, SnapshotError
-from gpumigrate.interfaces import RoundStats
+from gpumigrate.interfaces import ImageRef, RegionInfo, Restored, Round, RoundStats
 from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
 from gpumigrate.snapshot.precopy import Convergence, converge
 
@@ -99,9 +100,9 @@ class AgentClient:
         GpumigrateError.__init__(exc, err.get("message", "agent error"), hint=err.get("hint"))
         raise exc
 
-    # Thin typed wrappers -------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        return self.call("info")
+    # Typed wrappers: each reply is decoded here, once (PROTOCOL.md names the fields) ---------------
+    def info(self) -> AgentInfo:
+        return AgentInfo.decode(self.call("info"))
 
     def precopy(
         self,
@@ -110,26 +111,18 @@ class AgentClient:
         parent: str | None = None,
         *,
         options: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        return self.call("precopy", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
+    ) -> Round:
+        reply = self.call("precopy", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
+        return decode_round(reply)
 
     def precopy_until(
         self, store: str, key_ref: Mapping[str, str], *, max_rounds: int, max_downtime_ms: float
     ) -> Convergence:
         """Pre-copy rounds until the dirty set fits ``max_downtime_ms`` or stops shrinking."""
-        images: list[str] = []
+        return converge(lambda: self.precopy(store, key_ref), max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
 
-        def one() -> RoundStats:
-            res = self.precopy(store, key_ref)
-            images.append(res["image"]["id"])
-            return RoundStats(**res["stats"])
-
-        out = converge(one, max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
-        out.images = images
-        return out
-
-    def freeze(self) -> dict[str, Any]:
-        return self.call("freeze")
+    def freeze(self) -> None:
+        self.call("freeze")
 
     def final(
         self,
@@ -138,11 +131,12 @@ class AgentClient:
         parent: str | None = None,
         *,
         options: Mapping[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        return self.call("final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
+    ) -> Round:
+        reply = self.call("final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
+        return decode_round(reply)
 
-    def resume(self) -> dict[str, Any]:
-        return self.call("resume")
+    def resume(self) -> None:
+        self.call("resume")
 
     def restore(
         self,
@@ -152,10 +146,84 @@ class AgentClient:
         *,
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
-    ) -> dict[str, Any]:
-        return self.call(
+    ) -> Restored:
+        reply = self.call(
             "restore", store=store, image_id=image_id, key_ref=dict(key_ref), policy=dict(policy or {}), ready=ready
         )
+        return Restored(
+            image_id=str(reply["image"]),
+            seconds=float(reply["seconds"]),
+            bytes_loaded=int(reply["bytes_loaded"]),
+            chunks_loaded=int(reply["chunks_loaded"]),
+            chunks_skipped=int(reply["chunks_skipped"]),
+            ready=bool(reply["ready"]),
+            environment=dict(reply.get("environment") or {}),
+        )
 
-    def zeroize(self) -> dict[str, Any]:
-        return self.call("zeroize")
+    def zeroize(self) -> Zeroized:
+        reply = self.call("zeroize")
+        return Zeroized(
+            regions=int(reply["zeroized_regions"]),
+            bytes=int(reply["zeroized_bytes"]),
+            verified=bool(reply["verified"]),
+            devices=tuple(reply.get("devices") or ()),
+            seconds=float(reply["seconds"]),
+        )
+
+
+# ----------------------------------------------------------------------------- typed replies
+
+
+def decode_round(reply: Mapping[str, Any]) -> Round:
+    """``{"stats": RoundStats, "image": ImageRef}`` as PROTOCOL.md gives them."""
+    return Round(stats=RoundStats(**reply["stats"]), image=ImageRef(**reply["image"]))
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """The agent's ``info``: what it tracks and where it stands."""
+
+    regions: tuple[RegionInfo, ...]
+    bytes_total: int
+    environment: Mapping[str, Any]
+    frozen: bool
+    ready: bool | None
+    rounds: int
+    last_image: str | None
+
+    @classmethod
+    def decode(cls, reply: Mapping[str, Any]) -> AgentInfo:
+        regions = tuple(
+            RegionInfo(**{**r, "shape": tuple(r["shape"]) if r.get("shape") is not None else None})
+            for r in reply["regions"]
+        )
+        return cls(
+            regions=regions,
+            bytes_total=int(reply["bytes_total"]),
+            environment=dict(reply.get("environment") or {}),
+            frozen=bool(reply["frozen"]),
+            ready=reply.get("ready"),
+            rounds=int(reply["rounds"]),
+            last_image=reply.get("last_image"),
+        )
+
+
+@dataclass(frozen=True)
+class Zeroized:
+    """The audit record of a zeroize: tracked memory overwritten with zeros and read back."""
+
+    regions: int
+    bytes: int
+    verified: bool
+    devices: tuple[str, ...]
+    seconds: float
+
+    def record(self) -> dict[str, Any]:
+        """The fields the audit log keeps (``source.zeroized``), under the names PROTOCOL.md uses."""
+        return {
+            "zeroized_regions": self.regions,
+            "zeroized_bytes": self.bytes,
+            "verified": self.verified,
+            "devices": ",".join(self.devices),
+            "seconds": round(self.seconds, 3),
+        }

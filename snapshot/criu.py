@@ -1,9 +1,10 @@
 """CRIU backend: dump a process tree (with its GPU state, through CRIU's CUDA plugin) and restore it.
 
-Needs CRIU 4.0+ and its CUDA plugin (``cuda_plugin.so``) for GPU processes. The dump directory is
-packed by the transfer engine through the ``pack`` callable the caller passes in (e.g.
-``gpumigrate.transfer.pack_paths``, content-defined chunking), because ``snapshot/`` never moves
-bytes itself. Every refusal names what is missing.
+Needs CRIU 4.0+ and its CUDA plugin (``cuda_plugin.so``) for GPU processes. A dump always leaves
+the source running (``--leave-running``): it serves until the cut-over, and a failed dump harms
+nothing. The dump directory is packed by the transfer engine through the ``pack`` callable the
+caller passes in (e.g. ``gpumigrate.transfer.pack_paths``, content-defined chunking), because
+``snapshot/`` never moves bytes itself. Every refusal names what is missing.
 """
 
 from __future__ import annotations
@@ -90,29 +91,31 @@ def check_kernel(binary: str | None = None) -> None:
         raise CriuUnavailable("criu check failed on this kernel: " + "; ".join(lines[-3:]))
 
 
-def dump(
-    pid: int, images_dir: str | Path, *, info: CriuInfo | None = None, timeout_s: int = 10, leave_running: bool = False
-) -> Path:
-    """Dump the process tree rooted at ``pid`` into ``images_dir`` (the CUDA plugin locks and checkpoints GPUs)."""
+def dump_command(pid: int, images_dir: Path, info: CriuInfo, *, timeout_s: int = 10) -> list[str]:
+    """``criu dump`` of the tree at ``pid``, always with ``--leave-running``: the source serves on after
+    its dump, until the cut-over (and again at once if the dump fails)."""
+    cmd = [info.binary, "dump", "--shell-job", "--leave-running", "--images-dir", str(images_dir)]
+    cmd += ["--tree", str(int(pid)), "--timeout", str(timeout_s)]
+    if info.plugin:
+        cmd += ["--libdir", str(Path(info.plugin).parent)]
+    return cmd
+
+
+def restore_command(images_dir: Path, info: CriuInfo) -> list[str]:
+    """``criu restore`` of a dumped tree, detached, its new root pid written to ``restored.pid``."""
+    cmd = [info.binary, "restore", "--shell-job", "--restore-detached", "--images-dir", str(images_dir)]
+    cmd += ["--pidfile", str(images_dir / "restored.pid")]
+    if info.plugin:
+        cmd += ["--libdir", str(Path(info.plugin).parent)]
+    return cmd
+
+
+def dump(pid: int, images_dir: str | Path, *, info: CriuInfo | None = None, timeout_s: int = 10) -> Path:
+    """Dump the process tree rooted at ``pid`` into ``images_dir``; the source keeps running."""
     info = info or detect()
     d = Path(images_dir)
     d.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        info.binary,
-        "dump",
-        "--shell-job",
-        "--images-dir",
-        str(d),
-        "--tree",
-        str(int(pid)),
-        "--timeout",
-        str(timeout_s),
-    ]
-    if leave_running:
-        cmd.append("--leave-running")
-    if info.plugin:
-        cmd += ["--libdir", str(Path(info.plugin).parent)]
-    _run(cmd, "dump", d)
+    _run(dump_command(pid, d, info, timeout_s=timeout_s), "dump", d)
     return d
 
 
@@ -120,21 +123,8 @@ def restore(images_dir: str | Path, *, info: CriuInfo | None = None) -> int:
     """Restore a dumped tree detached; return the restored root pid."""
     info = info or detect()
     d = Path(images_dir)
-    pidfile = d / "restored.pid"
-    cmd = [
-        info.binary,
-        "restore",
-        "--shell-job",
-        "--restore-detached",
-        "--images-dir",
-        str(d),
-        "--pidfile",
-        str(pidfile),
-    ]
-    if info.plugin:
-        cmd += ["--libdir", str(Path(info.plugin).parent)]
-    _run(cmd, "restore", d)
-    return int(pidfile.read_text().strip())
+    _run(restore_command(d, info), "restore", d)
+    return int((d / "restored.pid").read_text().strip())
 
 
 def _run(cmd: list[str], what: str, d: Path) -> None:

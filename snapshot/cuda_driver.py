@@ -186,6 +186,21 @@ class CudaProcess:
         self.restore(gpu_pairs)
         self.unlock()
 
+    def ensure_running(self) -> str:
+        """The undo: whatever step a checkpoint stopped at, bring the process back to RUNNING on its own GPUs.
+
+        checkpointed → restore → unlock; locked → unlock; running → nothing. Returns the state it found.
+        """
+        found = self.state()
+        if found == "checkpointed":
+            self.restore()
+            self.unlock()
+        elif found == "locked":
+            self.unlock()
+        elif found != "running":
+            raise SnapshotError(f"pid {self.pid} is in CUDA checkpoint state {found}: it cannot be resumed")
+        return found
+
 
 def _restore_args(cu: Any, pairs: Mapping[str, str], keep: list[Any]) -> Any:
     if not hasattr(cu, "CUcheckpointGpuPair") or not hasattr(cu, "CUcheckpointRestoreArgs"):

@@ -2,7 +2,8 @@
 
 Like QEMU's live migration: each round re-sends what the workload dirtied during the previous one.
 The send rate is measured from the rounds themselves (dirty bytes / round seconds, the best seen),
-so the predicted stop-and-copy time is ``dirty bytes of the last round / rate``.
+so the predicted stop-and-copy time is ``dirty bytes of the last round / rate``. This is the one
+rule: the migrate flow's snapshot phase and ``gpumigrate snapshot precopy --rounds`` both use it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpumigrate.interfaces import RoundStats
+from gpumigrate.interfaces import Round, RoundStats
 
 # A round must cut dirty bytes by at least this fraction to count as still converging.
 SHRINK_FACTOR = 0.9
@@ -22,7 +23,7 @@ class Convergence:
     reason: str = ""
     predicted_downtime_ms: float | None = None
     rate_bytes_per_s: float | None = None
-    images: list[str] = field(default_factory=list)  # image id of each round, when known
+    images: list[str] = field(default_factory=list)  # image id of each round
 
 
 def predict_ms(rounds: list[RoundStats]) -> tuple[float | None, float | None]:
@@ -36,14 +37,16 @@ def predict_ms(rounds: list[RoundStats]) -> tuple[float | None, float | None]:
     return rounds[-1].bytes_dirty / rate * 1000.0, rate
 
 
-def converge(round_fn: Callable[[], RoundStats], *, max_rounds: int, max_downtime_ms: float) -> Convergence:
+def converge(round_fn: Callable[[], Round], *, max_rounds: int, max_downtime_ms: float) -> Convergence:
     """Run ``round_fn`` (one pre-copy round) until the last dirty set can ship within ``max_downtime_ms``."""
     out = Convergence()
     if max_rounds <= 0:
         out.reason = "no pre-copy rounds allowed by the plan"
         return out
     while len(out.rounds) < max_rounds:
-        out.rounds.append(round_fn())
+        done = round_fn()
+        out.rounds.append(done.stats)
+        out.images.append(done.image.id)
         out.predicted_downtime_ms, out.rate_bytes_per_s = predict_ms(out.rounds)
         last = out.rounds[-1]
         if last.bytes_dirty == 0 or (

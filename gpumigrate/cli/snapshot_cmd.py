@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from gpumigrate.cli.output import console, emit_json
 from gpumigrate.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from gpumigrate.snapshot.client import AgentClient
 
 app = typer.Typer(help="Capture and restore a workload's GPU state through its snapshot agent.", no_args_is_help=True)
 
@@ -28,7 +31,7 @@ KeyEnvOpt = Annotated[
 KeyFileOpt = Annotated[str | None, typer.Option("--key-file", help="key file path (on the agent's host)")]
 
 
-def _client(agent: str) -> Any:
+def _client(agent: str) -> AgentClient:
     from gpumigrate.snapshot.client import AgentClient
 
     return AgentClient(agent)
@@ -67,10 +70,10 @@ def info(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Regions, sizes, dtypes, environment facts and the agent's state."""
     res = _client(agent).info()
     _show(
-        res,
+        asdict(res),
         as_json,
-        f"{len(res['regions'])} regions, {res['bytes_total']} bytes; frozen={res['frozen']} ready={res['ready']} "
-        f"last image={res['last_image']}",
+        f"{len(res.regions)} regions, {res.bytes_total} bytes; frozen={res.frozen} ready={res.ready} "
+        f"last image={res.last_image}",
     )
 
 
@@ -95,12 +98,12 @@ def precopy(
     client = _client(agent)
     ref = _key_ref(key_env, key_file)
     if rounds == 1:
-        res = client.precopy(store, ref, parent)
+        done = client.precopy(store, ref, parent)
         _show(
-            res,
+            asdict(done),
             as_json,
-            f"round {res['stats']['round']}: {res['stats']['chunks_dirty']}/{res['stats']['chunks_total']} chunks dirty, "
-            f"{res['stats']['bytes_dirty']} bytes; image {res['image']['id']}",
+            f"round {done.stats.round}: {done.stats.chunks_dirty}/{done.stats.chunks_total} chunks dirty, "
+            f"{done.stats.bytes_dirty} bytes; image {done.image.id}",
         )
         return
     conv = client.precopy_until(store, ref, max_rounds=rounds, max_downtime_ms=max_downtime_ms)
@@ -117,7 +120,8 @@ def precopy(
 @app.command("freeze")
 def freeze(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Stop the workload at its safe point (between requests or steps)."""
-    _show(_client(agent).freeze(), as_json, "frozen")
+    _client(agent).freeze()
+    _show({"frozen": True}, as_json, "frozen")
 
 
 @app.command("final")
@@ -130,14 +134,15 @@ def final(
     as_json: JsonOpt = False,
 ) -> None:
     """Ship the last dirty set of a frozen workload and commit the image."""
-    res = _client(agent).final(store, _key_ref(key_env, key_file), parent)
-    _show(res, as_json, f"final image {res['image']['id']} ({res['stats']['bytes_dirty']} bytes in the last round)")
+    done = _client(agent).final(store, _key_ref(key_env, key_file), parent)
+    _show(asdict(done), as_json, f"final image {done.image.id} ({done.stats.bytes_dirty} bytes in the last round)")
 
 
 @app.command("resume")
 def resume(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Un-freeze the source (rollback)."""
-    _show(_client(agent).resume(), as_json, "resumed")
+    _client(agent).resume()
+    _show({"frozen": False}, as_json, "resumed")
 
 
 @app.command("restore")
@@ -158,10 +163,10 @@ def restore(
     """Verify and load an image into the target workload, then report ready."""
     res = _client(agent).restore(store, image, _key_ref(key_env, key_file), policy=_policy(policy), ready=ready)
     _show(
-        res,
+        {**asdict(res), "image": res.image_id},
         as_json,
-        f"restored {res['image']}: {res['chunks_loaded']} chunks loaded, {res['chunks_skipped']} already there; "
-        f"ready={res['ready']}",
+        f"restored {res.image_id}: {res.chunks_loaded} chunks loaded, {res.chunks_skipped} already there; "
+        f"ready={res.ready}",
     )
 
 
@@ -177,9 +182,7 @@ def zeroize(
     from gpumigrate.state import Migration
 
     m = Migration.open(migration) if migration else None  # fails before anything is wiped when the id is unknown
-    res = _client(agent).zeroize()
+    record = _client(agent).zeroize().record()
     if m is not None:
-        m.record(
-            "source.zeroized", {k: v for k, v in res.items() if isinstance(v, (str, int, float, bool))}, actor="cli"
-        )
-    _show(res, as_json, json.dumps(res))
+        m.record("source.zeroized", record, actor="cli")
+    _show(record, as_json, json.dumps(record))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-from gpumigrate.interfaces import RoundStats
+from gpumigrate.interfaces import ImageRef, Round, RoundStats
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
@@ -64,11 +66,12 @@ def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
     # The workload takes one step per round (5% dirty per step); rounds continue while it runs.
     fractions = iter([0.05] * 20)
 
-    def one_round() -> RoundStats:
+    def one_round() -> Round:
         stats = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
         dirty_per_round.append(stats.chunks_dirty)
         workload_step(next(fractions))
-        return stats
+        assert agent.last_image is not None
+        return Round(stats, agent.last_image)
 
     conv = converge(one_round, max_rounds=10, max_downtime_ms=10_000)
     assert dirty_per_round[0] == chunks  # the first round ships everything
@@ -79,14 +82,25 @@ def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
     assert final.chunks_dirty == int(chunks * 0.05)
 
 
+def _rounds(*stats: RoundStats) -> Iterator[Round]:
+    return iter(Round(s, ImageRef(f"image-{s.round}", "mem://")) for s in stats)
+
+
 def test_converge_stops_when_dirty_bytes_stop_shrinking() -> None:
-    seq = iter([RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 9, 950, 1.0), RoundStats(3, 10, 9, 940, 1.0)])
+    seq = _rounds(RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 9, 950, 1.0), RoundStats(3, 10, 9, 940, 1.0))
     conv = converge(lambda: next(seq), max_rounds=5, max_downtime_ms=1)
     assert len(conv.rounds) == 2 and "stopped shrinking" in conv.reason
-    seq2 = iter([RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 5, 500, 1.0), RoundStats(3, 10, 2, 200, 1.0)])
+    assert conv.images == ["image-1", "image-2"]
+    seq2 = _rounds(RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 5, 500, 1.0), RoundStats(3, 10, 2, 200, 1.0))
     conv = converge(lambda: next(seq2), max_rounds=3, max_downtime_ms=1)
     assert len(conv.rounds) == 3 and "3 pre-copy rounds" in conv.reason
-    assert converge(lambda: RoundStats(1, 1, 1, 1, 1.0), max_rounds=0, max_downtime_ms=1).rounds == []
+    assert converge(lambda: next(_rounds(RoundStats(1, 1, 1, 1, 1.0))), max_rounds=0, max_downtime_ms=1).rounds == []
+
+
+def test_converge_stops_at_once_when_nothing_is_dirty() -> None:
+    seq = _rounds(RoundStats(1, 10, 10, 1000, 1.0), RoundStats(2, 10, 0, 0, 0.1))
+    conv = converge(lambda: next(seq), max_rounds=5, max_downtime_ms=500)
+    assert len(conv.rounds) == 2 and "fits the downtime budget (0 bytes)" in conv.reason
 
 
 def test_chunk_changed_during_copy_and_changed_back_is_resent() -> None:

@@ -154,10 +154,8 @@ def test_completed_migration_target_answers_like_source_then_source_is_zeroized(
         assert dst.generate().status_code == 503
         s.freeze()
         final = s.final(store_url, key_env)
-        res = d.restore(
-            store_url, final["image"]["id"], key_env, policy={"torch": "must_match", "python": "must_match"}
-        )
-        assert res["ready"] and res["chunks_loaded"] == 0  # the pre-load already had every chunk
+        res = d.restore(store_url, final.image.id, key_env, policy={"torch": "must_match", "python": "must_match"})
+        assert res.ready and res.chunks_loaded == 0  # the pre-load already had every chunk
     assert dst.generate().json()["tokens"] == expected["tokens"]
     src_info = httpx.get(src.url + "/v1/info", timeout=30).json()
     dst_info = httpx.get(dst.url + "/v1/info", timeout=30).json()
@@ -221,8 +219,8 @@ def test_plan_writer_options_reach_the_image(servers, key_env, tmp_path) -> None
         auto = s.precopy(f"file://{tmp_path / 'auto'}", key_env, options={"compression": "auto"})
         # fp32 weights: the byte-plane codec shrinks them; "none" stores every byte of each distinct chunk
         # (identical chunks, such as LayerNorm ones, are stored once either way).
-        assert raw["image"]["bytes_stored"] >= 0.95 * raw["image"]["bytes_image"]
-        assert auto["image"]["bytes_stored"] < 0.95 * raw["image"]["bytes_stored"], (auto["image"], raw["image"])
+        assert raw.image.bytes_stored >= 0.95 * raw.image.bytes_image
+        assert auto.image.bytes_stored < 0.95 * raw.image.bytes_stored, (auto.image, raw.image)
         with pytest.raises(SnapshotError, match="allowed are"):
             s.precopy(f"file://{tmp_path / 'bad'}", key_env, options={"compression": "lzma"})
     assert src.generate().status_code == 200  # the source kept serving throughout

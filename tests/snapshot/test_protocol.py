@@ -60,7 +60,7 @@ def test_client_raises_the_matching_error_classes(served, key_env, store_url) ->
         with pytest.raises(SnapshotError, match="never over the wire"):
             c.call("restore", store=store_url, image_id="x", key_ref={"key": "00"})
         c.freeze()
-        image = c.final(store_url, key_env)["image"]["id"]
+        image = c.final(store_url, key_env).image.id
         c.resume()
         with pytest.raises(NotFoundError):
             c.restore(store_url, "f" * 64, key_env)

@@ -86,7 +86,7 @@ def test_training_job_migrates_mid_run_with_identical_losses(tmp_path, key_env, 
             s.freeze()
             step_at_freeze = _last_step(tmp_path / "source.log")  # parked after this step's line
             final = s.final(store_url, key_env)
-            d.restore(store_url, final["image"]["id"], key_env)  # target resumes from here
+            d.restore(store_url, final.image.id, key_env)  # target resumes from here
             s.resume()  # the source keeps going too: it is the reference
         assert 3 <= step_at_freeze < STEPS
         assert src.wait(120) == 0 and dst.wait(120) == 0
