@@ -15,6 +15,8 @@ from typing import Any
 
 from gpumigrate.errors import InvalidInputError, ProviderError
 from gpumigrate.interfaces import Host, HostSpec, Provider
+from gpumigrate.launch import WorkloadLaunch
+from gpumigrate.plan import Plan
 
 # name -> "module:Class", imported on first use
 PROVIDERS: dict[str, str] = {
@@ -37,11 +39,13 @@ def get_provider(name: str, **options: Any) -> Provider:
     return cls(**options)
 
 
-def provider_options_from_env(name: str) -> dict[str, Any]:
-    """Options the CLI passes to a provider: endpoints and project from the environment, never secrets.
+def provider_options(name: str, *, attached: bool = False) -> dict[str, Any]:
+    """The options every caller (migrate, capacity, cost) builds a provider with: never secrets.
 
-    aws: ``AWS_ENDPOINT_URL`` (boto3 reads it too). gcp: ``GPUMIGRATE_GCP_ENDPOINT`` (a Compute
-    Engine API endpoint) and ``GOOGLE_CLOUD_PROJECT``. Credentials stay with the standard chains.
+    aws: ``AWS_ENDPOINT_URL`` (boto3 reads it too). gcp: ``GPUMIGRATE_GCP_ENDPOINT`` (a Compute Engine
+    API endpoint) and ``GOOGLE_CLOUD_PROJECT``. Credentials stay with the standard chains. local:
+    ``attached``: an attached host dies with the process that provisioned it (the demo's target); a
+    migration's target is detached by default, because after the cut-over it IS the service.
     """
     if name == "aws" and os.environ.get("AWS_ENDPOINT_URL"):
         return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
@@ -52,11 +56,15 @@ def provider_options_from_env(name: str) -> dict[str, Any]:
         if os.environ.get("GOOGLE_CLOUD_PROJECT"):
             opts["project"] = os.environ["GOOGLE_CLOUD_PROJECT"]
         return opts
+    if name == "local":
+        return {"attached": attached}
     return {}
 
 
-def spec_from_plan(plan: Any, *, migration_id: str) -> HostSpec:
-    """The target HostSpec of a plan; its name is stable per migration so a retry finds its host."""
+def spec_from_plan(plan: Plan, *, migration_id: str, launch: WorkloadLaunch | None = None) -> HostSpec:
+    """The target HostSpec of a plan; its name is stable per migration so a retry finds its host.
+
+    ``launch`` is the workload to start there (a cloud provider puts it in the host's user data)."""
     t = plan.target
     name = (t.host or f"gm-{plan.workload.name}-{migration_id}").lower()
     if len(name) > 63:  # cloud name limits; the digest keeps two long ids apart
@@ -71,6 +79,7 @@ def spec_from_plan(plan: Any, *, migration_id: str) -> HostSpec:
         gpu_count=t.gpu_count,
         image=t.image,
         tags={"gpumigrate:workload": plan.workload.name},
+        launch=launch,
     )
 
 
@@ -101,4 +110,4 @@ def provision_host(
     return host
 
 
-__all__ = ["PROVIDERS", "get_provider", "provider_options_from_env", "provision_host", "spec_from_plan"]
+__all__ = ["PROVIDERS", "get_provider", "provider_options", "provision_host", "spec_from_plan"]

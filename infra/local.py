@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,10 @@ from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import CapacityError, InvalidInputError, NotFoundError, ProviderError
 from gpumigrate.infra import netns as netns_lib
 from gpumigrate.infra import residency
+from gpumigrate.infra.launch import is_up, last_lines, render_for, wait_until_up
 from gpumigrate.infra.supervisor import MARKER_ENV, call_supervisor, kill_owned, owned_by, pid_alive
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
+from gpumigrate.launch import WorkloadLaunch
 
 PORT_NAMES = ("service", "agent", "stream", "admin", "metrics")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
@@ -121,7 +124,7 @@ class LocalProvider:
         """The supervisor runs, and is ours: a recycled pid (after a reboot, say) does not count."""
         sup = rec.get("supervisor") or {}
         pid = sup.get("pid")
-        return bool(pid) and pid_alive(pid) and owned_by(pid, rec.get("token", ""))
+        return isinstance(pid, int) and pid_alive(pid) and owned_by(pid, rec.get("token", ""))
 
     @staticmethod
     def to_host(rec: Mapping[str, Any]) -> Host:
@@ -209,22 +212,48 @@ class LocalProvider:
     def price(self, spec: HostSpec) -> float:
         return 0.0
 
+    def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
+        """Start the workload under the host's supervisor and wait until it answers (infra/launch.py).
+
+        Idempotent: a workload already answering on the host (a retried provision) is not started again.
+        The returned host's ``meta["workload"]`` holds the process's pid and log.
+        """
+        if is_up(host, launch):
+            return host
+        rendered = render_for(host, launch)
+        proc = self.spawn(host, rendered.argv, env=rendered.env, cwd=rendered.cwd, name="workload")
+
+        def exited() -> str | None:
+            mine = [c for c in self.processes(host) if c.get("pid") == proc["pid"]]
+            if not mine or mine[0].get("returncode") is None:
+                return None
+            return f"exit code {mine[0]['returncode']}; its last lines ({proc['log']}):\n{last_lines(proc['log'])}"
+
+        wait_until_up(host, launch, timeout_s=timeout_s, exited=exited)
+        return replace(host, meta={**host.meta, "workload": {"pid": proc["pid"], "log": proc["log"]}})
+
     # ------------------------------------------------------------------ processes on a host
     def spawn(
-        self, host: Host | str, argv: Sequence[str], *, env: Mapping[str, str] | None = None, name: str | None = None
+        self,
+        host: Host | str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+        cwd: str | None = None,
     ) -> dict[str, Any]:
         """Run ``argv`` on the host (in its namespace if any) under its supervisor: ``{"pid", "log"}``.
 
         The child's environment gets ``GPUMIGRATE_HOST_NAME``, ``GPUMIGRATE_HOST_ADDRESS`` and
-        ``GPUMIGRATE_PORT_<NAME>`` for each of the host's ports.
+        ``GPUMIGRATE_PORT_<NAME>`` for each of the host's ports; it runs in ``cwd`` (default: the
+        host's work directory).
         """
         rec = self._require(host if isinstance(host, str) else host.name)
         full_env = {"GPUMIGRATE_HOST_NAME": rec["name"], "GPUMIGRATE_HOST_ADDRESS": rec["address"]}
         full_env.update({f"GPUMIGRATE_PORT_{k.upper()}": str(v) for k, v in rec["ports"].items()})
         full_env.update(env or {})
-        reply = call_supervisor(
-            rec["supervisor"]["socket"], {"op": "spawn", "argv": list(argv), "env": full_env, "name": name}
-        )
+        request = {"op": "spawn", "argv": list(argv), "env": full_env, "name": name, "cwd": cwd}
+        reply = call_supervisor(rec["supervisor"]["socket"], request)
         if not reply.get("ok"):
             raise ProviderError(f"cannot start {argv[0]!r} on local host {rec['name']}: {reply.get('error')}")
         return {"pid": reply["pid"], "log": reply["log"]}
@@ -234,6 +263,11 @@ class LocalProvider:
         reply = call_supervisor(rec["supervisor"]["socket"], {"op": "signal", "pid": pid, "sig": int(sig)})
         if not reply.get("ok"):
             raise ProviderError(str(reply.get("error")))
+
+    def owns(self, name: str, pid: int) -> bool:
+        """Whether ``pid`` is a process of the local host ``name`` (it carries the host's marker), that host up."""
+        rec = self._record(name)
+        return rec is not None and self._alive(rec) and owned_by(pid, rec.get("token", ""))
 
     def processes(self, host: Host | str) -> list[dict[str, Any]]:
         rec = self._require(host if isinstance(host, str) else host.name)

@@ -142,6 +142,9 @@ class Supervisor:
         argv = req.get("argv")
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
             return {"ok": False, "error": "argv must be a non-empty list of strings"}
+        cwd = req.get("cwd") or str(self.workdir)
+        if not isinstance(cwd, str) or not Path(cwd).is_dir():
+            return {"ok": False, "error": f"cwd {cwd!r} is not a directory on host {self.name}"}
         label = str(req.get("name") or Path(argv[0]).name)
         env = dict(os.environ)
         env.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
@@ -152,7 +155,7 @@ class Supervisor:
             try:
                 proc = subprocess.Popen(
                     argv,
-                    cwd=req.get("cwd") or str(self.workdir),
+                    cwd=cwd,
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -247,7 +250,7 @@ class Supervisor:
                         continue
                     conn.setblocking(True)
                     self._serve_client(conn)
-                elif key.data == "parent" and not os.read(self.parent_fd, 4096):
+                elif key.data == "parent" and self.parent_fd is not None and not os.read(self.parent_fd, 4096):
                     self.stopping = True  # EOF: the launching process is gone, however it died
             self.reap()
         self.shutdown()

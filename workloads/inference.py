@@ -225,7 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpumigrate.workloads.inference", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18080, help="HTTP port (0: pick a free one)")
-    p.add_argument("--agent-port", type=int, default=None, help="port of the embedded snapshot agent")
+    # Defaults from gpumigrate's launch contract (gpumigrate/launch.py); transitional, until the public SDK reads it.
+    agent_addr = os.environ.get("GPUMIGRATE_AGENT_ADDR", "")
+    agent_port = int(agent_addr.rsplit(":", 1)[1]) if agent_addr else None
+    p.add_argument("--agent-port", type=int, default=agent_port, help="port of the embedded snapshot agent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", default="tiny", help="tiny | small")
     p.add_argument("--params-mb", type=float, default=None, help="scale the model to about N MB of weights")
@@ -234,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--workers", type=int, default=2, help="request worker threads")
     p.add_argument("--name", default=socket.gethostname(), help="host name reported in every answer")
-    p.add_argument("--await-restore", action="store_true", help="start unready with unloaded weights")
+    await_restore = os.environ.get("GPUMIGRATE_AWAIT_RESTORE") == "1"
+    p.add_argument(
+        "--await-restore", action="store_true", default=await_restore, help="start unready, weights unloaded"
+    )
     return p
 
 

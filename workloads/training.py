@@ -16,6 +16,7 @@ import argparse
 import copy
 import io
 import json
+import os
 import random
 import sys
 import threading
@@ -226,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--agent-port", type=int, default=None)
+    # Defaults from gpumigrate's launch contract (gpumigrate/launch.py); transitional, until the public SDK reads it.
+    agent_addr = os.environ.get("GPUMIGRATE_AGENT_ADDR", "")
+    p.add_argument("--agent-port", type=int, default=int(agent_addr.rsplit(":", 1)[1]) if agent_addr else None)
     p.add_argument("--host", default="127.0.0.1", help="address the agent listens on (the host's address)")
     p.add_argument("--step-delay-ms", type=int, default=0, help="sleep after each step (time to migrate)")
-    p.add_argument("--await-restore", action="store_true", help="wait for the agent to restore a state first")
+    await_restore = os.environ.get("GPUMIGRATE_AWAIT_RESTORE") == "1"
+    p.add_argument("--await-restore", action="store_true", default=await_restore, help="wait for a restored state")
     p.add_argument("--name", default="training")
     p.add_argument("--out", default=None, help="write the final losses and digest as JSON here")
     args = p.parse_args(argv)

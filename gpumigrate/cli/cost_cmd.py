@@ -116,13 +116,13 @@ def capacity(
 ) -> None:
     """Check that the plan's target may and can launch: residency, instance type/zone, GPU quota.
     Launches nothing. Exit 2 naming the rule (data-residency, capacity, quota) when it cannot."""
-    from gpumigrate.infra import get_provider, provider_options_from_env, spec_from_plan
+    from gpumigrate.infra import get_provider, provider_options, spec_from_plan
     from gpumigrate.infra.residency import check_region, policy_audit_log
 
     plan = load_plan(plan_file)
     t = plan.target
     check_region(t.provider, t.region, plan.data.allowed_jurisdictions, point="plan", record=policy_audit_log().append)
-    provider = get_provider(t.provider, **provider_options_from_env(t.provider))
+    provider = get_provider(t.provider, **provider_options(t.provider))
     report = provider.check_capacity(spec_from_plan(plan, migration_id="capacity-check")) or {}
     out = {"plan": str(plan_file), "provider": t.provider, "region": t.region, "ok": True, "report": report}
     if json_out:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gpumigrate.errors import CapacityError, NotFoundError, ProviderError, ResidencyError
@@ -87,6 +88,44 @@ def test_spawn_runs_on_the_host_with_its_environment(provider: LocalProvider) ->
     assert listed[proc["pid"]]["returncode"] == 0 and listed[proc["pid"]]["name"] == "env"
     with pytest.raises(ProviderError, match="cannot start"):
         provider.spawn(host, ["/nonexistent/binary"])
+
+
+def test_bootstrap_starts_a_launch_in_its_cwd_and_waits_until_it_answers(
+    provider: LocalProvider, tmp_path: Path
+) -> None:
+    """The one launcher: the plan's launch rendered for the host (its address, ports, env contract, cwd)."""
+    from gpumigrate.infra.launch import service_url
+    from gpumigrate.launch import WorkloadLaunch
+
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "healthz").write_text("ok")  # served from the cwd: proves the launch ran there
+    server = "import http.server as h, os; h.HTTPServer(('{host}', int(os.environ['PORT'])), h.SimpleHTTPRequestHandler).serve_forever()"
+    launch = WorkloadLaunch(
+        argv=("{python}", "-c", server), env={"PORT": "{service_port}"}, cwd="app", plan_dir=str(tmp_path)
+    )
+    host = provider.provision(spec("boot-a"), migration_id="m1")
+    up = provider.bootstrap(host, launch, timeout_s=60)
+    workload = up.meta["workload"]
+    assert httpx.get(service_url(up) + "/healthz", timeout=5).text == "ok"
+    env = Path(f"/proc/{workload['pid']}/environ").read_bytes().split(b"\0")
+    assert f"GPUMIGRATE_AGENT_ADDR={host.address}:{host.ports['agent']}".encode() in env
+    assert provider.bootstrap(up, launch, timeout_s=60) == up  # already answering: not started twice
+    assert [c["name"] for c in provider.processes(up)] == ["workload"]
+
+
+def test_bootstrap_of_a_launch_that_exits_says_why_with_its_last_lines(provider: LocalProvider) -> None:
+    from gpumigrate.launch import WorkloadLaunch
+
+    crash = "import sys; print('loading model...'); sys.exit('no such model: tiny-xl')"
+    host = provider.provision(spec("boot-b"), migration_id="m1")
+    launch = WorkloadLaunch(argv=("{python}", "-c", crash, "{service_port}"))
+    t0 = time.monotonic()
+    with pytest.raises(ProviderError, match=r"(?s)exited before it answered: exit code 1.*loading model...\nno such model: tiny-xl"):
+        provider.bootstrap(host, launch, timeout_s=120)
+    assert time.monotonic() - t0 < 60  # the exit is noticed, not waited out
+    with pytest.raises(ProviderError, match="cwd .* is not a directory"):
+        provider.spawn(host, SLEEPER, cwd="/nonexistent/dir")
 
 
 def test_terminate_kills_processes_and_their_children(provider: LocalProvider, gm_home: Path) -> None:

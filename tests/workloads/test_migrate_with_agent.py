@@ -17,12 +17,12 @@ import httpx
 import pytest
 import torch
 
+from gpumigrate.infra.launch import service_url, wait_http
 from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import HostSpec
 
 client_mod = pytest.importorskip("gpumigrate.snapshot.client")
 pytest.importorskip("gpumigrate.workloads.agent_hook")
-from gpumigrate.workloads.launch import start_inference, start_training  # noqa: E402
 from gpumigrate.workloads.training import TrainingConfig, TrainingState, run_steps  # noqa: E402
 
 KEY = {"env": "GM_WORKLOADS_TEST_KEY"}
@@ -55,44 +55,46 @@ def events(log: str, kind: str) -> list[dict]:
     return [json.loads(line) for line in Path(log).read_text().splitlines() if line.startswith(f'{{"event": "{kind}"')]
 
 
-def test_inference_target_answers_like_the_source(hosts) -> None:
+def test_inference_target_answers_like_the_source(hosts, workload_launch) -> None:
     provider, a, b, store = hosts
-    src = start_inference(provider, a, seed=0)
-    tgt = start_inference(provider, b, seed=0, await_restore=True)
-    assert httpx.get(f"{tgt['url']}/readyz").status_code == 503
+    a = provider.bootstrap(a, workload_launch("inference", "--seed", "0"), timeout_s=120)
+    b = provider.bootstrap(b, workload_launch("inference", "--seed", "0", await_restore=True), timeout_s=120)
+    src, tgt = service_url(a), service_url(b)
+    wait_http(src, path="/readyz", timeout_s=60)
+    assert httpx.get(f"{tgt}/readyz").status_code == 503
     with agent(a) as ca, agent(b) as cb:
         ca.precopy(store, KEY)
         ca.freeze()
-        image = ca.final(store, KEY)["image"]
-        restored = cb.restore(store, image["id"], KEY)
+        image = ca.final(store, KEY).image
+        restored = cb.restore(store, image.id, KEY)
         ca.resume()
-    assert restored["ready"] is True
-    assert httpx.get(f"{tgt['url']}/readyz").status_code == 200
-    assert (
-        httpx.get(f"{tgt['url']}/v1/info").json()["weights_digest"]
-        == httpx.get(f"{src['url']}/v1/info").json()["weights_digest"]
-    )
+    assert restored.ready is True
+    assert httpx.get(f"{tgt}/readyz").status_code == 200
+    assert httpx.get(f"{tgt}/v1/info").json()["weights_digest"] == httpx.get(f"{src}/v1/info").json()["weights_digest"]
     for case in [json.loads(line) for line in GOLDEN.read_text().splitlines()][:10]:
         body = {"prompt": case["prompt"], "max_new_tokens": case["max_new_tokens"]}
-        s = httpx.post(f"{src['url']}/v1/generate", json=body).json()
-        t = httpx.post(f"{tgt['url']}/v1/generate", json=body).json()
+        s = httpx.post(f"{src}/v1/generate", json=body).json()
+        t = httpx.post(f"{tgt}/v1/generate", json=body).json()
         assert (s["tokens"], s["logprobs"]) == (t["tokens"], t["logprobs"]), case["id"]
         assert (s["host"], t["host"]) == ("wl-a", "wl-b")
 
 
-def test_training_continues_on_the_target_with_identical_losses(hosts) -> None:
+def test_training_continues_on_the_target_with_identical_losses(hosts, workload_launch) -> None:
     provider, a, b, store = hosts
     total = 16
-    src = start_training(provider, a, steps=total, seed=3, extra=("--step-delay-ms", "150"))
-    tgt = start_training(provider, b, steps=total, seed=3, extra=("--await-restore",))
+    job = ("--steps", str(total), "--seed", "3")
+    # The target first: the source's 16 steps must not all be over before the migration begins.
+    b = provider.bootstrap(b, workload_launch("training", *job, await_restore=True), timeout_s=120)
+    a = provider.bootstrap(a, workload_launch("training", *job, "--step-delay-ms", "150"), timeout_s=120)
+    src, tgt = a.meta["workload"], b.meta["workload"]
     deadline = time.monotonic() + 120
     while len(events(src["log"], "step")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     with agent(a) as ca, agent(b) as cb:
         ca.precopy(store, KEY)
         ca.freeze()
-        image = ca.final(store, KEY)["image"]
-        cb.restore(store, image["id"], KEY)
+        image = ca.final(store, KEY).image
+        cb.restore(store, image.id, KEY)
     provider.signal(a, src["pid"])  # the source stops at the cut-over, as a migration would
     deadline = time.monotonic() + 180
     while not events(tgt["log"], "done") and time.monotonic() < deadline:
