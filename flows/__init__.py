@@ -1,12 +1,13 @@
-"""gpumigrate.flows — Prefect flows (migrate, rollback, cost-move, host actions), the demo, the runbooks' CLI backend.
+"""gpumigrate.flows — the migration as Prefect flows: one module per phase, their undo, the demo.
 
 Importing this package is cheap (no Prefect). Entry points:
 
-- ``gpumigrate.flows.run.run_migration_cli(plan_path, *, migration_id, resume) -> MigrationResult``
-- ``gpumigrate.flows.run.rollback_cli(migration_id, *, reason) -> dict`` (with ``exit_code``)
+- ``gpumigrate.flows.context.RunContext.create(plan_path, *, migration_id, resume)`` then
+  ``gpumigrate.flows.run.run_migration(migration_id) -> MigrationResult``
 - ``gpumigrate.flows.migrate.migrate_flow`` / ``rollback.rollback_flow`` / ``cost_move.cost_move_flow`` /
   ``host_actions.host_action_flow``: the flows behind the deployments in ``prefect.yaml``
-- ``gpumigrate.flows.demo.run_demo(*, fault=None, live=True) -> MigrationResult``
+- ``gpumigrate.flows.phases.<phase>.run(ctx)``: each phase as a plain function; ``flows.undo`` its undo
+- ``gpumigrate.flows.demo.run_demo(*, fault=None, watch=None) -> MigrationResult``
 
 See flows/README.md and flows/MULTIHOST.md.
 """

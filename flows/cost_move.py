@@ -10,23 +10,20 @@ hands it to the trigger — by default ``run_deployment("migrate/migrate", ...)`
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow
+
+from gpumigrate.atomic import atomic_write_bytes
+from gpumigrate.audit import AuditLog
+from gpumigrate.errors import ResidencyError
 from gpumigrate.flows import prefect_env
-
-prefect_env.configure()
-
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import yaml  # noqa: E402
-from prefect import flow  # noqa: E402
-
-from gpumigrate.atomic import atomic_write_bytes  # noqa: E402
-from gpumigrate.audit import AuditLog  # noqa: E402
-from gpumigrate.errors import ResidencyError  # noqa: E402
-from gpumigrate.plan import Plan, load_plan, parse_plan  # noqa: E402
-from gpumigrate.settings import state_root  # noqa: E402
+from gpumigrate.plan import Plan, load_plan, parse_plan
+from gpumigrate.settings import state_root
 
 MIGRATE_DEPLOYMENT = "migrate/migrate"
 Trigger = Callable[[str, dict[str, Any]], Any]  # (deployment name, parameters) -> flow run (or anything)
@@ -111,6 +108,7 @@ def cost_move_flow(
     plan_path: str, image_bytes: int | None = None, deployment: str = MIGRATE_DEPLOYMENT, trigger: Trigger | None = None
 ) -> dict[str, Any]:
     """Evaluate the cost model for ``plan_path``; trigger the migrate deployment only when it pays."""
+    prefect_env.configure()  # a worker imported this module: no analytics, whatever its environment says
     return decide_and_trigger(
         plan_path, trigger=trigger or trigger_deployment, image_bytes=image_bytes, deployment=deployment
     )

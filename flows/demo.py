@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,21 @@ import yaml
 
 from gpumigrate.atomic import atomic_write_bytes
 from gpumigrate.errors import InvalidInputError
+from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, listening
+from gpumigrate.flows.report import merge_result, write_outputs
+from gpumigrate.flows.run import run_migration
+from gpumigrate.infra import get_provider
+from gpumigrate.infra.launch import service_url, wait_http
+from gpumigrate.interfaces import Host, HostSpec, Provider
+from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.result import MigrationResult
 from gpumigrate.settings import migrations_dir
+from gpumigrate.state import Migration, new_migration_id
+from gpumigrate.traffic.frontdoor import FrontDoor
 
 WORKLOAD = "tiny-lm"
-FAULTS = {
+FAULTS: dict[str, tuple[dict[str, Any], str]] = {
     # --fault name: (target fault body, the event after which it is injected)
     "target-errors": ({"kind": "errors", "rate": 1.0}, "ramp25"),
     "target-slow": ({"kind": "slow", "delay_ms": 500}, "ramp25"),
@@ -35,6 +45,11 @@ FAULTS = {
 }
 DEMO_RPS = 50.0
 REPO = Path(__file__).resolve().parents[1]
+# How the demo's workload starts, on the source and (through the plan) on the target: the same launch.
+ARGV = ["{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}",
+        "--name", "{name}", "--seed", "0", "--size", "tiny", "--device", "cpu"]  # fmt: skip
+READY_TIMEOUT_S = 120.0
+Watch = Callable[[str], AbstractContextManager[object]]  # the caller's view of a migration's events
 
 
 def golden_inputs(dest: Path) -> Path:
@@ -50,7 +65,7 @@ def golden_inputs(dest: Path) -> Path:
     return dest
 
 
-def demo_plan(*, source: Any, target_host: str, store: Path, key_file: Path, golden: Path) -> dict[str, Any]:
+def demo_plan(*, source: Host, target_host: str, store: Path, key_file: Path, golden: Path) -> dict[str, Any]:
     return {
         "version": 1,
         "workload": {
@@ -59,8 +74,9 @@ def demo_plan(*, source: Any, target_host: str, store: Path, key_file: Path, gol
             "source_host": source.name,
             "source_provider": "local",
             "source_region": "local-a",
-            "endpoint": f"http://{source.address}:{source.ports['service']}",
+            "endpoint": service_url(source),
             "agent": f"{source.address}:{source.ports['agent']}",
+            "launch": {"argv": ARGV, "ready_timeout_s": READY_TIMEOUT_S},
         },
         "target": {"provider": "local", "region": "local-b", "host": target_host},
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
@@ -94,7 +110,7 @@ def demo_plan(*, source: Any, target_host: str, store: Path, key_file: Path, gol
 class FaultInjector:
     """Listens to the migration's events and breaks the target once, at the planned moment."""
 
-    def __init__(self, migration: Any, fault: str | None) -> None:
+    def __init__(self, migration: Migration, fault: str | None) -> None:
         self.migration = migration
         self.fault = fault
         self.done = False
@@ -114,51 +130,25 @@ class FaultInjector:
             emit(self.migration, "fault.injected", {"fault": self.fault, "at": event, **body})
 
 
-def _start_source(provider: Any, migration_id: str, name: str) -> Any:
-    from gpumigrate.flows.wiring import wait_ready
-    from gpumigrate.interfaces import HostSpec
-
+def _start_source(provider: Provider, migration_id: str, name: str) -> Host:
+    """The source host and its workload, started through the one launcher like any target."""
     host = provider.provision(HostSpec(name=name, provider="local", region="local-a"), migration_id=migration_id)
     host = provider.wait_ready(host, timeout_s=60)
-    argv = [
-        sys.executable,
-        "-m",
-        "gpumigrate.workloads.inference",
-        "--host",
-        host.address,
-        "--port",
-        str(host.ports["service"]),
-        "--agent-port",
-        str(host.ports["agent"]),
-        "--seed",
-        "0",
-        "--size",
-        "tiny",
-        "--device",
-        "cpu",
-        "--name",
-        name,
-    ]
-    provider.spawn(host, argv, name="workload")
-    wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
+    launch = WorkloadLaunch(argv=tuple(ARGV), ready_timeout_s=READY_TIMEOUT_S)
+    host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
+    wait_http(service_url(host), path=launch.ready_path, timeout_s=launch.ready_timeout_s)
     return host
 
 
-def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
-    """Run the demo end to end; returns the result contract (requests/downtime from the load generator)."""
+def run_demo(*, fault: str | None = None, watch: Watch | None = None) -> MigrationResult:
+    """Run the demo end to end; returns the result contract (requests/downtime from the load generator).
+
+    ``watch(migration_id)`` is entered around the migration: the CLI's live view listens there.
+    """
     if fault is not None and fault not in FAULTS:
         raise InvalidInputError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
-    from gpumigrate.flows import prefect_env
-
-    prefect_env.configure(quiet_console=True)
-    from gpumigrate.flows.frontdoor import FrontDoor
-    from gpumigrate.flows.live import LiveView, PhaseLines
-    from gpumigrate.flows.report import merge_result
-    from gpumigrate.flows.run import create_migration, run_migration
-    from gpumigrate.infra import get_provider
-    from gpumigrate.state import Migration, new_migration_id
     from gpumigrate.traffic.loadgen import LoadProcess
-    from gpumigrate.transfer import generate_key
+    from gpumigrate.transfer.keys import generate_key
 
     mid = new_migration_id(WORKLOAD)
     suffix = mid.rsplit("-", 1)[-1]
@@ -167,7 +157,9 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
     key_file = mdir / "demo.key"
     atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
     provider = get_provider("local")
-    source = door = load = None
+    source: Host | None = None
+    door: FrontDoor | None = None
+    load: LoadProcess | None = None
     target_name = f"demo-b-{suffix}"
     try:
         source = _start_source(provider, mid, f"demo-a-{suffix}")
@@ -186,22 +178,20 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
         )
         plan_path = mdir / "demo-plan.yaml"
         atomic_write_bytes(plan_path, yaml.safe_dump(plan, sort_keys=False).encode())
-        create_migration(
+        ctx = RunContext.create(
             plan_path,
             migration_id=mid,
             resume=False,
-            runtime={"traffic_state_dir": str(mdir / "traffic"), "target_attached": True},
+            traffic_state_dir=str(mdir / "traffic"),
+            target_attached=True,
         )
-        m = Migration.open(mid)
+        m = ctx.migration
         # Its own process: a load generator sharing this process's GIL with the flow would measure itself.
         load = LoadProcess(
             door.url + "/v1/generate", rps=DEMO_RPS, seconds=600, body={"prompt": "hello", "max_new_tokens": 4}
         )
         injector = FaultInjector(m, fault)
-        view = LiveView(mid, None, enabled=live)
-        lines = PhaseLines(mid)
-        progress = view.on_event if live else lines.on_event
-        with listening(mid, injector.on_event), listening(mid, progress), view:
+        with listening(mid, injector.on_event), watch(mid) if watch else contextlib.nullcontext():
             result = run_migration(mid)
         load.stop()
         report = load.wait(timeout_s=60)
@@ -221,20 +211,15 @@ def run_demo(*, fault: str | None = None, live: bool = True) -> MigrationResult:
             requests={"total": report.total, "failed": report.failed, "p50_ms": report.p50_ms, "p99_ms": report.p99_ms},
             downtime_ms=report.downtime_ms,
         )
-        from gpumigrate.flows.context import RunContext
-        from gpumigrate.flows.phases import write_outputs
-
-        result = write_outputs(RunContext.load(mid), status=result.status, error=result.error)
-        lines.summary(result)
-        return result
+        return write_outputs(m, status=result.status, error=result.error)
     finally:
         if load is not None:
             with contextlib.suppress(Exception):
                 load.kill()
-        _teardown(provider, mid, target_name, source, door)
+        _teardown(provider, mid, source, door)
 
 
-def _teardown(provider: Any, migration_id: str, target_name: str, source: Any, door: Any) -> None:
+def _teardown(provider: Provider, migration_id: str, source: Host | None, door: FrontDoor | None) -> None:
     """Stop everything the demo started, even after a failure; never raises.
 
     Not an undo: the migration's record keeps its outcome; only the processes go away.
@@ -242,12 +227,9 @@ def _teardown(provider: Any, migration_id: str, target_name: str, source: Any, d
     if door is not None:
         door.stop()
     with contextlib.suppress(Exception):
-        from gpumigrate.flows.context import RunContext
-        from gpumigrate.flows.wiring import terminate_target
-
-        ctx = RunContext.load(migration_id)
-        if ctx.get("target_host"):
-            terminate_target(ctx)
+        target = RunContext.load(migration_id).runtime.target_host
+        if target is not None:
+            provider.terminate(target)
     if source is not None:
         with contextlib.suppress(Exception):
             provider.terminate(source)

@@ -1,8 +1,9 @@
 """The migrate flow: one Prefect flow, one task per phase, undo registered in transactions.
 
-Each task is a thin shell around :mod:`gpumigrate.flows.phases` (plain functions the CLI and tests
-call without Prefect). A task skips a phase its state record marks completed (and still valid), so
-re-running a migration with the same id resumes. Two transactions carry the undo:
+Each task runs one phase module of :mod:`gpumigrate.flows.phases` (plain ``run(ctx)`` functions the
+CLI and tests call without Prefect) on the one :class:`RunContext` the flow loaded. A task skips a
+phase its state record marks completed (and still valid), so re-running a migration with the same id
+resumes. Two transactions carry the undo (:mod:`gpumigrate.flows.undo`):
 
 * the *target* transaction (provision → parity): on failure, the target is torn down and the source
   resumed (it never stays frozen);
@@ -15,23 +16,20 @@ Hooks are idempotent and never raise: a hook that raised would stop the hooks af
 
 from __future__ import annotations
 
-from gpumigrate.flows import prefect_env
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
 
-prefect_env.configure()
+from prefect import Task, flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State, TaskRun
+from prefect.flow_runs import pause_flow_run
+from prefect.transactions import Transaction, transaction
+from pydantic import BaseModel
 
-import os  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Literal  # noqa: E402
-
-from prefect import flow, get_run_logger, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.flow_runs import pause_flow_run  # noqa: E402
-from prefect.transactions import Transaction, transaction  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
-
-from gpumigrate.errors import (  # noqa: E402
+from gpumigrate.errors import (
     DecryptionError,
     GpumigrateError,
     InvalidInputError,
@@ -39,29 +37,46 @@ from gpumigrate.errors import (  # noqa: E402
     PolicyDeniedError,
     RolledBackError,
 )
-from gpumigrate.flows import phases, prefect_artifacts  # noqa: E402
-from gpumigrate.flows.context import RunContext  # noqa: E402
-from gpumigrate.flows.events import emit, notify  # noqa: E402
-from gpumigrate.flows.report import merge_result  # noqa: E402
+from gpumigrate.flows import prefect_artifacts, prefect_env
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
+from gpumigrate.flows.report import merge_result, write_outputs
+from gpumigrate.flows.undo import undo_all, undo_source, undo_traffic
+from gpumigrate.infra.launch import answers
+from gpumigrate.result import MigrationResult
+from gpumigrate.state import PHASES
 
-PhaseFn = Callable[[RunContext], dict[str, Any]]
+Phase = Callable[[RunContext], dict[str, Any]]
 
 
-def run_phase(migration_id: str, name: str, fn: PhaseFn) -> dict[str, Any]:
+def still_valid(ctx: RunContext, name: str) -> bool:
+    """A completed phase is skipped on resume unless the world it left is gone (a dead target)."""
+    if name in ("provision", "restore"):
+        endpoint = ctx.runtime.target_endpoint
+        if not endpoint or not answers(endpoint, path=ctx.plan.workload.health_path):
+            for later in PHASES[PHASES.index("provision") :]:
+                if ctx.migration.phase(later).get("status") == "completed":
+                    ctx.migration.set_phase(later, "pending")
+            notify(ctx.migration.id, "phase.provision.invalid", {"reason": "target not answering"})
+            return False
+    return True
+
+
+def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     """Run one phase unless the state record says it is done and still valid; record the outcome."""
-    ctx = RunContext.load(migration_id)
     m = ctx.migration
     done = m.phase(name)
-    if done.get("status") in ("completed", "skipped") and phases.still_valid(ctx, name):
+    if done.get("status") in ("completed", "skipped") and still_valid(ctx, name):
         notify(m.id, f"phase.{name}.skipped", done.get("result") or {})
-        return done.get("result") or {}
+        return dict(done.get("result") or {})
     requested = m.rollback_requested()
     if requested and name != "finalize":
         raise RolledBackError(f"rollback requested by {requested.get('actor')}: {requested.get('reason')}")
     notify(m.id, f"phase.{name}.started", {})
     try:
         with m.running_phase(name) as result:
-            result.update(fn(ctx))
+            result.update(phase(ctx))
     except BaseException as exc:
         notify(m.id, f"phase.{name}.failed", {"error": str(exc)[:300]})
         raise
@@ -69,7 +84,7 @@ def run_phase(migration_id: str, name: str, fn: PhaseFn) -> dict[str, Any]:
     return result
 
 
-def _transient(task: Any, task_run: Any, state: Any) -> bool:
+def _transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Retry only what a retry can fix: a decision (policy, bad input, wrong key, rollback) stays made."""
     exc = state.data if isinstance(state.data, BaseException) else None
     return not isinstance(exc, (PolicyDeniedError, InvalidInputError, RolledBackError, DecryptionError))
@@ -81,74 +96,79 @@ def _task_opts(**kw: Any) -> dict[str, Any]:
     return {"cache_policy": NO_CACHE, "persist_result": False, **kw}
 
 
+def _ctx(txn: Transaction) -> RunContext:
+    ctx: RunContext = txn.get("ctx")
+    return ctx
+
+
 # Read-only checks: safe to retry.
 @task(name="preflight", **_task_opts(retries=1, retry_delay_seconds=1))
-def preflight_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "preflight", phases.preflight)
+def preflight_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "preflight", preflight.run)
 
 
 # Providers are idempotent per migration id: a retry finds the host already launched.
 @task(name="provision", **_task_opts(retries=1, retry_delay_seconds=2))
-def provision_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "provision", phases.provision)
+def provision_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "provision", provision.run)
 
 
 @provision_task.on_rollback
 def _undo_provision(txn: Transaction) -> None:
-    phases.undo_target(txn.get("migration_id"), reason=txn.get("reason", "migration failed"))
+    undo_all(_ctx(txn), reason=txn.get("reason", "migration failed"))
 
 
 # Not retried: a retry after freeze would pre-copy a frozen workload. The undo resumes the source.
 @task(name="snapshot", **_task_opts())
-def snapshot_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "snapshot", phases.snapshot)
+def snapshot_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "snapshot", snapshot.run)
 
 
 @snapshot_task.on_rollback
 def _undo_snapshot(txn: Transaction) -> None:
-    phases.undo_source(txn.get("migration_id"))
+    undo_source(_ctx(txn))
 
 
 # Resumable by design: only chunks missing at the destination move again.
 @task(name="transfer", **_task_opts(retries=2, retry_delay_seconds=1))
-def transfer_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "transfer", phases.transfer)
+def transfer_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "transfer", transfer.run)
 
 
 @task(name="restore", **_task_opts(retries=1, retry_delay_seconds=1))
-def restore_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "restore", phases.restore)
+def restore_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "restore", restore.run)
 
 
 @task(name="parity", **_task_opts())
-def parity_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "parity", phases.parity)
+def parity_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "parity", parity.run)
 
 
 @task(name="hold-target", **_task_opts())
-def hold_target_task(migration_id: str) -> dict[str, Any]:
+def hold_target_task(ctx: RunContext) -> dict[str, Any]:
     """Inside the traffic transaction, so that its undo (tear the target down) runs after traffic's."""
-    return {"target": RunContext.load(migration_id).get("target_endpoint")}
+    return {"target": ctx.runtime.target_endpoint}
 
 
 @hold_target_task.on_rollback
 def _undo_hold_target(txn: Transaction) -> None:
-    phases.undo_target(txn.get("migration_id"), reason=txn.get("reason", "ramp failed"))
+    undo_all(_ctx(txn), reason=txn.get("reason", "ramp failed"))
 
 
 @task(name="ramp", **_task_opts())
-def ramp_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "ramp", phases.ramp)
+def ramp_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "ramp", ramp.run)
 
 
 @ramp_task.on_rollback
 def _undo_ramp(txn: Transaction) -> None:
-    phases.undo_traffic(txn.get("migration_id"), reason=txn.get("reason", "ramp failed"))
+    undo_traffic(_ctx(txn), reason=txn.get("reason", "ramp failed"))
 
 
 @task(name="finalize", **_task_opts(retries=1, retry_delay_seconds=1))
-def finalize_task(migration_id: str) -> dict[str, Any]:
-    return run_phase(migration_id, "finalize", phases.finalize)
+def finalize_task(ctx: RunContext) -> dict[str, Any]:
+    return run_phase(ctx, "finalize", finalize.run)
 
 
 class GateDecision(BaseModel):
@@ -185,73 +205,67 @@ def migrate_flow(
     From the CLI: ``migration_id`` of a created migration. From the deployment (UI, cost-move):
     ``plan_path`` (and optionally an id: an existing id resumes).
     """
+    prefect_env.configure()  # a worker imported this module: no analytics, whatever its environment says
     if plan_path:
-        from gpumigrate.flows.run import create_migration
-        from gpumigrate.state import Migration
-
-        exists = bool(migration_id) and Migration(migration_id).exists
-        migration_id = create_migration(plan_path, migration_id=migration_id, resume=exists)
-    if not migration_id:
+        ctx = RunContext.create(plan_path, migration_id=migration_id, resume=None)
+    elif migration_id:
+        ctx = RunContext.load(migration_id)
+    else:
         raise InvalidInputError("give migration_id (an existing migration) or plan_path (a new one)")
-    ctx = RunContext.load(migration_id)
+    return run_flow(ctx, gate_timeout_s=gate_timeout_s).model_dump(mode="json")
+
+
+def run_flow(ctx: RunContext, *, gate_timeout_s: int) -> MigrationResult:
+    """The phases in order inside their two transactions; whatever happens, a result and a safe source."""
     m = ctx.migration
     m.update(status="running", flow_run_id=_flow_run_id())
     # Who runs this migration: the rollback path asks whether this process still acts on requests.
-    ctx.put(flow_pid=os.getpid(), flow_host=os.uname().nodename)
+    ctx.update(flow_pid=os.getpid(), flow_host=os.uname().nodename)
     started = time.monotonic()
     status, error = "completed", None
     try:
-        preflight_task(migration_id)
+        preflight_task(ctx)
         with transaction() as txn:
-            txn.set("migration_id", migration_id)
-            provision_task(migration_id)
-            snapshot_task(migration_id)
-            transfer_task(migration_id)
-            restore_task(migration_id)
-            parity_task(migration_id)
+            txn.set("ctx", ctx)
+            provision_task(ctx)
+            snapshot_task(ctx)
+            transfer_task(ctx)
+            restore_task(ctx)
+            parity_task(ctx)
         if ctx.plan.traffic.manual_gate and m.phase("ramp").get("status") != "completed":
             decision = manual_gate(ctx, timeout_s=gate_timeout_s)
             if decision.action == "roll back":
                 m.request_rollback(decision.reason or "rolled back at the manual gate")
-                phases.undo_all(migration_id, reason="rolled back at the manual gate")
+                undo_all(ctx, reason="rolled back at the manual gate")
                 raise RolledBackError(decision.reason or "rolled back at the manual gate")
         with transaction() as txn:
-            txn.set("migration_id", migration_id)
-            hold_target_task(migration_id)
-            ramp_task(migration_id)
-        finalize_task(migration_id)
+            txn.set("ctx", ctx)
+            hold_target_task(ctx)
+            ramp_task(ctx)
+        finalize_task(ctx)
     except PolicyDeniedError as exc:
         status, error = ("denied" if m.phase("provision").get("status") == "pending" else "rolled_back"), str(exc)
     except (RolledBackError, ParityError) as exc:
         status, error = "rolled_back", str(exc)
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
-        merge_result(
-            m,
-            rollback={
-                "triggered": True,
-                "reason": reason[:300],
-                "seconds_to_detect": getattr(exc, "seconds_to_detect", None),
-            },
-        )
+        detect = exc.seconds_to_detect if isinstance(exc, RolledBackError) else None
+        merge_result(m, rollback={"triggered": True, "reason": reason[:300], "seconds_to_detect": detect})
     except GpumigrateError as exc:
         status, error = "failed", str(exc)
     except Exception as exc:  # a library bug must still leave a result and a safe source
         status, error = "failed", f"unexpected {type(exc).__name__}: {exc}"
-        phases.undo_all(migration_id, reason=error)
+        undo_all(ctx, reason=error)
     if status == "completed":
         merge_result(m, rollback={"triggered": False})
     m.update(status=status, seconds=round(time.monotonic() - started, 3))
-    if status != "completed":
-        emit(m, f"migration.{status}", {"error": (error or "")[:500]})
-    else:
-        emit(m, "migration.completed", {})
-    result = phases.write_outputs(ctx, status=status, error=error)
-    prefect_artifacts.publish(ctx, result)
+    emit(m, f"migration.{status}", {"error": (error or "")[:500]} if status != "completed" else {})
+    result = write_outputs(m, status=status, error=error)
+    prefect_artifacts.publish(m, result)
     try:
-        get_run_logger().info("migration %s %s", migration_id, status)
+        get_run_logger().info("migration %s %s", m.id, status)
     except Exception:
         pass
-    return result.model_dump(mode="json")
+    return result
 
 
 def _flow_run_id() -> str | None:

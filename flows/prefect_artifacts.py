@@ -10,9 +10,10 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from uuid import UUID
 
 from gpumigrate.result import MigrationResult
+from gpumigrate.state import Migration
 
 _log = logging.getLogger("gpumigrate.flows")
 
@@ -29,7 +30,7 @@ def _key(migration_id: str, what: str) -> str:
     return f"{what}-{safe}"[:100]
 
 
-def publish(ctx: Any, result: MigrationResult) -> None:
+def publish(m: Migration, result: MigrationResult) -> None:
     if not _in_run():
         return
     try:
@@ -37,7 +38,6 @@ def publish(ctx: Any, result: MigrationResult) -> None:
 
         from gpumigrate.flows.report import phase_rows, summary_markdown
 
-        m = ctx.migration
         create_markdown_artifact(
             markdown=summary_markdown(m, result),
             key=_key(m.id, "summary"),
@@ -58,7 +58,7 @@ class Progress:
     """A Prefect progress artifact fed from any thread; updates at most every ``min_interval_s``."""
 
     def __init__(self, description: str, *, min_interval_s: float = 0.5) -> None:
-        self._id = None
+        self._id: UUID | None = None
         self._last = 0.0
         self._lock = threading.Lock()
         self._min = min_interval_s
@@ -67,7 +67,8 @@ class Progress:
         try:
             from prefect.artifacts import create_progress_artifact
 
-            self._id = create_progress_artifact(progress=0.0, description=description)
+            made = create_progress_artifact(progress=0.0, description=description)
+            self._id = made if isinstance(made, UUID) else None  # called outside an event loop: the id itself
         except Exception:
             _log.warning("could not create a progress artifact", exc_info=True)
 

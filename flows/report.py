@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from gpumigrate.atomic import atomic_write_bytes
+from gpumigrate.atomic import atomic_write_bytes, atomic_write_json
 from gpumigrate.result import (
     Bytes,
     MigrationResult,
@@ -22,6 +22,8 @@ from gpumigrate.result import (
 )
 from gpumigrate.state import PHASES, Migration
 
+FinalStatus = Literal["completed", "rolled_back", "denied", "failed"]
+FINAL_STATUSES: tuple[FinalStatus, ...] = ("completed", "rolled_back", "denied", "failed")
 Sample = dict[str, Any]  # {"t": s since ramp start, "weight": %, "error_rate": 0..1, "p99_ms": ms | None}
 
 
@@ -70,11 +72,9 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
     phases = state.get("phases", {})
     res = state.get("result", {})
     final_status = status or state.get("status")
-    if final_status not in ("completed", "rolled_back", "denied", "failed"):
-        final_status = "failed"
     return MigrationResult(
         migration_id=migration.id,
-        status=final_status,
+        status=_final(final_status),
         phases={
             n: PhaseResult(status=p.get("status", "pending"), seconds=p.get("seconds"))
             for n, p in phases.items()
@@ -89,6 +89,14 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
         report=res.get("report"),
         chart=res.get("chart"),
     )
+
+
+def _final(status: str | None) -> FinalStatus:
+    """A migration that ended otherwise (still running, paused: its process died) is reported failed."""
+    for known in FINAL_STATUSES:
+        if status == known:
+            return known
+    return "failed"
 
 
 def merge_result(migration: Migration, **sections: Any) -> None:
@@ -165,3 +173,13 @@ def write_report(migration: Migration, result: MigrationResult) -> Path:
     path = migration.artifacts / "report.md"
     atomic_write_bytes(path, summary_markdown(migration, result).encode())
     return path
+
+
+def write_outputs(migration: Migration, *, status: str, error: str | None) -> MigrationResult:
+    """Report and result contract, written to the artifacts dir; the flow, the rollback and the CLI return it."""
+    result = build_result(migration, status=status, error=error)
+    merge_result(migration, report=str(write_report(migration, result)))
+    result = build_result(migration, status=status, error=error)
+    write_report(migration, result)
+    atomic_write_json(migration.artifacts / "result.json", result.model_dump(mode="json"))
+    return result

@@ -8,32 +8,30 @@ source in one update, then the target torn down, then the source's agent resumed
 
 from __future__ import annotations
 
+import os
+import time
+from typing import Any
+from uuid import UUID
+
+from prefect import flow
+
+from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError
 from gpumigrate.flows import prefect_env
-
-prefect_env.configure()
-
-import os  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-from prefect import flow  # noqa: E402
-
-from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError  # noqa: E402
-from gpumigrate.flows import phases  # noqa: E402
-from gpumigrate.flows.context import RunContext  # noqa: E402
-from gpumigrate.flows.events import emit  # noqa: E402
-from gpumigrate.flows.report import merge_result  # noqa: E402
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.events import emit
+from gpumigrate.flows.report import merge_result, write_outputs
+from gpumigrate.flows.undo import undo_all
 
 
 def _flow_alive(ctx: RunContext) -> bool | None:
     """Is the process running this migration's flow alive? None when it ran on another host (unknown)."""
-    pid = ctx.get("flow_pid")
-    if not pid:
+    rt = ctx.runtime
+    if not rt.flow_pid:
         return False
-    if ctx.get("flow_host") != os.uname().nodename:
+    if rt.flow_host != os.uname().nodename:
         return None
     try:
-        os.kill(int(pid), 0)
+        os.kill(rt.flow_pid, 0)
     except (ProcessLookupError, PermissionError, ValueError):
         return False
     return True
@@ -46,7 +44,7 @@ def _answer_gate(flow_run_id: str | None, reason: str) -> None:
     try:
         from prefect.flow_runs import resume_flow_run
 
-        resume_flow_run(flow_run_id, run_input={"action": "roll back", "reason": reason[:300]})
+        resume_flow_run(UUID(flow_run_id), run_input={"action": "roll back", "reason": reason[:300]})
     except Exception:  # not paused any more, or another API: the request file still stands
         pass
 
@@ -67,13 +65,13 @@ def rollback_migration(
             "how": "denied before anything moved: nothing to undo",
             "exit_code": EXIT_OK,
         }
-    if status == "completed" and ctx.get("source_zeroized"):
+    if status == "completed" and ctx.runtime.source_zeroized:
         raise InvalidInputError(
             f"migration {m.id} cut over and its source was zeroized (retired): there is nothing to roll back to; "
             "migrate back with a new plan instead"
         )
     if status == "completed":
-        deadline = ctx.get("rollback_deadline")
+        deadline = ctx.runtime.rollback_deadline
         if deadline is not None and time.time() > deadline:
             raise InvalidInputError(
                 f"migration {m.id} cut over and its rollback window ({plan.traffic.rollback_window_s:.0f}s) is over: "
@@ -100,11 +98,11 @@ def rollback_migration(
             }
         # Its flow ran on another host and did not act within the wait: treat it as gone.
     # No flow is acting on it (it ended, or its process died): undo here, in the same order.
-    phases.undo_all(migration_id, reason=reason)
+    undo_all(ctx, reason=reason)
     m.update(status="rolled_back")
     merge_result(m, rollback={"triggered": True, "reason": reason[:300]})
     emit(m, "rollback.completed", {"reason": reason[:300], "after": status}, actor=actor)
-    phases.write_outputs(ctx, status="rolled_back", error=f"rolled back: {reason}")
+    write_outputs(m, status="rolled_back", error=f"rolled back: {reason}")
     return {
         "migration_id": m.id,
         "status": "rolled_back",
@@ -116,4 +114,5 @@ def rollback_migration(
 @flow(name="rollback", flow_run_name="rollback-{migration_id}", persist_result=False)
 def rollback_flow(migration_id: str, reason: str = "rollback requested from the Prefect UI") -> dict[str, Any]:
     """The rollback button: traffic to the source, the target torn down. Same path as the CLI."""
+    prefect_env.configure()  # a worker imported this module: no analytics, whatever its environment says
     return rollback_migration(migration_id, reason=reason)

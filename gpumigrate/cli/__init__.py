@@ -26,6 +26,7 @@ from gpumigrate.cli import (
 )
 from gpumigrate.cli.output import fail
 from gpumigrate.errors import EXIT_FAILURE, GpumigrateError
+from gpumigrate.flows import prefect_env
 
 app = typer.Typer(
     name="gpumigrate",
@@ -48,6 +49,9 @@ app.add_typer(snapshot_cmd.app, name="snapshot")
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Prefect's settings are read when it is first imported (lazily, by the commands that run flows):
+    # project-local PREFECT_HOME, no analytics, and its console quiet (the CLI prints its own progress).
+    prefect_env.configure(quiet_console=True)
     try:
         app(args=argv, standalone_mode=True)
     except GpumigrateError as exc:

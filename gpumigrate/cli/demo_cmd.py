@@ -25,9 +25,13 @@ def demo(
 
     Prints where the report and the ramp chart are. Exit 0 completed, 3 rolled back.
     """
+    from functools import partial
+
+    from gpumigrate.cli.live import summary, watching
     from gpumigrate.flows.demo import run_demo
 
-    result = run_demo(fault=fault, live=not no_live)
+    result = run_demo(fault=fault, watch=partial(watching, live=not no_live))
+    summary(result)
     if json_out:
         emit_json(result)
     raise typer.Exit(result.exit_code)

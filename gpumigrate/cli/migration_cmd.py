@@ -27,9 +27,14 @@ def migrate(
     json_out: bool = typer.Option(False, "--json", help="Print the result JSON as the last line of stdout."),
 ) -> None:
     """Run a migration as a Prefect flow (ephemeral API unless PREFECT_API_URL is set)."""
-    from gpumigrate.flows.run import run_migration_cli
+    from gpumigrate.cli.live import summary, watching
+    from gpumigrate.flows.context import RunContext
+    from gpumigrate.flows.run import run_migration
 
-    result = run_migration_cli(plan_file, migration_id=migration_id, resume=resume)
+    mid = RunContext.create(plan_file, migration_id=migration_id, resume=resume).migration.id
+    with watching(mid):
+        result = run_migration(mid)
+    summary(result)
     if json_out:
         emit_json(result)
     raise typer.Exit(result.exit_code)
@@ -41,9 +46,11 @@ def rollback(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Roll a migration back: traffic to the source, target torn down. Acts within one analysis interval."""
-    from gpumigrate.flows.run import rollback_cli
+    Migration.open(migration_id)  # a wrong id fails fast (exit 2), before Prefect starts
+    from gpumigrate.flows.rollback import rollback_flow
 
-    outcome = rollback_cli(migration_id, reason=reason)
+    # Through the rollback flow: the same path as the Prefect UI's button.
+    outcome = rollback_flow(migration_id=migration_id, reason=reason)
     console.print(f"migration {migration_id}: [bold]{outcome.get('status')}[/] ({outcome.get('how')})", soft_wrap=True)
     if json_out:
         emit_json(outcome)

@@ -109,3 +109,39 @@ def test_siblings_do_not_import_each_other(folder: str) -> None:
         for mod in _imports(path):
             for other in others:
                 assert not mod.startswith(f"gpumigrate.{other}"), f"{folder}/{path.name} imports {mod}"
+
+
+def test_flows_never_import_the_cli() -> None:
+    for path in (REPO / "flows").rglob("*.py"):
+        for mod in _imports(path):
+            assert not mod.startswith("gpumigrate.cli"), f"flows/{path.relative_to(REPO / 'flows')} imports {mod}"
+
+
+def test_no_import_circle_in_the_flows() -> None:
+    """Every import among flows' modules (function-level ones too) runs one way."""
+    modules = {
+        "gpumigrate.flows." + ".".join(p.relative_to(REPO / "flows").with_suffix("").parts): p
+        for p in (REPO / "flows").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    def imported(path: Path) -> set[str]:  # `from package import module` names the module too
+        found = _imports(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        return found
+
+    graph = {name: {m for m in imported(path) if m in modules and m != name} for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import circle: " + " -> ".join([*trail[trail.index(name) :], name]))
+        if name in done:
+            return
+        for nxt in sorted(graph[name]):
+            visit(nxt, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

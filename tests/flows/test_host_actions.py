@@ -1,34 +1,71 @@
-"""Host-level snapshot actions: the embedded default runs them in-process with clear refusals here."""
+"""Host-level snapshot actions: the embedded default runs them in-process, on this machine only."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from gpumigrate.errors import GpumigrateError, InvalidInputError
+from gpumigrate.errors import GpumigrateError, InvalidInputError, PolicyDeniedError
 
 
-def test_unknown_action_and_backend_are_refused() -> None:
+def test_unknown_action_and_backend_are_refused_before_any_host_is_asked() -> None:
     from gpumigrate.flows.host_actions import dispatch
 
     with pytest.raises(InvalidInputError, match="not one of"):
-        dispatch("local-a", "teleport", {"backend": "criu"})
+        dispatch("somewhere-else", "teleport", {"backend": "criu"})
     with pytest.raises(InvalidInputError, match="cuda-driver and criu"):
-        dispatch("local-a", "check", {"backend": "agent"})
+        dispatch("somewhere-else", "check", {"backend": "agent"})
 
 
 @pytest.mark.parametrize("backend", ["criu", "cuda-driver"])
 def test_check_runs_in_process_and_says_why_it_cannot(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No server, no host workers: the action runs here; on this machine (no GPU, CRIU < 4) it refuses
-    with a GpumigrateError naming the reason, or reports what it found where it can run."""
+    """No server, no host workers, the host is this machine: the action runs here; on this machine (no GPU,
+    CRIU < 4) it refuses with a GpumigrateError naming the reason, or reports what it found where it can run."""
     from gpumigrate.flows.host_actions import dispatch
 
     monkeypatch.delenv("GPUMIGRATE_HOST_WORKERS", raising=False)
     try:
-        out = dispatch("local-a", "check", {"backend": backend})
+        out = dispatch(socket.gethostname(), "check", {"backend": backend})
     except GpumigrateError as exc:
         assert str(exc) and "Traceback" not in str(exc)
     else:
         assert out  # a GPU machine with the driver API / a host with CRIU 4+ and its CUDA plugin
+
+
+def test_the_embedded_default_refuses_a_host_that_is_not_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumigrate.flows.host_actions import dispatch
+
+    monkeypatch.delenv("GPUMIGRATE_HOST_WORKERS", raising=False)
+    with pytest.raises(PolicyDeniedError, match="not this machine .* no host workers") as info:
+        dispatch("gpu-node-7", "checkpoint", {"backend": "criu", "pid": os.getpid(), "images_dir": "/tmp/x"})
+    assert info.value.exit_code == 2
+
+
+def test_the_embedded_default_refuses_a_pid_of_another_host(gm_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local host is up here, but the pid is not one of its processes: refused before anything acts on it."""
+    from gpumigrate.flows.host_actions import dispatch
+    from gpumigrate.infra.local import LocalProvider
+    from gpumigrate.interfaces import HostSpec
+
+    monkeypatch.delenv("GPUMIGRATE_HOST_WORKERS", raising=False)
+    provider = LocalProvider()
+    host = provider.provision(HostSpec("ha-a", "local", "local-a"), migration_id="ha")
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine = provider.spawn(host, [sys.executable, "-c", "import time; time.sleep(60)"], name="sleeper")
+        with pytest.raises(PolicyDeniedError, match=f"pid {stranger.pid} is not a process of local host ha-a"):
+            dispatch("ha-a", "resume", {"backend": "criu", "pid": stranger.pid})
+        assert stranger.poll() is None
+        # Its own process passes the check and reaches the backend (CRIU's resume: it runs, nothing to do).
+        assert dispatch("ha-a", "resume", {"backend": "criu", "pid": mine["pid"]}) == {"source": "running"}
+    finally:
+        stranger.kill()
+        provider.terminate(host)
 
 
 def test_deployment_names_follow_the_per_host_queues() -> None:

@@ -11,10 +11,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = "tiny-lm"
+MODEL = ("--seed", "0", "--size", "tiny", "--device", "cpu")  # the source's model; the target allocates the same
 SHARED: dict[str, Any] = {}  # the cut-over migration of the resume test, rolled back by the next test
 
 
@@ -57,12 +57,12 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def source(home: Path, prefect_api: str) -> Iterator[Source]:
+def source(home: Path, prefect_api: str, workload_launch: Callable[..., Any]) -> Iterator[Source]:
     from gpumigrate.atomic import atomic_write_bytes
-    from gpumigrate.flows.frontdoor import FrontDoor, default_dir
-    from gpumigrate.flows.wiring import wait_ready
     from gpumigrate.infra import get_provider
+    from gpumigrate.infra.launch import service_url, wait_http
     from gpumigrate.interfaces import HostSpec
+    from gpumigrate.traffic.frontdoor import FrontDoor, default_dir
     from gpumigrate.transfer import generate_key
 
     provider = get_provider("local")
@@ -71,30 +71,8 @@ def source(home: Path, prefect_api: str) -> Iterator[Source]:
     host = door = None
     try:
         host = provider.wait_ready(provider.provision(HostSpec("flows-src", "local", "local-a"), migration_id="tests"))
-        provider.spawn(
-            host,
-            [
-                sys.executable,
-                "-m",
-                "gpumigrate.workloads.inference",
-                "--host",
-                host.address,
-                "--port",
-                str(host.ports["service"]),
-                "--agent-port",
-                str(host.ports["agent"]),
-                "--seed",
-                "0",
-                "--size",
-                "tiny",
-                "--device",
-                "cpu",
-                "--name",
-                "flows-src",
-            ],
-            name="workload",
-        )
-        wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
+        host = provider.bootstrap(host, workload_launch("inference", *MODEL), timeout_s=120)
+        wait_http(service_url(host), path="/readyz", timeout_s=120)
         door = FrontDoor.start(
             default_dir(WORKLOAD), source_host=host.address, source_port=host.ports["service"], node_id="flows-envoy"
         )
@@ -118,6 +96,20 @@ def write_plan(src: Source, path: Path, *, target: str, manual_gate: bool = Fals
             "endpoint": src.endpoint,
             "agent": src.agent,
             "source_region": "local-a",
+            "launch": {
+                "argv": [
+                    "{python}",
+                    "-m",
+                    "gpumigrate.workloads.inference",
+                    "--host",
+                    "{host}",
+                    "--port",
+                    "{service_port}",
+                    "--name",
+                    "{name}",
+                    *MODEL,
+                ]
+            },
         },
         "target": {"provider": "local", "region": "local-b", "host": target},
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
@@ -310,11 +302,11 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
     """The flow pauses before any traffic moves; the operator answers "roll back" through Prefect."""
     from prefect.flow_runs import resume_flow_run
 
+    from gpumigrate.flows.context import RunContext
     from gpumigrate.flows.migrate import migrate_flow
-    from gpumigrate.flows.run import create_migration
 
     plan = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-gate", manual_gate=True)
-    mid = create_migration(plan, migration_id="flows-gate", resume=False)
+    mid = RunContext.create(plan, migration_id="flows-gate", resume=False).migration.id
     out: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid, gate_timeout_s=120)))
     runner.start()
@@ -344,15 +336,15 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
 def test_rollback_during_the_ramp_acts_within_an_interval(source: Source, prefect_api: str, tmp_path: Path) -> None:
     """`gpumigrate rollback` while the flow ramps: a request the ramp controller sees at its next interval;
     the flow's undo puts traffic back on the source and tears the target down."""
+    from gpumigrate.flows.context import RunContext
     from gpumigrate.flows.migrate import migrate_flow
     from gpumigrate.flows.rollback import rollback_flow
-    from gpumigrate.flows.run import create_migration
 
     plan_path = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-ramp")
     data = yaml.safe_load(plan_path.read_text())
     data["traffic"]["stages"] = [{"weight": 25, "hold_s": 30}, {"weight": 100, "hold_s": 1}]
     plan_path.write_text(yaml.safe_dump(data))
-    mid = create_migration(plan_path, migration_id="flows-ramp-rb", resume=False)
+    mid = RunContext.create(plan_path, migration_id="flows-ramp-rb", resume=False).migration.id
     out: dict[str, Any] = {}
     lp = load(source)
     runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid)))

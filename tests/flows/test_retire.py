@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,26 +16,28 @@ import yaml
 
 
 @pytest.fixture
-def cut_over(gm_home: Path) -> Iterator[dict[str, Any]]:
+def cut_over(gm_home: Path, workload_launch: Callable[..., Any]) -> Iterator[dict[str, Any]]:
     """A migration that cut over, whose source (a real inference server with its agent) is still warm."""
     from gpumigrate.flows.context import RunContext
     from gpumigrate.infra import get_provider
+    from gpumigrate.infra.launch import service_url, wait_http
     from gpumigrate.interfaces import HostSpec
     from gpumigrate.state import Migration
-    from gpumigrate.workloads.launch import start_inference
 
     provider = get_provider("local")
     host = provider.wait_ready(provider.provision(HostSpec("retire-src", "local", "local-a"), migration_id="retire"))
     try:
-        src = start_inference(provider, host, seed=0, size="tiny")
+        host = provider.bootstrap(host, workload_launch("inference", "--seed", "0", "--size", "tiny"), timeout_s=120)
+        url = service_url(host)
+        wait_http(url, path="/readyz", timeout_s=60)
         plan = {
             "version": 1,
             "workload": {
                 "name": "tiny-lm",
                 "kind": "inference",
                 "source_host": "retire-src",
-                "endpoint": src["url"],
-                "agent": f"{host.address}:{src['agent_port']}",
+                "endpoint": url,
+                "agent": f"{host.address}:{host.ports['agent']}",
             },
             "target": {"provider": "local", "region": "local-b", "host": "retire-tgt"},
             "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
@@ -43,8 +45,8 @@ def cut_over(gm_home: Path) -> Iterator[dict[str, Any]]:
         }
         m = Migration.create("m-retire", yaml.safe_dump(plan))
         m.update(status="completed")
-        RunContext.load(m.id).put(rollback_deadline=time.time() + 3600)
-        yield {"migration": m, "url": src["url"]}
+        RunContext.load(m.id).update(rollback_deadline=time.time() + 3600)
+        yield {"migration": m, "url": url}
     finally:
         provider.terminate(host)
 
@@ -66,7 +68,7 @@ def test_retire_waits_for_the_window_then_zeroizes(cut_over: dict[str, Any], cli
     assert "rollback window" in early.stderr and "Traceback" not in early.stderr
     assert httpx.get(url + "/v1/info", timeout=10).json()["weights_digest"] == before  # untouched
 
-    RunContext.load(m.id).put(rollback_deadline=time.time() - 1)  # the window is over
+    RunContext.load(m.id).update(rollback_deadline=time.time() - 1)  # the window is over
     done = subprocess.run([*cli_cmd, "retire", m.id, "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["source"] == "retired"

@@ -2,26 +2,27 @@
 
 ``PhaseLines`` prints one line per phase change (``gpumigrate migrate``); ``LiveView`` redraws a
 table of phases, the ramp's weight and gate verdicts, and the load generator's figures
-(``gpumigrate demo``). Both only read events; a view that fails never touches the migration.
+(``gpumigrate demo``); :func:`summary` prints the outcome. They only read events; a view that fails
+never touches the migration. :func:`watching` is what the commands hand the flows.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpumigrate.cli.output import console
+from gpumigrate.flows.events import listening
 from gpumigrate.result import MigrationResult
 from gpumigrate.state import PHASES
-
-# Human output goes to stderr so that a --json result stays alone on stdout.
-console = Console(stderr=True, highlight=False)
 
 _STYLE = {"completed": "green", "running": "yellow", "failed": "red", "rolled_back": "magenta", "skipped": "cyan"}
 
@@ -48,47 +49,18 @@ class PhaseLines:
         elif event.startswith(("traffic.stage", "rollback.", "traffic.cutover", "traffic.gate")):
             console.print(f"          {event} {data}", soft_wrap=True)
 
-    def summary(self, result: MigrationResult) -> None:
-        color = {"completed": "green", "rolled_back": "magenta", "denied": "yellow"}.get(result.status, "red")
-        console.print(f"[bold {color}]{result.status}[/] migration {result.migration_id} (exit {result.exit_code})")
-        if result.error:
-            console.print(f"  {result.error}", soft_wrap=True)
-        rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
-        if rq.total is not None:
-            console.print(
-                f"  requests: {rq.total} total, {rq.failed} failed, p50 {rq.p50_ms} ms, p99 {rq.p99_ms} ms; "
-                f"downtime {result.downtime_ms} ms",
-                soft_wrap=True,
-            )
-        if by.image is not None:
-            console.print(f"  bytes: image {by.image:,}, sent {by.sent or 0:,}, stored {by.stored or 0:,}")
-        if pa.passed is not None:
-            console.print(
-                f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}"
-            )
-        if rb.triggered:
-            console.print(f"  rollback: {rb.reason} (detected in {rb.seconds_to_detect} s)", soft_wrap=True)
-        # soft_wrap: a path must stay on one line, copy-pasteable.
-        if result.report:
-            console.print(f"  report: {result.report}", soft_wrap=True, highlight=False)
-        if result.chart:
-            console.print(f"  chart:  {result.chart}", soft_wrap=True, highlight=False)
-
 
 class LiveView:
-    """A rich Live panel for the demo: phases, ramp, load. ``load_stats`` is polled on each redraw."""
+    """A rich Live panel for the demo: phases, pre-copy and transfer progress, the ramp, notable events."""
 
-    def __init__(
-        self, migration_id: str, load_stats: Callable[[], dict[str, Any]] | None = None, *, enabled: bool = True
-    ) -> None:
+    def __init__(self, migration_id: str) -> None:
         self.migration_id = migration_id
-        self.load_stats = load_stats
         self.phases: dict[str, str] = dict.fromkeys(PHASES, "pending")
         self.notes: dict[str, str] = {}
         self.ramp: dict[str, Any] = {}
         self.events: list[str] = []
         self._lock = threading.Lock()
-        self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False) if enabled else None
+        self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -128,38 +100,65 @@ class LiveView:
                     f"source {r.get('source_p99_ms') or 0:.1f} ms  verdict {r.get('verdict', '')}"
                 )
             )
-        if self.load_stats is not None:
-            try:
-                s = self.load_stats()
-                parts.append(
-                    Text(
-                        f"load: {s.get('total', 0)} requests, {s.get('failed', 0)} failed, "
-                        f"p99 {s.get('p99_ms') or 0:.1f} ms"
-                    )
-                )
-            except Exception:
-                pass
         parts += [Text(e, style="dim") for e in self.events]
         return Group(*parts)
 
     def __enter__(self) -> LiveView:
-        if self._live is not None:
-            self._live.start()
+        self._live.start()
 
-            def loop() -> None:
-                while not self._stop.wait(0.25):
-                    with self._lock:
-                        self._live.update(self._render())  # type: ignore[union-attr]
+        def loop() -> None:
+            while not self._stop.wait(0.25):
+                with self._lock:
+                    self._live.update(self._render())
 
-            self._thread = threading.Thread(target=loop, name="live-view", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=loop, name="live-view", daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
-        if self._live is not None:
-            with self._lock:
-                self._live.update(self._render())
-            self._live.stop()
+        with self._lock:
+            self._live.update(self._render())
+        self._live.stop()
+
+
+def summary(result: MigrationResult) -> None:
+    """The outcome in a few lines: status, requests, bytes, parity, rollback, where the report is."""
+    color = {"completed": "green", "rolled_back": "magenta", "denied": "yellow"}.get(result.status, "red")
+    console.print(f"[bold {color}]{result.status}[/] migration {result.migration_id} (exit {result.exit_code})")
+    if result.error:
+        console.print(f"  {result.error}", soft_wrap=True)
+    rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
+    if rq.total is not None:
+        console.print(
+            f"  requests: {rq.total} total, {rq.failed} failed, p50 {rq.p50_ms} ms, p99 {rq.p99_ms} ms; "
+            f"downtime {result.downtime_ms} ms",
+            soft_wrap=True,
+        )
+    if by.image is not None:
+        console.print(f"  bytes: image {by.image:,}, sent {by.sent or 0:,}, stored {by.stored or 0:,}")
+    if pa.passed is not None:
+        console.print(
+            f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}"
+        )
+    if rb.triggered:
+        console.print(f"  rollback: {rb.reason} (detected in {rb.seconds_to_detect} s)", soft_wrap=True)
+    # soft_wrap: a path must stay on one line, copy-pasteable.
+    if result.report:
+        console.print(f"  report: {result.report}", soft_wrap=True, highlight=False)
+    if result.chart:
+        console.print(f"  chart:  {result.chart}", soft_wrap=True, highlight=False)
+
+
+@contextmanager
+def watching(migration_id: str, *, live: bool = False) -> Iterator[None]:
+    """A view of ``migration_id``'s events while the block runs: the live panel, or one line per phase."""
+    if not live:
+        with listening(migration_id, PhaseLines(migration_id).on_event):
+            yield
+        return
+    view = LiveView(migration_id)
+    with listening(migration_id, view.on_event), view:
+        yield

@@ -1,0 +1,135 @@
+"""Ramp: the target beside the source behind the front door, then the plan's stages under live gates.
+
+The decision of each interval is the traffic library's ramp controller (stages, gates, rollback on
+a failed gate or a rollback request); this phase hands it what it needs from the migration — the
+front door, the plan's stages and gates, parity probes judged by the parity library's comparator
+(traffic never imports parity), the rollback signal — and records what it decided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpumigrate.errors import RolledBackError
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.prefect_artifacts import Progress
+from gpumigrate.flows.report import Sample, merge_result, ramp_chart
+from gpumigrate.interfaces import OutputComparator, ParityReport
+from gpumigrate.parity.comparator import ToleranceComparator
+from gpumigrate.parity.output import load_golden
+from gpumigrate.traffic import frontdoor
+from gpumigrate.traffic.probes import Prober
+from gpumigrate.traffic.ramp import RampController, RampResult, RampSettings
+from gpumigrate.traffic.ramp import Sample as Interval
+
+PROBE_CASES = 2  # golden inputs sent through Envoy to each side every interval: a few are enough
+SAMPLES_KEPT = 2000
+
+
+def run(ctx: RunContext) -> dict[str, Any]:
+    m = ctx.migration
+    result = _drive(ctx)
+    samples = [flatten(s.to_json()) for s in result.samples]
+    if result.status != "completed":  # the chart shows the weight falling back to the source
+        samples.append(
+            {"t": round(result.seconds, 3), "weight": 0.0, "verdict": "rolled_back", "reason": result.reason}
+        )
+    ctx.update(ramp_samples=samples[-SAMPLES_KEPT:])
+    chart = ramp_chart(samples, m.artifacts / "ramp.png", title=f"migration {m.id}")
+    if chart:
+        merge_result(m, chart=str(chart))
+    if result.status != "completed":
+        reason = result.reason or "a gate failed"
+        detail = {"reason": reason[:300], "trigger": result.trigger, "seconds_to_detect": result.seconds_to_detect}
+        emit(m, "traffic.rolled_back", {**detail, "applied_s": result.rollback_applied_s})
+        emit(m, f"rollback.{'manual' if result.trigger == 'manual' else 'automatic'}", detail)
+        raise RolledBackError(reason, seconds_to_detect=result.seconds_to_detect)
+    emit(m, "traffic.cutover", {"weight": 100})
+    return {"stages": len(result.stages), "intervals": len(samples)}
+
+
+def _drive(ctx: RunContext) -> RampResult:
+    m, plan = ctx.migration, ctx.plan
+    state_dir = ctx.traffic_dir()
+    door = frontdoor.read(state_dir)
+    endpoint = ctx.target_endpoint()
+    target = urlsplit(endpoint)
+    frontdoor.add_target(state_dir, target.hostname or "127.0.0.1", target.port or 80, nodes=door.nodes)
+    emit(m, "traffic.target_added", {"upstream": frontdoor.TARGET, "endpoint": endpoint, "weight": 0})
+    progress = Progress(f"traffic ramp of {m.id}")
+    stages = [s.weight for s in plan.traffic.stages]
+    last_weight = [0.0]
+
+    def on_interval(sample: Interval) -> None:
+        flat = flatten(sample.to_json())
+        notify(m.id, "traffic.interval", flat)
+        weight = float(flat.get("weight") or 0)
+        if weight != last_weight[0]:
+            last_weight[0] = weight
+            emit(m, "traffic.stage", {"weight": weight, "stage": flat.get("stage")})
+        progress.update(100.0 * sum(1 for s in stages if s <= weight) / len(stages))
+
+    controller = RampController(
+        state_dir,
+        door.admin_urls,
+        RampSettings.from_plan(plan.traffic),
+        nodes=door.nodes,
+        source=frontdoor.SOURCE,
+        target=frontdoor.TARGET,
+        prober=_prober(ctx, door.listener),
+        rollback_signal=m.rollback_requested,
+        on_interval=on_interval,
+    )
+    result = controller.run()
+    progress.update(100.0, force=True)
+    return result
+
+
+def flatten(sample: Mapping[str, Any]) -> Sample:
+    """One interval as the chart and the live view want it."""
+    clusters = sample.get("clusters", {})
+    tgt, src = clusters.get(frontdoor.TARGET, {}), clusters.get(frontdoor.SOURCE, {})
+    analysis = sample.get("analysis", {})
+    return {
+        "t": sample.get("t"),
+        "weight": sample.get("weight"),
+        "stage": sample.get("stage"),
+        "error_rate": tgt.get("error_rate"),
+        "p99_ms": tgt.get("p99_ms"),
+        "rps": tgt.get("rps"),
+        "source_p99_ms": src.get("p99_ms"),
+        "source_rps": src.get("rps"),
+        "verdict": analysis.get("verdict"),
+        "reason": (analysis.get("reason") or "")[:200],
+    }
+
+
+class ProbeComparator:
+    """Adapts the parity comparator to live probes: the prober's rows are answers in input order, the
+    comparator wants each row to carry its golden case id. A comparator error is a failed round (never
+    a dead probe thread, which would leave every interval inconclusive)."""
+
+    def __init__(self, inner: OutputComparator) -> None:
+        self.inner = inner
+
+    def compare(self, source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> ParityReport:
+        src = [{**r, "id": f"probe-{i}"} for i, r in enumerate(source)]
+        tgt = [{**r, "id": f"probe-{i}"} for i, r in enumerate(target)]
+        try:
+            return self.inner.compare(src, tgt)
+        except Exception as exc:
+            return ParityReport(
+                passed=False, cases=len(src), max_abs_err=None, failures=(f"probe comparison failed: {exc}",)
+            )
+
+
+def _prober(ctx: RunContext, listener: str | None) -> Prober | None:
+    golden = ctx.golden_inputs()
+    if golden is None or not listener:
+        return None
+    inputs = [c.request for c in load_golden(golden)][:PROBE_CASES]
+    comparator = ProbeComparator(ToleranceComparator(atol=ctx.plan.parity.atol, rtol=ctx.plan.parity.rtol))
+    return Prober(listener, inputs, comparator, every_s=ctx.plan.traffic.analysis_interval_s)

@@ -1,0 +1,69 @@
+"""Snapshot: live pre-copy rounds while the source serves, then freeze, the final image, and (inference) resume.
+
+When to stop pre-copying is the one convergence rule (``snapshot/precopy.py``). The source is never
+left frozen: a failed final round resumes it before the error goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.report import merge_result
+from gpumigrate.flows.undo import undo_source
+from gpumigrate.interfaces import Round
+from gpumigrate.parity.urls import redact_url
+from gpumigrate.snapshot.precopy import converge
+
+
+def run(ctx: RunContext) -> dict[str, Any]:
+    m, plan = ctx.migration, ctx.plan
+    backend = ctx.backend()
+    parent = ctx.runtime.image  # a resumed migration ships only what changed since
+
+    def one_round() -> Round:
+        done = backend.precopy()
+        notify(m.id, "snapshot.precopy", {**asdict(done.stats), "image_id": done.image.id})
+        return done
+
+    rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
+    conv = converge(one_round, max_rounds=rounds, max_downtime_ms=plan.snapshot.max_downtime_ms)
+    t_freeze = time.monotonic()
+    backend.freeze()
+    ctx.update(source_frozen=True)
+    try:
+        image = backend.final()
+    except BaseException:
+        undo_source(ctx)
+        raise
+    frozen_ms = (time.monotonic() - t_freeze) * 1000
+    if plan.workload.kind == "inference":
+        # Weights are read-only: the source serves on while the target is restored and ramped.
+        backend.resume()
+        ctx.update(source_frozen=False)
+    ctx.update(image=image)
+    emit(
+        m,
+        "image.committed",
+        {
+            "backend": backend.name,
+            "image_id": image.id if image else None,
+            "store": redact_url(image.store) if image else None,
+            "parent": parent.id if parent else None,
+            "bytes_image": image.bytes_image if image else None,
+            "bytes_sent": image.bytes_sent if image else None,
+            "precopy_rounds": len(conv.rounds),
+            "converged": conv.reason,
+        },
+    )
+    if image is not None:
+        merge_result(m, bytes={"image": image.bytes_image, "stored": image.bytes_stored})
+    return {
+        "image_id": image.id if image else None,
+        "precopy_rounds": len(conv.rounds),
+        "frozen_ms": round(frozen_ms, 1),
+        "bytes_image": image.bytes_image if image else None,
+    }

@@ -1,0 +1,98 @@
+"""Undo, in the order that keeps users served: traffic to the source first, then the target, then the source runs.
+
+Every step is idempotent and never raises (a step that fails is logged and the next one still runs):
+they run from the migrate flow's transaction hooks, from the rollback flow, after a failed final
+snapshot, and from the CLI. Each records in the audit log what it did.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.events import emit
+from gpumigrate.state import PHASES, Migration
+from gpumigrate.traffic.frontdoor import traffic_to_source
+
+_log = logging.getLogger("gpumigrate.flows")
+T = TypeVar("T")
+
+
+def quietly(what: str, fn: Callable[[], T]) -> T | None:
+    """Run one undo step; a failure is logged, never raised (the steps after it must still run)."""
+    try:
+        return fn()
+    except Exception as exc:
+        _log.warning("undo step %s failed: %s", what, exc)
+        return None
+
+
+def _done(step: Callable[[], None]) -> bool:
+    """Run a step that returns nothing; True once it did (so that ``quietly`` tells success from failure)."""
+    step()
+    return True
+
+
+def failure_reason(m: Migration, default: str) -> str:
+    """Why we are undoing: the failed phase's error, else the rollback request, else ``default``."""
+    try:
+        for name in PHASES:
+            ph = m.phase(name)
+            if ph.get("status") == "failed" and (ph.get("result") or {}).get("error"):
+                return f"{name} failed: {ph['result']['error']}"[:300]
+        req = m.rollback_requested()
+        if req:
+            return f"rollback requested by {req.get('actor')}: {req.get('reason')}"[:300]
+    except Exception:
+        pass
+    return default
+
+
+def undo_traffic(ctx: RunContext, *, reason: str) -> None:
+    """All traffic back to the source in one update, if any ever went elsewhere."""
+    m = ctx.migration
+    reason = failure_reason(m, reason)
+    weights = quietly("traffic", lambda: traffic_to_source(ctx.traffic_dir(), reason))
+    if weights:
+        quietly("record", lambda: emit(m, "traffic.rolled_back", {"reason": reason[:300], "weights": weights}))
+        quietly("state", lambda: m.set_phase("ramp", "rolled_back"))
+
+
+def undo_source(ctx: RunContext) -> None:
+    """The source runs again (a snapshot may have left it frozen). Idempotent."""
+    backend = quietly("backend", ctx.backend)
+    if backend is not None and quietly("resume", lambda: _done(backend.resume)):
+        quietly("state", lambda: ctx.update(source_frozen=False))
+        quietly("record", lambda: emit(ctx.migration, "rollback.source_resumed", {"backend": backend.name}))
+
+
+def undo_target(ctx: RunContext, *, reason: str) -> None:
+    """What a restore started on the target stops, then the target host is torn down."""
+    m = ctx.migration
+    reason = failure_reason(m, reason)
+    rt = quietly("runtime", lambda: ctx.runtime)
+    host = rt.target_host if rt is not None and not rt.target_torn_down else None
+    if host is not None:
+        backend = quietly("backend", ctx.backend)
+        if backend is not None:
+            quietly("discard", backend.discard)
+        if quietly("terminate", lambda: _done(lambda: ctx.provider().terminate(host))):
+            quietly("state", lambda: ctx.update(target_torn_down=True))
+            quietly("record", lambda: emit(m, "rollback.target_torn_down", {"host": host.name, "reason": reason}))
+    for name in PHASES[PHASES.index("provision") :]:
+        quietly("state", partial(_mark_rolled_back, m, name))
+
+
+def _mark_rolled_back(m: Migration, phase: str) -> None:
+    if m.phase(phase).get("status") in ("completed", "running", "failed"):
+        m.set_phase(phase, "rolled_back")
+
+
+def undo_all(ctx: RunContext, *, reason: str) -> None:
+    """Traffic to the source, the target torn down, the source running: the whole rollback, in that order."""
+    undo_traffic(ctx, reason=reason)
+    undo_target(ctx, reason=reason)
+    undo_source(ctx)

@@ -1,0 +1,405 @@
+"""The phases as plain functions, with fakes of the siblings' Protocols (Provider, SnapshotBackend, HostActions).
+
+No Prefect, no Envoy, no model: each test drives one phase (or the undo) against a fake provider and
+a fake backend that record what they were asked, a real state record, and, where a phase asks a
+workload over HTTP, a small real HTTP server standing in for the workload. The real flow runs end to
+end in test_migrate.py and test_demo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpumigrate.environment import collect_facts
+from gpumigrate.errors import InvalidInputError, ResidencyError, SnapshotError
+from gpumigrate.flows.context import RunContext, Siblings
+from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
+from gpumigrate.flows.undo import undo_all, undo_source
+from gpumigrate.interfaces import Host, HostSpec, ImageRef, Jurisdiction, Restored, Round, RoundStats
+from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
+from gpumigrate.snapshot.backends import Setup, snapshot_backend
+from gpumigrate.traffic.state import DesiredState, StateStore, Upstream
+
+FACTS = collect_facts(with_torch=False)
+
+
+# ----------------------------------------------------------------------------- a workload over HTTP
+class Workload:
+    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        info_body = json.dumps(info).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                body = info_body if self.path == "/v1/info" else b"{}"
+                self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info") else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def source() -> Iterator[Workload]:
+    w = Workload({**FACTS, "pid": 4242, "seed": 7, "size": "tiny", "dtype": "float32", "device": "cpu"})
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def target() -> Iterator[Workload]:
+    w = Workload(FACTS)
+    yield w
+    w.stop()
+
+
+# ----------------------------------------------------------------------------- fakes of the siblings
+@dataclass
+class FakeProvider:
+    """A Provider whose target host is the ``target`` workload's address and port."""
+
+    target_port: int
+    calls: list[str] = field(default_factory=list)
+    launches: list[WorkloadLaunch] = field(default_factory=list)
+
+    name = "local"
+
+    def check_capacity(self, spec: HostSpec) -> dict[str, Any] | None:
+        self.calls.append("check_capacity")
+        return None
+
+    def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
+        self.calls.append("provision")
+        ports = {"service": self.target_port, "agent": 1}
+        return Host(spec.name, "local", spec.region, "127.0.0.1", ports=ports, workdir="/nonexistent/host")
+
+    def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host:
+        return host
+
+    def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
+        self.calls.append("bootstrap")
+        self.launches.append(launch)
+        return host
+
+    def terminate(self, host: Host) -> None:
+        self.calls.append(f"terminate {host.name}")
+
+    def jurisdiction(self, region: str) -> Jurisdiction:
+        return Jurisdiction("LOCAL", (), "test")
+
+    def price(self, spec: HostSpec) -> float:
+        return 0.0
+
+
+@dataclass
+class FakeBackend:
+    """A SnapshotBackend with scripted rounds; records every step."""
+
+    setup: Setup
+    dirty: list[int] = field(default_factory=lambda: [1000, 0])
+    fail_final: bool = False
+    needs_launch: bool = True
+    steps: list[str] = field(default_factory=list)
+
+    name = "fake"
+    live_rounds = True
+
+    def check(self) -> dict[str, Any]:
+        self.steps.append("check")
+        return {"start": 99, "nested": {"dropped": True}}
+
+    def precopy(self) -> Round:
+        n = len([s for s in self.steps if s == "precopy"]) + 1
+        self.steps.append("precopy")
+        stats = RoundStats(n, 10, 10 if n == 1 else 0, self.dirty[min(n, len(self.dirty)) - 1], 0.01)
+        return Round(stats, ImageRef(f"round-{n}", self.setup.store))
+
+    def freeze(self, lease_s: float | None = None) -> None:
+        self.steps.append("freeze")
+
+    def final(self) -> ImageRef:
+        self.steps.append("final")
+        if self.fail_final:
+            raise SnapshotError("the final round failed")
+        return ImageRef("final-image", self.setup.store, parent="round-2", bytes_image=4096, bytes_stored=100)
+
+    def resume(self) -> None:
+        self.steps.append("resume")
+
+    def retire(self) -> dict[str, Any]:
+        self.steps.append("retire")
+        return {"zeroized_bytes": 4096, "verified": True}
+
+    def preload(self, image: ImageRef) -> None:
+        self.steps.append(f"preload {image.id}")
+
+    def restore(self, image: ImageRef | None) -> Restored:
+        self.steps.append(f"restore {image.id if image else None}")
+        return Restored(image_id=image.id if image else "", seconds=0.1, pid=555, pid_start=777)
+
+    def discard(self) -> None:
+        self.steps.append("discard")
+
+
+@dataclass
+class World:
+    ctx: RunContext
+    provider: FakeProvider
+    backend: FakeBackend
+    setups: list[Setup]
+
+    def events(self) -> list[str]:
+        return [r["event"] for r in self.ctx.migration.audit.records()]
+
+    def data(self, event: str) -> dict[str, Any]:
+        return next(r["data"] for r in reversed(self.ctx.migration.audit.records()) if r["event"] == event)
+
+
+def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "workload": {
+            "name": "svc",
+            "kind": "inference",
+            "source_host": "src-host",
+            "endpoint": source.url,
+            "agent": "127.0.0.1:7070",
+            **workload,
+        },
+        "target": {"provider": "local", "region": "local-b", "host": "tgt"},
+        "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+        "snapshot": {"precopy_rounds": 5, "max_downtime_ms": 500},
+        "transfer": {"store": "file://store"},
+        "parity": {"environment": {"torch": "may_differ", "gpu_model": "may_differ"}},
+        "traffic": {"stages": [{"weight": 100, "hold_s": 0}], "rollback_window_s": 0},
+    }
+
+
+def make_world(tmp_path: Path, doc: dict[str, Any], target: Workload, **backend: Any) -> World:
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    provider = FakeProvider(target.port)
+    setups: list[Setup] = []
+    fake = FakeBackend(Setup(store="file://x"), **backend)
+
+    def make_backend(name: str, setup: Setup) -> Any:
+        setups.append(setup)
+        fake.setup = setup
+        return fake
+
+    def host_actions(host: str, action: str, params: Any) -> dict[str, Any]:
+        raise AssertionError("the fake backend never dispatches host actions")
+
+    siblings = Siblings(provider=lambda name, attached: provider, backend=make_backend, host_actions=host_actions)
+    ctx = RunContext.create(path, migration_id="m-unit", resume=False)
+    return World(replace(ctx, siblings=siblings), provider, fake, setups)
+
+
+WorldMaker = Callable[..., World]
+
+
+@pytest.fixture
+def world(gm_home: Path, tmp_path: Path, source: Workload, target: Workload) -> WorldMaker:
+    """``world(plan_doc=None, **backend)``: a migration of ``source`` to ``target`` with fake siblings."""
+
+    def make(doc: dict[str, Any] | None = None, **backend: Any) -> World:
+        return make_world(tmp_path, doc or plan_doc(source), target, **backend)
+
+    return make
+
+
+# ----------------------------------------------------------------------------- preflight
+def test_preflight_records_the_source_and_what_the_backend_found(world: WorldMaker) -> None:
+    w = world()
+    out = preflight.run(w.ctx)
+    assert out["residency"] == "allow" and out["environment"] == "match"
+    assert w.provider.calls == ["check_capacity"] and w.backend.steps == ["check"]
+    rt = w.ctx.runtime
+    assert rt.source_facts["pid"] == 4242 and rt.backend_facts == {"start": 99}  # scalars only
+    assert {"residency.allow", "infra.capacity.ok", "parity.environment.preflight", "snapshot.checked"} <= set(
+        w.events()
+    )
+
+
+def test_preflight_denied_by_residency_touches_nothing(world: WorldMaker, source: Workload) -> None:
+    doc = plan_doc(source)
+    doc["data"]["allowed_jurisdictions"] = ["EU"]
+    w = world(doc)
+    with pytest.raises(ResidencyError):
+        preflight.run(w.ctx)
+    assert w.provider.calls == [] and w.backend.steps == []
+
+
+def test_preflight_refuses_the_cuda_driver_backend_before_anything_moves(world: WorldMaker, source: Workload) -> None:
+    """cuda-driver resumes the source in place: parity and the ramp would compare the source with itself."""
+    doc = plan_doc(source)
+    doc["snapshot"]["backend"] = "cuda-driver"
+    w = world(doc)
+    asked: list[str] = []
+    real = replace(
+        w.ctx.siblings, backend=snapshot_backend, host_actions=lambda host, action, params: asked.append(action) or {}
+    )
+    with pytest.raises(InvalidInputError, match="no second endpoint") as info:
+        preflight.run(replace(w.ctx, siblings=real))
+    assert info.value.exit_code == 2 and asked == []  # nothing suspended, nothing asked of the source host
+
+
+# ----------------------------------------------------------------------------- provision
+def test_provision_starts_the_plans_launch_awaiting_the_restore(
+    world: WorldMaker, source: Workload, target: Workload, tmp_path: Path, gm_home: Path
+) -> None:
+    launch = {"argv": ["{python}", "serve.py", "--port", "{service_port}"], "cwd": "app"}
+    w = world(plan_doc(source, launch=launch))
+    out = provision.run(w.ctx)
+    assert w.provider.calls == ["check_capacity", "provision", "bootstrap"]
+    (started,) = w.provider.launches
+    assert started.argv == ("{python}", "serve.py", "--port", "{service_port}")
+    assert started.contract_env[AWAIT_RESTORE_ENV] == "1" and started.contract_env["GPUMIGRATE_HOME"] == str(gm_home)
+    assert started.plan_dir == str(tmp_path)
+    rt = w.ctx.runtime
+    assert rt.target_endpoint == target.url == out["endpoint"] and rt.target_agent == "127.0.0.1:1"
+    assert rt.target_host is not None and rt.target_host.name == "tgt"
+    assert rt.target_store == "file:///nonexistent/host/store"  # the target's own disk
+
+
+def test_provision_without_a_launch_starts_the_reference_server_like_the_source(
+    world: WorldMaker, source: Workload
+) -> None:
+    """Transitional (plans without workload.launch): the source's model shape, from its /v1/info."""
+    w = world()
+    w.ctx.update(source_facts={"seed": 7, "size": "tiny", "dtype": "float32", "device": "cpu"})
+    provision.run(w.ctx)
+    (started,) = w.provider.launches
+    assert started.argv[2] == "gpumigrate.workloads.inference" and "--seed" in started.argv
+    assert started.argv[started.argv.index("--seed") + 1] == "7"
+    assert started.contract_env[AWAIT_RESTORE_ENV] == "1"
+
+
+def test_provision_refuses_a_target_that_is_the_source_itself(world: WorldMaker, source: Workload) -> None:
+    # Restore brings the process up at the source's port, on the target's address: here the same one.
+    w = world(needs_launch=False)
+    with pytest.raises(InvalidInputError, match="source's own: parity and the ramp need two endpoints"):
+        provision.run(w.ctx)
+    assert "bootstrap" not in w.provider.calls
+
+
+# ----------------------------------------------------------------------------- snapshot
+def test_snapshot_converges_freezes_commits_and_resumes_an_inference_source(world: WorldMaker) -> None:
+    w = world()
+    out = snapshot.run(w.ctx)
+    assert w.backend.steps == ["precopy", "precopy", "freeze", "final", "resume"]  # round 2 dirtied nothing
+    assert out["image_id"] == "final-image" and out["precopy_rounds"] == 2
+    rt = w.ctx.runtime
+    assert rt.image is not None and rt.image.id == "final-image" and rt.source_frozen is False
+    assert w.data("image.committed")["converged"].startswith("dirty set fits")
+    assert w.ctx.migration.read()["result"]["bytes"] == {"image": 4096, "stored": 100}
+
+
+def test_a_failed_final_round_resumes_the_source_before_the_error_goes_on(world: WorldMaker) -> None:
+    w = world(fail_final=True)
+    with pytest.raises(SnapshotError, match="final round failed"):
+        snapshot.run(w.ctx)
+    assert w.backend.steps[-3:] == ["freeze", "final", "resume"]
+    assert w.ctx.runtime.source_frozen is False and "rollback.source_resumed" in w.events()
+
+
+# ----------------------------------------------------------------------------- transfer, restore, finalize
+def test_transfer_moves_nothing_when_the_state_stayed_in_the_process(world: WorldMaker) -> None:
+    w = world()
+    assert "in place" in transfer.run(w.ctx)["skipped"]
+
+
+def test_restore_keeps_the_restored_process_and_waits_for_ready(world: WorldMaker) -> None:
+    w = world()
+    provision.run(w.ctx)
+    w.ctx.update(image=ImageRef("final-image", "file://x"))
+    assert restore.run(w.ctx) == {"image_id": "final-image", "ready": True}
+    rt = w.ctx.runtime
+    assert (rt.target_pid, rt.target_pid_start) == (555, 777)
+    assert w.data("image.restored")["pid"] == 555
+    assert w.setups[-1].target_store == "file:///nonexistent/host/store"  # the backend reads where it was pushed
+
+
+@pytest.mark.parametrize(("window", "retired"), [(0, True), (60, False)])
+def test_finalize_retires_the_source_only_without_a_rollback_window(
+    world: WorldMaker, source: Workload, window: int, retired: bool
+) -> None:
+    doc = plan_doc(source)
+    doc["traffic"]["rollback_window_s"] = window
+    w = world(doc)
+    finalize.run(w.ctx)
+    assert ("retire" in w.backend.steps) is retired and w.ctx.runtime.source_retired is retired
+    assert ("source.zeroized" in w.events()) is retired and ("source.kept_warm" in w.events()) is not retired
+
+
+# ----------------------------------------------------------------------------- undo
+def test_undo_all_puts_traffic_back_then_tears_the_target_down_then_resumes_the_source(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    w = world()
+    doors = tmp_path / "traffic"
+    StateStore(doors).init(
+        DesiredState(
+            upstreams={"source": Upstream("source", "127.0.0.1", 1), "target": Upstream("target", "127.0.0.1", 2)},
+            weights={"source": 75.0, "target": 25.0},
+        )
+    )
+    provision.run(w.ctx)
+    w.ctx.migration.set_phase("provision", "completed")
+    w.ctx.update(traffic_state_dir=str(doors), source_frozen=True)
+    undo_all(w.ctx, reason="gate failed")
+    assert StateStore(doors).read().weights == {"source": 100.0, "target": 0.0}
+    assert w.backend.steps == ["discard", "resume"] and w.provider.calls[-1] == "terminate tgt"
+    events = w.events()
+    order = [events.index(e) for e in ("traffic.rolled_back", "rollback.target_torn_down", "rollback.source_resumed")]
+    assert order == sorted(order)
+    rt = w.ctx.runtime
+    assert rt.target_torn_down and not rt.source_frozen
+    assert w.ctx.migration.phase("provision")["status"] == "rolled_back"
+    undo_all(w.ctx, reason="again")  # idempotent: the target is not terminated twice
+    assert w.provider.calls.count("terminate tgt") == 1
+
+
+def test_undo_never_raises_when_a_step_fails(world: WorldMaker, source: Workload) -> None:
+    w = world()
+
+    def broken() -> None:
+        raise SnapshotError("the source agent is unreachable")
+
+    w.backend.resume = broken  # type: ignore[method-assign]
+    undo_source(w.ctx)  # logged, not raised
+    assert "rollback.source_resumed" not in w.events()
+
+
+# ----------------------------------------------------------------------------- the runtime record
+def test_runtime_facts_survive_a_new_process_and_unknown_names_are_bugs(world: WorldMaker) -> None:
+    w = world()
+    w.ctx.update(image=ImageRef("abc", "file://x", bytes_image=3), target_pid=5)
+    again = RunContext.load("m-unit", siblings=w.ctx.siblings)  # what a resume or the rollback flow reads
+    assert again.runtime.image == ImageRef("abc", "file://x", bytes_image=3) and again.runtime.target_pid == 5
+    with pytest.raises(TypeError, match="not runtime facts: image_id"):
+        w.ctx.update(image_id="abc")
+    with pytest.raises(InvalidInputError, match="the target endpoint is not known yet"):
+        w.ctx.target_endpoint()
