@@ -19,7 +19,10 @@ def _iso(ts: float) -> str:
 def build_report(migration: Migration, head: ChainHead) -> dict[str, Any]:
     records = migration.audit.records()
     state = migration.read()
-    pick = lambda prefix: [r for r in records if r["event"].startswith(prefix)]  # noqa: E731
+
+    def pick(prefix: str) -> list[dict[str, Any]]:
+        return [r for r in records if r["event"].startswith(prefix)]
+
     started = records[0] if records else None
     return {
         "migration_id": migration.id,

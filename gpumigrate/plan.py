@@ -382,7 +382,7 @@ class Plan(_Model):
         return self
 
 
-def _loc(loc: tuple) -> str:
+def _loc(loc: tuple[int | str, ...]) -> str:
     path = ""
     for part in loc:
         if isinstance(part, int):

@@ -93,7 +93,8 @@ class Migration:
     # -- state ----------------------------------------------------------------------
     def read(self) -> dict[str, Any]:
         try:
-            return json.loads((self.dir / "state.json").read_text())
+            state: dict[str, Any] = json.loads((self.dir / "state.json").read_text())
+            return state
         except FileNotFoundError:
             raise NotFoundError(f"no migration {self.id!r} under {self.dir.parent}") from None
 
@@ -123,9 +124,10 @@ class Migration:
         return self.mutate(lambda state: state.update(fields))
 
     def phase(self, name: str) -> dict[str, Any]:
-        return self.read().get("phases", {}).get(name, {"status": "pending"})
+        entry: dict[str, Any] = self.read().get("phases", {}).get(name, {"status": "pending"})
+        return entry
 
-    def set_phase(self, name: str, status: str, *, seconds: float | None = None, result: dict | None = None) -> None:
+    def set_phase(self, name: str, status: str, *, seconds: float | None = None, result: dict[str, Any] | None = None) -> None:
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}")
 
@@ -181,7 +183,8 @@ class Migration:
 
     def rollback_requested(self) -> dict[str, Any] | None:
         try:
-            return json.loads((self.dir / "rollback.request").read_text())
+            request: dict[str, Any] = json.loads((self.dir / "rollback.request").read_text())
+            return request
         except (FileNotFoundError, json.JSONDecodeError):
             return None
 

@@ -52,7 +52,7 @@ def parse_rate(text: str | None) -> float | None:
         raise InvalidInputError(f"rate {text!r} is not a size per second", hint="e.g. 100MB, 1GiB, 50M")
     num, unit, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
     power = "_kmgt".index(unit) if unit else 0
-    value = num * ((1024 if binary else 1000) ** power)
+    value: float = num * ((1024 if binary else 1000) ** power)
     if value <= 0:
         raise InvalidInputError(f"rate {text!r} must be positive")
     return value
@@ -61,7 +61,7 @@ def parse_rate(text: str | None) -> float | None:
 def _key(key_env: str | None, key_file: Path | None, no_key: bool) -> bytes | None:
     import os
 
-    from gpumigrate.transfer import resolve_key
+    from gpumigrate.transfer.keys import resolve_key
 
     if no_key:
         if key_env or key_file:
@@ -169,7 +169,7 @@ def pack(
     """Pack PATHS into a new image in the store --out names."""
     import time
 
-    from gpumigrate.transfer import pack_paths
+    from gpumigrate.transfer.pack import pack_paths
 
     key = _key(key_env, key_file, no_key)
     t0 = time.monotonic()
@@ -218,7 +218,7 @@ def push(
     as_json: bool = JsonOut,
 ) -> None:
     """Copy an image and whichever of its chunks DST lacks (resumable: re-run moves only the rest)."""
-    from gpumigrate.transfer import push as do_push
+    from gpumigrate.transfer.push import push as do_push
 
     store, image = _image_url(src)
     key = _key(key_env, key_file, no_key)
@@ -254,7 +254,7 @@ def verify(
     as_json: bool = JsonOut,
 ) -> None:
     """Check the manifest signature and every chunk (authentication, decoding, BLAKE3). Exit 1 on any failure."""
-    from gpumigrate.transfer import verify as do_verify
+    from gpumigrate.transfer.push import verify as do_verify
 
     store, image = _image_url(image_url)
     key = _key(key_env, key_file, no_key)
@@ -280,7 +280,7 @@ def unpack(
     as_json: bool = JsonOut,
 ) -> None:
     """Restore a packed image's files; nothing appears in OUT_DIR unless every chunk verified."""
-    from gpumigrate.transfer import unpack as do_unpack
+    from gpumigrate.transfer.pack import unpack as do_unpack
 
     store, image = _image_url(image_url)
     key = _key(key_env, key_file, no_key)
@@ -304,7 +304,7 @@ def receive(
     endpoint_url: str | None = Endpoint,
 ) -> None:
     """Receive stream:// pushes into a local store. Prints one JSON line with the sender URL, then a summary on exit."""
-    from gpumigrate.transfer import serve_stream
+    from gpumigrate.transfer.receiver import serve_stream
 
     key = _key(key_env, key_file, no_key)
     server = serve_stream(listen, store, key=key, endpoint_url=endpoint_url)
@@ -350,7 +350,7 @@ def ls(
     from gpumigrate.transfer.stores import open_store
 
     st = open_store(store, endpoint_url=endpoint_url)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for image_id in st.list_manifests():
         try:
             body = _json.loads(st.get_manifest(image_id))["body"]
@@ -380,7 +380,7 @@ def region(
     as_json: bool = JsonOut,
 ) -> None:
     """Where a store's bucket lives (for residency checks); none for file:// and stream://."""
-    from gpumigrate.transfer import store_region
+    from gpumigrate.transfer.push import store_region
 
     where = store_region(store, endpoint_url=endpoint_url)
     _summary({"store": store, "region": where}, as_json, f"{store}: {where or 'no cloud region'}")

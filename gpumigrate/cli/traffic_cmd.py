@@ -212,8 +212,13 @@ def watch(
 
 
 class _Null:
+    """Stands in for the live table when rows go out as JSON lines."""
+
     def __enter__(self) -> _Null:
         return self
+
+    def update(self, *args: object, **kwargs: object) -> None:
+        return None
 
     def __exit__(self, *exc: object) -> None:
         return None
