@@ -127,7 +127,9 @@ class Migration:
         entry: dict[str, Any] = self.read().get("phases", {}).get(name, {"status": "pending"})
         return entry
 
-    def set_phase(self, name: str, status: str, *, seconds: float | None = None, result: dict[str, Any] | None = None) -> None:
+    def set_phase(
+        self, name: str, status: str, *, seconds: float | None = None, result: dict[str, Any] | None = None
+    ) -> None:
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}")
 

@@ -124,6 +124,7 @@ def test_no_import_circle_in_the_flows() -> None:
         for p in (REPO / "flows").rglob("*.py")
         if p.name != "__init__.py"
     }
+
     def imported(path: Path) -> set[str]:  # `from package import module` names the module too
         found = _imports(path)
         for node in ast.walk(ast.parse(path.read_text())):

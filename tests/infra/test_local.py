@@ -121,7 +121,9 @@ def test_bootstrap_of_a_launch_that_exits_says_why_with_its_last_lines(provider:
     host = provider.provision(spec("boot-b"), migration_id="m1")
     launch = WorkloadLaunch(argv=("{python}", "-c", crash, "{service_port}"))
     t0 = time.monotonic()
-    with pytest.raises(ProviderError, match=r"(?s)exited before it answered: exit code 1.*loading model...\nno such model: tiny-xl"):
+    with pytest.raises(
+        ProviderError, match=r"(?s)exited before it answered: exit code 1.*loading model...\nno such model: tiny-xl"
+    ):
         provider.bootstrap(host, launch, timeout_s=120)
     assert time.monotonic() - t0 < 60  # the exit is noticed, not waited out
     with pytest.raises(ProviderError, match="cwd .* is not a directory"):
