@@ -29,8 +29,16 @@ test: $(STAMP) typecheck
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -ra tests
 
+# The fast tier, under a minute: no Prefect server, no Envoy, no model-serving workload (the phases run
+# against fakes of the siblings' Protocols: tests/flows/test_phases.py). `make test` runs everything.
+FAST_TESTS := tests/core tests/flows/test_phases.py tests/snapshot/test_hostlevel.py tests/snapshot/test_precopy.py \
+	tests/snapshot/test_refusals.py tests/snapshot/test_roundtrip.py tests/snapshot/test_protocol.py \
+	tests/snapshot/test_devhash.py tests/snapshot/test_backends.py tests/parity/test_environment.py \
+	tests/parity/test_rules.py tests/parity/test_golden.py tests/traffic/test_units.py tests/transfer/test_codecs.py \
+	tests/transfer/test_pack.py tests/transfer/test_image.py tests/infra/test_residency.py \
+	tests/infra/test_registry.py tests/workloads/test_model.py
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -x -m "not slow" tests
+	$(BIN)/python -m pytest -q -x -m "not slow and not gpu and not netns" $(FAST_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
