@@ -21,7 +21,6 @@ from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import HostSpec
 
 client_mod = pytest.importorskip("gpumigrate.snapshot.client")
-pytest.importorskip("gpumigrate.workloads.agent_hook")
 from gpumigrate.workloads.launch import start_inference, start_training  # noqa: E402
 from gpumigrate.workloads.training import TrainingConfig, TrainingState, run_steps  # noqa: E402
 
