@@ -142,3 +142,16 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict[st
 
     monkeypatch.setenv("GM_AGENT_TEST_KEY", transfer.generate_key())
     return f"file://{tmp_path / 'store'}", {"env": "GM_AGENT_TEST_KEY"}
+
+
+@pytest.fixture(autouse=True)
+def _in_process_contract(gm_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """In-process attaches listen on a free loopback port; none outlives its test."""
+    monkeypatch.setenv("GPUMIGRATE_AGENT_ADDR", "127.0.0.1:0")
+    monkeypatch.delenv("GPUMIGRATE_AWAIT_RESTORE", raising=False)
+    yield
+    from gpumigrate.agent import current
+
+    handle = current()
+    if handle is not None:
+        handle.close()
