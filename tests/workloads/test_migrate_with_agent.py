@@ -83,7 +83,7 @@ def test_training_continues_on_the_target_with_identical_losses(hosts) -> None:
     provider, a, b, store = hosts
     total = 16
     src = start_training(provider, a, steps=total, seed=3, extra=("--step-delay-ms", "150"))
-    tgt = start_training(provider, b, steps=total, seed=3, extra=("--await-restore",))
+    tgt = start_training(provider, b, steps=total, seed=3, await_restore=True)
     deadline = time.monotonic() + 120
     while len(events(src["log"], "step")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
