@@ -274,7 +274,7 @@ class Agent:
         with self._lock:
             return self._round(writer, frozen=self.frozen)[0]
 
-    def freeze(self, lease_s: float | None = None, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    def freeze(self, lease_s: float | None = None, *, timeout_s: float = 60.0) -> None:
         """Park the workload at its safe point under a lease (``lease_s``, default 60 s): unless
         renewed, it resumes by itself when the lease runs out. Freezing a frozen agent renews."""
         lease = lease_arg(lease_s)
@@ -283,7 +283,6 @@ class Agent:
                 self.freezer.freeze(timeout_s)
             self.frozen = True
             self.lease.start(lease)
-            return {"frozen": True, "lease_s": lease}
 
     def renew(self, lease_s: float | None = None) -> dict[str, Any]:
         """Extend the freeze lease from now (never waits for a command in progress)."""

@@ -88,6 +88,11 @@ def _seconds_arg(name: str, value: Any, default: float) -> float:
     return float(value)
 
 
+def _freeze(agent: Agent, args: Mapping[str, Any]) -> dict[str, Any]:
+    agent.freeze(args.get("lease_s"), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 60))
+    return {"frozen": True, "lease_s": agent.lease.lease_s}
+
+
 def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
     agent = server.agent
     handlers: dict[str, Callable[[], Any]] = {
@@ -99,9 +104,7 @@ def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
             args.get("parent"),
             options=writer_options_arg(args.get("options")),
         ),
-        "freeze": lambda: agent.freeze(
-            args.get("lease_s"), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 60)
-        ),
+        "freeze": lambda: _freeze(agent, args),
         "renew": lambda: agent.renew(args.get("lease_s")),
         "advance": lambda: agent.advance(
             _steps_arg(args.get("steps")), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 600)

@@ -7,6 +7,7 @@ import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from transformers import AutoConfig, AutoModel, AutoTokenizer
@@ -29,7 +30,7 @@ def embed(text: str) -> list[float]:
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)[0].tolist()
 
 
-async def embeddings(request):  # POST {"text": "..."} -> {"embedding": [384 floats]}
+async def embeddings(request: Request) -> JSONResponse:  # POST {"text": "..."} -> {"embedding": [384 floats]}
     text = (await request.json()).get("text")
     if not isinstance(text, str):
         return JSONResponse({"error": 'body must be {"text": "..."}'}, status_code=400)

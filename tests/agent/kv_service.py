@@ -13,6 +13,7 @@ import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -38,12 +39,12 @@ def predict(x: list[float]) -> list[float]:
         return y.tolist()
 
 
-async def predict_route(request):
+async def predict_route(request: Request) -> JSONResponse:
     body = await request.json()
     return JSONResponse({"y": await run_in_threadpool(predict, body["x"])})
 
 
-async def state_route(request):
+async def state_route(request: Request) -> JSONResponse:
     with lock:
         return JSONResponse({"served": state["served"], "cache": state["cache"].tolist()})
 

@@ -41,14 +41,7 @@ class PrintSteps(pl.Callback):
 
 
 torch.manual_seed(0)
-trainer = pl.Trainer(
-    max_steps=STEPS,
-    max_epochs=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    callbacks=[MigrationCallback(), PrintSteps()],
-)
+quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False}
+trainer = pl.Trainer(max_steps=STEPS, max_epochs=1, callbacks=[MigrationCallback(), PrintSteps()], **quiet)
 trainer.fit(Regressor(), DataLoader(range(STEPS), batch_size=None))
 print(json.dumps({"event": "done", "step": trainer.global_step}), flush=True)
