@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import blake3
@@ -153,13 +154,22 @@ def unchanged_by_hash(pieces: Sequence[torch.Tensor], ids: Sequence[str]) -> lis
     """
     out = [False] * len(pieces)
     on_device: dict[tuple[str, int], list[int]] = {}
+    on_host: list[int] = []
     for k, piece in enumerate(pieces):
         if devhash.eligible(piece) and devhash.available(piece.device):
             on_device.setdefault((str(piece.device), piece.numel()), []).append(k)
-            continue
-        data = memoryview(piece.cpu().numpy()) if piece.numel() else b""
+        else:
+            on_host.append(k)
+
+    def host_hash(k: int) -> bool:
+        data = memoryview(pieces[k].cpu().numpy()) if pieces[k].numel() else b""
         threads = blake3.blake3.AUTO if len(data) >= _MT_HASH_BYTES else 1
-        out[k] = blake3.blake3(data, max_threads=threads).hexdigest() == ids[k]
+        return blake3.blake3(data, max_threads=threads).hexdigest() == ids[k]
+
+    if on_host:  # BLAKE3 releases the GIL: one chunk per core at a time
+        with ThreadPoolExecutor(max_workers=min(len(on_host), os.cpu_count() or 1)) as pool:
+            for k, same in zip(on_host, pool.map(host_hash, on_host), strict=True):
+                out[k] = same
     for members in on_device.values():
         for start in range(0, len(members), _DEVICE_HASH_BATCH):
             part = members[start : start + _DEVICE_HASH_BATCH]

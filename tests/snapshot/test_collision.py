@@ -8,6 +8,7 @@ a change is a short vector of a lattice, which LLL reduction (sympy) finds; no s
 from __future__ import annotations
 
 import blake3
+import pytest
 import torch
 from sympy import ZZ
 from sympy.polys.matrices import DomainMatrix
@@ -80,3 +81,32 @@ def test_fingerprints_are_64_bit_and_see_paired_sign_flips() -> None:
     assert fingerprint_chunks(byte_view(u), CHUNK).tolist()[0] != base[0]
     u[:1024] = flipped
     assert fingerprint_chunks(byte_view(u), CHUNK).tolist()[0] != base[0]
+
+
+@pytest.mark.gpu
+def test_planted_collision_on_cuda_is_caught_by_the_device_hash() -> None:
+    """On CUDA the final round hashes the "unchanged" chunks where they live (snapshot/devhash.py)."""
+    from gpumigrate.snapshot import devhash
+
+    positions = [7, 200, 640, 1001, 1022]
+    data = torch.zeros(2 * CHUNK // 4, dtype=torch.int32, device="cuda")
+    planted = data.clone()
+    for p, d in zip(positions, colliding_change(positions), strict=True):
+        planted[p] = d
+    assert fingerprint_chunks(byte_view(planted), CHUNK).tolist() == fingerprint_chunks(byte_view(data), CHUNK).tolist()
+    assert devhash.available(data.device)  # the device path, not the host fallback
+    store = MemoryStore()
+    agent = Agent(workers=1)
+    agent.track_tensor("w", data)
+    agent.precopy(store.writer(KEY, chunk_size=CHUNK))
+    data.copy_(planted)
+    assert agent.precopy(store.writer(KEY, chunk_size=CHUNK)).chunks_dirty == 0
+    agent.freeze()
+    final = agent.final(store.writer(KEY, chunk_size=CHUNK))
+    assert agent.fingerprint_collisions == 1
+    out = torch.full_like(data, -1)
+    target = Agent(workers=1)
+    target.track_tensor("w", out)
+    target.restore(store.reader(final.id, KEY))
+    assert torch.equal(out, planted)
+    agent.close()
