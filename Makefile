@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py transfer/_huffplane.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[workloads,dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[workloads,dev,examples]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -47,7 +47,7 @@ lint: $(STAMP)
 # mypy cannot see pyproject's package-dir mapping through the editable install: check a tree of links
 # that lays the folders out as the installed package (gpumigrate/flows -> flows/, ...). Settings: [tool.mypy].
 TYPECHECK := build/typecheck
-SUBPACKAGES := flows snapshot transfer parity traffic infra workloads
+SUBPACKAGES := flows snapshot transfer parity traffic infra workloads agent
 typecheck: $(STAMP)
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/gpumigrate
 	for f in gpumigrate/*; do ln -s ../../../$$f $(TYPECHECK)/gpumigrate/; done

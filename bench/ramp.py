@@ -88,6 +88,7 @@ def start_upstream(name: str, fake: bool) -> tuple[subprocess.Popen[bytes], int]
             "cpu",
             "--name",
             name,
+            "--enable-faults",  # the benchmark injects its faults through POST /admin/fault
         ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120

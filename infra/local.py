@@ -244,12 +244,14 @@ class LocalProvider:
     ) -> dict[str, Any]:
         """Run ``argv`` on the host (in its namespace if any) under its supervisor: ``{"pid", "log"}``.
 
-        The child's environment gets ``GPUMIGRATE_HOST_NAME``, ``GPUMIGRATE_HOST_ADDRESS`` and
-        ``GPUMIGRATE_PORT_<NAME>`` for each of the host's ports; it runs in ``cwd`` (default: the
-        host's work directory).
+        The child's environment gets ``GPUMIGRATE_HOST_NAME``, ``GPUMIGRATE_HOST_ADDRESS``,
+        ``GPUMIGRATE_PORT_<NAME>`` for each of the host's ports, and this process's state root as
+        ``GPUMIGRATE_HOME`` (the child runs in ``cwd``, default the host's work directory, where a relative
+        default would point elsewhere: the workload and the orchestrator share the control key there).
         """
         rec = self._require(host if isinstance(host, str) else host.name)
         full_env = {"GPUMIGRATE_HOST_NAME": rec["name"], "GPUMIGRATE_HOST_ADDRESS": rec["address"]}
+        full_env["GPUMIGRATE_HOME"] = str(settings.state_root())
         full_env.update({f"GPUMIGRATE_PORT_{k.upper()}": str(v) for k, v in rec["ports"].items()})
         full_env.update(env or {})
         request = {"op": "spawn", "argv": list(argv), "env": full_env, "name": name, "cwd": cwd}

@@ -2,19 +2,22 @@
 
 Source side (:class:`~gpumigrate.interfaces.Snapshotter`): ``precopy`` rounds while the workload
 runs ship only chunks whose on-device fingerprint changed since the last shipped image (the rest are
-``reuse_chunk`` references to it); ``freeze`` stops the workload at its safe point; ``final`` ships
-the last dirty set and commits; ``resume`` un-freezes on rollback; ``zeroize`` wipes tracked memory
-after cutover. Target side (:class:`~gpumigrate.interfaces.Restorer`): ``restore`` checks the image
+``reuse_chunk`` references to it); ``freeze`` stops the workload at its safe point, under a lease
+that ``renew`` extends (``lease.py``: an abandoned freeze resumes by itself); ``final`` ships the
+last dirty set, after confirming every chunk the fingerprints call unchanged by its BLAKE3, and
+commits; ``advance`` lets a frozen training source take N more steps; ``resume`` un-freezes on
+rollback; ``zeroize`` wipes tracked memory after cutover. Target side (:class:`~gpumigrate.interfaces.Restorer`): ``restore`` checks the image
 against the live model (names, shapes, dtypes) and the environment policy, loads the chunks that
 differ from what is already loaded, and only then reports ready.
 
 The agent never sees a key: ``precopy_to``/``final_to``/``restore_from`` take a store URL and a key
-*reference*, and the factories given at construction (``workloads/agent_hook.py`` wires the transfer
-engine) resolve it locally.
+*reference*, and the factories given at construction (the public SDK, ``gpumigrate.agent``, wires
+the transfer engine) resolve it locally.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,10 +29,15 @@ import torch
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo, RoundStats
 from gpumigrate.snapshot import tracked as tr
-from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks
+from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks, unchanged_by_hash
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
+from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
+from gpumigrate.snapshot.stepgate import SafePointGate
+
+log = logging.getLogger("gpumigrate.agent")
+ADVANCE_TIMEOUT_S = 600.0
 
 FORMAT = 1
 META_KEY = "snapshot"
@@ -56,14 +64,14 @@ class Agent:
         *,
         writer_factory: WriterFactory | None = None,
         reader_factory: ReaderFactory | None = None,
-        freezer: Any = None,
+        freezer: SafePointGate | None = None,
         set_ready: Callable[[bool], None] | None = None,
         workers: int = 4,
         streams: int = 2,
     ) -> None:
         self.writer_factory = writer_factory
         self.reader_factory = reader_factory
-        self.freezer = freezer  # anything with freeze()/resume(): a SafePoint, a training callback
+        self.freezer = freezer  # the workload's safe point: freeze() waits for it, resume() reopens it
         self.set_ready = set_ready
         self.workers = workers
         self.streams = streams
@@ -77,6 +85,11 @@ class Agent:
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
         self._pipelines: dict[tuple[str, int], Pipeline] = {}
         self._lock = threading.RLock()
+        self.lease = Lease(self._lock, self._resume_locked)
+        self.fingerprint_collisions = 0  # chunks the final round's full hash caught changed
+        self.state_version = 0  # bumped when a restore or zeroize rewrote the tracked state in place
+        if freezer is not None:  # the step counter and reported losses travel with the state
+            self.track_state("progress", freezer.progress, freezer.set_progress)
 
     # ------------------------------------------------------------------ tracking API
     def _add(self, item: tr.Item) -> tr.Item:
@@ -89,6 +102,10 @@ class Agent:
                 raise SnapshotError(f"tracked name {item.prefix!r} overlaps {other.prefix!r}: pick distinct names")
         self.items.append(item)
         return item
+
+    def track(self, item: tr.Item) -> None:
+        """Track a ready-made item (``tracked.py``); the track_* methods below build the usual ones."""
+        self._add(item)
 
     def track_module(self, name: str, module: torch.nn.Module) -> None:
         self._add(tr.ModuleItem(name, module))
@@ -145,6 +162,10 @@ class Agent:
             "ready": self.ready,
             "rounds": self.rounds,
             "last_image": self.last_image.id if self.last_image else None,
+            "lease": self.lease.state(),
+            "lease_expiries": self.lease.expiries,
+            "fingerprint_collisions": self.fingerprint_collisions,
+            "steps": self.freezer.steps if self.freezer is not None else 0,
         }
 
     # ------------------------------------------------------------------ source side
@@ -175,6 +196,7 @@ class Agent:
         jobs_by_device: dict[str, list[Job]] = {}
         new: dict[str, _Shipped] = {}
         total = dirty_chunks = dirty_bytes = 0
+        unchanged: list[Job] = []  # frozen round: reused only once their BLAKE3 confirms the id
         for name, view in views.items():
             info = infos[name]
             fps = host_fps[name] if host_fps is not None else None
@@ -190,14 +212,32 @@ class Agent:
             for i in range(count):
                 total += 1
                 if same_shape and prev.fingerprints[i] == fps[i]:  # type: ignore[union-attr,index]
-                    writer.reuse_chunk(name, i, prev.ids[i])  # type: ignore[union-attr]
                     ids[i] = prev.ids[i]  # type: ignore[union-attr]
+                    if frozen:
+                        unchanged.append(Job(name, i, view[i * cs : (i + 1) * cs]))
+                    else:
+                        writer.reuse_chunk(name, i, ids[i])
                     continue
                 piece = view[i * cs : (i + 1) * cs]
                 jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, piece))
                 dirty_chunks += 1
                 dirty_bytes += piece.numel()
             new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
+        confirmed = unchanged_by_hash([j.data for j in unchanged], [new[j.region].ids[j.index] for j in unchanged])
+        for job, same in zip(unchanged, confirmed, strict=True):
+            if same:
+                writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])
+                continue
+            # A fingerprint collision: the bytes changed under an unchanged fingerprint. Ship them.
+            self.fingerprint_collisions += 1
+            log.warning(
+                "gpumigrate agent: chunk %d of %s changed but kept its fingerprint; the final full hash caught it",
+                job.index,
+                job.region,
+            )
+            jobs_by_device.setdefault(str(job.data.device), []).append(job)
+            dirty_chunks += 1
+            dirty_bytes += job.data.numel()
         shipped_fps: list[tuple[Job, int]] = []
         for device, jobs in jobs_by_device.items():
             sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
@@ -234,11 +274,39 @@ class Agent:
         with self._lock:
             return self._round(writer, frozen=self.frozen)[0]
 
-    def freeze(self) -> None:
+    def freeze(self, lease_s: float | None = None, *, timeout_s: float = 60.0) -> None:
+        """Park the workload at its safe point under a lease (``lease_s``, default 60 s): unless
+        renewed, it resumes by itself when the lease runs out. Freezing a frozen agent renews."""
+        lease = lease_arg(lease_s)
         with self._lock:
             if self.freezer is not None and not self.frozen:
-                self.freezer.freeze()
+                self.freezer.freeze(timeout_s)
             self.frozen = True
+            self.lease.start(lease)
+
+    def renew(self, lease_s: float | None = None) -> dict[str, Any]:
+        """Extend the freeze lease from now (never waits for a command in progress)."""
+        return self.lease.renew(lease_s)
+
+    def advance(self, steps: int, *, timeout_s: float = ADVANCE_TIMEOUT_S) -> dict[str, Any]:
+        """Let a frozen source take exactly ``steps`` more safe points, then hold it frozen again
+        (lease restarted). Returns the step counter and the losses reported for those steps."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise SnapshotError(f"steps {steps!r}: must be a whole number of at least 1")
+        with self._lock:
+            if self.freezer is None or not self.frozen:
+                raise SnapshotError("advance needs a frozen workload with a safe point: send freeze first")
+            try:
+                losses = self.freezer.advance(steps, timeout_s)
+            finally:
+                self.lease.start(self.lease.lease_s or lease_arg(None))
+            return {"steps": self.freezer.steps, "losses": [[s, loss] for s, loss in losses]}
+
+    def metrics(self, since: int = 0) -> dict[str, Any]:
+        """Safe points completed (steps), the recent losses reported after step ``since``, the gate."""
+        if self.freezer is None:
+            return {"steps": 0, "losses": [], "in_flight": 0, "held": 0, "frozen": self.frozen, "ready": self.ready}
+        return self.freezer.metrics(since)
 
     def final(self, writer: ImageWriter) -> ImageRef:
         with self._lock:
@@ -248,9 +316,13 @@ class Agent:
 
     def resume(self) -> None:
         with self._lock:
-            if self.frozen and self.freezer is not None:
-                self.freezer.resume()
-            self.frozen = False
+            self._resume_locked()
+
+    def _resume_locked(self) -> None:
+        self.lease.clear()
+        if self.frozen and self.freezer is not None:
+            self.freezer.resume()
+        self.frozen = False
 
     def forget_shipped(self) -> None:
         """Next round ships everything (e.g. a new store that holds none of the earlier chunks)."""
@@ -315,6 +387,7 @@ class Agent:
             )
             self._loaded_cs = cs
             self.last_image = reader.ref
+            self.state_version += 1
             if ready:
                 if self.set_ready is not None:
                     self.set_ready(True)
@@ -383,6 +456,7 @@ class Agent:
                     devices.add(str(view.device))
             for p in self._pipelines.values():
                 p.ring.zeroize()
+            self.state_version += 1
             self._shipped = {}
             self._loaded = {}
             if failed:
@@ -454,6 +528,7 @@ class Agent:
         )
 
     def close(self) -> None:
+        self.lease.close()
         for p in self._pipelines.values():
             p.close()
         self._pipelines.clear()

@@ -2,24 +2,38 @@
 
 A region's bytes are cut into fixed-size chunks (the writer's ``chunk_size``). Each pre-copy round
 fingerprints every chunk where the tensor lives (HBM on a GPU) without copying it to the host: the
-chunk is viewed as int32 words, each word multiplied by a fixed odd weight (wrapping), and the
-products summed in int64. Multiplying by an odd number is a bijection mod 2**32, so any single
-changed word always changes the fingerprint; several changes cancel with probability ~2**-32. The
-fingerprint only decides what to re-send: integrity comes from the writer's BLAKE3 chunk ids.
+chunk is viewed as 32-bit words, each word sign-extended to 64 bits and multiplied by a fixed odd
+64-bit weight, and the products summed mod 2**64 (a 64-bit fingerprint). Multiplying by an odd
+number is a bijection mod 2**64, so any single changed word always changes the fingerprint. Words
+are widened before the multiply so that a change confined to a word's high bits (a sign flip of two
+floats, say) still lands in the low bits of the sum: with 32-bit products such a pair cancelled
+every time; here a set of changes cancels only if their weighted sum is 0 mod 2**64.
+
+The fingerprint is linear, so collisions can be built on purpose (the tests plant one); it only
+decides what a *live* round re-sends. The frozen final round never trusts it alone: every chunk
+it calls unchanged is BLAKE3-hashed and compared with the id it would reuse (``snapshot/agent.py``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import blake3
+import numpy as np
 import torch
+
+from gpumigrate.snapshot import devhash
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 # The fingerprint processes at most this many bytes per launch, bounding the temporary it allocates.
 _FP_BATCH_BYTES = 256 << 20
-_WEIGHT_SEED = 0x6A09E667
+_WEIGHT_SEED = 0x6A09E667F3BCC908
+_MT_HASH_BYTES = 8 << 20  # above this, BLAKE3 hashes one buffer on several threads
+_DEVICE_HASH_BATCH = 64  # chunks per device hash launch (the pipeline's batch)
 
 _weights_lock = threading.Lock()
 _weights: dict[tuple[str, int], torch.Tensor] = {}
@@ -44,24 +58,33 @@ def chunk_count(nbytes: int, chunk_size: int) -> int:
     return max(1, -(-nbytes // chunk_size)) if nbytes else 0
 
 
-def _weights_for(device: torch.device, words: int) -> torch.Tensor:
+def chunk_weights(words: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed odd 64-bit weights (int64) of the first ``words`` 32-bit words of every chunk."""
+    device = torch.device(device)
     key = (str(device), words)
     with _weights_lock:
         w = _weights.get(key)
         if w is None:
-            gen = torch.Generator().manual_seed(_WEIGHT_SEED)
-            # Odd weights: multiplication by an odd number is invertible mod 2**32.
-            w = (torch.randint(0, 2**30, (words,), generator=gen, dtype=torch.int32) * 2 + 1).to(device)
+            raw = np.random.Generator(np.random.PCG64(_WEIGHT_SEED)).integers(
+                0, 2**64, size=words, dtype=np.uint64, endpoint=False
+            )
+            # Odd weights: multiplication by an odd number is invertible mod 2**64.
+            w = torch.from_numpy((raw | np.uint64(1)).view(np.int64)).to(device)
             _weights[key] = w
         return w
 
 
 def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Row sums of ``x`` (int32 words, sign-extended) times ``w`` (int64), wrapping mod 2**64."""
     if x.device.type == "cpu":
-        # torch's CPU integer reductions are slow (~0.2 GB/s here); numpy's int32 dot runs ~3 GB/s.
-        # It accumulates mod 2**32, which keeps the one-changed-word guarantee (odd weights).
-        return torch.from_numpy(x.numpy().dot(w.numpy()).astype("int64"))
-    return (x * w).sum(dim=1)
+        # torch's CPU integer reductions are slow (~0.2 GB/s here); numpy's uint64 dot over the widened
+        # words runs ~3 GB/s. Unsigned arithmetic wraps mod 2**64 by definition; the int32 -> uint64 cast
+        # is the sign extension mod 2**64, so the result has the same bits as the int64 path below.
+        # Row by row, so that each widened row is still in cache when the dot reads it (2-D: ~1.2 GB/s).
+        wu = w.numpy().view(np.uint64)
+        out = np.fromiter((np.dot(row.astype(np.uint64), wu) for row in x.numpy()), dtype=np.uint64, count=len(x))
+        return torch.from_numpy(out.view(np.int64))
+    return (x.to(torch.int64) * w).sum(dim=1)
 
 
 def _kernel(device: torch.device) -> Any:
@@ -79,7 +102,7 @@ def _kernel(device: torch.device) -> Any:
 
 
 def fingerprint_chunks(data: torch.Tensor, chunk_size: int, *, fused: bool = True) -> torch.Tensor:
-    """One int64 fingerprint per chunk of ``data`` (flat uint8), computed on data's device.
+    """One 64-bit fingerprint (int64) per chunk of ``data`` (flat uint8), computed on data's device.
 
     Returns a device tensor; callers batch several regions and copy the result to the host once.
     ``fused=False`` skips the compiled kernel (cheaper to launch for one chunk at a time).
@@ -93,7 +116,7 @@ def fingerprint_chunks(data: torch.Tensor, chunk_size: int, *, fused: bool = Tru
     aligned = data.storage_offset() % 4 == 0 and chunk_size % 4 == 0
     if full and aligned:
         words = chunk_size // 4
-        w = _weights_for(data.device, words)
+        w = chunk_weights(words, data.device)
         kernel = _kernel(data.device) if fused else _weighted_sum
         per_batch = max(1, _FP_BATCH_BYTES // chunk_size)
         mat = data[: full * chunk_size].view(torch.int32).view(full, words)
@@ -117,5 +140,40 @@ def fingerprint_chunks(data: torch.Tensor, chunk_size: int, *, fused: bool = Tru
 
 def _tail_fingerprint(piece: torch.Tensor) -> torch.Tensor:
     """Fingerprint of a short or unaligned chunk: byte-wise weights (rare: last chunk of a region)."""
-    w = _weights_for(piece.device, max(piece.numel(), 1))[: piece.numel()]
-    return (piece.to(torch.int64) * w.to(torch.int64)).sum() + piece.numel()
+    w = chunk_weights(max(piece.numel(), 1), piece.device)[: piece.numel()]
+    return (piece.to(torch.int64) * w).sum() + piece.numel()
+
+
+def unchanged_by_hash(pieces: Sequence[torch.Tensor], ids: Sequence[str]) -> list[bool]:
+    """Whether each chunk's bytes (flat uint8, any device) still hash to the id it would reuse.
+
+    The frozen final round calls this for every chunk its fingerprint calls unchanged, so that no
+    fingerprint collision reaches a committed image. The id is BLAKE3-256 of the bytes (the chunk
+    ids of transfer/FORMAT.md). CUDA chunks of whole 1 KiB leaves are hashed on their device
+    (``devhash``), in batches of one length; the rest on the host.
+    """
+    out = [False] * len(pieces)
+    on_device: dict[tuple[str, int], list[int]] = {}
+    on_host: list[int] = []
+    for k, piece in enumerate(pieces):
+        if devhash.eligible(piece) and devhash.available(piece.device):
+            on_device.setdefault((str(piece.device), piece.numel()), []).append(k)
+        else:
+            on_host.append(k)
+
+    def host_hash(k: int) -> bool:
+        data = pieces[k].cpu().numpy().data if pieces[k].numel() else b""
+        threads = blake3.blake3.AUTO if len(data) >= _MT_HASH_BYTES else 1
+        return blake3.blake3(data, max_threads=threads).hexdigest() == ids[k]
+
+    if on_host:  # BLAKE3 releases the GIL: one chunk per core at a time
+        with ThreadPoolExecutor(max_workers=min(len(on_host), os.cpu_count() or 1)) as pool:
+            for k, same in zip(on_host, pool.map(host_hash, on_host), strict=True):
+                out[k] = same
+    for members in on_device.values():
+        for start in range(0, len(members), _DEVICE_HASH_BATCH):
+            part = members[start : start + _DEVICE_HASH_BATCH]
+            words = devhash.blake3_device([pieces[k] for k in part]).cpu().tolist()
+            for k, w in zip(part, words, strict=True):
+                out[k] = devhash.words_hex(w) == ids[k]
+    return out

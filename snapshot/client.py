@@ -1,4 +1,8 @@
-"""AgentClient: the flows' and the CLI's handle on an agent's control address (PROTOCOL.md)."""
+"""AgentClient: the flows' and the CLI's handle on an agent's control address (PROTOCOL.md).
+
+Every request is signed with the control key (``gpumigrate.control``, channel ``agent``) and every
+reply must carry a signature bound to that request; an unsigned or forged reply is a failure.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpumigrate import errors
+from gpumigrate import control, errors
 from gpumigrate.errors import GpumigrateError, SnapshotError
 from gpumigrate.interfaces import ImageRef, RegionInfo, Restored, Round, RoundStats
 from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
 from gpumigrate.snapshot.precopy import Convergence, converge
 
 _ERRORS: dict[str, type[GpumigrateError]] = {
+    "AuthError": control.AuthError,
     "ImageMismatchError": ImageMismatchError,
     "EnvironmentMismatchError": EnvironmentMismatchError,
     **{
@@ -33,6 +38,9 @@ _ERRORS: dict[str, type[GpumigrateError]] = {
 }
 
 
+CHANNEL = "agent"
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not host:
@@ -41,16 +49,35 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class AgentClient:
-    """One persistent connection to an agent; thread-safe; reconnects once if the connection dropped."""
+    """One persistent connection to an agent; thread-safe; reconnects once if the connection dropped.
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
+    ``key``: the control key (bytes), or ``key_ref`` its reference (``{"env": NAME}`` / ``{"file":
+    PATH}``); neither: ``gpumigrate.control.load_key()`` (the environment, else the state root's
+    ``control.key``), read at the first call.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 600.0,
+        key: bytes | None = None,
+        key_ref: Mapping[str, str] | None = None,
+    ) -> None:
         self.address = address
         self._addr = parse_address(address)
         self.timeout_s = timeout_s
+        self._key = key
+        self._key_ref = dict(key_ref) if key_ref else None
         self._sock: socket.socket | None = None
         self._file: Any = None
         self._lock = threading.Lock()
         self._next = 0
+
+    def _control_key(self) -> bytes:
+        if self._key is None:
+            self._key = control.load_key(self._key_ref)
+        return self._key
 
     def _connect(self) -> None:
         try:
@@ -76,12 +103,15 @@ class AgentClient:
     def call(self, cmd: str, **args: Any) -> Any:
         with self._lock:
             self._next += 1
-            line = (json.dumps({"id": self._next, "cmd": cmd, "args": args}) + "\n").encode()
+            body = {"id": self._next, "cmd": cmd, "args": args}
             for attempt in (0, 1):
                 if self._sock is None:
-                    self._connect()
+                    self._connect()  # first: an unreachable agent is the news, whatever the key
+                key = self._control_key()
+                # Signed afresh for each attempt: a resent request would be refused as a replay.
+                signed = control.sign_request(key, CHANNEL, body)
                 try:
-                    self._file.write(line)
+                    self._file.write((json.dumps(signed) + "\n").encode())
                     self._file.flush()
                     raw = self._file.readline()
                     if raw:
@@ -91,7 +121,23 @@ class AgentClient:
                 self._sock = None  # dropped: reconnect once (commands are idempotent or guarded by state)
                 if attempt:
                     raise SnapshotError(f"the snapshot agent at {self.address} closed the connection during {cmd!r}")
-        reply = json.loads(raw)
+        try:
+            reply = json.loads(raw)
+        except json.JSONDecodeError:
+            raise SnapshotError(
+                f"the snapshot agent at {self.address} answered {cmd!r} with something not JSON"
+            ) from None
+        if not isinstance(reply, dict):
+            raise SnapshotError(f"the snapshot agent at {self.address} answered {cmd!r} with something not an object")
+        if "auth" not in reply and not reply.get("ok"):
+            # Unsigned: the agent refused our signature (it cannot know we share its key), or an impostor
+            # answered. Either way a failure; its text is shown, never trusted for anything else.
+            err = reply.get("error") or {}
+            raise control.AuthError(
+                f"the snapshot agent at {self.address} refused {cmd!r}: {err.get('message', 'no reason given')}",
+                hint="the orchestrator and the workload must share one control key (GPUMIGRATE_CONTROL_KEY_FILE)",
+            )
+        reply = control.verify_reply(key, CHANNEL, signed["auth"]["nonce"], reply)
         if reply.get("ok"):
             return reply["result"]
         err = reply.get("error") or {}

@@ -1,22 +1,35 @@
 """The agent's control address: line-delimited JSON over TCP (see PROTOCOL.md).
 
 One request per line, one response line per request, in order, on any number of connections.
-Commands run one at a time inside the agent (its lock); ``ping`` and ``info`` answer while a long
-command runs on another connection. Errors come back typed, never as tracebacks.
+Commands run one at a time inside the agent (its lock); ``ping``, ``renew`` and ``metrics`` answer
+while a long command runs on another connection. Errors come back typed, never as tracebacks.
+
+Every request must be signed with the control key (``gpumigrate.control``, channel ``agent``) and
+every reply is signed, bound to the request it answers. A request that fails authentication is
+refused with nothing done, counted, logged and kept (without its arguments) among the last
+refusals that ``info`` shows; its reply is unsigned, so a client without the key learns nothing
+it could trust.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socketserver
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from gpumigrate import control
 from gpumigrate.errors import GpumigrateError, SnapshotError
 from gpumigrate.snapshot.agent import Agent
 
 MAX_LINE = 1 << 20
+CHANNEL = "agent"
+REFUSALS_KEPT = 20
+log = logging.getLogger("gpumigrate.agent")
 
 
 def key_ref_arg(value: Any) -> dict[str, str]:
@@ -61,17 +74,42 @@ def writer_options_arg(value: Any) -> dict[str, Any]:
     return out
 
 
-def _dispatch(agent: Agent, cmd: str, args: Mapping[str, Any]) -> Any:
+def _steps_arg(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+        raise SnapshotError(f"steps {value!r}: must be a whole number from 1 to 1000000")
+    return value
+
+
+def _seconds_arg(name: str, value: Any, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86_400:
+        raise SnapshotError(f"{name} {value!r}: must be a number of seconds above 0 and at most 86400")
+    return float(value)
+
+
+def _freeze(agent: Agent, args: Mapping[str, Any]) -> dict[str, Any]:
+    agent.freeze(args.get("lease_s"), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 60))
+    return {"frozen": True, "lease_s": agent.lease.lease_s}
+
+
+def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
+    agent = server.agent
     handlers: dict[str, Callable[[], Any]] = {
         "ping": lambda: {"pong": True},
-        "info": agent.info,
+        "info": lambda: {**agent.info(), "auth": server.auth_report()},
         "precopy": lambda: agent.precopy_to(
             str(args["store"]),
             key_ref_arg(args.get("key_ref")),
             args.get("parent"),
             options=writer_options_arg(args.get("options")),
         ),
-        "freeze": lambda: (agent.freeze(), {"frozen": True})[1],
+        "freeze": lambda: _freeze(agent, args),
+        "renew": lambda: agent.renew(args.get("lease_s")),
+        "advance": lambda: agent.advance(
+            _steps_arg(args.get("steps")), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 600)
+        ),
+        "metrics": lambda: agent.metrics(int(args.get("since") or 0)),
         "final": lambda: agent.final_to(
             str(args["store"]),
             key_ref_arg(args.get("key_ref")),
@@ -97,6 +135,10 @@ def _dispatch(agent: Agent, cmd: str, args: Mapping[str, Any]) -> Any:
         raise SnapshotError(f"command {cmd!r} needs argument {exc.args[0]!r}") from None
 
 
+def _error(rid: Any, kind: str, message: str, hint: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "ok": False, "error": {"type": kind, "message": message, "hint": hint}}
+
+
 class _Handler(socketserver.StreamRequestHandler):
     server: AgentServer
 
@@ -105,47 +147,75 @@ class _Handler(socketserver.StreamRequestHandler):
             line = self.rfile.readline(MAX_LINE)
             if not line:
                 return
-            reply: dict[str, Any]
-            rid = None
-            try:
-                req = json.loads(line)
-                rid = req.get("id")
-                result = _dispatch(self.server.agent, str(req.get("cmd")), req.get("args") or {})
-                reply = {"id": rid, "ok": True, "result": result}
-            except GpumigrateError as exc:
-                reply = {
-                    "id": rid,
-                    "ok": False,
-                    "error": {"type": type(exc).__name__, "message": exc.message, "hint": exc.hint},
-                }
-            except json.JSONDecodeError as exc:
-                reply = {
-                    "id": rid,
-                    "ok": False,
-                    "error": {"type": "SnapshotError", "message": f"request is not JSON: {exc.msg}", "hint": None},
-                }
-            except Exception as exc:  # an agent bug must not kill the workload's control thread
-                reply = {
-                    "id": rid,
-                    "ok": False,
-                    "error": {
-                        "type": "SnapshotError",
-                        "message": f"agent failed: {type(exc).__name__}: {exc}",
-                        "hint": None,
-                    },
-                }
+            reply, nonce = self._answer(line)
+            if nonce is not None:  # authenticated: the reply is signed, bound to the request
+                reply = control.sign_reply(self.server.key, CHANNEL, nonce, reply)
             self.wfile.write((json.dumps(reply, default=str) + "\n").encode())
             self.wfile.flush()
+
+    def _answer(self, line: bytes) -> tuple[dict[str, Any], str | None]:
+        try:
+            req = json.loads(line)
+        except json.JSONDecodeError as exc:
+            self.server.refuse(self.client_address, None, "request is not JSON")
+            return _error(None, "AuthError", f"request is not JSON: {exc.msg}"), None
+        if not isinstance(req, dict):
+            self.server.refuse(self.client_address, None, "request is not a JSON object")
+            return _error(None, "AuthError", "a request is a JSON object"), None
+        rid = req.get("id")
+        try:
+            body, nonce = control.verify_request(self.server.key, CHANNEL, req, self.server.guard)
+        except control.AuthError as exc:
+            self.server.refuse(self.client_address, req.get("cmd"), exc.message)
+            return _error(rid, "AuthError", exc.message, "sign requests with the workload's control key"), None
+        return self._run(rid, body), nonce
+
+    def _run(self, rid: Any, req: Mapping[str, Any]) -> dict[str, Any]:
+        reply: dict[str, Any]
+        try:
+            args = req.get("args") or {}
+            if not isinstance(args, Mapping):
+                raise SnapshotError("args must be a JSON object")
+            result = _dispatch(self.server, str(req.get("cmd")), args)
+            reply = {"id": rid, "ok": True, "result": result}
+        except GpumigrateError as exc:
+            reply = _error(rid, type(exc).__name__, exc.message, exc.hint)
+        except Exception as exc:  # an agent bug must not kill the workload's control thread
+            reply = _error(rid, "SnapshotError", f"agent failed: {type(exc).__name__}: {exc}")
+        return reply
 
 
 class AgentServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, agent: Agent, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, agent: Agent, host: str = "127.0.0.1", port: int = 0, *, key: bytes | None = None) -> None:
+        # The key first: a workload without one must not listen at all.
+        self.key = key if key is not None else control.load_key(None, create=True)
+        self.guard = control.ReplayGuard()
+        self.refusals = 0
+        self._last_refusals: deque[dict[str, Any]] = deque(maxlen=REFUSALS_KEPT)
+        self._refusal_lock = threading.Lock()
         super().__init__((host, port), _Handler)
         self.agent = agent
         self._thread: threading.Thread | None = None
+
+    def refuse(self, peer: Any, cmd: Any, reason: str) -> None:
+        """Count and keep a refused request: when, from where, which command, why (never its arguments)."""
+        name = cmd if isinstance(cmd, str) and cmd.isidentifier() and len(cmd) <= 32 else None
+        record = {"at": time.time(), "peer": f"{peer[0]}:{peer[1]}" if peer else None, "cmd": name, "reason": reason}
+        with self._refusal_lock:
+            self.refusals += 1
+            self._last_refusals.append(record)
+        log.warning("gpumigrate agent: refused %s from %s: %s", name or "a request", record["peer"], reason)
+
+    def auth_report(self) -> dict[str, Any]:
+        with self._refusal_lock:
+            return {
+                "key_id": control.key_id(self.key),
+                "refused": self.refusals,
+                "last_refused": list(self._last_refusals),
+            }
 
     @property
     def address(self) -> str:
@@ -162,6 +232,9 @@ class AgentServer(socketserver.ThreadingTCPServer):
         self.server_close()
 
 
-def serve(agent: Agent, port: int = 0, host: str = "127.0.0.1") -> AgentServer:
-    """Start the control server in a daemon thread; ``port=0`` picks a free port (see ``.address``)."""
-    return AgentServer(agent, host, port).start()
+def serve(agent: Agent, port: int = 0, host: str = "127.0.0.1", *, key: bytes | None = None) -> AgentServer:
+    """Start the control server in a daemon thread; ``port=0`` picks a free port (see ``.address``).
+
+    ``key``: the control key; by default ``gpumigrate.control.load_key(None, create=True)``.
+    """
+    return AgentServer(agent, host, port, key=key).start()

@@ -1,56 +1,193 @@
-"""A safe point between training steps: the loop calls ``checkpoint()`` after each step; ``freeze()``
-(from the agent's thread) returns once the loop is parked there, and ``resume()`` lets it go on."""
+"""The safe point: where a workload's state may be captured, between requests or training steps.
+
+A workload wraps each request or step in ``enter()``/``leave()`` (the public SDK's
+``Handle.safe_point()``). The agent's thread calls ``freeze()``: it stops admitting new safe points
+and returns once none is in flight, so nothing changes the tracked state while the final round
+copies it; new ones wait (they are held, they do not fail) until ``resume()``. ``advance(n)`` lets
+exactly ``n`` more through a frozen gate and returns once they are done and the gate is shut again:
+the orchestrator gets the source's next losses for the steps a restored target also runs.
+
+The gate also counts completed safe points (``steps``: training steps, or requests served) and
+keeps the last losses the workload reported with them; both travel in the image (``progress``).
+A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from gpumigrate.errors import SnapshotError
 
+HISTORY = 1024  # reported losses kept (and shipped in the image)
 
-class StepGate:
+
+class SafePointUnavailable(SnapshotError):
+    """A safe point waited longer than its timeout at a frozen or unready gate (answer 503 to it)."""
+
+
+class StepReport:
+    """What a workload may say about the step it is in (``step.report(loss=...)``)."""
+
+    __slots__ = ("loss",)
+
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._want_freeze = False
-        self._parked = False
-        self.loop_running = False  # set by the loop owner while steps are being taken
+        self.loss: float | None = None
 
+    def report(self, *, loss: float) -> None:
+        self.loss = float(loss)  # NaN and inf travel as reported (JSON NaN/Infinity)
+
+
+class SafePointGate:
+    def __init__(self, *, ready: bool = True, history: int = HISTORY) -> None:
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._waiting = 0
+        self._frozen = False
+        self._budget = 0  # safe points a frozen gate still admits (advance)
+        self._ready = ready
+        self.steps = 0
+        self._losses: deque[tuple[int, float]] = deque(maxlen=history)
+
+    # ------------------------------------------------------------------ state
     @property
     def frozen(self) -> bool:
-        return self._parked
+        return self._frozen
 
-    def checkpoint(self) -> None:
-        """Called by the training loop between steps; blocks while a freeze is requested."""
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Safe points held at the gate (frozen or not ready)."""
+        return self._waiting
+
+    def set_ready(self, ready: bool) -> None:
         with self._cond:
-            if not self._want_freeze:
-                return
-            self._parked = True
-            self._cond.notify_all()
-            while self._want_freeze:
-                self._cond.wait()
-            self._parked = False
+            self._ready = ready
             self._cond.notify_all()
 
-    def freeze(self, timeout_s: float = 60.0) -> None:
+    def reason(self) -> str | None:
+        """Why a safe point would wait now, or None when it would pass."""
+        if self._frozen:
+            return "frozen"
+        if not self._ready:
+            return "awaiting restore"
+        return None
+
+    # ------------------------------------------------------------------ the workload's side
+    def _admissible(self) -> bool:
+        return self._ready and (not self._frozen or self._budget > 0)
+
+    def enter(self, timeout_s: float | None = None) -> None:
+        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on)."""
         with self._cond:
-            self._want_freeze = True
-            if not self.loop_running:
-                self._parked = True  # no steps are running: nothing can change under us
-                return
-            if not self._cond.wait_for(lambda: self._parked or not self.loop_running, timeout_s):
-                self._want_freeze = False
+            if not self._admissible():
+                self._waiting += 1
+                try:
+                    if not self._cond.wait_for(self._admissible, timeout=timeout_s):
+                        raise SafePointUnavailable(
+                            f"waited {timeout_s:g}s at the safe point ({self.reason() or 'busy'})",
+                            hint="the process is being migrated or is not restored yet; retry",
+                        )
+                finally:
+                    self._waiting -= 1
+            if self._frozen:
+                self._budget -= 1
+            self._in_flight += 1
+
+    def leave(self, report: StepReport | None = None, *, completed: bool = True) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            if completed:
+                self.steps += 1
+                if report is not None and report.loss is not None:
+                    self._losses.append((self.steps, report.loss))
+            self._cond.notify_all()
+
+    @contextmanager
+    def safe_point(self, timeout_s: float | None = None) -> Iterator[StepReport]:
+        self.enter(timeout_s)
+        report = StepReport()
+        completed = False
+        try:
+            yield report
+            completed = True
+        finally:
+            self.leave(report, completed=completed)
+
+    # ------------------------------------------------------------------ the agent's side
+    def freeze(self, timeout_s: float = 60.0) -> float:
+        """Stop admitting safe points and wait until none is in flight; return the seconds waited.
+
+        On timeout the gate reopens (the source keeps running) and SnapshotError is raised.
+        """
+        start = time.perf_counter()
+        with self._cond:
+            self._frozen = True
+            self._budget = 0
+            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
+                self._frozen = False
                 self._cond.notify_all()
-                raise SnapshotError(f"training did not reach a step boundary within {timeout_s:g} s; left running")
-            self._parked = True
+                raise SnapshotError(
+                    f"{self._in_flight} request(s) or step(s) still in flight after {timeout_s:g}s; freeze abandoned, "
+                    "the workload keeps running"
+                )
+        return time.perf_counter() - start
 
     def resume(self) -> None:
+        """Reopen the gate. Idempotent."""
         with self._cond:
-            self._want_freeze = False
-            self._parked = False
+            self._frozen = False
+            self._budget = 0
             self._cond.notify_all()
 
-    def stop_loop(self) -> None:
-        """The loop ended (or did not start): a pending freeze no longer waits for it."""
+    def advance(self, steps: int, timeout_s: float) -> list[tuple[int, float]]:
+        """Let exactly ``steps`` safe points through a frozen gate; return once they finished (the
+        gate is frozen again by then). Returns the losses reported for them."""
         with self._cond:
-            self.loop_running = False
+            if not self._frozen:
+                raise SnapshotError("advance needs a frozen workload: send freeze first")
+            first = self.steps
+            self._budget = steps
             self._cond.notify_all()
+            done = self._cond.wait_for(lambda: self._budget == 0 and self._in_flight == 0, timeout=timeout_s)
+            if not done:
+                ran = self.steps - first
+                self._budget = 0  # admit no more; a step still in flight finishes before the next freeze
+                raise SnapshotError(
+                    f"only {ran} of {steps} step(s) ran within {timeout_s:g}s (the loop ended or is slower); "
+                    "the workload stays frozen"
+                )
+            return [(s, loss) for s, loss in self._losses if s > first]
+
+    # ------------------------------------------------------------------ progress (travels in the image)
+    def metrics(self, since: int = 0) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "steps": self.steps,
+                "losses": [[s, loss] for s, loss in self._losses if s > since],
+                "in_flight": self._in_flight,
+                "held": self._waiting,
+                "frozen": self._frozen,
+                "ready": self._ready,
+            }
+
+    def progress(self) -> dict[str, Any]:
+        with self._cond:
+            return {"steps": self.steps, "losses": [[s, loss] for s, loss in self._losses]}
+
+    def set_progress(self, value: dict[str, Any]) -> None:
+        with self._cond:
+            self.steps = int(value["steps"])
+            self._losses.clear()
+            self._losses.extend((int(s), float(loss)) for s, loss in value["losses"])

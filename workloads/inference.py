@@ -1,7 +1,13 @@
 """The reference inference server: the workload that demo, tests and benchmarks migrate.
 
-    python -m gpumigrate.workloads.inference --host 127.0.0.1 --port 18080 --agent-port 17070 \
-        --seed 0 --size tiny --device cpu --dtype float32 --threads 1 --name local-a [--await-restore]
+    GPUMIGRATE_AGENT_ADDR=127.0.0.1:17070 python -m gpumigrate.workloads.inference --host 127.0.0.1 \
+        --port 18080 --seed 0 --size tiny --device cpu --dtype float32 --threads 1 --name local-a
+
+It embeds the migration agent through the public SDK (``gpumigrate.agent``) like any user's
+service: it attaches to the model, serves each request inside the handle's safe point, and reads
+its agent address and await-restore from the environment contract (``--agent-port`` and
+``--await-restore`` are thin overrides of those two variables). ``POST /admin/fault`` exists only
+in a process started with faults enabled (``--enable-faults`` or ``GPUMIGRATE_ENABLE_FAULTS=1``).
 
 HTTP API: see ``workloads/README.md``. Starlette on uvicorn; the model runs in a small thread pool
 so the event loop keeps answering health checks while a request waits at a frozen safe point.
@@ -29,7 +35,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import gpumigrate.agent as gm
 from gpumigrate.errors import GpumigrateError, InvalidInputError
+from gpumigrate.workloads.contract import add_contract_flags, apply_contract_overrides
 from gpumigrate.workloads.environment import environment_facts
 from gpumigrate.workloads.model import build_model, decode, generate
 from gpumigrate.workloads.serving import Fault, ServingState
@@ -37,6 +45,7 @@ from gpumigrate.workloads.serving import Fault, ServingState
 MAX_NEW_TOKENS = 64
 MAX_PROMPT_CHARS = 8192
 FROZEN_WAIT_S = 30.0  # a request held by a freeze waits this long before it gets a 503
+FAULTS_ENV = "GPUMIGRATE_ENABLE_FAULTS"  # "1": serve POST /admin/fault (demo, tests); never by default
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -68,22 +77,22 @@ def parse_generate(raw: bytes) -> tuple[str, int]:
 class InferenceApp:
     """Binds a :class:`ServingState` to HTTP routes."""
 
-    def __init__(self, state: ServingState, *, workers: int = 2) -> None:
+    def __init__(self, state: ServingState, *, workers: int = 2, faults: bool = False) -> None:
         self.state = state
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="infer")
-        self.app = Starlette(
-            routes=[
-                Route("/v1/generate", self.generate, methods=["POST"]),
-                Route("/healthz", self.healthz, methods=["GET"]),
-                Route("/readyz", self.readyz, methods=["GET"]),
-                Route("/v1/info", self.info, methods=["GET"]),
-                Route("/admin/fault", self.fault, methods=["GET", "POST"]),
-            ]
-        )
+        routes = [
+            Route("/v1/generate", self.generate, methods=["POST"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/v1/info", self.info, methods=["GET"]),
+        ]
+        if faults:  # fault injection only where it was asked for: anyone who reaches it can break the service
+            routes.append(Route("/admin/fault", self.fault, methods=["GET", "POST"]))
+        self.app = Starlette(routes=routes)
 
     def _run_generate(self, prompt: str, n: int) -> tuple[int, dict[str, Any]]:
         state = self.state
-        with state.safe_point.request(timeout_s=FROZEN_WAIT_S):
+        with state.request(FROZEN_WAIT_S):
             fault = state.fault
             hit = state.fault_hits()
             if hit and fault.kind == "crash":
@@ -107,7 +116,7 @@ class InferenceApp:
             prompt, n = parse_generate(await request.body())
         except InvalidInputError as exc:
             return _error(400, exc.message)
-        if not self.state.wait_ready(0):
+        if not self.state.loaded:
             return _error(503, "not ready: weights not loaded yet (waiting for restore)")
         try:
             status, body = await asyncio.get_running_loop().run_in_executor(self.pool, self._run_generate, prompt, n)
@@ -122,7 +131,7 @@ class InferenceApp:
         st = self.state
         if st.ready:
             return JSONResponse({"status": "ready", "host": st.name})
-        reason = "frozen" if st.safe_point.frozen else "awaiting restore"
+        reason = st.reason()
         return JSONResponse({"status": "not ready", "reason": reason, "host": st.name}, status_code=503)
 
     async def info(self, request: Request) -> Response:
@@ -197,9 +206,11 @@ def _uvicorn_config(app: Starlette) -> uvicorn.Config:
     return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=30)
 
 
-def start_in_thread(state: ServingState, host: str = "127.0.0.1", port: int = 0, *, workers: int = 2) -> RunningServer:
+def start_in_thread(
+    state: ServingState, host: str = "127.0.0.1", port: int = 0, *, workers: int = 2, faults: bool = False
+) -> RunningServer:
     """Serve ``state`` from a background thread of this process (no signal handlers installed)."""
-    app = InferenceApp(state, workers=workers)
+    app = InferenceApp(state, workers=workers, faults=faults)
     sock = bind_socket(host, port)
     server = uvicorn.Server(_uvicorn_config(app.app))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
@@ -212,23 +223,10 @@ def start_in_thread(state: ServingState, host: str = "127.0.0.1", port: int = 0,
     return RunningServer(f"http://{host}:{real_port}", real_port, state, app, server, thread)
 
 
-def _start_agent(state: ServingState, port: int | None, host: str) -> Any:
-    if port is None:
-        return None
-    from gpumigrate.workloads.agent_hook import start_inference_agent
-
-    # The agent listens where the server does: inside a host's namespace 127.0.0.1 is not reachable.
-    return start_inference_agent(state, port, host=host)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gpumigrate.workloads.inference", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18080, help="HTTP port (0: pick a free one)")
-    # Defaults from gpumigrate's launch contract (gpumigrate/launch.py); transitional, until the public SDK reads it.
-    agent_addr = os.environ.get("GPUMIGRATE_AGENT_ADDR", "")
-    agent_port = int(agent_addr.rsplit(":", 1)[1]) if agent_addr else None
-    p.add_argument("--agent-port", type=int, default=agent_port, help="port of the embedded snapshot agent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", default="tiny", help="tiny | small")
     p.add_argument("--params-mb", type=float, default=None, help="scale the model to about N MB of weights")
@@ -237,20 +235,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--workers", type=int, default=2, help="request worker threads")
     p.add_argument("--name", default=socket.gethostname(), help="host name reported in every answer")
-    await_restore = os.environ.get("GPUMIGRATE_AWAIT_RESTORE") == "1"
-    p.add_argument(
-        "--await-restore", action="store_true", default=await_restore, help="start unready, weights unloaded"
-    )
+    add_contract_flags(p)
+    p.add_argument("--enable-faults", action="store_true", help=f"serve POST /admin/fault (${FAULTS_ENV}=1)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    apply_contract_overrides(args)
     torch.set_num_threads(max(1, args.threads))
     try:
+        # On a target gpumigrate started, the weights come from the restore: build the shapes only.
         model = build_model(
-            args.seed, args.size, args.dtype, args.device, params_mb=args.params_mb, load_weights=not args.await_restore
+            args.seed,
+            args.size,
+            args.dtype,
+            args.device,
+            params_mb=args.params_mb,
+            load_weights=not gm.awaiting_restore(),
         )
+        handle = gm.attach(model, name="model")
     except GpumigrateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -259,27 +263,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.params_mb:
         meta["params_mb"] = args.params_mb
     state = ServingState(
-        model,
-        name=args.name,
-        model_id=f"tinylm-{size}-{args.dtype}-s{args.seed}",
-        ready=not args.await_restore,
-        meta=meta,
+        model, name=args.name, model_id=f"tinylm-{size}-{args.dtype}-s{args.seed}", meta=meta, handle=handle
     )
-    app = InferenceApp(state, workers=args.workers)
-    sock = bind_socket(args.host, args.port)
-    agent = _start_agent(state, args.agent_port, args.host)
+    faults = args.enable_faults or os.environ.get(FAULTS_ENV) == "1"
+    app = InferenceApp(state, workers=args.workers, faults=faults)
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as exc:
+        handle.close()
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     server = uvicorn.Server(_uvicorn_config(app.app))
     port = sock.getsockname()[1]
-    # One machine-readable line so launchers learn the bound port without polling.
-    print(json.dumps({"event": "listening", "host": args.host, "port": port, "pid": os.getpid()}), flush=True)
+    # One machine-readable line so launchers learn the bound ports without polling.
+    listening = {"event": "listening", "host": args.host, "port": port, "pid": os.getpid(), "agent": handle.address}
+    print(json.dumps(listening), flush=True)
     # uvicorn re-raises a captured SIGTERM after its graceful shutdown, restoring the previous handler
     # first; a no-op handler there turns a finished graceful shutdown into exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run(sockets=[sock])  # uvicorn handles SIGTERM/SIGINT: stop accepting, finish in-flight
     finally:
-        if agent is not None:
-            agent.close()
+        handle.close()
         app.close()
     return 0
 

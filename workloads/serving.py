@@ -1,16 +1,16 @@
-"""The inference server's live objects, shared with the embedded snapshot agent.
+"""The inference server's live objects: the model, its safe point, and the current fault.
 
-:class:`ServingState` is the one handle the agent gets: the model (whose tensors it captures or
-restores in place), the :class:`SafePoint` (which it freezes so no request is mid-forward while the
-final copy runs), the ready flag (which it raises after a restore) and the current fault.
-Thread-safe: HTTP handlers run in worker threads, the agent in its own.
+With the migration agent attached (``gpumigrate.agent.attach``, as any user's service would), the
+safe point is the agent handle's: a freeze waits for requests in flight and holds new ones, and a
+restore fills the model in place and raises ready. Without an agent (in-process tests) the state
+keeps a gate of its own with the same behaviour. Thread-safe: HTTP handlers run in worker threads,
+the agent in its own.
 """
 
 from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -18,82 +18,11 @@ from typing import Any
 
 import torch
 
-from gpumigrate.errors import InvalidInputError, SnapshotError
+from gpumigrate.agent import Handle
+from gpumigrate.errors import InvalidInputError
+from gpumigrate.snapshot.stepgate import SafePointGate
 
 FAULT_KINDS = ("none", "errors", "slow", "drift", "crash")
-
-
-class SafePoint:
-    """A gate between requests. Requests ``enter()``/``leave()`` it; ``freeze()`` waits for the
-    in-flight ones to finish and then holds new ones back (they wait, they do not fail) until
-    ``resume()``. A frozen server therefore looks slow, never broken, to its clients.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._in_flight = 0
-        self._frozen = False
-        self._waiting = 0
-
-    @property
-    def frozen(self) -> bool:
-        return self._frozen
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    @property
-    def waiting(self) -> int:
-        """Requests held at the gate by a freeze."""
-        return self._waiting
-
-    def enter(self, timeout_s: float | None = None) -> None:
-        """Block while frozen; raise SnapshotError if still frozen after ``timeout_s``."""
-        with self._cond:
-            if self._frozen:
-                self._waiting += 1
-                try:
-                    if not self._cond.wait_for(lambda: not self._frozen, timeout=timeout_s):
-                        raise SnapshotError(f"request waited {timeout_s}s at a frozen safe point")
-                finally:
-                    self._waiting -= 1
-            self._in_flight += 1
-
-    def leave(self) -> None:
-        with self._cond:
-            self._in_flight -= 1
-            self._cond.notify_all()
-
-    @contextmanager
-    def request(self, timeout_s: float | None = None) -> Iterator[None]:
-        self.enter(timeout_s)
-        try:
-            yield
-        finally:
-            self.leave()
-
-    def freeze(self, timeout_s: float = 30.0) -> float:
-        """Stop admitting requests and wait until none is in flight. Returns seconds waited.
-
-        On timeout the gate is reopened (the source keeps serving) and SnapshotError is raised.
-        """
-        start = time.perf_counter()
-        with self._cond:
-            self._frozen = True
-            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
-                self._frozen = False
-                self._cond.notify_all()
-                raise SnapshotError(
-                    f"{self._in_flight} request(s) still in flight after {timeout_s}s; freeze abandoned"
-                )
-        return time.perf_counter() - start
-
-    def resume(self) -> None:
-        """Reopen the gate. Idempotent."""
-        with self._cond:
-            self._frozen = False
-            self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -122,7 +51,7 @@ class Fault:
 
 
 class ServingState:
-    """The server's live objects, handed to the snapshot agent (``start_inference_agent(state, port)``)."""
+    """The server's live objects. ``handle``: the attached agent (its safe point is used); none: a gate of our own."""
 
     def __init__(
         self,
@@ -133,53 +62,53 @@ class ServingState:
         ready: bool = True,
         meta: dict[str, Any] | None = None,
         fault_seed: int = 0,
+        handle: Handle | None = None,
     ) -> None:
         self.model = model
         self.name = name
         self.model_id = model_id
-        self.meta = dict(meta or {})  # seed, size, dtype, device: what the agent records in the image
-        self.safe_point = SafePoint()
-        self._ready = threading.Event()
-        if ready:
-            self._ready.set()
+        self.meta = dict(meta or {})  # seed, size, dtype, device
+        self.handle = handle
+        self.safe_point = handle.gate if handle is not None else SafePointGate(ready=ready)
         self._fault = Fault()
         self._rng = random.Random(fault_seed)
         self._rng_lock = threading.Lock()
         vocab = getattr(getattr(model, "cfg", None), "vocab", 260)
         # A fixed perturbation of the logits: large enough to change tokens and logprobs.
         self.drift_noise = torch.randn(vocab, generator=torch.Generator().manual_seed(1234)) * 3.0
-        self.weights_version = 0  # bumped by mark_weights_changed(): lets caches of derived facts expire
-        self._digest: str | None = None
+        self._digest: tuple[int, str] | None = None  # (state version it was computed at, digest)
 
-    # readiness: the agent calls set_ready(True) after a restore, set_ready(False) before one
+    @contextmanager
+    def request(self, timeout_s: float) -> Iterator[None]:
+        """One request at the safe point: held (up to ``timeout_s``, then Unavailable) while frozen or unready."""
+        with self.handle.safe_point(timeout_s) if self.handle is not None else self.safe_point.safe_point(timeout_s):
+            yield
+
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self.safe_point.frozen
+        """Weights loaded (not awaiting a restore, not zeroized) and not frozen."""
+        return self.safe_point.reason() is None
+
+    @property
+    def loaded(self) -> bool:
+        return self.safe_point.ready
+
+    def reason(self) -> str | None:
+        return self.safe_point.reason()
 
     def set_ready(self, ready: bool) -> None:
-        # Either way the weights are about to change or just did (restore, zeroize): derived facts expire.
-        self.mark_weights_changed()
-        if ready:
-            self._ready.set()
-        else:
-            self._ready.clear()
-
-    def wait_ready(self, timeout_s: float | None = None) -> bool:
-        return self._ready.wait(timeout_s)
-
-    def mark_weights_changed(self) -> None:
-        from gpumigrate.workloads.model import forget_decode_weights
-
-        self.weights_version += 1
-        self._digest = None
-        forget_decode_weights(self.model)
+        """Raise or drop readiness by hand (in-process tests; the agent does it after a restore)."""
+        self._digest = None  # whoever calls this has just changed the weights, or is about to
+        self.safe_point.set_ready(ready)
 
     def weights_digest(self) -> str:
         from gpumigrate.workloads.model import weights_digest
 
-        if self._digest is None:
-            self._digest = weights_digest(self.model)
-        return self._digest
+        # A restore or zeroize changes the weights in place: the agent's state version says when.
+        version = self.handle.agent.state_version if self.handle is not None else 0
+        if self._digest is None or self._digest[0] != version:
+            self._digest = (version, weights_digest(self.model))
+        return self._digest[1]
 
     # faults
     @property

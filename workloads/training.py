@@ -1,13 +1,16 @@
 """The reference training job: the same model family trained with PyTorch Lightning on synthetic data.
 
-    python -m gpumigrate.workloads.training --steps 50 --seed 0 --agent-port 17071 --device cpu
+    GPUMIGRATE_AGENT_ADDR=127.0.0.1:17071 python -m gpumigrate.workloads.training --steps 50 --seed 0 --device cpu
 
 Everything a migration must carry lives in one :class:`TrainingState`: weights, optimizer state,
-step counter and the RNG streams (python, numpy, torch, cuda). The batch for step ``i`` is a pure
-function of ``(seed, i)``, so a state captured after step ``k`` and restored in another process
-produces the identical loss at step ``k + 1``. :func:`run_steps` is the plain-PyTorch loop (fast,
-for tests); :func:`train` drives the same math through a Lightning ``Trainer`` and accepts extra
-callbacks (the snapshot agent's ``training_callback(state, port)`` is one).
+step counter and losses (``progress``), and the RNG streams (python, numpy, torch, cuda). The batch
+for step ``i`` is a pure function of ``(seed, i)``, so a state captured after step ``k`` and
+restored in another process produces the identical loss at step ``k + 1``. :func:`run_steps` is the
+plain-PyTorch loop (fast, for tests); :func:`train` drives the same math through a Lightning
+``Trainer`` and accepts extra callbacks. ``main`` makes the job migratable like any user's
+Lightning job: the public SDK's ``MigrationCallback``, carrying ``progress`` as its state; the agent
+address and await-restore come from the environment contract (``--agent-port`` and
+``--await-restore`` are thin overrides).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import argparse
 import copy
 import io
 import json
-import os
 import random
 import sys
 import threading
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from gpumigrate.atomic import atomic_write_bytes
 from gpumigrate.errors import GpumigrateError, SnapshotError
+from gpumigrate.workloads.contract import add_contract_flags, apply_contract_overrides
 from gpumigrate.workloads.model import TinyLM, build_model, weights_digest
 
 CAPTURE_FORMAT = 1
@@ -63,14 +66,28 @@ class TrainingState:
     config: TrainingConfig
     model: TinyLM
     optimizer: torch.optim.Optimizer
-    step: int = 0
-    losses: list[float] = field(default_factory=list)
+    # The step counter and losses, in one dict that the migration agent carries and restores in place.
+    progress: dict[str, Any] = field(default_factory=lambda: {"step": 0, "losses": []})
     name: str = "training"
+
+    @property
+    def step(self) -> int:
+        return int(self.progress["step"])
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.progress["step"] = int(value)
+
+    @property
+    def losses(self) -> list[float]:
+        return self.progress["losses"]
+
+    @losses.setter
+    def losses(self, value: list[float]) -> None:
+        self.progress["losses"] = list(value)
 
     def __post_init__(self) -> None:
         self._module: Any = None
-        self._ready = threading.Event()
-        self._ready.set()
         self._lock = threading.Lock()
 
     @property
@@ -89,13 +106,6 @@ class TrainingState:
         model = build_model(config.seed, config.size, config.dtype, config.device, dropout=config.dropout).train()
         opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
         return cls(config=config, model=model, optimizer=opt, name=name)
-
-    # ready flag: a restore target starts unready and the agent raises it after restore()
-    def set_ready(self, ready: bool) -> None:
-        (self._ready.set if ready else self._ready.clear)()
-
-    def wait_ready(self, timeout_s: float | None = None) -> bool:
-        return self._ready.wait(timeout_s)
 
     def record_step(self, loss: float) -> None:
         with self._lock:
@@ -207,15 +217,6 @@ def train(
     return train_with_lightning(state, steps, callbacks, until_step=until_step)
 
 
-def _agent_callback(state: TrainingState, port: int | None, host: str, await_restore: bool) -> Any:
-    if port is None:
-        return None
-    from gpumigrate.workloads.agent_hook import training_callback
-
-    # await_restore: the callback holds the first step until the restore.
-    return training_callback(state, port, host=host, await_restore=await_restore)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gpumigrate.workloads.training", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
@@ -227,16 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=1)
-    # Defaults from gpumigrate's launch contract (gpumigrate/launch.py); transitional, until the public SDK reads it.
-    agent_addr = os.environ.get("GPUMIGRATE_AGENT_ADDR", "")
-    p.add_argument("--agent-port", type=int, default=int(agent_addr.rsplit(":", 1)[1]) if agent_addr else None)
     p.add_argument("--host", default="127.0.0.1", help="address the agent listens on (the host's address)")
     p.add_argument("--step-delay-ms", type=int, default=0, help="sleep after each step (time to migrate)")
-    await_restore = os.environ.get("GPUMIGRATE_AWAIT_RESTORE") == "1"
-    p.add_argument("--await-restore", action="store_true", default=await_restore, help="wait for a restored state")
+    add_contract_flags(p)
     p.add_argument("--name", default="training")
     p.add_argument("--out", default=None, help="write the final losses and digest as JSON here")
     args = p.parse_args(argv)
+    apply_contract_overrides(args)
     torch.set_num_threads(max(1, args.threads))
     try:
         cfg = TrainingConfig(args.seed, args.size, args.dtype, args.device, args.batch_size, args.seq_len, args.lr)
@@ -244,23 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     except GpumigrateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    agent = _agent_callback(state, args.agent_port, args.host, args.await_restore)
-    if args.await_restore and agent is None:
-        print("error: --await-restore needs the snapshot agent (--agent-port and agent_hook)", file=sys.stderr)
-        return 2
+    from gpumigrate.agent.lightning import MigrationCallback
     from gpumigrate.workloads.lightning_job import PrintSteps, StepDelay
 
-    callbacks: list[Any] = [PrintSteps(state), StepDelay(args.step_delay_ms / 1000.0)]
-    if agent is not None:
-        callbacks.append(agent)
+    # The agent attaches when the Trainer starts (the module, the optimizer, the loop counters, the RNG
+    # streams, and our step counter and losses); a target started to await a restore waits there.
+    agent = MigrationCallback(state=state.progress)
+    callbacks: list[Any] = [PrintSteps(state), StepDelay(args.step_delay_ms / 1000.0), agent]
     try:
         # Until the total step count: a restored target continues from the restored step.
         if args.steps > state.step:
             train(state, args.steps - state.step, callbacks, until_step=args.steps)
+    except GpumigrateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
-        close = getattr(agent, "close", None)
-        if callable(close):
-            close()
+        agent.close()
     result = {"event": "done", "step": state.step, "losses": state.losses, "weights_digest": state.weights_digest()}
     if args.out:
         atomic_write_bytes(args.out, (json.dumps(result) + "\n").encode())

@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SUBPACKAGES = ("flows", "snapshot", "transfer", "parity", "traffic", "infra", "workloads")
+SUBPACKAGES = ("flows", "snapshot", "transfer", "parity", "traffic", "infra", "workloads", "agent")
 SIBLINGS = ("snapshot", "transfer", "parity", "traffic", "infra")
+# The public SDK (agent/) sits above snapshot and transfer, inside a user's process: it may import
+# them and the core, never the orchestrator's side; and only user programs import it.
+AGENT_MAY_NOT_IMPORT = ("flows", "traffic", "infra", "parity", "workloads", "cli")
+AGENT_IMPORTERS = ("workloads", "examples", "tests")
+# What importing the SDK into a user's process must not cost.
+HEAVY = ("prefect", "great_expectations", "boto3", "botocore", "google", "envoy")
 
 
 @pytest.mark.slow
@@ -104,7 +110,7 @@ def test_core_imports_no_subpackage() -> None:
 
 @pytest.mark.parametrize("folder", SIBLINGS)
 def test_siblings_do_not_import_each_other(folder: str) -> None:
-    others = [s for s in (*SIBLINGS, "flows", "workloads") if s != folder]
+    others = [s for s in (*SIBLINGS, "flows", "workloads", "agent") if s != folder]
     for path in (REPO / folder).rglob("*.py"):
         for mod in _imports(path):
             for other in others:
@@ -146,3 +152,32 @@ def test_no_import_circle_in_the_flows() -> None:
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_the_sdk_imports_only_core_snapshot_and_transfer() -> None:
+    for path in (REPO / "agent").rglob("*.py"):
+        for mod in _imports(path):
+            for other in AGENT_MAY_NOT_IMPORT:
+                assert not mod.startswith(f"gpumigrate.{other}"), f"agent/{path.name} imports {mod}"
+
+
+def test_only_user_programs_import_the_sdk() -> None:
+    skip = ("agent", "build", "dist")  # the SDK itself, and build outputs (copies of the tree)
+    folders = [p for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in skip]
+    for folder in folders:
+        if folder.name in AGENT_IMPORTERS:
+            continue
+        for path in folder.rglob("*.py"):
+            for mod in _imports(path):
+                assert not mod.startswith("gpumigrate.agent"), f"{path.relative_to(REPO)} imports {mod}"
+
+
+@pytest.mark.parametrize("module", ["gpumigrate.agent", "gpumigrate.agent.lightning"])
+def test_importing_the_sdk_costs_no_orchestrator_dependency(module: str) -> None:
+    code = (
+        f"import sys, {module}\n"
+        f"heavy = sorted({{m for m in sys.modules if m.split('.')[0] in {HEAVY!r}}})\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "", f"importing {module} imported {out.stdout.strip()}"

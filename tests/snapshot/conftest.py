@@ -59,3 +59,10 @@ def net_cls() -> type[TinyNet]:
 @pytest.fixture
 def step_fn():  # noqa: ANN201 - the helper itself
     return train_step
+
+
+@pytest.fixture(autouse=True)
+def _private_state_root(gm_home: Path) -> Path:
+    """Each test its own state root: the agents it starts create their control key there, and the
+    clients (and the processes it starts, which inherit the environment) read it from there."""
+    return gm_home

@@ -8,11 +8,12 @@ import socket
 import pytest
 import torch
 
+from gpumigrate import control
+from gpumigrate.agent.images import make_agent
 from gpumigrate.errors import InvalidInputError, NotFoundError, SnapshotError
 from gpumigrate.snapshot.client import AgentClient, parse_address
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.server import serve
-from gpumigrate.workloads.agent_hook import make_agent
 
 
 @pytest.fixture
@@ -35,21 +36,31 @@ def _raw(address: str, *lines: bytes) -> list[dict]:
         return [json.loads(f.readline()) for _ in lines]
 
 
+def _signed(key: bytes, request: dict) -> tuple[bytes, str]:
+    message = control.sign_request(key, "agent", request)
+    return (json.dumps(message) + "\n").encode(), message["auth"]["nonce"]
+
+
 def test_framing_and_typed_errors(served) -> None:
     _, address = served
-    replies = _raw(
-        address,
-        b'{"id": 1, "cmd": "ping"}\n',
-        b"not json\n",
-        b'{"id": 3, "cmd": "explode"}\n',
-        b'{"id": 4, "cmd": "precopy", "args": {"key_ref": {"env": "X"}}}\n',
-        b'{"id": 5, "cmd": "info"}\n',
-    )
+    key = control.load_key()
+    requests = [
+        {"id": 1, "cmd": "ping"},
+        {"id": 3, "cmd": "explode"},
+        {"id": 4, "cmd": "precopy", "args": {"key_ref": {"env": "X"}}},
+        {"id": 5, "cmd": "info"},
+    ]
+    signed = [_signed(key, r) for r in requests]
+    raw = _raw(address, signed[0][0], b"not json\n", *(line for line, _ in signed[1:]))
+    assert raw[1]["ok"] is False and "not JSON" in raw[1]["error"]["message"] and "auth" not in raw[1]
+    # Every reply to a signed request is signed, bound to that request's nonce.
+    replies = [
+        control.verify_reply(key, "agent", nonce, r) for (_, nonce), r in zip(signed, raw[:1] + raw[2:], strict=True)
+    ]
     assert replies[0] == {"id": 1, "ok": True, "result": {"pong": True}}
-    assert replies[1]["ok"] is False and "not JSON" in replies[1]["error"]["message"]
-    assert replies[2]["error"]["type"] == "SnapshotError" and "allowed are" in replies[2]["error"]["message"]
-    assert "needs argument 'store'" in replies[3]["error"]["message"]
-    assert replies[4]["id"] == 5 and replies[4]["result"]["bytes_total"] == 4000  # same connection, in order
+    assert replies[1]["error"]["type"] == "SnapshotError" and "allowed are" in replies[1]["error"]["message"]
+    assert "needs argument 'store'" in replies[2]["error"]["message"]
+    assert replies[3]["id"] == 5 and replies[3]["result"]["bytes_total"] == 4000  # same connection, in order
 
 
 def test_client_raises_the_matching_error_classes(served, key_env, store_url) -> None:

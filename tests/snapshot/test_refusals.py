@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpumigrate.agent.images import make_agent
 from gpumigrate.errors import IntegrityError, SnapshotError
 from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
 from gpumigrate.snapshot.server import key_ref_arg
-from gpumigrate.workloads.agent_hook import make_agent
 
 
 class Flag:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from gpumigrate.agent.images import make_agent
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.memimage import MemoryStore
-from gpumigrate.workloads.agent_hook import make_agent
 
 
 def _agent(model: torch.nn.Module, opt: torch.optim.Optimizer, agent: Agent) -> Agent:

@@ -34,9 +34,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def start_server(*extra: str, wait_ready: bool = True, timeout_s: float = 60.0) -> ServerProc:
+def start_server(
+    *extra: str, wait_ready: bool = True, timeout_s: float = 60.0, env: dict[str, str] | None = None
+) -> ServerProc:
     argv = [sys.executable, "-m", "gpumigrate.workloads.inference", "--port", "0", "--name", "test", *extra]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         line = proc.stdout.readline()  # the "listening" line, printed once the socket is bound
         if not line:
@@ -61,8 +70,8 @@ def start_server(*extra: str, wait_ready: bool = True, timeout_s: float = 60.0) 
 def server_factory() -> Iterator[Callable[..., ServerProc]]:
     started: list[ServerProc] = []
 
-    def factory(*extra: str, wait_ready: bool = True) -> ServerProc:
-        srv = start_server(*extra, wait_ready=wait_ready)
+    def factory(*extra: str, wait_ready: bool = True, env: dict[str, str] | None = None) -> ServerProc:
+        srv = start_server(*extra, wait_ready=wait_ready, env=env)
         started.append(srv)
         return srv
 
@@ -74,6 +83,6 @@ def server_factory() -> Iterator[Callable[..., ServerProc]]:
 @pytest.fixture(scope="module")
 def shared_server() -> Iterator[ServerProc]:
     """One tiny server for read-only contract tests (no faults set on it)."""
-    srv = start_server("--seed", "0")
+    srv = start_server("--seed", "0", "--enable-faults")
     yield srv
     _kill_group(srv.proc)

@@ -116,8 +116,17 @@ def test_await_restore_is_alive_but_not_ready(server_factory) -> None:
     assert gen(srv.url, "hi").status_code == 503
 
 
+def test_fault_route_exists_only_where_enabled(server_factory) -> None:
+    plain = server_factory("--seed", "0", env={"GPUMIGRATE_ENABLE_FAULTS": ""})
+    assert httpx.get(f"{plain.url}/admin/fault").status_code == 404
+    assert httpx.post(f"{plain.url}/admin/fault", json={"kind": "crash"}).status_code == 404
+    assert gen(plain.url, "still here").status_code == 200
+    by_env = server_factory("--seed", "0", env={"GPUMIGRATE_ENABLE_FAULTS": "1"})
+    assert httpx.get(f"{by_env.url}/admin/fault").json()["kind"] == "none"
+
+
 def test_faults_then_graceful_sigterm(server_factory) -> None:
-    srv = server_factory("--seed", "0")
+    srv = server_factory("--seed", "0", "--enable-faults")
     clean = gen(srv.url, "drift me").json()
     assert httpx.get(f"{srv.url}/admin/fault").json()["kind"] == "none"
 
@@ -168,7 +177,7 @@ def test_bad_fault_is_400(shared_server, body) -> None:
 
 
 def test_crash_fault_kills_the_process(server_factory) -> None:
-    srv = server_factory("--seed", "0")
+    srv = server_factory("--seed", "0", "--enable-faults")
     assert httpx.post(f"{srv.url}/admin/fault", json={"kind": "crash"}).status_code == 200
     assert srv.proc.wait(timeout=10) == 17
     with pytest.raises(httpx.TransportError):

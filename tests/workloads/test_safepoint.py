@@ -1,4 +1,4 @@
-"""SafePoint: a freeze makes requests wait, never fail; readiness follows restore and freeze."""
+"""The safe point: a freeze makes requests wait, never fail; readiness follows restore and freeze."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import httpx
 import pytest
 
 from gpumigrate.errors import SnapshotError
+from gpumigrate.snapshot.stepgate import SafePointGate
 from gpumigrate.workloads.inference import start_in_thread
 from gpumigrate.workloads.model import build_model, weights_digest
-from gpumigrate.workloads.serving import Fault, SafePoint, ServingState
+from gpumigrate.workloads.serving import Fault, ServingState
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_freeze_waits_for_in_flight_request(running) -> None:
 
 
 def test_freeze_timeout_reopens_the_gate() -> None:
-    sp = SafePoint()
+    sp = SafePointGate()
     sp.enter()
     with pytest.raises(SnapshotError, match="in flight"):
         sp.freeze(timeout_s=0.1)
@@ -75,7 +76,7 @@ def test_freeze_timeout_reopens_the_gate() -> None:
 
 
 def test_enter_times_out_while_frozen() -> None:
-    sp = SafePoint()
+    sp = SafePointGate()
     sp.freeze()
     with pytest.raises(SnapshotError, match="frozen"):
         sp.enter(timeout_s=0.05)

@@ -1,0 +1,183 @@
+"""``attach()`` and its :class:`Handle`: the agent embedded in a user's process.
+
+``attach`` builds the snapshot agent over the user's objects (``tracking.py``), wires the transfer
+engine (``images.py``) and starts the agent's control server on ``GPUMIGRATE_AGENT_ADDR``. The
+handle's safe point (``snapshot/stepgate.py``) is where a freeze parks the workload; it also counts
+steps and keeps the losses the workload reports, for training parity.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from gpumigrate import control
+from gpumigrate.errors import InvalidInputError
+from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV
+from gpumigrate.snapshot import tracked as tr
+from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.server import AgentServer, serve
+from gpumigrate.snapshot.stepgate import SafePointGate, StepReport
+
+from . import images, tracking
+
+DEFAULT_AGENT_ADDR = "127.0.0.1:7070"
+SERVING_WAIT_S = 30.0  # a request held at a frozen safe point waits this long, then gets a 503
+_UNSET: Any = object()
+
+_current: Handle | None = None
+_current_lock = threading.Lock()
+
+
+class AgentAddressError(InvalidInputError):
+    """The agent cannot listen where ``GPUMIGRATE_AGENT_ADDR`` says (in use, malformed, not local)."""
+
+
+def awaiting_restore() -> bool:
+    """True in a process that gpumigrate started to receive a migrated state (``GPUMIGRATE_AWAIT_RESTORE=1``):
+    build the model from its config and skip loading weights; the restore fills them."""
+    return os.environ.get(AWAIT_RESTORE_ENV, "") == "1"
+
+
+def agent_address() -> tuple[str, int]:
+    """Where the agent listens: ``$GPUMIGRATE_AGENT_ADDR`` (host:port; port 0 picks a free one), else 127.0.0.1:7070."""
+    text = os.environ.get(AGENT_ADDR_ENV) or DEFAULT_AGENT_ADDR
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise AgentAddressError(f"{AGENT_ADDR_ENV}={text!r} is not HOST:PORT (e.g. {DEFAULT_AGENT_ADDR})")
+    return host.strip("[]"), int(port)
+
+
+def current() -> Handle | None:
+    """The handle attached in this process, if any (the ASGI middleware's default)."""
+    return _current
+
+
+class Handle:
+    """The agent attached to one workload. ``close()`` stops its control server."""
+
+    def __init__(self, agent: Agent, gate: SafePointGate, server: AgentServer, *, name: str, training: bool) -> None:
+        self.agent = agent
+        self.gate = gate
+        self.name = name
+        self.training = training
+        self._server: AgentServer | None = server
+        self.address = server.address
+
+    @property
+    def ready(self) -> bool:
+        """True when the workload may serve or train: its state is loaded and it is not frozen."""
+        return self.gate.reason() is None
+
+    @property
+    def frozen(self) -> bool:
+        return self.gate.frozen
+
+    @property
+    def steps(self) -> int:
+        """Safe points completed so far (training steps, or requests served); travels with the state."""
+        return self.gate.steps
+
+    def reason(self) -> str | None:
+        """Why the workload is not ready ("frozen", "awaiting restore"), or None."""
+        return self.gate.reason()
+
+    @contextmanager
+    def safe_point(self, timeout_s: float | None = _UNSET) -> Iterator[StepReport]:
+        """Wrap one request or one training step. A freeze waits for those in flight and holds new
+        ones until resume or cut-over; so does a target that awaits its restore. ``timeout_s``: how
+        long a held one waits before ``Unavailable`` (503) — default 30 s for a service, no limit
+        for training (a handle with an optimizer, or a LightningModule). Yields the step, on which
+        ``step.report(loss=...)`` records the step's loss."""
+        wait = (None if self.training else SERVING_WAIT_S) if timeout_s is _UNSET else timeout_s
+        with self.gate.safe_point(wait) as step:
+            yield step
+
+    def close(self) -> None:
+        """Stop the control server and the agent; safe points held by a freeze go on. Idempotent."""
+        global _current
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.stop()
+        self.agent.close()
+        self.gate.resume()
+        with _current_lock:
+            if _current is self:
+                _current = None
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_lightning_module(obj: Any) -> bool:
+    return any(c.__name__ == "LightningModule" for c in type(obj).__mro__)
+
+
+def attach(obj: Any, *, optimizer: Any = None, state: dict[str, Any] | None = None, name: str | None = None) -> Handle:
+    """Attach the migration agent to ``obj`` (a torch.nn.Module, a LightningModule, or a dict[str, torch.Tensor]).
+
+    ``optimizer``: its state travels too (a list of optimizers works as well). ``state``: a dict of
+    extra tensors and plain values (step counters, RNG generators, a KV cache) that travels with it.
+    A restore updates the same objects in place. Starts the agent's control server on
+    ``GPUMIGRATE_AGENT_ADDR`` (default 127.0.0.1:7070), authenticated with the control key.
+    """
+    return attach_items(obj, optimizer=optimizer, state=state, name=name)
+
+
+def attach_items(
+    obj: Any,
+    *,
+    optimizer: Any = None,
+    state: dict[str, Any] | None = None,
+    name: str | None = None,
+    extra: Sequence[tr.Item] = (),
+    training: bool | None = None,
+) -> Handle:
+    """:func:`attach` plus ``extra`` tracked items (the Lightning callback's loop counters)."""
+    global _current
+    name = "model" if name is None else name
+    if not isinstance(name, str) or not name or "/" in name or name in tracking.RESERVED:
+        raise ValueError(f"name {name!r}: a non-empty string without '/', not one of {', '.join(tracking.RESERVED)}")
+    opts = tracking.optimizers(optimizer)
+    items = [tracking.model_item(obj, name), *tracking.optimizer_items(opts), *tracking.state_items(state), *extra]
+    if training is None:
+        training = bool(opts) or _is_lightning_module(obj)
+    host, port = agent_address()
+    key = control.load_key(None, create=True)
+    with _current_lock:
+        if _current is not None:
+            raise RuntimeError(
+                f"an agent is already attached in this process (at {_current.address}): close() it first"
+            )
+        gate = SafePointGate(ready=not awaiting_restore())
+        agent = images.make_agent(freezer=gate, set_ready=gate.set_ready)
+        for item in items:
+            agent.track(item)
+        agent.track_rng("rng")
+        try:
+            server = serve(agent, port, host, key=key)
+        except OSError as exc:
+            agent.close()
+            raise _address_error(host, port, exc) from None
+        _current = Handle(agent, gate, server, name=name, training=training)
+        return _current
+
+
+def _address_error(host: str, port: int, exc: OSError) -> AgentAddressError:
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return AgentAddressError(
+            f"the agent address {where} is already in use (another process, or another agent here)",
+            hint=f"set {AGENT_ADDR_ENV} to a free HOST:PORT (port 0 picks one)",
+        )
+    return AgentAddressError(
+        f"the agent cannot listen on {where}: {exc.strerror or exc}", hint=f"set {AGENT_ADDR_ENV} to a local HOST:PORT"
+    )

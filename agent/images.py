@@ -1,0 +1,64 @@
+"""Where the agent's images go: gpumigrate.transfer's writer and reader, opened inside the workload.
+
+``gpumigrate.snapshot`` must not import ``gpumigrate.transfer`` (siblings meet through Protocols),
+so the SDK, which sits above both, hands the agent these two factories. The agent passes a store
+URL and a key *reference*; the key is resolved here, in the workload's own process, and never
+crosses the control channel.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from gpumigrate.interfaces import ImageReader, ImageWriter
+from gpumigrate.snapshot.agent import Agent
+
+
+def _key(key_ref: Mapping[str, str]) -> bytes | None:
+    """The image key from its reference; none for an empty reference (a store without encryption)."""
+    if not key_ref:
+        return None
+    from gpumigrate import transfer
+
+    key: bytes | None = transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file"))
+    return key
+
+
+def open_writer(
+    store: str,
+    key_ref: Mapping[str, str],
+    parent: str | None,
+    *,
+    compression: str = "auto",
+    parallelism: int | None = None,
+) -> ImageWriter:
+    from gpumigrate import transfer
+
+    workers = parallelism or int(os.environ.get("GPUMIGRATE_SNAPSHOT_PARALLELISM", "4"))
+    # Larger chunks suit GPU capture (fewer per-chunk launches); default: the transfer engine's (4 MiB).
+    chunk_mb = int(os.environ.get("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "0"))
+    writer: ImageWriter = transfer.open_writer(
+        store,
+        key=_key(key_ref),
+        parent=parent,
+        parallelism=workers,
+        source="agent",
+        compression=compression,
+        chunk_size=(chunk_mb << 20) or None,
+    )
+    return writer
+
+
+def open_reader(store: str, image_id: str, key_ref: Mapping[str, str]) -> ImageReader:
+    from gpumigrate import transfer
+
+    reader: ImageReader = transfer.open_reader(store, image_id, key=_key(key_ref))
+    return reader
+
+
+def make_agent(**kwargs: Any) -> Agent:
+    """A snapshot Agent whose images go through gpumigrate.transfer (for a program that tracks its
+    state by hand with ``track_module``/``track_tensor``/...; ``attach()`` builds one for you)."""
+    return Agent(writer_factory=open_writer, reader_factory=open_reader, **kwargs)

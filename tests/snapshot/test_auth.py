@@ -1,0 +1,148 @@
+"""The agent's control channel authenticates every request and signs every reply (gpumigrate/CONTROL.md).
+
+Each attack is tried over a real socket: nothing it asks for happens, and the agent records it
+(counted; the last refusals in ``info``, without their arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from gpumigrate import control
+from gpumigrate.agent.images import make_agent
+from gpumigrate.snapshot.client import AgentClient, parse_address
+from gpumigrate.snapshot.server import AgentServer, serve
+from gpumigrate.snapshot.stepgate import SafePointGate
+
+SECRET_ARG = "s3://attacker-bucket/exfil"
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Any, AgentServer, torch.Tensor]]:
+    gate = SafePointGate()
+    agent = make_agent(freezer=gate)
+    weights = torch.arange(1, 1001, dtype=torch.float32)
+    agent.track_tensor("w", weights)
+    server = serve(agent, 0)
+    yield agent, server, weights
+    server.stop()
+    agent.close()
+
+
+def _send(address: str, message: dict[str, Any] | bytes) -> dict[str, Any]:
+    host, port = parse_address(address)
+    raw = message if isinstance(message, bytes) else (json.dumps(message) + "\n").encode()
+    with socket.create_connection((host, port), timeout=10) as s:
+        f = s.makefile("rwb")
+        f.write(raw)
+        f.flush()
+        return json.loads(f.readline())
+
+
+def _refused(reply: dict[str, Any], why: str) -> None:
+    assert reply["ok"] is False and reply["error"]["type"] == "AuthError", reply
+    assert why in reply["error"]["message"], reply
+    assert "auth" not in reply  # a refusal is never signed: the caller cannot be trusted with a signature
+
+
+def test_unauthenticated_commands_are_refused_and_recorded(served) -> None:
+    agent, server, weights = served
+    attacks = {
+        "freeze": {},
+        "zeroize": {},
+        "restore": {"store": SECRET_ARG, "image_id": "0" * 64, "key_ref": {}},
+        "precopy": {"store": SECRET_ARG, "key_ref": {}},
+    }
+    for cmd, args in attacks.items():
+        _refused(_send(server.address, {"id": 1, "cmd": cmd, "args": args}), "no signature")
+    assert not agent.frozen and torch.equal(weights, torch.arange(1, 1001, dtype=torch.float32))
+    assert agent.rounds == 0 and agent.last_image is None  # nothing was shipped anywhere
+    with AgentClient(server.address) as c:
+        info = c.info()
+    auth = info["auth"]
+    assert auth["refused"] == 4 and [r["cmd"] for r in auth["last_refused"]] == list(attacks)
+    assert all(r["peer"].startswith("127.0.0.1:") and "no signature" in r["reason"] for r in auth["last_refused"])
+    assert SECRET_ARG not in json.dumps(info)  # refusals are kept without their arguments
+    assert auth["key_id"] == control.key_id(control.load_key())
+
+
+def test_forged_altered_replayed_stale_and_cross_channel_requests_are_refused(served) -> None:
+    agent, server, _ = served
+    key = control.load_key()
+    other = bytes(32)
+    _refused(_send(server.address, control.sign_request(other, "agent", {"id": 1, "cmd": "freeze"})), "bad signature")
+    signed = control.sign_request(key, "agent", {"id": 2, "cmd": "ping"})
+    altered = {**signed, "cmd": "zeroize"}
+    _refused(_send(server.address, altered), "bad signature")
+    _refused(_send(server.address, control.sign_request(key, "receiver", {"id": 3, "cmd": "freeze"})), "bad signature")
+    stale = control.sign_request(key, "agent", {"id": 4, "cmd": "freeze"})
+    stale["auth"] = {**stale["auth"], "ts": stale["auth"]["ts"] - 600}
+    _refused(_send(server.address, stale), "timestamp")
+    first = _send(server.address, signed)
+    assert control.verify_reply(key, "agent", signed["auth"]["nonce"], first)["result"] == {"pong": True}
+    _refused(_send(server.address, signed), "replayed")
+    _refused(_send(server.address, b"{not json\n"), "not JSON")
+    assert not agent.frozen
+    assert server.auth_report()["refused"] == 6
+
+
+def test_the_client_refuses_replies_it_cannot_verify(served) -> None:
+    _, server, _ = served
+    with pytest.raises(control.AuthError, match="refused 'ping'"):
+        AgentClient(server.address, key=bytes(range(32))).call("ping")  # another key: the agent refuses it
+
+    # An impostor on the agent's address: answers ok, unsigned, or signed with its own key.
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    impostor_key = bytes(32)
+
+    def impostor() -> None:
+        for signed in (False, True):
+            conn, _ = listener.accept()
+            with conn, conn.makefile("rwb") as f:
+                req = json.loads(f.readline())
+                reply: dict[str, Any] = {"id": req["id"], "ok": True, "result": {"frozen": True}}
+                if signed:
+                    reply = control.sign_reply(impostor_key, "agent", req["auth"]["nonce"], reply)
+                f.write((json.dumps(reply) + "\n").encode())
+                f.flush()
+
+    t = threading.Thread(target=impostor, daemon=True)
+    t.start()
+    for _ in range(2):
+        with AgentClient(address) as c, pytest.raises(control.AuthError):
+            c.call("freeze")
+    t.join(10)
+    listener.close()
+
+
+def test_cli_with_another_key_fails_with_one_line(served, cli_cmd, tmp_path, monkeypatch) -> None:
+    _, server, _ = served
+    keyfile = tmp_path / "other.key"
+    keyfile.write_text("ab" * 32 + "\n")
+    keyfile.chmod(0o600)
+    out = subprocess.run(
+        [*cli_cmd, "snapshot", "freeze", "--agent", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPUMIGRATE_CONTROL_KEY_FILE": str(keyfile)},
+    )
+    assert out.returncode != 0 and "refused 'freeze'" in out.stderr and "Traceback" not in out.stderr
+    assert not served[0].frozen
+
+
+def test_the_sdk_listens_on_loopback_by_default(monkeypatch) -> None:
+    from gpumigrate.agent.handle import agent_address
+
+    monkeypatch.delenv("GPUMIGRATE_AGENT_ADDR", raising=False)
+    assert agent_address() == ("127.0.0.1", 7070)
