@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,17 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Audit records are keyed and their heads anchored outside the state root (gpumigrate/AUDIT.md): tests,
+# and the CLI subprocesses they start, use a session key and anchor directory, never the user's own.
+_AUDIT_DIR = Path(tempfile.mkdtemp(prefix="gm-audit-"))
+atexit.register(shutil.rmtree, _AUDIT_DIR, True)
+_AUDIT_KEY = _AUDIT_DIR / "audit.key"
+_AUDIT_KEY.write_text(secrets.token_hex(32) + "\n")
+_AUDIT_KEY.chmod(0o600)
+os.environ["GPUMIGRATE_AUDIT_KEY_FILE"] = str(_AUDIT_KEY)
+os.environ["GPUMIGRATE_AUDIT_ANCHORS"] = (_AUDIT_DIR / "anchors").as_uri()
+os.environ.pop("GPUMIGRATE_AUDIT_KEY", None)
 
 
 @pytest.fixture

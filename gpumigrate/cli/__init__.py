@@ -26,6 +26,7 @@ from gpumigrate.cli import (
 )
 from gpumigrate.cli.output import fail
 from gpumigrate.errors import EXIT_FAILURE, GpumigrateError
+from gpumigrate.settings import Identity, set_identity_resolver
 
 app = typer.Typer(
     name="gpumigrate",
@@ -47,7 +48,15 @@ app.add_typer(traffic_cmd.app, name="traffic")
 app.add_typer(snapshot_cmd.app, name="snapshot")
 
 
+def _authenticated_identity() -> Identity | None:
+    """The actor of this command's audit records (gpumigrate/AUDIT.md), looked up on the first record."""
+    from gpumigrate.infra.identity import resolve_identity
+
+    return resolve_identity()
+
+
 def main(argv: list[str] | None = None) -> None:
+    set_identity_resolver(_authenticated_identity)
     try:
         app(args=argv, standalone_mode=True)
     except GpumigrateError as exc:
