@@ -197,6 +197,19 @@ class ParityReport:
     failures: tuple[str, ...] = ()  # readable reasons, one per failing case/column
 
 
+@dataclass(frozen=True)
+class ParityQuery:
+    """One golden case as the HTTP request that asks it (built by ``parity.request.build_requests`` from the
+    plan's ``parity.request``); the smoke test and the ramp's live probes send the same requests."""
+
+    case: str
+    method: str
+    path: str
+    body: Any = None  # JSON body (None: no body)
+    params: Mapping[str, str] = field(default_factory=dict)  # query string (GET)
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 @runtime_checkable
 class OutputComparator(Protocol):
     """Compares the outputs of source and target for the same inputs (parity/ implements it)."""
