@@ -130,6 +130,8 @@ def _plugins() -> dict[str, Any]:
 def anchor_from_url(url: str) -> AuditAnchor:
     """One anchor from its URL (see the module's docstring)."""
     text = url.strip()
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in text):
+        raise InvalidInputError(f"audit anchor {text!r}: a URL holds no control characters")
     if text in ("file", "file:"):
         return LocalFileAnchor()
     scheme = text.split(":", 1)[0] if ":" in text else text

@@ -12,9 +12,9 @@ import re
 
 from rich.markup import escape
 
-# C0/C1 controls (tab and newline kept: messages span lines) and the bidirectional overrides that can
-# make a terminal show text in another order than it is.
-_UNSAFE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0/C1 controls but newline (messages span lines; a tab would be expanded out of sight) and the
+# bidirectional overrides that can make a terminal show text in another order than it is.
+_UNSAFE = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def _escape_char(match: re.Match[str]) -> str:

@@ -20,10 +20,10 @@ from urllib.parse import parse_qs, urlsplit
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from gpumigrate.audit_anchor import check_chain, log_slug, ordered_heads
-from gpumigrate.errors import InvalidInputError
+from gpumigrate.errors import GpumigrateError, InvalidInputError
 
 MODES = ("COMPLIANCE", "GOVERNANCE")
 
@@ -66,7 +66,15 @@ class S3ObjectLockAnchor:
                 config = Config(connect_timeout=5, read_timeout=10, retries={"mode": "standard"})
                 self._client = boto3.session.Session().client("s3", config=config)
             if not self._checked:
-                self._check_lock(self._client)
+                try:
+                    self._check_lock(self._client)
+                except NoCredentialsError:
+                    raise InvalidInputError(
+                        f"audit anchor {self.describe()}: no AWS credentials in boto3's chain (environment, profile, "
+                        "instance role)"
+                    ) from None
+                except BotoCoreError as exc:
+                    raise GpumigrateError(f"audit anchor {self.describe()}: {type(exc).__name__}: {exc}") from None
                 self._checked = True
             return self._client
 
