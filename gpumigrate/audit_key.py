@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 from pathlib import Path
 
+from gpumigrate.control import _create_key_file as create_key_file
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.settings import state_root, user_config_dir
 
@@ -74,7 +74,8 @@ def load_audit_key(*, create: bool = False) -> bytes:
     named = os.environ.get(KEY_FILE_ENV)
     path = _outside_state_root(Path(named) if named else default_key_file(), "audit key file")
     if not path.exists() and create and not named:
-        _create(path)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        create_key_file(path)  # the control key's writer: 0600, fsynced, never replaces a key made first
     try:
         text = path.read_text()
         loose = path.stat().st_mode & 0o077
@@ -88,21 +89,3 @@ def load_audit_key(*, create: bool = False) -> bytes:
     if loose:
         raise InvalidInputError(f"the audit key {path} is readable by others (mode {oct(loose)}): chmod 600 it")
     return _from_hex(text, str(path))
-
-
-def _create(path: Path) -> None:
-    """Write a fresh key with mode 0600; a key another process created first wins (link never replaces)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, (secrets.token_hex(KEY_BYTES) + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink(missing_ok=True)

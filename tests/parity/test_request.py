@@ -9,9 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -32,76 +30,49 @@ def _embed(sentence: str, drift: float) -> list[float]:
     return [round(b / 255.0 - 0.5, 6) + drift for b in digest[:8]]
 
 
-class _Embedder(BaseHTTPRequestHandler):
-    drift = 0.0
-    route = "/v2/embed"
-    batch_shape = "rows"  # "flat" answers the same numbers as one flat list: a reshape
+def embedder(*, drift: float = 0.0, route: str = "/v2/embed", flat_batch: bool = False) -> Any:
+    """The service's routes: POST ``route`` embeds ``inputs`` (a tenant header required); GET /label echoes."""
 
-    def _send(self, code: int, doc: Any) -> None:
-        body = json.dumps(doc).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def answer(method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, Any]:
+        if method == "GET":
+            query = parse_qs(urlsplit(path).query)
+            return 200, {"label": query.get("text", [""])[0].upper(), "n": int(query.get("n", ["0"])[0])}
+        if path != route:
+            return 404, {"detail": "Not Found"}
+        if headers.get("x-tenant") != "t1":
+            return 403, {"detail": "tenant header missing"}
+        req = json.loads(body)
+        vectors = [_embed(s, drift) for s in req["inputs"]]
+        batch = [v for vec in vectors for v in vec] if flat_batch else vectors  # flat: the same numbers, reshaped
+        return 200, {"data": [{"embedding": v, "index": i} for i, v in enumerate(vectors)], "batch": batch,
+                     "model": "mini", "usage": {"tokens": len(req["inputs"])}, "echo": req.get("tag")}  # fmt: skip
 
-    def do_POST(self) -> None:  # noqa: N802
-        if self.path != self.route:
-            self._send(404, {"detail": "Not Found"})
-            return
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.headers.get("x-tenant") != "t1":
-            self._send(403, {"detail": "tenant header missing"})
-            return
-        vectors = [_embed(s, self.drift) for s in req["inputs"]]
-        batch: Any = vectors if self.batch_shape == "rows" else [v for vec in vectors for v in vec]
-        self._send(200, {"data": [{"embedding": v, "index": i} for i, v in enumerate(vectors)],
-                         "batch": batch, "model": "mini", "usage": {"tokens": len(req["inputs"])},
-                         "echo": req.get("tag")})  # fmt: skip
-
-    def do_GET(self) -> None:  # noqa: N802
-        query = parse_qs(urlsplit(self.path).query)
-        self._send(200, {"label": query.get("text", [""])[0].upper(), "n": int(query.get("n", ["0"])[0])})
-
-    def log_message(self, *args: object) -> None:
-        pass
+    return answer
 
 
-def _serve(**attrs: Any) -> Iterator[str]:
-    handler = type("Embedder", (_Embedder,), attrs)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
+@pytest.fixture
+def source(json_http: Callable[[Any], str]) -> str:
+    return json_http(embedder())
 
 
-@pytest.fixture(scope="module")
-def source() -> Iterator[str]:
-    yield from _serve()
+@pytest.fixture
+def twin(json_http: Callable[[Any], str]) -> str:
+    return json_http(embedder())
 
 
-@pytest.fixture(scope="module")
-def twin() -> Iterator[str]:
-    yield from _serve()
+@pytest.fixture
+def drifted(json_http: Callable[[Any], str]) -> str:
+    return json_http(embedder(drift=1e-3))
 
 
-@pytest.fixture(scope="module")
-def drifted() -> Iterator[str]:
-    yield from _serve(drift=1e-3)
+@pytest.fixture
+def other_route(json_http: Callable[[Any], str]) -> str:
+    return json_http(embedder(route="/v3/embed"))
 
 
-@pytest.fixture(scope="module")
-def other_route() -> Iterator[str]:
-    yield from _serve(route="/v3/embed")
-
-
-@pytest.fixture(scope="module")
-def flat() -> Iterator[str]:
-    yield from _serve(batch_shape="flat")
+@pytest.fixture
+def flat(json_http: Callable[[Any], str]) -> str:
+    return json_http(embedder(flat_batch=True))
 
 
 @pytest.fixture
