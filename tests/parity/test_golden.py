@@ -32,7 +32,10 @@ def test_any_question_shape_loads(tmp_path: Path) -> None:
     """Golden cases are the workload's own questions: nothing in them is specific to one server."""
     f = tmp_path / "g.jsonl"
     f.write_text('{"id": "e1", "sentences": ["a", "b"], "normalize": true}\n{"id": "e2", "max_new_tokens": 9000}\n')
-    assert [c.request for c in load_golden(f)] == [{"sentences": ["a", "b"], "normalize": True}, {"max_new_tokens": 9000}]
+    assert [c.request for c in load_golden(f)] == [
+        {"sentences": ["a", "b"], "normalize": True},
+        {"max_new_tokens": 9000},
+    ]
 
 
 @pytest.mark.parametrize(
