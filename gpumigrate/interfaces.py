@@ -260,8 +260,45 @@ class ParityReport:
     failures: tuple[str, ...] = ()  # readable reasons, one per failing case/column
 
 
+@dataclass(frozen=True)
+class ParityQuery:
+    """One golden case as the HTTP request that asks it (built by ``parity.request.build_requests`` from the
+    plan's ``parity.request``); the smoke test and the ramp's live probes send the same requests."""
+
+    case: str
+    method: str
+    path: str
+    body: Any = None  # JSON body (None: no body)
+    params: Mapping[str, str] = field(default_factory=dict)  # query string (GET)
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 @runtime_checkable
 class OutputComparator(Protocol):
     """Compares the outputs of source and target for the same inputs (parity/ implements it)."""
 
     def compare(self, source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> ParityReport: ...
+
+
+# ----------------------------------------------------------------------------- audit
+
+
+@runtime_checkable
+class AuditAnchor(Protocol):
+    """Keeps audit chain heads outside the state directory (gpumigrate/AUDIT.md). A head is a small signed
+    JSON object; the anchor stores every one it is given, never rewrites one, and returns them in the order
+    published. Implementations: a local file outside the state root (core), an S3 object under object lock
+    (infra), a Prefect artifact (core, published from the flow)."""
+
+    def describe(self) -> str:
+        """Where the heads go, for messages and reports (never a credential)."""
+
+    def publish(self, log: str, chain: str, head: Mapping[str, Any]) -> None: ...
+
+    def latest(self, log: str, chain: str) -> dict[str, Any] | None: ...
+
+    def heads(self, log: str, chain: str) -> list[dict[str, Any]]:
+        """Every head published for this chain, oldest first."""
+
+    def chains(self, log: str) -> list[str]:
+        """The chains ever anchored for this log name (a removed and re-created log leaves its old one)."""

@@ -414,16 +414,36 @@ def parse_plan(data: object, source: str = "<plan>") -> Plan:
         raise PlanError(source, problems) from None
 
 
+MAX_ALIASES = 20
+
+
+class _PlanLoader(yaml.SafeLoader):
+    """Safe YAML with a cap on aliases: a few are fine (``yaml.safe_dump`` writes them for shared values), but
+    nested ones expand exponentially wherever a value is walked (``parity.request.body`` is free-form)."""
+
+    aliases = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_ALIASES} aliases (*name): write the values out")
+        node: yaml.Node | None = super().compose_node(parent, index)
+        return node
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file."""
     p = Path(path)
     if not p.is_file():
         raise PlanError(str(p), [("(file)", "no such file")])
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_PlanLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise PlanError(str(p), [("(yaml)", f"not valid YAML: {first}")]) from None
+    except RecursionError:
+        raise PlanError(str(p), [("(yaml)", "nested too deeply to be a plan")]) from None
     return parse_plan(data, str(p))
 
 

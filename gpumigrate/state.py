@@ -3,7 +3,7 @@
 Layout of ``<state root>/migrations/<id>/``::
 
     state.json        phase results and the audit chain head; atomic writes (temp, fsync, rename)
-    audit.jsonl       the hash-chained audit log (gpumigrate.audit)
+    audit.jsonl       the keyed, hash-chained audit log (gpumigrate.audit); its head is anchored outside
     plan.yaml         the plan as submitted (never holds secrets: keys are references)
     rollback.request  present when someone asked for a rollback (CLI, Prefect UI); JSON with reason
     artifacts/        reports, charts, parity results
@@ -20,15 +20,16 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
-from gpumigrate.audit import AuditLog, ChainHead
+from gpumigrate.audit import AuditLog, ChainHead, Verification
 from gpumigrate.errors import InvalidInputError, NotFoundError
-from gpumigrate.settings import migrations_dir, operator
+from gpumigrate.interfaces import AuditAnchor
+from gpumigrate.settings import identity, migrations_dir
 
 PHASES = ("preflight", "provision", "snapshot", "transfer", "restore", "parity", "ramp", "finalize")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
@@ -171,15 +172,16 @@ class Migration:
             state["audit_head"] = {"count": head.count, "tail": head.tail}
             self._write(state)
 
-    def verify_audit(self) -> ChainHead:
+    def verify_audit(self, *, accept_legacy: bool = False, extra_anchors: Sequence[AuditAnchor] = ()) -> Verification:
+        """Verify the keyed chain against its anchors (gpumigrate/AUDIT.md) and the head kept in state.json."""
         head = self.read().get("audit_head")
-        expected = ChainHead(head["count"], head["tail"]) if head else None
-        return self.audit.verify(expected)
+        expected = ChainHead(head["count"], head["tail"]) if isinstance(head, dict) and "count" in head else None
+        return self.audit.verify(expected, accept_legacy=accept_legacy, extra_anchors=extra_anchors)
 
     # -- rollback signal -----------------------------------------------------------
     def request_rollback(self, reason: str, *, actor: str | None = None) -> None:
         atomic_write_json(
-            self.dir / "rollback.request", {"reason": reason, "actor": actor or operator(), "ts": time.time()}
+            self.dir / "rollback.request", {"reason": reason, "actor": actor or identity().name, "ts": time.time()}
         )
         self.record("rollback.requested", {"reason": reason}, actor=actor)
 

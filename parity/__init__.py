@@ -10,6 +10,10 @@ only when a GX check runs):
   the golden set against both services directly, judged by the GX suite, reports in ``out_dir``.
 - :class:`ToleranceComparator`: the fast :class:`~gpumigrate.interfaces.OutputComparator` for live probes
   (same rules, no GX); :class:`GXComparator`: the same through GX.
+- :func:`build_requests(cases, request)`, :func:`comparator_for(request, *, atol, rtol)`: the plan's
+  ``parity.request`` as the queries and the comparator the smoke test and the ramp's live probes share.
+- :func:`compare_losses(source, target, *, atol, rtol, out_dir)`, :func:`training_parity(..., policy)`:
+  training parity (the next steps' losses), reported like output parity.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ _EXPORTS = {
     "ToleranceComparator": "comparator",
     "GXComparator": "comparator",
     "Rules": "rules",
+    "build_requests": "request",
+    "comparator_for": "request",
+    "rules_for": "request",
+    "compare_losses": "training",
+    "training_parity": "training",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,9 +1,10 @@
 """Output parity: the golden set run against source and target directly, judged by the rules.
 
 The flows call :func:`run_output_parity` in the parity phase with the services' own URLs (never
-through Envoy, so a half-shifted split cannot hide a difference). Results go to the directory the
-caller gives (the migration's ``artifacts/``): ``parity.json``, ``parity.html`` and GX's validation
-result ``parity-gx-validation.json``. The golden-input format is specified in FORMAT.md.
+through Envoy, so a half-shifted split cannot hide a difference) and the plan's ``parity.request``
+(how each golden case becomes a request, which answer fields are compared and how: ``request.py``).
+Results go to the directory the caller gives (the migration's ``artifacts/``): ``parity.json``,
+``parity.html`` and GX's validation result ``parity-gx-validation.json``. Formats: FORMAT.md.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from typing import Any
 import httpx
 
 from gpumigrate.errors import InvalidInputError, ParityError
+from gpumigrate.interfaces import ParityQuery
+from gpumigrate.parity.request import ask, build_requests, rules_for
 from gpumigrate.parity.rules import Rules, build_frame, evaluate
 from gpumigrate.parity.urls import check_url, redact_url
+from gpumigrate.plan import ParityRequest
 
 __all__ = [
     "DEFAULT_PATH", "GoldenCase", "OutputParityResult", "check_url", "compare_outputs", "load_golden",
@@ -28,13 +32,15 @@ __all__ = [
 ]  # fmt: skip
 
 MAX_CASES = 10_000
+# Until the integration wave makes parity.request required, a plan without one is asked as before: each
+# case POSTed to this path and compared by the default rules. A plan with a request never uses it.
 DEFAULT_PATH = "/v1/generate"
 
 
 @dataclass(frozen=True)
 class GoldenCase:
     id: str
-    request: dict[str, Any]  # the body POSTed to the service: the line without its "id"
+    request: dict[str, Any]  # the line without its "id": the body, or what parity.request.body is filled from
 
 
 @dataclass
@@ -75,20 +81,15 @@ def load_golden(path: str | Path) -> list[GoldenCase]:
             raise InvalidInputError(f"{where}: not valid JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
             raise InvalidInputError(f"{where}: must be a JSON object such as "
-                                    '{"id": "c1", "prompt": "hello", "max_new_tokens": 8}')  # fmt: skip
+                                    '{"id": "c1", "text": "hello"}')  # fmt: skip
         cid = obj.get("id")
         if not isinstance(cid, str | int) or isinstance(cid, bool) or str(cid) == "":
             raise InvalidInputError(f"{where}: 'id' must be a non-empty string (or integer)")
         if str(cid) in seen:
             raise InvalidInputError(f"{where}: duplicate id {cid!r}: ids must be unique")
-        if "prompt" in obj and not isinstance(obj["prompt"], str):
-            raise InvalidInputError(f"{where}: 'prompt' must be a string")
-        mnt = obj.get("max_new_tokens", 1)
-        if not isinstance(mnt, int) or isinstance(mnt, bool) or not 1 <= mnt <= 4096:
-            raise InvalidInputError(f"{where}: 'max_new_tokens' must be an integer from 1 to 4096")
         request = {k: v for k, v in obj.items() if k != "id"}
         if not request:
-            raise InvalidInputError(f"{where}: nothing to send besides 'id' (add 'prompt' and 'max_new_tokens')")
+            raise InvalidInputError(f"{where}: nothing to send besides 'id' (add the fields of the question)")
         seen.add(str(cid))
         cases.append(GoldenCase(id=str(cid), request=request))
         if len(cases) > MAX_CASES:
@@ -98,31 +99,32 @@ def load_golden(path: str | Path) -> list[GoldenCase]:
     return cases
 
 
+def _queries(cases: Sequence[GoldenCase], request: ParityRequest | None, path: str) -> list[ParityQuery]:
+    if request is not None:
+        return build_requests(cases, request)
+    return [ParityQuery(case=c.id, method="POST", path=path, body=c.request) for c in cases]
+
+
 def query_outputs(
-    url: str, cases: Sequence[GoldenCase], *, path: str = DEFAULT_PATH, timeout_s: float = 30.0
+    url: str,
+    cases: Sequence[GoldenCase],
+    *,
+    request: ParityRequest | None = None,
+    path: str = DEFAULT_PATH,
+    timeout_s: float | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """POST every case to ``url + path`` in order. Returns (rows with their case id, errors by case id)."""
+    """Ask ``url`` every case in order (``request``: the plan's parity.request). Returns (rows: the answers
+    with their case id, errors by case id: each names the method and path)."""
     rows: list[dict[str, Any]] = []
     errors: dict[str, str] = {}
-    with httpx.Client(base_url=url, timeout=timeout_s, trust_env=False) as client:
-        for case in cases:
-            try:
-                resp = client.post(path, json=case.request)
-            except httpx.HTTPError as exc:
-                errors[case.id] = f"request failed: {type(exc).__name__}: {exc}"
-                continue
-            if resp.status_code != 200:
-                errors[case.id] = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                continue
-            try:
-                body = resp.json()
-            except ValueError:
-                errors[case.id] = "response is not JSON"
-                continue
-            if not isinstance(body, dict):
-                errors[case.id] = "response is not a JSON object"
-                continue
-            rows.append({**body, "id": case.id})
+    timeout = timeout_s if timeout_s is not None else (request.timeout_s if request is not None else 30.0)
+    with httpx.Client(base_url=url, timeout=timeout, trust_env=False) as client:
+        for query in _queries(cases, request, path):
+            answer, error = ask(client, query)
+            if answer is None:
+                errors[query.case] = str(error)
+            else:
+                rows.append({**answer, "id": query.case})
     return rows, errors
 
 
@@ -185,23 +187,29 @@ def run_output_parity(
     rtol: float,
     out_dir: str | Path | None,
     use_gx: bool = True,
+    request: ParityRequest | None = None,
     path: str = DEFAULT_PATH,
-    timeout_s: float = 30.0,
+    timeout_s: float | None = None,
     rules: Rules | None = None,
 ) -> OutputParityResult:
     """Run the golden set against both services directly and compare.
 
-    Raises InvalidInputError (exit 2) for a bad URL or golden file, ParityError (exit 1) when the
-    source itself cannot answer (nothing to compare against). A target that fails a case is a
-    parity failure of that case, reported in the result, not an exception.
+    ``request`` is the plan's ``parity.request`` (its path, body template, compared fields); without one,
+    the cases are POSTed to ``path`` and judged by ``rules`` (default :class:`Rules`). Raises
+    InvalidInputError (exit 2) for a bad URL, golden file or body template, ParityError (exit 1) when the
+    source itself cannot answer (nothing to compare against; the message names the method and path). A
+    target that fails a case (a 404 included) is a parity failure of that case, in the result.
     """
     t0 = time.perf_counter()
     source_url, target_url = check_url(source_url, "source"), check_url(target_url, "target")
-    rules = rules or Rules(atol=atol, rtol=rtol)
+    if rules is None:
+        rules = rules_for(request, atol=atol, rtol=rtol) if request is not None else Rules(atol=atol, rtol=rtol)
     cases = load_golden(inputs_path)
+    _queries(cases, request, path)  # a template the cases cannot fill is bad input before anything is sent
+    ask_kw: dict[str, Any] = {"request": request, "path": path, "timeout_s": timeout_s}
     with ThreadPoolExecutor(max_workers=2, thread_name_prefix="parity-query") as pool:
-        src_future = pool.submit(query_outputs, source_url, cases, path=path, timeout_s=timeout_s)
-        tgt_future = pool.submit(query_outputs, target_url, cases, path=path, timeout_s=timeout_s)
+        src_future = pool.submit(query_outputs, source_url, cases, **ask_kw)
+        tgt_future = pool.submit(query_outputs, target_url, cases, **ask_kw)
         source_rows, source_errors = src_future.result()
         target_rows, target_errors = tgt_future.result()
     if source_errors:
@@ -211,7 +219,8 @@ def run_output_parity(
             f"(first: case {first[0]}: {first[1]}): nothing to compare the target against"
         )
     meta = {"source_url": redact_url(source_url), "target_url": redact_url(target_url),
-            "inputs": str(Path(inputs_path).resolve()), "path": path}  # fmt: skip
+            "inputs": str(Path(inputs_path).resolve()), "method": request.method if request else "POST",
+            "path": request.path if request else path}  # fmt: skip
     result = compare_outputs(
         source_rows,
         target_rows,

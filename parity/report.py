@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpumigrate.atomic import atomic_write_bytes, atomic_write_json
-from gpumigrate.parity.rules import Rules, Verdict
+from gpumigrate.parity.rules import ABSENT, Rules, Verdict, field_value
 
 if TYPE_CHECKING:
     from gpumigrate.parity.gx_suite import GXOutcome
@@ -38,9 +38,9 @@ def _fmt_num(value: float | None) -> str:
 def _values(row: Mapping[str, Any] | None, name: str) -> str:
     if row is None:
         return "(no row)"
-    if name not in row or row[name] is None:
+    value = field_value(row, name)
+    if value is None or value is ABSENT:
         return "(absent)"
-    value = row[name]
     if isinstance(value, list | tuple):
         shown = ", ".join(f"{v:.5g}" if isinstance(v, float) else str(v) for v in value[:SHOW_VALUES])
         more = f" … (+{len(value) - SHOW_VALUES})" if len(value) > SHOW_VALUES else ""
@@ -61,7 +61,9 @@ def render_html(
     src = {str(r.get("id")): r for r in source_rows}
     tgt = {str(r.get("id")): r for r in target_rows}
     fields = [
-        f for f in (*rules.exact_fields, *rules.tolerant_fields) if any(f in r for r in (*source_rows, *target_rows))
+        f
+        for f in (*rules.exact_fields, *rules.tolerant_fields)
+        if any(field_value(r, f) is not ABSENT for r in (*source_rows, *target_rows))
     ]
     status = '<span class="pass">PASSED</span>' if result.passed else '<span class="fail">FAILED</span>'
     out = [

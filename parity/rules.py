@@ -61,21 +61,36 @@ FRAME_COLUMNS = (
 
 @dataclass(frozen=True)
 class Rules:
-    """Which fields are compared and how. Fields not listed (``host``, ``model``) are never compared."""
+    """Which fields are compared and how. Fields not listed (``host``, ``model``) are never compared.
+
+    A field name is a dotted path into the answer (``data.0.embedding``: integer parts index lists).
+    ``tolerances`` overrides atol/rtol per tolerant field. With ``required`` (rules built from a plan's
+    ``parity.request.compare``) a listed field absent from an answer is a failure that names it;
+    without, a field absent on both sides is not compared."""
 
     atol: float = 1e-5
     rtol: float = 1e-4
     exact_fields: tuple[str, ...] = DEFAULT_EXACT_FIELDS
     tolerant_fields: tuple[str, ...] = DEFAULT_TOLERANT_FIELDS
+    tolerances: tuple[tuple[str, float, float], ...] = ()  # (field, atol, rtol)
+    required: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("atol", "rtol"):
-            value = getattr(self, name)
+        for name, value in [("atol", self.atol), ("rtol", self.rtol)] + [
+            (f"{which} of {f}", v) for f, a, r in self.tolerances for which, v in (("atol", a), ("rtol", r))
+        ]:
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise InvalidInputError(f"{name} must be a finite number >= 0, got {value!r}")
         both = set(self.exact_fields) & set(self.tolerant_fields)
         if both:
             raise InvalidInputError(f"fields {sorted(both)} are listed as both exact and tolerant: choose one")
+
+    def tolerance(self, name: str) -> tuple[float, float]:
+        """(atol, rtol) for a tolerant field."""
+        for field_name, atol, rtol in self.tolerances:
+            if field_name == name:
+                return atol, rtol
+        return self.atol, self.rtol
 
 
 @dataclass
@@ -115,14 +130,50 @@ def _index(rows: Sequence[Mapping[str, Any]], side: str) -> dict[str, Mapping[st
     return out
 
 
-def _values(row: Mapping[str, Any] | None, name: str) -> list[Any] | None:
-    """A field as a list of values; None when the row or the field is absent."""
-    if row is None or name not in row or row[name] is None:
+ABSENT = object()  # what field_value returns for a path the answer does not have
+
+
+def field_value(row: Mapping[str, Any] | None, name: str) -> Any:
+    """The value at a dotted path (``data.0.embedding``) of an answer, or ``ABSENT``."""
+    if row is None:
+        return ABSENT
+    if name in row:
+        return row[name]
+    value: Any = row
+    for part in name.split("."):
+        if isinstance(value, Mapping) and part in value:
+            value = value[part]
+        elif isinstance(value, list | tuple) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return ABSENT
+    return value
+
+
+def _values(row: Mapping[str, Any] | None, name: str, *, flatten: bool = False) -> list[Any] | None:
+    """A field as a list of values; None when the row or the field is absent. ``flatten`` unrolls nested
+    arrays (a batch of embeddings) into one list, row by row."""
+    value = field_value(row, name)
+    if value is ABSENT or value is None:
         return None
-    value = row[name]
     if isinstance(value, list | tuple | np.ndarray):
-        return list(value)
+        return _flat(value) if flatten else list(value)
     return [value]
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple | np.ndarray):
+        return [v for item in value for v in _flat(item)]
+    return [value]
+
+
+def _shape(value: Any) -> Any:
+    """The nesting of an array (its length, then each item's shape where items are arrays), so that
+    flattening never hides a reshape; None for a scalar."""
+    if not isinstance(value, list | tuple | np.ndarray):
+        return None
+    inner = [_shape(v) for v in value]
+    return [len(value)] if all(i is None for i in inner) else [len(value), inner]
 
 
 def _to_float(value: Any) -> float:
@@ -152,6 +203,8 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
     tol_src: list[float] = []
     tol_tgt: list[float] = []
     tol_odd: list[bool] = []
+    tol_atol: list[float] = []
+    tol_rtol: list[float] = []
 
     def add(case: str, name: str, kind: str, pos: int, s_in: bool, t_in: bool, s: Any, t: Any) -> int:
         cols["case"].append(case)
@@ -168,11 +221,23 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
     for cid in order:
         s_row, t_row = src.get(cid), tgt.get(cid)
         add(cid, CASE_FIELD, "case", 0, s_row is not None, t_row is not None, None, None)
+        if s_row is None or t_row is None:
+            continue  # the presence row says it all
         for kind, names in (("exact", rules.exact_fields), ("tolerant", rules.tolerant_fields)):
             for name in names:
-                s_vals, t_vals = _values(s_row, name), _values(t_row, name)
+                s_vals = _values(s_row, name, flatten=kind == "tolerant")
+                t_vals = _values(t_row, name, flatten=kind == "tolerant")
                 if s_vals is None and t_vals is None:
+                    if rules.required:  # a field the plan names must be in the answers
+                        add(cid, name, kind, 0, False, False, None, None)
                     continue
+                if kind == "tolerant":
+                    s_shape, t_shape = _shape(field_value(s_row, name)), _shape(field_value(t_row, name))
+                    if any(
+                        isinstance(x, list) and len(x) > 1 for x in (s_shape, t_shape)
+                    ):  # nested arrays: the flattening must not hide a reshape
+                        add(cid, f"{name} (shape)", "exact", 0, True, True, s_shape, t_shape)
+                atol, rtol = rules.tolerance(name)
                 s_vals, t_vals = s_vals or [], t_vals or []
                 for pos in range(max(len(s_vals), len(t_vals))):
                     s_in, t_in = pos < len(s_vals), pos < len(t_vals)
@@ -183,6 +248,8 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
                         tol_idx.append(i)
                         tol_src.append(_to_float(s))
                         tol_tgt.append(_to_float(t))
+                        tol_atol.append(atol)
+                        tol_rtol.append(rtol)
                         # A value that is not a number at all (a string, null) must equal its counterpart.
                         tol_odd.append(not (_is_number(s) and _is_number(t)) and not _equal(s, t))
 
@@ -200,7 +267,7 @@ def build_frame(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[st
         finite_ok[idx] = (both | same_nonfinite) & ~np.asarray(tol_odd, dtype=bool)
         with np.errstate(invalid="ignore"):
             err = np.abs(s_arr - t_arr)
-            allowed = rules.atol + rules.rtol * np.abs(s_arr)
+            allowed = np.asarray(tol_atol) + np.asarray(tol_rtol) * np.abs(s_arr)
         # Excess is only defined where both are finite; elsewhere finite_ok carries the verdict.
         excess[idx] = np.where(both, err - allowed, 0.0)
         abs_err[idx] = np.where(both, err, np.nan)
@@ -244,7 +311,13 @@ def _field_reasons(case: str, name: str, group: pd.DataFrame, masks: dict[str, n
     idx = group.index.to_numpy()
     reasons: list[str] = []
     n_src, n_tgt = int(group["in_source"].sum()), int(group["in_target"].sum())
-    if n_src != n_tgt:
+    if rules.required and n_src == n_tgt == 0:
+        reasons.append(f"case {case}: field '{name}' is missing from the answers of both source and target "
+                       "(parity.request.compare names it)")  # fmt: skip
+    elif rules.required and n_src == 0:
+        reasons.append(f"case {case}: field '{name}' is missing from the source's answer "
+                       "(parity.request.compare names it)")  # fmt: skip
+    elif n_src != n_tgt:
         if n_tgt == 0:
             reasons.append(
                 f"case {case}: field '{name}' is missing on the target ({_plural(n_src, 'value')} on the source)"
@@ -276,11 +349,12 @@ def _field_reasons(case: str, name: str, group: pd.DataFrame, masks: dict[str, n
     if len(bad):
         worst = group.loc[bad].sort_values("excess", ascending=False).iloc[0]
         s = _to_float(worst["source_value"])
+        atol, rtol = rules.tolerance(name)
         reasons.append(
             f"case {case}: '{name}' outside tolerance at {_plural(len(bad), 'position')}; worst at position "
             f"{int(worst['position'])}: source {_fmt(s)}, target {_fmt(_to_float(worst['target_value']))}, "
-            f"abs err {_fmt(float(worst['abs_err']))} > allowed {_fmt(rules.atol + rules.rtol * abs(s))} "
-            f"(atol {rules.atol:g} + rtol {rules.rtol:g} * |source|)"
+            f"abs err {_fmt(float(worst['abs_err']))} > allowed {_fmt(atol + rtol * abs(s))} "
+            f"(atol {atol:g} + rtol {rtol:g} * |source|)"
         )
     return reasons
 

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from gpumigrate.errors import InvalidInputError
 
 
+def _split(url: str) -> SplitResult | None:
+    try:
+        return urlsplit(url)
+    except ValueError:  # an unbalanced IPv6 bracket, a host that is no address
+        return None
+
+
 def redact_url(url: str) -> str:
     """Drop user:password@, query and fragment from a URL before it reaches reports or logs."""
-    parts = urlsplit(url)
+    parts = _split(url)
+    if parts is None:
+        return "(a URL that does not parse)"
     host = parts.hostname or ""
     netloc = f"[{host}]" if ":" in host else host
     try:
@@ -23,13 +32,13 @@ def redact_url(url: str) -> str:
 
 def check_url(url: str, side: str) -> str:
     """An http(s) URL with a host (and a valid port); InvalidInputError (exit 2) otherwise."""
-    parts = urlsplit(url)
+    parts = _split(url)
     try:
-        parts.port  # noqa: B018 (raises for a port outside 0-65535)
+        parts.port if parts else None  # noqa: B018 (raises for a port outside 0-65535)
         valid_port = True
     except ValueError:
         valid_port = False
-    if parts.scheme not in ("http", "https") or not parts.hostname or not valid_port:
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not valid_port:
         raise InvalidInputError(
             f"{side} URL {redact_url(url)!r} is not valid: use http(s)://host:port, e.g. http://127.0.0.1:8000"
         )

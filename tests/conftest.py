@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import secrets
 import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +27,17 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("GPUMIGRATE_ENABLE_FAULTS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Audit records are keyed and their heads anchored outside the state root (gpumigrate/AUDIT.md): tests,
+# and the CLI subprocesses they start, use a session key and anchor directory, never the user's own.
+_AUDIT_DIR = Path(tempfile.mkdtemp(prefix="gm-audit-"))
+atexit.register(shutil.rmtree, _AUDIT_DIR, True)
+_AUDIT_KEY = _AUDIT_DIR / "audit.key"
+_AUDIT_KEY.write_text(secrets.token_hex(32) + "\n")
+_AUDIT_KEY.chmod(0o600)
+os.environ["GPUMIGRATE_AUDIT_KEY_FILE"] = str(_AUDIT_KEY)
+os.environ["GPUMIGRATE_AUDIT_ANCHORS"] = (_AUDIT_DIR / "anchors").as_uri()
+os.environ.pop("GPUMIGRATE_AUDIT_KEY", None)
 
 
 @pytest.fixture
@@ -87,3 +105,52 @@ def reference_launch(module: str = "inference", *args: str, await_restore: bool 
 @pytest.fixture(scope="session")
 def workload_launch() -> Callable[..., WorkloadLaunch]:
     return reference_launch
+
+
+JsonRoute = Callable[[str, str, Mapping[str, str], bytes], tuple[int, Any]]
+
+
+@pytest.fixture
+def json_http() -> Iterator[Callable[[JsonRoute], str]]:
+    """``json_http(route) -> base URL``: a real HTTP server on loopback whose every request is answered by
+    ``route(method, path, headers, body) -> (status, JSON document)``; stopped after the test."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(route: JsonRoute) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                code, doc = route(self.command, self.path, self.headers, body)
+                data = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = _answer  # noqa: N815
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_port}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def no_cloud_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No AWS, Google or Prefect Cloud credentials reach the test, from the developer's shell or files."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "GOOGLE_APPLICATION_CREDENTIALS", "PREFECT_API_KEY", "GPUMIGRATE_IDENTITY"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))

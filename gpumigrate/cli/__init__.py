@@ -8,6 +8,7 @@ message; anything else becomes exit 1 with a message (the traceback only with GP
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -25,8 +26,9 @@ from gpumigrate.cli import (
     traffic_cmd,
 )
 from gpumigrate.cli.output import fail
-from gpumigrate.errors import EXIT_FAILURE, GpumigrateError
+from gpumigrate.errors import EXIT_FAILURE, EXIT_INVALID, GpumigrateError
 from gpumigrate.flows import prefect_env
+from gpumigrate.settings import Identity, set_identity_resolver
 
 app = typer.Typer(
     name="gpumigrate",
@@ -48,10 +50,24 @@ app.add_typer(traffic_cmd.app, name="traffic")
 app.add_typer(snapshot_cmd.app, name="snapshot")
 
 
+# OSErrors that mean "this path cannot be used" (too long, a file where a folder must be, not allowed...)
+_PATH_ERRORS = {
+    errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EACCES, errno.EROFS, errno.ENOENT, errno.EEXIST,
+}  # fmt: skip
+
+
+def _authenticated_identity() -> Identity | None:
+    """The actor of this command's audit records (gpumigrate/AUDIT.md), looked up on the first record."""
+    from gpumigrate.infra.identity import resolve_identity
+
+    return resolve_identity()
+
+
 def main(argv: list[str] | None = None) -> None:
     # Prefect's settings are read when it is first imported (lazily, by the commands that run flows):
     # project-local PREFECT_HOME, no analytics, and its console quiet (the CLI prints its own progress).
     prefect_env.configure(quiet_console=True)
+    set_identity_resolver(_authenticated_identity)
     try:
         app(args=argv, standalone_mode=True)
     except GpumigrateError as exc:
@@ -60,10 +76,25 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         fail("interrupted")
         sys.exit(130)
+    except OSError as exc:
+        if exc.errno not in _PATH_ERRORS or os.environ.get("GPUMIGRATE_DEBUG"):
+            _unexpected(exc)
+        # A path a user gave (an argument, GPUMIGRATE_HOME, a key file) that the system cannot use.
+        fail(f"cannot use {exc.filename!s}: {exc.strerror}")
+        sys.exit(EXIT_INVALID)
     except SystemExit:
         raise
+    except ValueError as exc:
+        if "embedded null byte" not in str(exc):
+            _unexpected(exc)
+        fail("a path or name holds a NUL character (\\x00): no file can have that name")  # os.fspath refused it
+        sys.exit(EXIT_INVALID)
     except Exception as exc:  # the last line of defence: no traceback for users
-        if os.environ.get("GPUMIGRATE_DEBUG"):
-            raise
-        fail(f"unexpected {type(exc).__name__}: {exc} (set GPUMIGRATE_DEBUG=1 for the traceback)")
-        sys.exit(EXIT_FAILURE)
+        _unexpected(exc)
+
+
+def _unexpected(exc: Exception) -> None:
+    if os.environ.get("GPUMIGRATE_DEBUG"):
+        raise exc
+    fail(f"unexpected {type(exc).__name__}: {exc} (set GPUMIGRATE_DEBUG=1 for the traceback)")
+    sys.exit(EXIT_FAILURE)

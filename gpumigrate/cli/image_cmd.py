@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.text import Text
 
-from gpumigrate.cli.output import console, emit_json
+from gpumigrate.cli.output import clean, console, emit_json
 from gpumigrate.errors import InvalidInputError
 
 app = typer.Typer(
@@ -77,10 +78,21 @@ def _key(key_env: str | None, key_file: Path | None, no_key: bool) -> bytes | No
     )
 
 
+def _parses(url: str) -> str:
+    """A store URL that Python's URL parser takes (an unbalanced IPv6 bracket is bad input, exit 2)."""
+    from urllib.parse import urlsplit
+
+    try:
+        urlsplit(url).port  # noqa: B018 (raises for a bad host or port)
+    except ValueError as exc:
+        raise InvalidInputError(f"store URL {url!r} does not parse: {exc}") from None
+    return url
+
+
 def _image_url(text: str) -> tuple[str, str | None]:
     from gpumigrate.transfer.stores import parse_image_url
 
-    return parse_image_url(text)
+    return parse_image_url(_parses(text))
 
 
 @contextlib.contextmanager
@@ -122,7 +134,7 @@ def _summary(obj: dict[str, Any], as_json: bool, line: str) -> None:
     if as_json:
         emit_json(obj)
     else:
-        console.print(line)
+        console.print(Text(clean(line)))  # the line quotes URLs and paths a user gave: never markup
 
 
 @app.command("keygen")
@@ -349,7 +361,7 @@ def ls(
 
     from gpumigrate.transfer.stores import open_store
 
-    st = open_store(store, endpoint_url=endpoint_url)
+    st = open_store(_parses(store), endpoint_url=endpoint_url)
     rows: list[dict[str, Any]] = []
     for image_id in st.list_manifests():
         try:
@@ -382,5 +394,5 @@ def region(
     """Where a store's bucket lives (for residency checks); none for file:// and stream://."""
     from gpumigrate.transfer.push import store_region
 
-    where = store_region(store, endpoint_url=endpoint_url)
+    where = store_region(_parses(store), endpoint_url=endpoint_url)
     _summary({"store": store, "region": where}, as_json, f"{store}: {where or 'no cloud region'}")

@@ -79,21 +79,48 @@ def status(
     console.print(table)
 
 
+LOGS = {"policy": "audit/policy.jsonl", "cost-moves": "audit/cost-moves.jsonl"}
+
+
 def audit(
-    migration_id: str = typer.Argument(..., help="Migration id."),
+    migration_id: str | None = typer.Argument(None, help="Migration id (or --log for a log kept outside migrations)."),
+    log: str | None = typer.Option(
+        None, "--log", help="Verify a log outside migrations: policy (plan decisions) or cost-moves."
+    ),
+    accept_legacy: bool = typer.Option(
+        False, "--accept-legacy", help="Check format-1 (unkeyed) records as a chain only, with a warning."
+    ),
+    anchor: list[str] = typer.Option(
+        [], "--anchor", help="Also check the heads in this anchor (as in GPUMIGRATE_AUDIT_ANCHORS), e.g. prefect."
+    ),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Verify the audit chain and summarise it. Exit 1 naming the first bad record if tampered."""
+    """Verify an audit log (MACs, chain, anchored heads) and summarise it. Exit 1 naming the first bad record."""
+    from gpumigrate.audit import AuditLog
+    from gpumigrate.audit_anchor import anchor_from_url
     from gpumigrate.audit_report import build_report, render_report
+    from gpumigrate.errors import InvalidInputError
+    from gpumigrate.settings import state_root
 
-    migration = Migration.open(migration_id)
+    if (migration_id is None) == (log is None):
+        raise InvalidInputError("give a migration id, or --log policy|cost-moves (one of them)")
+    if log is not None and log not in LOGS:
+        raise InvalidInputError(f"--log {log!r} is not a log: choose {' or '.join(LOGS)}")
+    extra = [anchor_from_url(url) for url in anchor]
+    name = migration_id or str(log)
     try:
-        head = migration.verify_audit()
+        if migration_id is not None:
+            migration = Migration.open(migration_id)
+            verified = migration.verify_audit(accept_legacy=accept_legacy, extra_anchors=extra)
+            report = build_report(migration.audit, verified, migration_id=migration_id, state=migration.read())
+        else:
+            audit_log = AuditLog(state_root() / LOGS[str(log)])
+            verified = audit_log.verify(accept_legacy=accept_legacy, extra_anchors=extra)
+            report = build_report(audit_log, verified)
     except IntegrityError as exc:
         if json_out:
-            emit_json({"migration_id": migration_id, "chain_verified": False, "error": str(exc)})
+            emit_json({"log": name, "chain_verified": False, "error": str(exc)})
         raise
-    report = build_report(migration, head)
     if json_out:
         emit_json(report)
     else:

@@ -1,4 +1,8 @@
-"""Where CLI output goes: human text to stderr (rich), the one JSON object to stdout's last line."""
+"""Where CLI output goes: human text to stderr (rich), the one JSON object to stdout's last line.
+
+User-supplied text never reaches the console as markup (gpumigrate/terminal.py says why): interpolate
+it with :func:`esc`; :func:`fail` and :func:`warn` print their message as plain text.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,11 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
+
+from gpumigrate.terminal import clean, esc
+
+__all__ = ["clean", "console", "emit_json", "esc", "fail", "warn"]
 
 # Human output always goes to stderr so that `--json` leaves stdout machine-readable.
 console = Console(stderr=True, highlight=False)
@@ -21,4 +30,8 @@ def emit_json(obj: Any) -> None:
 
 
 def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    console.print(Text.assemble(("error:", "bold red"), " ", clean(message)), soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    console.print(Text.assemble(("warning:", "yellow"), " ", clean(message)), soft_wrap=True)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from gpumigrate.cli.output import console, emit_json, fail
+from gpumigrate.cli.output import console, emit_json, esc, fail
 from gpumigrate.errors import EXIT_FAILURE, EXIT_INVALID, GpumigrateError, InvalidInputError
+
+if TYPE_CHECKING:
+    from gpumigrate.plan import ParityRequest
 
 app = typer.Typer(help="Prove a target answers like its source: output and environment parity.", no_args_is_help=True)
 
@@ -75,8 +78,35 @@ def _resolve(plan_file: Path | None, source: str | None, target: str | None, inp
     return {
         "source": source, "target": target, "inputs": inputs,
         "atol": parity.atol if atol is None else atol, "rtol": parity.rtol if rtol is None else rtol,
-        "policy": dict(parity.environment), "out": out,
+        "policy": dict(parity.environment), "out": out, "request": parity.request, "from_plan": plan is not None,
     }  # fmt: skip
+
+
+def _request(base: ParityRequest | None, from_plan: bool, method: str | None, path: str | None,
+             fields: list[str]) -> ParityRequest | None:  # fmt: skip
+    """The plan's parity.request with --method/--path/--field laid over it; without a plan, those options."""
+    from pydantic import ValidationError
+
+    from gpumigrate.plan import ParityRequest
+
+    if base is None and not (path and fields):
+        if from_plan and not (method or path or fields):
+            return None  # a plan from before parity.request: asked as it always was (parity/FORMAT.md)
+        raise InvalidInputError("no request to send: give a PLAN with parity.request, or --path PATH and at least "
+                                "one --field NAME:numeric|exact")  # fmt: skip
+    doc: dict[str, Any] = base.model_dump(mode="json") if base is not None else {}
+    compare = []
+    for spec in fields:
+        name, _, kind = spec.rpartition(":")
+        if not name or kind not in ("numeric", "exact"):
+            raise InvalidInputError(f"--field {spec!r}: write NAME:numeric or NAME:exact (NAME a dotted path)")
+        compare.append({"field": name, "kind": kind})
+    doc.update({k: v for k, v in (("method", method), ("path", path), ("compare", compare)) if v})
+    try:
+        return ParityRequest.model_validate(doc)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+        raise InvalidInputError(f"the parity request is not valid: {problems}") from None
 
 
 def _environment_gate(cfg: dict[str, Any], out_dir: Path, doc: dict[str, Any], json_out: bool) -> None:
@@ -88,17 +118,17 @@ def _environment_gate(cfg: dict[str, Any], out_dir: Path, doc: dict[str, Any], j
         src_info, tgt_info = fetch_info(cfg["source"]), fetch_info(cfg["target"])
     except ParityError as exc:
         doc["environment"] = {"checked": False, "reason": str(exc)}
-        console.print(f"[yellow]note[/] environment not compared: {exc}", soft_wrap=True)
+        console.print(f"[yellow]note[/] environment not compared: {esc(exc)}", soft_wrap=True)
         return
     report = check_environment(src_info, tgt_info, cfg["policy"])
     report.write(out_dir / "environment.json")
     doc["environment"] = {"checked": True, **report.to_dict(), "report": str(out_dir / "environment.json")}
     for diff in report.notes:
-        console.print(f"[yellow]note[/] environment {diff.describe()}", soft_wrap=True)
+        console.print(f"[yellow]note[/] environment {esc(diff.describe())}", soft_wrap=True)
     if report.passed:
         return
     for diff in report.violations:
-        console.print(f"[red]forbidden[/] environment {diff.describe()}", soft_wrap=True)
+        console.print(f"[red]forbidden[/] environment {esc(diff.describe())}", soft_wrap=True)
     doc.update({"passed": False, "denied": "environment-parity"})
     if json_out:
         emit_json(doc)
@@ -136,6 +166,11 @@ def check(
         None, "--migration", help="Check a migration under way: its plan, target endpoint and artifacts directory."
     ),
     fast: bool = typer.Option(False, "--fast", help="Judge with the fast rules path only (no Great Expectations)."),
+    method: str | None = typer.Option(None, "--method", help="HTTP method (default: the plan's, else POST)."),
+    path: str | None = typer.Option(None, "--path", help="Request path, e.g. /embed (default: the plan's)."),
+    field: list[str] = typer.Option(
+        [], "--field", help="NAME:numeric|exact, repeatable: an answer field to compare (default: the plan's)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result JSON as the last line of stdout."),
 ) -> None:
     """Run the golden inputs against source and target and compare: exit 0 pass, 1 fail, 2 bad input/denied."""
@@ -143,6 +178,7 @@ def check(
     from gpumigrate.settings import state_root
 
     cfg = _resolve(plan_file, source, target, inputs, atol, rtol, migration_id)
+    request = _request(cfg["request"], cfg["from_plan"], method.upper() if method else None, path, field)
     # Bad input is exit 2 before any request goes out.
     cfg["source"], cfg["target"] = check_url(cfg["source"], "source"), check_url(cfg["target"], "target")
     load_golden(cfg["inputs"])
@@ -152,20 +188,20 @@ def check(
         _environment_gate(cfg, out_dir, doc, json_out)
     try:
         result = run_output_parity(cfg["source"], cfg["target"], cfg["inputs"], atol=cfg["atol"], rtol=cfg["rtol"],
-                                   out_dir=out_dir, use_gx=not fast)  # fmt: skip
+                                   out_dir=out_dir, use_gx=not fast, request=request)  # fmt: skip
     except GpumigrateError as exc:
         if json_out:
             emit_json({**doc, "passed": False, "error": str(exc)})
         raise
     doc.update(result.to_dict())
     for reason in result.failures[:20]:
-        console.print(f"[red]fail[/] {reason}", soft_wrap=True)
+        console.print(f"[red]fail[/] {esc(reason)}", soft_wrap=True)
     if len(result.failures) > 20:
-        console.print(f"... {len(result.failures) - 20} more in {result.artifacts.get('json')}")
+        console.print(f"... {len(result.failures) - 20} more in {esc(result.artifacts.get('json'))}")
     verdict = "[green]parity holds[/]" if result.passed else "[bold red]parity FAILED[/]"
     err = "—" if result.max_abs_err is None else f"{result.max_abs_err:.3g}"
     console.print(f"{verdict}: {result.cases} cases, max abs err {err}, {result.seconds:.2f} s; "
-                  f"report {result.artifacts.get('html')}", soft_wrap=True)  # fmt: skip
+                  f"report {esc(result.artifacts.get('html'))}", soft_wrap=True)  # fmt: skip
     if json_out:
         emit_json(doc)
     if not result.passed:

@@ -7,8 +7,9 @@ from pathlib import Path
 import typer
 import yaml
 from rich.table import Table
+from rich.text import Text
 
-from gpumigrate.cli.output import console, emit_json
+from gpumigrate.cli.output import clean, console, emit_json, esc
 from gpumigrate.errors import PlanError, PolicyDeniedError
 from gpumigrate.plan import load_plan
 
@@ -30,20 +31,20 @@ def validate(
 
             validate_plan_residency(plan, record=policy_audit_log().append)  # exit 2 on a forbidden region
             results.append({"plan": str(path), "valid": True, "workload": plan.workload.name})
-            console.print(f"[green]valid[/] {path}")
+            console.print(f"[green]valid[/] {esc(path)}")
         except PlanError as exc:
             errors.append(exc)
             results.append(
                 {"plan": str(path), "valid": False, "problems": [{"field": f, "message": m} for f, m in exc.problems]}
             )
-            console.print(f"[red]invalid[/] {path}")
+            console.print(f"[red]invalid[/] {esc(path)}")
             for field, msg in exc.problems:
-                console.print(f"  [bold]{field}[/]: {msg}", soft_wrap=True)
+                console.print(f"  [bold]{esc(field)}[/]: {esc(msg)}", soft_wrap=True)
         except PolicyDeniedError as exc:
             errors.append(exc)
             denial = {"rule": exc.rule, "region": exc.region, "message": str(exc)}
             results.append({"plan": str(path), "valid": False, "denied": denial})
-            console.print(f"[red]denied[/] {path}: {exc}", soft_wrap=True)
+            console.print(f"[red]denied[/] {esc(path)}: {esc(exc)}", soft_wrap=True)
     if json_out:
         emit_json({"valid": not errors, "plans": results})
     if errors:
@@ -61,11 +62,10 @@ def show(
     if json_out:
         emit_json(data)
         return
-    table = Table(title=f"plan {plan_file}", show_header=True)
+    table = Table(title=f"plan {esc(plan_file)}", show_header=True)
     table.add_column("section")
     table.add_column("settings")
     for section, value in data.items():
-        table.add_row(
-            section, yaml.safe_dump(value, sort_keys=False).strip() if isinstance(value, dict) else str(value)
-        )
+        shown = yaml.safe_dump(value, sort_keys=False).strip() if isinstance(value, dict) else str(value)
+        table.add_row(section, Text(clean(shown)))
     console.print(table)

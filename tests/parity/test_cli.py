@@ -9,6 +9,8 @@ from pathlib import Path
 import yaml
 
 ATOL, RTOL = "1e-4", "1e-3"
+# Without a plan, the request is named on the command line: the reference server's is no default.
+ASK = ("--path", "/v1/generate", "--field", "tokens:exact", "--field", "text:exact", "--field", "logprobs:numeric")
 
 
 def run(cli_cmd: list[str], *args: str) -> subprocess.CompletedProcess:
@@ -23,7 +25,7 @@ def test_check_passes_for_same_weights(cli_cmd, gm_home: Path, source_server, tw
                                        tmp_path: Path) -> None:  # fmt: skip
     out = tmp_path / "out"
     proc = run(cli_cmd, "--source", source_server.url, "--target", twin_server.url, "--inputs", str(golden_small),
-               "--atol", ATOL, "--rtol", RTOL, "--out", str(out), "--json")  # fmt: skip
+               "--atol", ATOL, "--rtol", RTOL, "--out", str(out), "--json", *ASK)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     doc = last_json(proc)
     assert doc["passed"] is True and doc["cases"] == 6 and doc["judged_by"] == "great_expectations"
@@ -36,7 +38,7 @@ def test_check_fails_with_exit_1_for_other_weights(cli_cmd, gm_home: Path, sourc
                                                    golden_small: Path) -> None:  # fmt: skip
     # --no-environment: the weights digest differs too, which would deny (exit 2) before outputs are compared.
     proc = run(cli_cmd, "--source", source_server.url, "--target", other_seed_server.url, "--inputs",
-               str(golden_small), "--no-environment", "--fast", "--json")  # fmt: skip
+               str(golden_small), "--no-environment", "--fast", "--json", *ASK)  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     doc = last_json(proc)
     assert doc["passed"] is False and doc["failures"] and doc["judged_by"] == "rules"
@@ -65,12 +67,17 @@ def test_bad_inputs_are_exit_2_without_traceback(cli_cmd, gm_home: Path, tmp_pat
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "prompt": "x", "max_new_tokens": 4}\nnot json\n')
     cases = [
-        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(bad)], "line 2"),
+        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(bad), *ASK], "line 2"),
         (["--source", "http://127.0.0.1:9", "--inputs", str(bad)], "no target"),
-        (["--source", "ftp://x", "--target", "http://127.0.0.1:9", "--inputs", str(bad)], "source URL"),
-        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(tmp_path / "none")],
-         "no such file"),
+        (["--source", "ftp://x", "--target", "http://127.0.0.1:9", "--inputs", str(bad), *ASK], "source URL"),
+        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(tmp_path / "none"),
+          *ASK], "no such file"),
         ([str(tmp_path / "missing-plan.yaml"), "--target", "http://127.0.0.1:9"], "no such file"),
+        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(bad)], "--path PATH"),
+        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(bad), "--path", "/x",
+          "--field", "emb:fuzzy"], "NAME:numeric"),
+        (["--source", "http://127.0.0.1:9", "--target", "http://127.0.0.1:9", "--inputs", str(bad), "--path", "x",
+          "--field", "emb:numeric"], "parity request is not valid: path"),
     ]  # fmt: skip
     for args, needle in cases:
         proc = run(cli_cmd, *args)

@@ -28,13 +28,21 @@ def test_comments_and_blank_lines_are_skipped(tmp_path: Path) -> None:
     assert cases[0].request == {"prompt": "a", "max_new_tokens": 2}
 
 
+def test_any_question_shape_loads(tmp_path: Path) -> None:
+    """Golden cases are the workload's own questions: nothing in them is specific to one server."""
+    f = tmp_path / "g.jsonl"
+    f.write_text('{"id": "e1", "sentences": ["a", "b"], "normalize": true}\n{"id": "e2", "max_new_tokens": 9000}\n')
+    assert [c.request for c in load_golden(f)] == [
+        {"sentences": ["a", "b"], "normalize": True},
+        {"max_new_tokens": 9000},
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
         ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "line 2: duplicate id"),
         ('{"prompt": "x"}\n', "line 1: 'id' must be"),
-        ('{"id": "a", "prompt": 3}\n', "line 1: 'prompt' must be a string"),
-        ('{"id": "a", "prompt": "x", "max_new_tokens": 0}\n', "line 1: 'max_new_tokens' must be an integer"),
         ('{"id": "a"}\n', "nothing to send"),
         ("[1, 2]\n", "must be a JSON object"),
         ("{broken\n", "not valid JSON"),

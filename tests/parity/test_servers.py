@@ -66,7 +66,7 @@ def test_damaged_target_fails_with_a_readable_reason(
     assert any(expected in f for f in result.failures), result.failures
     assert all(f.startswith("case greeting") for f in result.failures)
     if mode == "error":
-        assert any("the target did not answer: HTTP 500" in f for f in result.failures)
+        assert any("the target did not answer: POST /v1/generate answered HTTP 500" in f for f in result.failures)
 
 
 def test_undamaged_proxy_passes(source_server, damaged_target, golden_small: Path) -> None:
