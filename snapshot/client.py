@@ -10,7 +10,7 @@ import json
 import socket
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpumigrate import control, errors
@@ -167,8 +167,28 @@ class AgentClient:
         """Pre-copy rounds until the dirty set fits ``max_downtime_ms`` or stops shrinking."""
         return converge(lambda: self.precopy(store, key_ref), max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
 
-    def freeze(self) -> None:
-        self.call("freeze")
+    def freeze(self, lease_s: float | None = None) -> None:
+        """Freeze at the safe point; with ``lease_s`` the source resumes by itself unless :meth:`renew` is called."""
+        if lease_s is None:
+            self.call("freeze")
+        else:
+            self.call("freeze", lease_s=lease_s)
+
+    def renew(self, lease_s: float | None = None) -> bool:
+        """Extend a freeze's lease; returns whether the agent is still frozen."""
+        args = {} if lease_s is None else {"lease_s": lease_s}
+        return bool(self.call("renew", **args).get("frozen"))
+
+    def advance(self, steps: int, *, timeout_s: float | None = None) -> StepLosses:
+        """Let a frozen training source take exactly ``steps`` more steps, then freeze it again."""
+        args: dict[str, Any] = {"steps": steps}
+        if timeout_s is not None:
+            args["timeout_s"] = timeout_s
+        return StepLosses.decode(self.call("advance", **args))
+
+    def metrics(self, since: int = 0) -> StepLosses:
+        """Steps taken and the losses reported after step ``since``."""
+        return StepLosses.decode(self.call("metrics", since=since))
 
     def final(
         self,
@@ -236,6 +256,11 @@ class AgentInfo:
     ready: bool | None
     rounds: int
     last_image: str | None
+    lease: Mapping[str, float] | None = None  # {"lease_s", "expires_in_s"} while frozen under a lease
+    lease_expiries: int = 0  # freezes that ended because nobody renewed them
+    fingerprint_collisions: int = 0  # chunks the final round's full hash caught
+    steps: int = 0  # safe points passed (training steps, or requests)
+    auth: Mapping[str, Any] = field(default_factory=dict)  # {"key_id", "refused", "last_refused"}
 
     @classmethod
     def decode(cls, reply: Mapping[str, Any]) -> AgentInfo:
@@ -251,6 +276,30 @@ class AgentInfo:
             ready=reply.get("ready"),
             rounds=int(reply["rounds"]),
             last_image=reply.get("last_image"),
+            lease=reply.get("lease"),
+            lease_expiries=int(reply.get("lease_expiries") or 0),
+            fingerprint_collisions=int(reply.get("fingerprint_collisions") or 0),
+            steps=int(reply.get("steps") or 0),
+            auth=dict(reply.get("auth") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class StepLosses:
+    """Steps a training workload has taken and the losses it reported for them (``advance``/``metrics``)."""
+
+    steps: int
+    losses: tuple[tuple[int, float], ...]  # (step, loss), oldest first
+    frozen: bool | None = None
+    ready: bool | None = None
+
+    @classmethod
+    def decode(cls, reply: Mapping[str, Any]) -> StepLosses:
+        return cls(
+            steps=int(reply["steps"]),
+            losses=tuple((int(s), float(loss)) for s, loss in reply.get("losses") or ()),
+            frozen=reply.get("frozen"),
+            ready=reply.get("ready"),
         )
 
 

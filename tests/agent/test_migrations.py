@@ -113,9 +113,7 @@ def test_a_service_outside_the_package_migrates_under_load(spawn, store) -> None
         assert httpx.post(dst.url + "/v1/predict", json={"x": x}).json()["y"] == want
     with dst.client() as d:
         info = d.info()
-    assert {"model/0.weight", "state/cache", "state.plain", "rng/torch", "progress"} <= {
-        r["name"] for r in info["regions"]
-    }
+    assert {"model/0.weight", "state/cache", "state.plain", "rng/torch", "progress"} <= {r.name for r in info.regions}
 
 
 def test_the_minilm_example_migrates_with_identical_embeddings(spawn, store) -> None:

@@ -245,7 +245,7 @@ def test_the_lightning_callback_counts_optimizer_steps_and_reports_losses(tmp_pa
         callbacks=[callback, Probe()],
     )
     trainer.fit(Net(), DataLoader(range(8), batch_size=None))
-    metrics, regions = seen["metrics"], {r["name"] for r in seen["info"]["regions"]}
+    metrics, regions = seen["metrics"], {r.name for r in seen["info"].regions}
     assert metrics["steps"] == 3 and [s for s, _ in metrics["losses"]] == [1, 2, 3]
     assert {"model/lin.weight", "lightning", "state.plain", "rng/torch", "progress"} <= regions
     assert {"optimizer/state/0/momentum_buffer", "optimizer/state/1/momentum_buffer"} <= regions
