@@ -1,7 +1,8 @@
 """Chunk stores behind one interface: where the objects of FORMAT.md live.
 
 ``open_store(url)`` picks the backend by scheme: ``file://`` (here), ``s3://`` (s3store),
-``gs://`` (gcsstore), ``stream://`` (stream, write-only towards a receiver). Every put is atomic:
+``gs://`` (gcsstore), ``stream://`` (stream) and ``nixl://`` (nixl), write-only towards a receiver
+(receiver.py). Every put is atomic:
 an object is either absent or complete.
 """
 
@@ -20,7 +21,7 @@ from gpumigrate.atomic import fsync_dir
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
 
-SCHEMES = ("file", "s3", "gs", "stream")
+SCHEMES = ("file", "s3", "gs", "stream", "nixl")
 SYNC_MODES = ("chunk", "deferred", "none")
 STORE_MARKER = "gpumigrate-store.json"
 # Concurrent fdatasyncs let the filesystem commit several files' data in one journal transaction.
@@ -44,8 +45,9 @@ class Store:
 
     url: str
     readable = True
-    # True when the far side authenticates and BLAKE3-checks every chunk before accepting it (a keyed
-    # stream receiver): push then skips its own source-side check instead of doing the work twice.
+    # True when the far side authenticates and BLAKE3-checks every chunk before storing it and lists
+    # only chunks it verified (a stream:// or nixl:// receiver): push then trusts its listing instead
+    # of reading existing chunks back to verify them.
     verifies_on_arrival = False
     # True when one listing is cheaper than a size query per chunk (remote stores): the writer then
     # lists once instead of asking about every chunk it has not seen.
@@ -250,6 +252,10 @@ class FileStore(Store):
                 self._syncer = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gm-fsync")
             self._sync_futures.append(self._syncer.submit(fn, *args))
 
+    def remove_chunk(self, chunk_id: str) -> None:
+        """Delete a damaged chunk (a receiver's check of what an earlier run left)."""
+        self._path(chunk_key(chunk_id)).unlink(missing_ok=True)
+
     def get_chunk(self, chunk_id: str) -> bytes:
         try:
             return self._path(chunk_key(chunk_id)).read_bytes()
@@ -340,7 +346,8 @@ def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
     if parts.scheme not in SCHEMES or "://" not in url:
         raise InvalidInputError(
             f"unsupported store URL {url!r}",
-            hint="allowed: file:///abs/dir, file://relative/dir, s3://bucket/prefix, gs://bucket/prefix, stream://host:port",
+            hint="allowed: file:///abs/dir, file://relative/dir, s3://bucket/prefix, gs://bucket/prefix, "
+            "stream://host:port, nixl://host:port",
         )
     return parts.scheme, parts.netloc, parts.path, parse_qs(parts.query)
 
@@ -374,6 +381,10 @@ def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 
         from gpumigrate.transfer.gcsstore import GcsStore
 
         return GcsStore(url, endpoint_url=endpoint_url)
+    if scheme == "nixl":
+        from gpumigrate.transfer.nixl import NixlStore
+
+        return NixlStore(url, connections=parallelism)
     from gpumigrate.transfer.stream import StreamStore
 
     return StreamStore(url, connections=parallelism)

@@ -1,0 +1,324 @@
+"""``nixl://host:port``: chunk objects WRITTEN by NIXL straight into the receiver's registered memory.
+
+The receiver (``receiver.py``, started with ``nixl=True``) registers a pool of landing slots with
+NIXL. The sender (:class:`NixlStore`) speaks the stream protocol on the same authenticated TLS
+connections for everything but chunk bytes: after HELLO it asks for slots (NIXL_OPEN, a request
+signed with the control key; the signed reply carries the receiver's NIXL agent metadata and the
+slots' addresses), then for each chunk copies the sealed object into its own registered staging
+slot, WRITEs it into the receiver's slot, waits for the transfer to be DONE (NIXL's UCX backend
+completes a WRITE only after flushing it to the remote side) and sends NIXL_LANDED (slot, length)
+on the connection. The receiver copies the slot out, verifies the object (AES-GCM tag, decode,
+BLAKE3) and stores it, then acknowledges; the acknowledgement frees the slot. What the wire carries
+is the image's sealed objects, so the data link needs no trust (TRANSPORTS.md, nixl://).
+
+NIXL is optional (extra ``nixl``, PyPI ``nixl-cu13``): :func:`load_nixl` raises a clear error when
+it is missing or fails to load, and ``stream://`` works without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from gpumigrate import control
+from gpumigrate.errors import EXIT_INVALID, InvalidInputError, TransferError
+from gpumigrate.transfer.stores import split_url
+from gpumigrate.transfer.stream import CHANNEL, NIXL_LANDED, NIXL_OPEN, PUT_CHUNK, StreamStore, _Conn, _Pending
+
+PACKAGE = "nixl-cu13"  # PyPI name; the import name is nixl_cu13
+SLOT = struct.Struct(">IQ")  # NIXL_LANDED payload: slot index, object length
+DEFAULT_SLOTS = 32  # landing slots in a receiver's pool
+DEFAULT_SLOT_BYTES = 8 << 20  # a 4 MiB chunk's sealed object with room to spare; larger ones go inline
+SLOTS_PER_CONNECTION = 4  # objects in flight per connection: enough to keep a link busy past one RTT
+
+
+class NixlUnavailableError(TransferError):
+    """NIXL is not installed or does not load here. Nothing moved (exit 2); stream:// does not need it."""
+
+    exit_code = EXIT_INVALID
+
+
+_MODULE: ModuleType | None = None
+
+
+def load_nixl() -> ModuleType:
+    """Import ``nixl_cu13`` once, quietly (its logger prints to stdout at INFO), or say what is missing."""
+    global _MODULE
+    if _MODULE is not None:
+        return _MODULE
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # read by its C++ core and its Python logger
+    try:
+        import nixl_cu13
+    except Exception as exc:  # ImportError, or an OSError from a bundled library that fails to load
+        raise NixlUnavailableError(
+            f"the nixl:// transport needs the Python package {PACKAGE} (import nixl_cu13), "
+            f"which {'is not installed' if isinstance(exc, ModuleNotFoundError) else 'failed to load'} here: {exc}",
+            hint=f"install gpumigrate with its 'nixl' extra ({PACKAGE}==1.5.1, after torch), or use stream://",
+        ) from None
+    quiet = logging.getLogger("nixl")  # stdout belongs to the CLI's JSON: send NIXL's own lines to stderr
+    quiet.handlers.clear()
+    quiet.propagate = True
+    quiet.setLevel(logging.WARNING)
+    _MODULE = nixl_cu13
+    return nixl_cu13
+
+
+@contextlib.contextmanager
+def _ucx_transports(transports: str | None) -> Iterator[None]:
+    """UCX reads UCX_TLS when a backend starts; set it for this agent only (``tcp``, ``rc,tcp``, …)."""
+    if not transports:
+        yield
+        return
+    before = os.environ.get("UCX_TLS")
+    os.environ["UCX_TLS"] = transports
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = before
+
+
+def make_agent(role: str, *, transports: str | None = None, backends: tuple[str, ...] = ("UCX",)) -> Any:
+    """A NIXL agent with a unique name, usable from several threads at once."""
+    nixl = load_nixl()
+    name = f"gm-{role}-{os.getpid()}-{secrets.token_hex(4)}"
+    config = nixl.nixl_agent_config(backends=list(backends), sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    try:
+        with _ucx_transports(transports):
+            agent = nixl.nixl_agent(name, config)
+    except Exception as exc:
+        raise NixlUnavailableError(f"NIXL could not start an agent with backends {list(backends)}: {exc}") from None
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise NixlUnavailableError(
+            f"NIXL here has no {', '.join(missing)} backend (plugins: {agent.get_plugin_list()})"
+        )
+    return agent
+
+
+def _buffer(nbytes: int) -> tuple[Any, np.ndarray]:
+    """Host memory to register: pinned (page-locked) where CUDA is present, plain pages otherwise.
+
+    Returns (owner, uint8 view). Pinned memory lets a GPU's copy engine and an RDMA NIC reach it
+    without a bounce; on a CPU-only host UCX's TCP transport reads and writes ordinary pages.
+    """
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            owner = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return owner, owner.numpy()
+    except ImportError:
+        pass
+    arr = np.empty(nbytes, dtype=np.uint8)
+    return arr, arr
+
+
+def _register(agent: Any, arr: np.ndarray) -> Any:
+    return agent.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+
+
+def _triples(arr: np.ndarray, count: int, size: int) -> list[tuple[int, int, int]]:
+    return [(arr.ctypes.data + i * size, size, 0) for i in range(count)]
+
+
+# ----------------------------------------------------------------------------- receiver side
+class HostLanding:
+    """The receiver's pool of registered landing slots, leased to authenticated connections."""
+
+    def __init__(
+        self, *, slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES, transports: str | None = None
+    ) -> None:
+        if slots < 1 or slot_bytes < 4096:
+            raise InvalidInputError("a NIXL landing pool needs at least 1 slot of at least 4096 bytes")
+        self.agent = make_agent("recv", transports=transports)
+        self.slot_bytes = slot_bytes
+        self._owner, self.pool = _buffer(slots * slot_bytes)
+        self._reg = _register(self.agent, self.pool)
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def lease(self, wanted: int) -> list[int]:
+        with self._lock:
+            n = max(0, min(wanted, len(self._free)))
+            taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def release(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    def offer(self, slots: list[int]) -> dict[str, Any]:
+        """What a sender needs to WRITE into ``slots``: agent metadata and each slot's address."""
+        base = self.pool.ctypes.data
+        return {
+            "agent": self.agent.name,
+            "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+            "mem": "DRAM",
+            "slot_bytes": self.slot_bytes,
+            "slots": [[s, base + s * self.slot_bytes, self.slot_bytes, 0] for s in slots],
+        }
+
+    def view(self, slot: int, length: int) -> memoryview:
+        if length > self.slot_bytes:
+            raise InvalidInputError(f"an object of {length} bytes does not fit a {self.slot_bytes}-byte slot")
+        start = slot * self.slot_bytes
+        return memoryview(self.pool[start : start + length])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.agent.deregister_memory(self._reg)
+
+
+# ----------------------------------------------------------------------------- sender side
+@dataclass
+class _Slots:
+    """One connection's leased remote slots, each paired with a local staging slot."""
+
+    remote_index: list[int]  # the receiver's slot numbers, in local slot order
+    local: Any  # prepped local descriptor list
+    remote: Any  # prepped remote descriptor list
+    staging: np.ndarray
+    slot_bytes: int
+    free: list[int] = field(default_factory=list)
+
+
+class NixlStore(StreamStore):
+    """Sender side of ``nixl://host:port[?fingerprint=sha256:HEX][&connections=N][&transports=tcp]``.
+
+    ``transports`` sets the UCX transports this side may use (UCX_TLS: ``tcp`` between hosts
+    without a fabric, ``rc,tcp`` for InfiniBand/RoCE, default: UCX's own choice); objects larger
+    than a slot travel inline on the connection, like stream://.
+    """
+
+    scheme = "nixl"
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        super().__init__(url, **kwargs)
+        query = split_url(url)[3]
+        self.transports = (query.get("transports") or [None])[0]
+        self.slots_per_connection = max(1, int((query.get("slots") or [SLOTS_PER_CONNECTION])[0]))
+        load_nixl()  # fail here, before any connection, when NIXL is missing
+        self._agent: Any = None
+        self._remote_name: str | None = None
+        self._agent_lock = threading.Lock()
+        self._registered: list[Any] = []
+        self.chunks_written = 0  # objects that went through NIXL (the rest went inline)
+
+    def _nixl(self) -> Any:
+        with self._agent_lock:
+            if self._agent is None:
+                self._agent = make_agent("send", transports=self.transports)
+            return self._agent
+
+    def _on_connected(self, conn: _Conn) -> None:
+        if not self.receiver_info.get("nixl"):
+            raise TransferError(
+                f"receiver {self.host}:{self.port} has no NIXL landing pool: start it with nixl on, or use stream://"
+            )
+        agent = self._nixl()
+        request = control.sign_request(
+            self.control_key, CHANNEL, {"op": "nixl-open", "slots": self.slots_per_connection, "agent": agent.name}
+        )
+        status, body = self._exchange(conn, NIXL_OPEN, json.dumps(request).encode(), "nixl-open")
+        self._check(status, body, "nixl-open")
+        offer = control.verify_reply(self.control_key, CHANNEL, request["auth"]["nonce"], json.loads(body))
+        slots = offer["slots"]
+        if not slots:
+            raise TransferError(f"receiver {self.host}:{self.port} has no free NIXL landing slot")
+        slot_bytes = int(offer["slot_bytes"])
+        with self._agent_lock:
+            if self._remote_name is None:
+                self._remote_name = agent.add_remote_agent(base64.b64decode(offer["metadata"]))
+                if isinstance(self._remote_name, bytes):
+                    self._remote_name = self._remote_name.decode()
+            staging = np.empty(len(slots) * slot_bytes, dtype=np.uint8)
+            self._registered.append((_register(agent, staging), staging))
+            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _triples(staging, len(slots), slot_bytes), "DRAM")
+            remote_triples = [(int(addr), int(length), int(dev)) for _, addr, length, dev in slots]
+            remote = agent.prep_xfer_dlist(self._remote_name, remote_triples, offer.get("mem", "DRAM"))
+        conn.extra = _Slots(
+            remote_index=[int(s[0]) for s in slots],
+            local=local,
+            remote=remote,
+            staging=staging,
+            slot_bytes=slot_bytes,
+            free=list(range(len(slots))),
+        )
+
+    def _write(self, slots: _Slots, i: int, blob: bytes | bytearray | memoryview) -> None:
+        """Copy ``blob`` into local slot ``i`` and WRITE it into the paired remote slot; return once DONE."""
+        n = len(blob)
+        slots.staging[i * slots.slot_bytes : i * slots.slot_bytes + n] = np.frombuffer(blob, dtype=np.uint8)
+        agent = self._agent
+        handle = agent.make_prepped_xfer("WRITE", slots.local, [i], slots.remote, [i])
+        try:
+            state = agent.transfer(handle)
+            pause = 0.0001
+            while state == "PROC":
+                time.sleep(pause)
+                pause = min(pause * 2, 0.002)
+                state = agent.check_xfer_state(handle)
+        finally:
+            handle.release()
+        if state != "DONE":
+            raise ConnectionError(f"NIXL WRITE of {n} bytes into slot {slots.remote_index[i]} failed ({state})")
+
+    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
+        """WRITE one sealed object into a landing slot, then tell the receiver (acknowledged later)."""
+        self._raise_errors()
+        conn = self._locked_conn()
+        try:
+            slots: _Slots = conn.extra
+            if conn.broken is not None:
+                raise TransferError(f"nixl to {self.host}:{self.port} failed: {conn.broken}")
+            try:
+                if len(blob) > slots.slot_bytes:  # larger than a landing slot: inline, as stream:// sends it
+                    p = _Pending(f"chunk {chunk_id[:16]}", len(blob), conn)
+                    self._send(conn, PUT_CHUNK, bytes.fromhex(chunk_id), blob, p)
+                    self._drain_ready(conn)
+                    return
+                while not slots.free:
+                    self._read_reply(conn)  # the oldest acknowledgement frees its slot
+                i = slots.free.pop()
+                self._write(slots, i, blob)
+                p = _Pending(f"chunk {chunk_id[:16]}", len(blob), conn, done=lambda: slots.free.append(i))
+                landed = SLOT.pack(slots.remote_index[i], len(blob))
+                self._send(conn, NIXL_LANDED, bytes.fromhex(chunk_id), landed, p)
+                self._drain_ready(conn)
+            except (OSError, ConnectionError, ValueError) as exc:
+                self._drop(conn, exc)
+                raise TransferError(f"nixl to {self.host}:{self.port} failed: {exc}") from None
+            with self._lock:
+                self.chunks_written += 1
+        finally:
+            conn.lock.release()
+
+    def close(self) -> None:
+        super().close()
+        with self._agent_lock:
+            if self._agent is not None:
+                for reg, _staging in self._registered:
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(reg)
+                self._registered.clear()
