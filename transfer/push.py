@@ -58,6 +58,22 @@ def _untrusted(dst: Store, reader: StoreImageReader, candidates: list[str], para
         return [cid for cid, failed in zip(candidates, pool.map(bad, candidates), strict=True) if failed]
 
 
+RESENDS = 2  # a chunk a receiver rejects (damaged on the way) is sent again up to this many times
+
+
+def _flush_or_resend(dst: Store) -> tuple[list[str], str]:
+    """Flush ``dst``; return the chunks it rejected (to send again) and why, raising any other failure."""
+    try:
+        dst.flush()
+    except IntegrityError as exc:
+        rejected = dst.take_rejected()
+        if not rejected:
+            raise
+        dst.flush()
+        return rejected, exc.message
+    return [], ""
+
+
 def push(
     src_url: str | Store,
     dst_url: str | Store,
@@ -104,17 +120,28 @@ def push(
                 stats.bytes_sent += len(blob)
             counter.add(len(blob))
 
-        # Delta bases go before the deltas built on them, so a receiver can verify every delta on arrival.
-        bases_first = [c for c in todo if not objects[c][2]], [c for c in todo if objects[c][2]]
         with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-push") as pool:
-            for n, phase in enumerate(bases_first):
-                if n and phase and bases_first[0]:
-                    # stores may acknowledge asynchronously (stream:// pipelines): every base must
-                    # be stored before a delta that the receiver verifies against it arrives
-                    dst.flush()
-                for fut in [pool.submit(copy_one, cid) for cid in phase]:
-                    fut.result()
-        dst.flush()
+            for attempt in range(RESENDS + 1):
+                # Delta bases go before the deltas built on them, so a receiver can verify every delta on arrival.
+                bases_first = [c for c in todo if not objects[c][2]], [c for c in todo if objects[c][2]]
+                for n, phase in enumerate(bases_first):
+                    if n and phase and bases_first[0]:
+                        # stores may acknowledge asynchronously (stream:// pipelines): every base must
+                        # be stored before a delta that the receiver verifies against it arrives
+                        todo_later, _ = _flush_or_resend(dst)
+                        phase = phase + todo_later
+                    for fut in [pool.submit(copy_one, cid) for cid in phase]:
+                        fut.result()
+                todo, why = _flush_or_resend(dst)
+                if not todo:
+                    break
+                if attempt == RESENDS:
+                    raise IntegrityError(
+                        f"{len(todo)} chunks were rejected {RESENDS + 1} times; the last time: {why}",
+                        hint="a damaged source copy (`gpumigrate image verify` it) or a receiver with another key",
+                    )
+                stats.chunks_resent_invalid += len(todo)
+                counter.grow(sum(int(objects[c][0]) for c in todo))
         dst.put_manifest(image_id, manifest)
         stats.bytes_sent += len(manifest)
     finally:

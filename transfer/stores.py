@@ -87,6 +87,10 @@ class Store:
     def flush(self) -> None:
         """Make every put so far durable (before a manifest that names the chunks is written)."""
 
+    def take_rejected(self) -> list[str]:
+        """Chunks the far side refused after checking them (a receiver), to send again; none for a store."""
+        return []
+
     def region(self) -> str | None:
         """Where the store's data lives (cloud region), for residency checks; None when not a cloud."""
         return None

@@ -119,6 +119,7 @@ class _Pending:
     status: int | None = None
     body: bytes = b""
     done: Callable[[], None] | None = None
+    chunk: str | None = None  # the chunk a PUT_CHUNK / NIXL_LANDED carries
 
 
 @dataclass
@@ -173,7 +174,7 @@ class StreamStore(Store):
         self._opening = 0
         self._next = 0
         self._lock = threading.Lock()
-        self._errors: list[GpumigrateError] = []
+        self._errors: list[tuple[str | None, GpumigrateError]] = []  # (rejected chunk id or None, error)
         self._closed = False
         self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         self._ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -328,9 +329,10 @@ class StreamStore(Store):
     # ------------------------------------------------------------------ requests and replies
     def _note(self, p: _Pending) -> None:
         """Record a failed fire-and-forget request (a chunk) for the next flush to raise."""
-        if p.status != OK and p.what.startswith("chunk"):
+        if p.status != OK and p.chunk is not None:
+            rejected = p.chunk if p.status == REJECTED else None
             with self._lock:
-                self._errors.append(self._error(p.status or ERROR, p.body, p.what))
+                self._errors.append((rejected, self._error(p.status or ERROR, p.body, p.what)))
 
     def _read_reply(self, conn: _Conn) -> None:
         status, length = REPLY.unpack(_read(conn.sock, REPLY.size))
@@ -352,6 +354,8 @@ class StreamStore(Store):
         """Send one request (waiting first while the window is full). Caller holds the connection's lock."""
         while conn.pending and conn.inflight + p.nbytes > self.window_bytes:
             self._read_reply(conn)  # window full: wait for the oldest acknowledgement
+        if kind in (PUT_CHUNK, NIXL_LANDED):
+            p.chunk = ident.hex()
         conn.sock.sendall(REQUEST.pack(MAGIC, kind, ident, len(payload)))
         if payload:
             conn.sock.sendall(payload)
@@ -405,7 +409,16 @@ class StreamStore(Store):
         with self._lock:
             errors = list(self._errors)
         if errors:
-            raise errors[0]
+            raise errors[0][1]
+
+    def take_rejected(self) -> list[str]:
+        """The chunks the receiver rejected since the last call (its check failed: damaged on the way),
+        forgotten here so that they can be sent again; other failures stay to be raised."""
+        self._collect()
+        with self._lock:
+            rejected = [cid for cid, _ in self._errors if cid is not None]
+            self._errors = [(cid, err) for cid, err in self._errors if cid is None]
+        return rejected
 
     def _collect(self) -> None:
         """Wait for every outstanding acknowledgement on every connection."""
