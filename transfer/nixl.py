@@ -191,6 +191,8 @@ class HostLanding:
 
 
 # ----------------------------------------------------------------------------- sender side
+
+
 @dataclass
 class _Slots:
     """One connection's leased remote slots, each paired with a local staging slot."""
@@ -247,16 +249,22 @@ class NixlStore(StreamStore):
         if not slots:
             raise TransferError(f"receiver {self.host}:{self.port} has no free NIXL landing slot")
         slot_bytes = int(offer["slot_bytes"])
-        with self._agent_lock:
-            if self._remote_name is None:
-                self._remote_name = agent.add_remote_agent(base64.b64decode(offer["metadata"]))
-                if isinstance(self._remote_name, bytes):
-                    self._remote_name = self._remote_name.decode()
-            staging = np.empty(len(slots) * slot_bytes, dtype=np.uint8)
-            self._registered.append((_register(agent, staging), staging))
-            local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _triples(staging, len(slots), slot_bytes), "DRAM")
-            remote_triples = [(int(addr), int(length), int(dev)) for _, addr, length, dev in slots]
-            remote = agent.prep_xfer_dlist(self._remote_name, remote_triples, offer.get("mem", "DRAM"))
+        try:
+            with self._agent_lock:
+                if self._remote_name is None:
+                    name = agent.add_remote_agent(base64.b64decode(offer["metadata"]))
+                    self._remote_name = name.decode() if isinstance(name, bytes) else str(name)
+                staging = np.empty(len(slots) * slot_bytes, dtype=np.uint8)
+                self._registered.append((_register(agent, staging), staging))
+                local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _triples(staging, len(slots), slot_bytes), "DRAM")
+                remote_triples = [(int(addr), int(length), int(dev)) for _, addr, length, dev in slots]
+                remote = agent.prep_xfer_dlist(self._remote_name, remote_triples, offer.get("mem", "DRAM"))
+        except Exception as exc:  # NIXL raises its own error types (nixlBackendError, …)
+            raise TransferError(
+                f"NIXL cannot reach receiver {self.host}:{self.port} ({type(exc).__name__}: {exc})",
+                hint="the two sides share no UCX transport (transports= here, --nixl-transports there), or this "
+                "process started before the route to the receiver existed: UCX reads the routing table once per process",
+            ) from None
         conn.extra = _Slots(
             remote_index=[int(s[0]) for s in slots],
             local=local,
@@ -271,16 +279,19 @@ class NixlStore(StreamStore):
         n = len(blob)
         slots.staging[i * slots.slot_bytes : i * slots.slot_bytes + n] = np.frombuffer(blob, dtype=np.uint8)
         agent = self._agent
-        handle = agent.make_prepped_xfer("WRITE", slots.local, [i], slots.remote, [i])
         try:
-            state = agent.transfer(handle)
-            pause = 0.0001
-            while state == "PROC":
-                time.sleep(pause)
-                pause = min(pause * 2, 0.002)
-                state = agent.check_xfer_state(handle)
-        finally:
-            handle.release()
+            handle = agent.make_prepped_xfer("WRITE", slots.local, [i], slots.remote, [i])
+            try:
+                state = agent.transfer(handle)
+                pause = 0.0001
+                while state == "PROC":
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.002)
+                    state = agent.check_xfer_state(handle)
+            finally:
+                handle.release()
+        except Exception as exc:  # NIXL's own error types: the connection's slots are in an unknown state
+            raise ConnectionError(f"NIXL WRITE into slot {slots.remote_index[i]} failed: {exc}") from None
         if state != "DONE":
             raise ConnectionError(f"NIXL WRITE of {n} bytes into slot {slots.remote_index[i]} failed ({state})")
 
@@ -291,7 +302,7 @@ class NixlStore(StreamStore):
         try:
             slots: _Slots = conn.extra
             if conn.broken is not None:
-                raise TransferError(f"nixl to {self.host}:{self.port} failed: {conn.broken}")
+                raise TransferError(f"nixl to receiver {self.host}:{self.port} failed: {conn.broken}")
             try:
                 if len(blob) > slots.slot_bytes:  # larger than a landing slot: inline, as stream:// sends it
                     p = _Pending(f"chunk {chunk_id[:16]}", len(blob), conn)
@@ -308,7 +319,7 @@ class NixlStore(StreamStore):
                 self._drain_ready(conn)
             except (OSError, ConnectionError, ValueError) as exc:
                 self._drop(conn, exc)
-                raise TransferError(f"nixl to {self.host}:{self.port} failed: {exc}") from None
+                raise TransferError(f"nixl to receiver {self.host}:{self.port} failed: {exc}") from None
             with self._lock:
                 self.chunks_written += 1
         finally:
@@ -318,6 +329,10 @@ class NixlStore(StreamStore):
         super().close()
         with self._agent_lock:
             if self._agent is not None:
+                if self._remote_name is not None:
+                    with contextlib.suppress(Exception):  # disconnects its endpoints
+                        self._agent.remove_remote_agent(self._remote_name)
+                    self._remote_name = None
                 for reg, _staging in self._registered:
                     with contextlib.suppress(Exception):
                         self._agent.deregister_memory(reg)

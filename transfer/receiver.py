@@ -175,10 +175,14 @@ class Receiver:
         self._acceptor.start()
 
     @property
+    def public_host(self) -> str:
+        """The host name senders use: the advertised one, else the bound address (loopback for a wildcard)."""
+        return self.advertise or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+
+    @property
     def url(self) -> str:
         scheme = "nixl" if self.landing is not None else "stream"
-        host = self.advertise or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
-        return f"{scheme}://{host}:{self.port}?fingerprint=sha256:{self.fingerprint}"
+        return f"{scheme}://{self.public_host}:{self.port}?fingerprint=sha256:{self.fingerprint}"
 
     # ------------------------------------------------------------------ chunks already on disk
     def _audit(self) -> None:

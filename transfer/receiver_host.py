@@ -114,7 +114,7 @@ def _info_doc(receiver: Receiver, state: str) -> dict[str, Any]:
         "pid": os.getpid(),
         "url": receiver.url,
         "fingerprint": f"sha256:{receiver.fingerprint}",
-        "host": receiver.url.split("://", 1)[1].rsplit(":", 1)[0],
+        "host": receiver.public_host,
         "port": receiver.port,
         "store": receiver.store.url,
         "nixl": receiver.landing is not None,

@@ -244,7 +244,7 @@ class StreamStore(Store):
             while p.status is None:
                 self._read_reply(conn)
         except (OSError, ConnectionError, ValueError) as exc:
-            raise TransferError(f"stream to {self.host}:{self.port} failed during {what}: {exc}") from None
+            raise TransferError(f"stream to receiver {self.host}:{self.port} failed during {what}: {exc}") from None
         return p.status, p.body
 
     def _on_connected(self, conn: _Conn) -> None:
@@ -369,7 +369,7 @@ class StreamStore(Store):
         try:
             p = _Pending(what, len(payload), conn)
             if conn.broken is not None:  # dropped by another thread while this one waited for it
-                raise TransferError(f"stream to {self.host}:{self.port} failed: {conn.broken}")
+                raise TransferError(f"stream to receiver {self.host}:{self.port} failed: {conn.broken}")
             try:
                 self._send(conn, kind, ident, payload, p)
                 if wait:
@@ -379,7 +379,7 @@ class StreamStore(Store):
                     self._drain_ready(conn)
             except (OSError, ConnectionError, ValueError) as exc:
                 self._drop(conn, exc)
-                raise TransferError(f"stream to {self.host}:{self.port} failed: {exc}") from None
+                raise TransferError(f"stream to receiver {self.host}:{self.port} failed: {exc}") from None
             return p
         finally:
             conn.lock.release()
