@@ -153,6 +153,7 @@ class Receiver:
         self.chunks_rejected = 0
         self.bytes_received = 0
         self.refusals = 0
+        self.clients = 0  # connections that authenticated
         self.manifests: list[str] = []
         self.manifest_event = threading.Event()
         self.stop_requested = threading.Event()
@@ -344,6 +345,8 @@ class Receiver:
             if body.get("server") != f"sha256:{self.fingerprint}":
                 raise _Refused("HELLO names another certificate (a relayed handshake)")
             session.authenticated = True
+            with self._lock:
+                self.clients += 1
             reply = {
                 "version": PROTOCOL_VERSION,
                 "verifies": True,
@@ -492,6 +495,7 @@ class Receiver:
                 "bytes_received": self.bytes_received,
                 "bytes_stored": self._used,
                 "refusals": self.refusals,
+                "clients": self.clients,
             }
 
     def close(self) -> None:

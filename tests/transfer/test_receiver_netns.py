@@ -191,3 +191,184 @@ def test_receiver_killed_mid_transfer_then_resume_moves_only_missing_chunks(
     assert verify(recv["store"], image_id, key=image_key).chunks_total == resumed["chunks_total"]
     final = stop_receiver(state)
     assert final.stats["chunks_present"] == len(left) - 1 and final.stats["chunks_discarded"] == 1
+
+
+def test_wrong_pinned_fingerprint_is_refused_before_any_byte_moves(
+    hosts: tuple[LocalProvider, Host, Host], tmp_path: Path, image_key: bytes
+) -> None:
+    provider, src, dst = hosts
+    store, image_id, _ = _image(tmp_path, image_key, mib=2)
+    state = Path(dst.workdir or tmp_path) / "receiver"
+    recv = _start_receiver(provider, dst, state, "stream")
+    wrong = recv["url"].split("?")[0] + "?fingerprint=sha256:" + "ab" * 32
+    push_args = ["image", "push", f"{store}#{image_id}", wrong, "--key-env", KEY_ENV]
+    code, text = _wait(provider, src, _spawn(provider, src, push_args))
+    assert code == 2 and "not the pinned" in text and "Traceback" not in text
+    final = stop_receiver(state)
+    assert final.stats["clients"] == 1  # only stop_receiver's own connection: the refused push sent no request
+    assert final.stats["chunks_received"] == 0 and final.stats["refusals"] == 0
+    assert _stored(state) == 0
+
+
+def _raw(address: tuple[str, int], frame: bytes) -> tuple[int | None, bytes, bool]:
+    """Send one frame over a fresh TLS connection: (status, body, closed afterwards)."""
+    import socket
+    import ssl
+
+    from gpumigrate.transfer.stream import REPLY
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    with socket.create_connection(address, timeout=10) as raw, ctx.wrap_socket(raw) as sock:
+        sock.sendall(frame)
+        head = b""
+        while len(head) < REPLY.size:
+            more = sock.recv(REPLY.size - len(head))
+            if not more:
+                return None, b"", True
+            head += more
+        status, length = REPLY.unpack(head)
+        body = b""
+        while len(body) < length:
+            body += sock.recv(length - len(body))
+        sock.settimeout(2)
+        try:
+            closed = sock.recv(1) == b""
+        except TimeoutError:
+            closed = False  # still open: an authenticated connection waits for the next request
+        except (ConnectionError, ssl.SSLError):
+            closed = True
+        return status, body, closed
+
+
+def test_an_unauthenticated_client_gets_nothing(
+    hosts: tuple[LocalProvider, Host, Host], tmp_path: Path, image_key: bytes
+) -> None:
+    from gpumigrate import control
+    from gpumigrate.transfer.chunkobj import Sealer, chunk_id_of
+    from gpumigrate.transfer.stream import (
+        DENIED,
+        FLUSH,
+        GET_MANIFEST,
+        HAS_CHUNK,
+        HELLO,
+        LIST_CHUNKS,
+        LIST_MANIFESTS,
+        MAGIC,
+        NIXL_OPEN,
+        NO_ID,
+        PUT_CHUNK,
+        PUT_MANIFEST,
+        REQUEST,
+        SHUTDOWN,
+        hello_request,
+    )
+
+    provider, src, dst = hosts
+    store, image_id, _ = _image(tmp_path, image_key, mib=2)
+    state = Path(dst.workdir or tmp_path) / "receiver"
+    recv = _start_receiver(provider, dst, state, "nixl")
+    _run_on(provider, src, ["image", "push", f"{store}#{image_id}", _url(recv, "nixl"), "--key-env", KEY_ENV])
+    held = sorted(p.name for p in (state / "store" / "chunks").rglob("*") if p.is_file())
+    address = (dst.address, int(recv["url"].split("?")[0].rsplit(":", 1)[1]))
+    fingerprint = recv["url"].split("sha256:")[1]
+    plain = os.urandom(1 << 16)
+    cid = chunk_id_of(plain)
+    blob = bytes(Sealer(image_key).seal(cid, 0, len(plain), plain))  # a valid chunk: only the client is wrong
+
+    def frame(kind: int, ident: bytes = NO_ID, payload: bytes = b"") -> bytes:
+        return REQUEST.pack(MAGIC, kind, ident, len(payload)) + payload
+
+    attempts = {
+        "listing": frame(LIST_CHUNKS),
+        "images": frame(LIST_MANIFESTS),
+        "manifest": frame(GET_MANIFEST, bytes.fromhex(image_id)),
+        "chunk": frame(HAS_CHUNK, bytes.fromhex(held[0])),
+        "write": frame(PUT_CHUNK, bytes.fromhex(cid), blob),
+        "manifest write": frame(PUT_MANIFEST, bytes.fromhex(image_id), b"{}"),
+        "flush": frame(FLUSH),
+        "nixl slots": frame(NIXL_OPEN, payload=b"{}"),
+        "shutdown": frame(SHUTDOWN),
+        "hello with another key": frame(HELLO, payload=json.dumps(hello_request(os.urandom(32), fingerprint)).encode()),
+        "hello for another certificate": frame(
+            HELLO, payload=json.dumps(hello_request(control.load_key(), "cd" * 32)).encode()
+        ),
+        "unsigned hello": frame(HELLO, payload=b'{"op": "hello", "version": 2}'),
+    }
+    for what, data in attempts.items():
+        status, body, closed = _raw(address, data)
+        assert status == DENIED and closed, what
+        assert image_id not in body.decode(errors="replace") and held[0] not in body.decode(errors="replace"), what
+    replayed = json.dumps(hello_request(control.load_key(), fingerprint)).encode()
+    assert _raw(address, frame(HELLO, payload=replayed))[0] == 0  # the genuine one, once
+    assert _raw(address, frame(HELLO, payload=replayed))[0] == DENIED  # the same bytes again: a replay
+    assert sorted(p.name for p in (state / "store" / "chunks").rglob("*") if p.is_file()) == held  # nothing written
+    final = stop_receiver(state)  # still serving: the refusals did not stop it
+    assert final.state == "stopped" and final.stats["refusals"] == len(attempts) + 1
+
+
+def test_nixl_missing_or_failing_to_load_names_the_package_and_stream_still_works(
+    hosts: tuple[LocalProvider, Host, Host], tmp_path: Path, image_key: bytes
+) -> None:
+    provider, src, dst = hosts
+    store, image_id, _ = _image(tmp_path, image_key, mib=2)
+    broken = tmp_path / "broken-site" / "nixl_cu13"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        "raise OSError('libucp.so.0: cannot open shared object file: No such file or directory')\n"
+    )
+    env = {KEY_ENV: os.environ[KEY_ENV], "PYTHONPATH": str(broken.parent)}
+    cli = [sys.executable, "-m", "gpumigrate"]
+    recv_nixl = provider.spawn(
+        dst, [*cli, "image", "receive", "--state-dir", str(tmp_path / "r1"), "--nixl", "--key-env", KEY_ENV], env=env
+    )
+    code, text = _wait(provider, dst, recv_nixl)
+    assert code == 2 and "nixl-cu13" in text and "failed to load" in text and "Traceback" not in text
+    state = Path(dst.workdir or tmp_path) / "receiver"
+    recv = _start_receiver(provider, dst, state, "stream")
+    nixl_url = recv["url"].replace("stream://", "nixl://", 1)
+    pushed = provider.spawn(
+        src, [*cli, "image", "push", f"{store}#{image_id}", nixl_url, "--key-env", KEY_ENV], env=env
+    )
+    code, text = _wait(provider, src, pushed)
+    assert code == 2 and "nixl-cu13" in text and "use stream://" in text
+    ok = provider.spawn(
+        src, [*cli, "image", "push", f"{store}#{image_id}", recv["url"], "--key-env", KEY_ENV, "--json"], env=env
+    )
+    code, text = _wait(provider, src, ok)
+    assert code == 0, text
+    assert json.loads(text.strip().splitlines()[-1])["chunks_sent"] > 0
+    assert verify(recv["store"], image_id, key=image_key)
+
+
+def test_unsigned_image_is_refused_by_the_receiver_and_the_target(
+    hosts: tuple[LocalProvider, Host, Host], tmp_path: Path, image_key: bytes
+) -> None:
+    provider, src, dst = hosts
+    files = tmp_path / "plain"
+    files.mkdir()
+    (files / "data").write_bytes(os.urandom(1 << 20))
+    store = f"file://{tmp_path / 'unsigned'}"
+    image_id = pack_paths([files], store, key=None).id  # alg none: anyone who can write a store can make one
+    state = Path(dst.workdir or tmp_path) / "receiver"
+    argv = receiver_argv(state, listen=f"{dst.address}:{dst.ports['stream']}", key_ref=None)
+    proc = provider.spawn(dst, argv, name="receiver")
+    info = read_receiver_info(state, timeout_s=60, pid=proc["pid"])
+    code, text = _wait(
+        provider, src, _spawn(provider, src, ["image", "push", f"{store}#{image_id}", info.url, "--no-key"])
+    )
+    assert code != 0 and "unsigned" in text
+    assert not (state / "store" / "manifests").exists()
+    stop_receiver(state)
+    # where a developer allows it on both sides, it lands; a target without the flag still refuses to read it
+    dev = {"GPUMIGRATE_ALLOW_UNSIGNED_IMAGES": "1"}
+    proc = provider.spawn(dst, argv, env=dev, name="receiver")
+    info = read_receiver_info(state, timeout_s=60, pid=proc["pid"])
+    pushing = provider.spawn(
+        src, [sys.executable, "-m", "gpumigrate", "image", "push", f"{store}#{image_id}", info.url, "--no-key"], env=dev
+    )
+    assert _wait(provider, src, pushing)[0] == 0
+    target = f"{info.store}#{image_id}"
+    code, text = _wait(provider, dst, _spawn(provider, dst, ["image", "verify", target, "--no-key"]))
+    assert code == 2 and "GPUMIGRATE_ALLOW_UNSIGNED_IMAGES" in text
+    stop_receiver(state)
