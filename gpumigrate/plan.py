@@ -270,8 +270,8 @@ class Transfer(_Model):
     def _store(cls, v: str) -> str:
         if not _STORE_RE.match(v):
             raise ValueError(
-                "must be file:///path, s3://bucket[/prefix], gs://bucket[/prefix], stream://host:port or "
-                "nixl://host:port (receivers take ?fingerprint=sha256:<64 hex>&connections=N)"
+                "must be file:///path, s3://bucket/prefix, gs://bucket/prefix, stream://host:port or "
+                "nixl://host:port (a receiver's URL may add ?fingerprint=sha256:HEX with 64 hex digits)"
             )
         return v
 
