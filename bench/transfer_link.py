@@ -1,5 +1,15 @@
 #!/usr/bin/env python3
-"""An emulated WAN link for bench/transfer.py: rate limit plus one-way delay, without sch_netem.
+"""Links for the transfer benchmarks, and the receivers' benchmark.
+
+``python bench/transfer_link.py link [--mbit 1000] [--mib 512] [--reps 2]``: stream:// and nixl://
+(encryption on) beside a plain TCP socket, over one veth link between two network namespaces that
+``tbf`` shapes to ``--mbit``, all measured in the same run (needs root). ``python
+bench/transfer_link.py gpu [--gib 16]``: two processes on one GPU, device to device through NIXL
+(cuda_ipc), every chunk's BLAKE3 checked on the device by the hash kernels, beside a plain device
+copy and a NIXL WRITE without the check, in the same run. Both print JSON (``--out`` writes it too).
+
+The rest of this module is an emulated WAN link for bench/transfer.py: rate limit plus one-way
+delay, without sch_netem.
 
 This machine's kernel has no ``sch_netem`` (``tc qdisc ... netem`` fails: "qdisc kind is unknown"),
 so the delay is added in user space, packet by packet, keeping TCP end to end:
@@ -19,14 +29,17 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 import select
+import shutil
 import signal
 import struct
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 NS_A, NS_B = "gmbenchA", "gmbenchB"
 DEV_A, DEV_B = "gmtA", "gmtB"
@@ -161,8 +174,366 @@ def link_up(rate_mbit: int, delay_ms: float) -> Link:
     return Link(proc, rate_mbit, delay_ms)
 
 
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "FORWARD":
-        forward(float(sys.argv[2]) / 1000.0)
+# ----------------------------------------------------------------------------- receivers over one shaped link
+LINK_NS_A, LINK_NS_B = "gmlinkA", "gmlinkB"
+LINK_DEV_A, LINK_DEV_B = "gmlA", "gmlB"
+LINK_IP_A, LINK_IP_B = "10.78.0.1", "10.78.0.2"
+KEY_ENV = "GM_BENCH_IMAGE_KEY"
+
+TCP_SINK = r"""
+import socket, sys
+s = socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); buf = bytearray(1 << 20); n = 0
+while (k := c.recv_into(buf)): n += k
+c.sendall(str(n).encode()); c.close()
+"""
+
+TCP_SOURCE = r"""
+import socket, sys, time
+host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); buf = bytes(1 << 20)
+s = socket.create_connection((host, port)); t0 = time.perf_counter(); left = n
+while left > 0: left -= s.send(buf[: min(left, len(buf))])
+s.shutdown(socket.SHUT_WR); got = int(s.recv(64)); print(time.perf_counter() - t0, got)
+"""
+
+
+def veth_down() -> None:
+    for ns in (LINK_NS_A, LINK_NS_B):
+        subprocess.run(["ip", "netns", "del", ns], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def veth_up(rate_mbit: int) -> None:
+    """Two namespaces joined by one veth pair, each end shaped by tbf to ``rate_mbit`` (no delay)."""
+    veth_down()
+    for ns in (LINK_NS_A, LINK_NS_B):
+        _sh("ip", "netns", "add", ns)
+    _sh(
+        "ip",
+        "link",
+        "add",
+        LINK_DEV_A,
+        "netns",
+        LINK_NS_A,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        LINK_DEV_B,
+        "netns",
+        LINK_NS_B,
+    )
+    burst = max(32 * 1024, rate_mbit * 1_000_000 // 8 // 100)  # 10 ms of traffic, as infra/netns.py shapes hosts
+    for ns, dev, addr in ((LINK_NS_A, LINK_DEV_A, LINK_IP_A), (LINK_NS_B, LINK_DEV_B, LINK_IP_B)):
+        _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        _sh("ip", "-n", ns, "link", "set", dev, "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        )
+
+
+def _in(ns: str, *argv: str) -> list[str]:
+    return [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        *argv,
+    ]  # `ip netns exec` also gives the process its namespace's /sys (UCX reads it)
+
+
+def tcp_run(nbytes: int) -> float:
+    """Seconds for one plain TCP connection to move ``nbytes`` A→B, until B acknowledged the last byte."""
+    sink = subprocess.Popen(
+        _in(LINK_NS_B, sys.executable, "-c", TCP_SINK, LINK_IP_B), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        port = sink.stdout.readline().strip()  # type: ignore[union-attr]
+        out = subprocess.run(
+            _in(LINK_NS_A, sys.executable, "-c", TCP_SOURCE, LINK_IP_B, port, str(nbytes)),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert int(out[1]) == nbytes
+        return float(out[0])
+    finally:
+        sink.wait(timeout=30)
+
+
+def push_run(scheme: str, image: str, env: dict[str, str], work: Path) -> dict[str, object]:
+    """A fresh receiver in B (nixl: UCX over TCP), then `gpumigrate image push` from A; the push's own figures."""
+    state = work / f"recv-{scheme}-{time.monotonic_ns()}"
+    argv = [
+        sys.executable,
+        "-m",
+        "gpumigrate",
+        "image",
+        "receive",
+        "--listen",
+        f"{LINK_IP_B}:0",
+        "--state-dir",
+        str(state),
+        "--key-env",
+        KEY_ENV,
+    ]
+    if scheme == "nixl":
+        argv += ["--nixl", "--nixl-transports", "tcp"]
+    recv = subprocess.Popen(
+        _in(LINK_NS_B, *argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
+    try:
+        url = json.loads(recv.stdout.readline())["url"] + ("&transports=tcp" if scheme == "nixl" else "")  # type: ignore[union-attr]
+        out = subprocess.run(
+            _in(
+                LINK_NS_A,
+                sys.executable,
+                "-m",
+                "gpumigrate",
+                "image",
+                "push",
+                image,
+                url,
+                "--key-env",
+                KEY_ENV,
+                "--json",
+                "-q",
+                "-j",
+                "4",
+            ),
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"push over {scheme}:// failed: {out.stderr.strip()}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        recv.send_signal(signal.SIGTERM)
+        recv.wait(timeout=30)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def link_bench(rate_mbit: int, mib: int, reps: int) -> dict[str, object]:
+    import statistics
+    import tempfile
+
+    from gpumigrate import control
+    from gpumigrate.transfer import pack_paths
+
+    work = Path(tempfile.mkdtemp(prefix="gm-link-"))
+    key = os.urandom(32)
+    env = {**os.environ, "GPUMIGRATE_HOME": str(work / "home"), KEY_ENV: key.hex()}
+    os.environ["GPUMIGRATE_HOME"] = env["GPUMIGRATE_HOME"]
+    control.load_key(create=True)  # the control key both sides find under the shared state root
+    data = work / "payload.bin"
+    data.write_bytes(os.urandom(mib << 20))  # incompressible: the bytes on the wire are the image's
+    ref = pack_paths([data], f"file://{work / 'store'}", key=key, compression="none")
+    image = f"file://{work / 'store'}#{ref.id}"
+    link_Bps = rate_mbit * 1e6 / 8
+    veth_up(rate_mbit)
+    runs: list[dict[str, object]] = []
+    try:
+        for rep in range(reps):
+            for scheme in ("stream", "nixl"):
+                stats = push_run(scheme, image, env, work)
+                tcp_s = tcp_run(int(stats["bytes_sent"]))  # type: ignore[arg-type]
+                rate = float(stats["bytes_sent"]) / float(stats["seconds"])  # type: ignore[arg-type]
+                tcp = float(stats["bytes_sent"]) / tcp_s  # type: ignore[arg-type]
+                runs.append(
+                    {
+                        "rep": rep,
+                        "scheme": scheme,
+                        "bytes_sent": stats["bytes_sent"],
+                        "seconds": round(float(stats["seconds"]), 3),
+                        "Bps": round(rate),  # type: ignore[arg-type]
+                        "tcp_seconds": round(tcp_s, 3),
+                        "tcp_Bps": round(tcp),
+                        "vs_link": round(rate / link_Bps, 4),
+                        "vs_tcp": round(rate / tcp, 4),
+                    }
+                )
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    finally:
+        veth_down()
+        shutil.rmtree(work, ignore_errors=True)
+    summary = {}
+    for scheme in ("stream", "nixl"):
+        mine = [r for r in runs if r["scheme"] == scheme]
+        summary[scheme] = {
+            k: statistics.median(float(r[k]) for r in mine) for k in ("Bps", "tcp_Bps", "vs_link", "vs_tcp")
+        }  # type: ignore[arg-type]
+    return {
+        "bench": "transfer_link",
+        "mode": "link",
+        "link": {
+            "qdisc": "tbf",
+            "rate_mbit": rate_mbit,
+            "rate_Bps": link_Bps,
+            "delay_ms": 0,
+            "between": "two network namespaces, one veth pair, tbf on both ends",
+        },
+        "image": {
+            "bytes": mib << 20,
+            "encryption": "aes-256-gcm",
+            "compression": "none (random bytes)",
+        },
+        "includes": "push: the CLI's own seconds (manifest check, connect, TLS, HELLO, listing, every chunk sent and "
+        "verified by the receiver before it is stored, flush, manifest), process start excluded; "
+        "tcp: one plain socket from connect to the receiver's count of the same number of bytes",
+        "runs": runs,
+        "median": summary,
+        "targets": {"vs_link": ">= 0.90"},
+    }
+
+
+# ----------------------------------------------------------------------------- device to device on one GPU
+def _gpu_target(nbytes: int, chunk: int) -> None:
+    """The landing process: registers a destination tensor, checks every chunk on the device."""
+    import torch
+
+    from gpumigrate import control
+    from gpumigrate.snapshot.devhash import blake3_device, warm
+    from gpumigrate.transfer.nixl_device import DeviceLanding
+
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    warm(dst.device)
+    landing = DeviceLanding({"state": dst}, chunk_size=chunk, control_key=control.load_key(), hasher=blake3_device)
+    print(json.dumps({"address": landing.address}), flush=True)
+    result = landing.wait()
+    print(json.dumps(result.__dict__), flush=True)
+
+
+def gpu_bench(gib: int, chunk_mib: int, batch: int, reps: int) -> dict[str, object]:
+    import torch
+
+    from gpumigrate.snapshot.devhash import blake3_device, warm
+    from gpumigrate.transfer.nixl_device import DeviceSender
+
+    nbytes, chunk = gib << 30, chunk_mib << 20
+    key = os.urandom(32)
+    env = {**os.environ, "GPUMIGRATE_CONTROL_KEY": key.hex()}
+    target = subprocess.Popen(
+        [sys.executable, __file__, "gpu-target", str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src.random_(0, 256)
+    warm(src.device)
+    count = nbytes // chunk
+
+    def hash_all() -> list[str]:
+        out = []
+        for first in range(0, count, batch):
+            views = [src[i * chunk : (i + 1) * chunk] for i in range(first, min(count, first + batch))]
+            raw = blake3_device(views).cpu().numpy().tobytes()
+            out += [raw[i : i + 32].hex() for i in range(0, len(raw), 32)]
+        return out
+
+    def timed(fn: object) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    ids = hash_all()  # what the image's manifest names (the snapshot hashed it where it lived)
+    hash_s = [timed(hash_all) for _ in range(reps)]
+    address = json.loads(target.stdout.readline())["address"]  # type: ignore[union-attr]
+    sender = DeviceSender(address, {"state": src}, control_key=key)
+    sender.expect({"state": ids})
+    first_pass = timed(lambda: sender.send_all(batch=batch))  # cuda_ipc maps the target's memory on first use
+    verified = [timed(lambda: sender.send_all(batch=batch)) for _ in range(reps)]
+
+    def raw_write() -> None:
+        for first in range(0, count, batch):
+            sender.write("state", first, min(batch, count - first), announce=False)
+
+    raw = [timed(raw_write) for _ in range(reps)]
+    sender.close()
+    landing = json.loads(target.stdout.readline())  # type: ignore[union-attr]
+    target.wait(timeout=60)
+    scratch = torch.empty_like(src)
+
+    def plain_copy() -> None:
+        scratch.copy_(src)
+
+    copy = [timed(plain_copy) for _ in range(reps)]
+    gbps = lambda secs: round(nbytes / min(secs) / 1e9, 1)  # noqa: E731
+    return {
+        "bench": "transfer_link",
+        "mode": "gpu",
+        "device": torch.cuda.get_device_name(),
+        "bytes": nbytes,
+        "chunk_bytes": chunk,
+        "chunks": count,
+        "batch_chunks": batch,
+        "includes": "nixl_verified: every chunk WRITTEN by NIXL into the other process's tensor (cuda_ipc), then its "
+        "BLAKE3 computed on the device by the target and compared with the manifest's id, the check of "
+        "one batch overlapping the WRITE of the next, until the target acknowledged the last batch; "
+        "best of reps after one warm-up pass",
+        "GBps": {
+            "nixl_verified": gbps(verified),
+            "nixl_write_unverified": gbps(raw),
+            "plain_device_copy": gbps(copy),
+            "blake3_kernels_alone": gbps(hash_s),
+            "first_pass_verified": round(nbytes / first_pass / 1e9, 1),
+        },
+        "seconds": {
+            "nixl_verified": verified,
+            "nixl_write_unverified": raw,
+            "plain_device_copy": copy,
+            "blake3_kernels_alone": hash_s,
+        },
+        "landing": landing,
+        "vs_plain_copy": round(min(copy) / min(verified), 3),
+        "targets": {"nixl_verified_GBps": ">= 700"},
+    }
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    if len(argv) == 2 and argv[0] == "FORWARD":
+        forward(float(argv[1]) / 1000.0)
+        return
+    if len(argv) == 3 and argv[0] == "gpu-target":
+        _gpu_target(int(argv[1]), int(argv[2]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["link", "gpu"])
+    ap.add_argument("--mbit", type=int, default=1000, help="link rate (link mode)")
+    ap.add_argument("--mib", type=int, default=512, help="image size (link mode)")
+    ap.add_argument("--gib", type=int, default=16, help="bytes moved (gpu mode)")
+    ap.add_argument("--chunk-mib", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=256, help="chunks per NIXL WRITE (gpu mode)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if args.mode == "link":
+        result = link_bench(args.mbit, args.mib, args.reps)
     else:
-        print(__doc__)
+        result = gpu_bench(args.gib, args.chunk_mib, args.batch, args.reps)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

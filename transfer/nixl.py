@@ -93,13 +93,45 @@ def _ucx_transports(transports: str | None) -> Iterator[None]:
             os.environ["UCX_TLS"] = before
 
 
+# NIXL's progress thread waits in poll() on its workers' event fds with this timeout (rounded up to
+# whole milliseconds). Its Python API sets it to 0, which turns the wait into a spin: a core per
+# agent, idle or not.
+PROGRESS_DELAY_US = 1000
+_AGENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _paced_progress_thread() -> Iterator[None]:
+    """While an agent is made, NIXL's config class keeps a progress delay of at least PROGRESS_DELAY_US.
+
+    The Python API builds its config and forces ``pthrDelay = 0`` inside ``nixl_agent.__init__``;
+    a subclass of the config whose setter keeps the floor is swapped in for that call only.
+    """
+    from nixl_cu13 import _api
+
+    base = _api.nixlBind.nixlAgentConfig
+
+    class PacedConfig(base):  # type: ignore[misc, valid-type]
+        pthrDelay = property(  # noqa: N815 - the binding's field name
+            lambda self: base.pthrDelay.__get__(self),
+            lambda self, us: base.pthrDelay.__set__(self, max(int(us), PROGRESS_DELAY_US)),
+        )
+
+    with _AGENT_LOCK:
+        _api.nixlBind.nixlAgentConfig = PacedConfig
+        try:
+            yield
+        finally:
+            _api.nixlBind.nixlAgentConfig = base
+
+
 def make_agent(role: str, *, transports: str | None = None, backends: tuple[str, ...] = ("UCX",)) -> Any:
     """A NIXL agent with a unique name, usable from several threads at once."""
     nixl = load_nixl()
     name = f"gm-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     config = nixl.nixl_agent_config(backends=list(backends), sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     try:
-        with _ucx_transports(transports):
+        with _ucx_transports(transports), _paced_progress_thread():
             agent = nixl.nixl_agent(name, config)
     except Exception as exc:
         raise NixlUnavailableError(f"NIXL could not start an agent with backends {list(backends)}: {exc}") from None

@@ -106,7 +106,7 @@ class DeviceLanding:
 
     ``expected`` maps each region to its chunk ids, from the image's verified manifest; None lets
     the authenticated source name them (``expect``). ``hasher`` hashes equal-length views (default:
-    the CPU; pass the device kernels on a GPU). :meth:`wait` returns once the source said ``done``.
+    the CPU; pass the device kernels on a GPU). :meth:`wait` returns once the source closed its connection.
     """
 
     def __init__(
@@ -152,7 +152,7 @@ class DeviceLanding:
             return
         channel = _Channel(conn, self.key)
         try:
-            while not self._done.is_set():
+            while True:  # one source, until it closes the connection
                 message = channel.receive()
                 try:
                     body, nonce = control.verify_request(self.key, CHANNEL, message, self._guard)
@@ -181,8 +181,7 @@ class DeviceLanding:
             return {"ok": True}
         if op == "landed":
             return {"bad": self._verify(str(body["region"]), int(body["first"]), int(body["count"]))}
-        if op == "done":
-            self._done.set()
+        if op == "done":  # the end of one pass; the counts are cumulative over the connection
             return {"ok": True, **self.result.__dict__}
         return {"error": f"unknown op {str(op)[:20]!r}"}
 
@@ -288,8 +287,10 @@ class DeviceSender:
     def expect(self, ids: Mapping[str, Sequence[str]]) -> None:
         self.call({"op": "expect", "ids": {k: list(v) for k, v in ids.items()}})
 
-    def write(self, name: str, first: int, count: int) -> None:
-        """WRITE chunks ``first .. first+count-1`` of a region, then announce them (the reply is read later)."""
+    def write(self, name: str, first: int, count: int, *, announce: bool = True) -> None:
+        """WRITE chunks ``first .. first+count-1`` of a region, then announce them (the reply is read later).
+
+        ``announce=False`` only copies (a benchmark's baseline: nothing is checked, nothing trusted)."""
         local, remote, _ = self._lists[name]
         indices = list(range(first, first + count))
         handle = self.agent.make_prepped_xfer("WRITE", local, indices, remote, indices)
@@ -301,7 +302,8 @@ class DeviceSender:
             handle.release()
         if state != "DONE":
             raise TransferError(f"NIXL WRITE of {name}[{first}:{first + count}] failed ({state})")
-        self._waiting.append((self._post({"op": "landed", "region": name, "first": first, "count": count}), name))
+        if announce:
+            self._waiting.append((self._post({"op": "landed", "region": name, "first": first, "count": count}), name))
 
     def collect(self) -> list[tuple[str, int]]:
         """Read every outstanding ``landed`` reply; return the chunks that failed their check."""

@@ -19,7 +19,6 @@ from urllib.parse import parse_qs, urlsplit
 
 from gpumigrate.atomic import fsync_dir
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
-from gpumigrate.transfer.chunkobj import HEADER_SIZE
 
 SCHEMES = ("file", "s3", "gs", "stream", "nixl")
 SYNC_MODES = ("chunk", "deferred", "none")
@@ -30,6 +29,14 @@ _TMP_SERIAL = itertools.count()
 STORE_MARKER_BODY = b'{"format": "gpumigrate-store", "version": 1}\n'
 # Objects at least this big get their blocks allocated before the write (FileStore._reserve).
 PREALLOCATE_BYTES = 256 << 10
+
+
+def _header_size() -> int:
+    # Imported here, not at the top: the receivers' senders (stream://, nixl://) and the device path
+    # import this module without the codec and cipher stack that chunkobj brings.
+    from gpumigrate.transfer.chunkobj import HEADER_SIZE
+
+    return HEADER_SIZE
 
 
 def chunk_key(chunk_id: str) -> str:
@@ -69,7 +76,7 @@ class Store:
 
     def chunk_header(self, chunk_id: str) -> bytes:
         """The first HEADER_SIZE bytes of a chunk object (codec, base) without reading the rest."""
-        return self.get_chunk(chunk_id)[:HEADER_SIZE]
+        return self.get_chunk(chunk_id)[: _header_size()]
 
     def list_chunks(self) -> dict[str, int]:
         """Every chunk id the store holds, with its stored size (one listing, not one call per chunk)."""
@@ -269,7 +276,7 @@ class FileStore(Store):
     def chunk_header(self, chunk_id: str) -> bytes:
         try:
             with open(self._path(chunk_key(chunk_id)), "rb") as fh:
-                return fh.read(HEADER_SIZE)
+                return fh.read(_header_size())
         except FileNotFoundError:
             raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
 

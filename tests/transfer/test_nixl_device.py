@@ -10,6 +10,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import blake3
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,7 +18,6 @@ pytest.importorskip("nixl_cu13")
 
 from gpumigrate.control import AuthError  # noqa: E402
 from gpumigrate.errors import IntegrityError  # noqa: E402
-from gpumigrate.transfer.chunkobj import chunk_id_of  # noqa: E402
 from gpumigrate.transfer.nixl_device import DeviceLanding, DeviceSender, cpu_hasher  # noqa: E402
 
 CHUNK = 1 << 20
@@ -25,7 +25,7 @@ CHUNK = 1 << 20
 
 def ids_of(t: Any) -> list[str]:
     flat = t.view(-1).view(torch.uint8).cpu().numpy()
-    return [chunk_id_of(flat[o : o + CHUNK]) for o in range(0, flat.nbytes, CHUNK)]
+    return [blake3.blake3(flat[o : o + CHUNK]).hexdigest() for o in range(0, flat.nbytes, CHUNK)]  # chunk ids
 
 
 def regions(device: str = "cpu") -> dict[str, Any]:
