@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 NS_A, NS_B = "gmbenchA", "gmbenchB"
 DEV_A, DEV_B = "gmtA", "gmtB"
@@ -404,37 +405,53 @@ def link_bench(rate_mbit: int, mib: int, reps: int) -> dict[str, object]:
 
 
 # ----------------------------------------------------------------------------- device to device on one GPU
-def _gpu_target(nbytes: int, chunk: int) -> None:
+def _hasher(device: str) -> Any:
+    """The BLAKE3 kernels on a GPU (compiled now, not inside the timing); on the CPU (a smoke run), blake3."""
+    if device == "cpu":
+        from gpumigrate.transfer.nixl_device import cpu_hasher
+
+        return cpu_hasher
+    import torch
+
+    from gpumigrate.snapshot.devhash import blake3_device, warm
+
+    warm(torch.device(device))
+    return blake3_device
+
+
+def _gpu_target(nbytes: int, chunk: int, device: str) -> None:
     """The landing process: registers a destination tensor, checks every chunk on the device."""
     import torch
 
     from gpumigrate import control
-    from gpumigrate.snapshot.devhash import blake3_device, warm
     from gpumigrate.transfer.nixl_device import DeviceLanding
 
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-    warm(dst.device)
-    landing = DeviceLanding({"state": dst}, chunk_size=chunk, control_key=control.load_key(), hasher=blake3_device)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    hasher = _hasher(device)
+    landing = DeviceLanding({"state": dst}, chunk_size=chunk, control_key=control.load_key(), hasher=hasher)
     print(json.dumps({"address": landing.address}), flush=True)
     result = landing.wait()
     print(json.dumps(result.__dict__), flush=True)
 
 
-def gpu_bench(gib: int, chunk_mib: int, batch: int, reps: int) -> dict[str, object]:
+def gpu_bench(gib: float, chunk_mib: int, batch: int, reps: int, device: str = "cuda") -> dict[str, object]:
     import torch
 
-    from gpumigrate.snapshot.devhash import blake3_device, warm
     from gpumigrate.transfer.nixl_device import DeviceSender
 
-    nbytes, chunk = gib << 30, chunk_mib << 20
+    nbytes, chunk = int(gib * (1 << 30)), chunk_mib << 20
     key = os.urandom(32)
     env = {**os.environ, "GPUMIGRATE_CONTROL_KEY": key.hex()}
     target = subprocess.Popen(
-        [sys.executable, __file__, "gpu-target", str(nbytes), str(chunk)], stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, __file__, "gpu-target", str(nbytes), str(chunk), device],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src.random_(0, 256)
-    warm(src.device)
+    blake3_device = _hasher(device)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     count = nbytes // chunk
 
     def hash_all() -> list[str]:
@@ -446,10 +463,10 @@ def gpu_bench(gib: int, chunk_mib: int, batch: int, reps: int) -> dict[str, obje
         return out
 
     def timed(fn: object) -> float:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()  # type: ignore[operator]
-        torch.cuda.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     ids = hash_all()  # what the image's manifest names (the snapshot hashed it where it lived)
@@ -478,7 +495,7 @@ def gpu_bench(gib: int, chunk_mib: int, batch: int, reps: int) -> dict[str, obje
     return {
         "bench": "transfer_link",
         "mode": "gpu",
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device != "cpu" else "cpu (smoke run)",
         "bytes": nbytes,
         "chunk_bytes": chunk,
         "chunks": count,
@@ -512,14 +529,15 @@ def main(argv: list[str]) -> None:
     if len(argv) == 2 and argv[0] == "FORWARD":
         forward(float(argv[1]) / 1000.0)
         return
-    if len(argv) == 3 and argv[0] == "gpu-target":
-        _gpu_target(int(argv[1]), int(argv[2]))
+    if len(argv) == 4 and argv[0] == "gpu-target":
+        _gpu_target(int(argv[1]), int(argv[2]), argv[3])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["link", "gpu"])
     ap.add_argument("--mbit", type=int, default=1000, help="link rate (link mode)")
     ap.add_argument("--mib", type=int, default=512, help="image size (link mode)")
-    ap.add_argument("--gib", type=int, default=16, help="bytes moved (gpu mode)")
+    ap.add_argument("--gib", type=float, default=16, help="GiB moved (gpu mode)")
+    ap.add_argument("--device", default="cuda", help="gpu mode: cuda, or cpu for a smoke run of the same code")
     ap.add_argument("--chunk-mib", type=int, default=4)
     ap.add_argument("--batch", type=int, default=256, help="chunks per NIXL WRITE (gpu mode)")
     ap.add_argument("--reps", type=int, default=3)
@@ -528,7 +546,7 @@ def main(argv: list[str]) -> None:
     if args.mode == "link":
         result = link_bench(args.mbit, args.mib, args.reps)
     else:
-        result = gpu_bench(args.gib, args.chunk_mib, args.batch, args.reps)
+        result = gpu_bench(args.gib, args.chunk_mib, args.batch, args.reps, args.device)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
