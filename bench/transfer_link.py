@@ -406,7 +406,9 @@ def link_bench(rate_mbit: int, mib: int, reps: int) -> dict[str, object]:
 
 # ----------------------------------------------------------------------------- device to device on one GPU
 def _hasher(device: str) -> Any:
-    """The BLAKE3 kernels on a GPU (compiled now, not inside the timing); on the CPU (a smoke run), blake3."""
+    """hasher(block, chunk) for nixl_device: the BLAKE3 kernels on a GPU (compiled now, not inside the
+    timing), blake3 on the CPU (a smoke run). The kernels take a list of equal-length views today; the
+    transport hands them one contiguous block, cut into views here by one C++ call (unbind)."""
     if device == "cpu":
         from gpumigrate.transfer.nixl_device import cpu_hasher
 
@@ -416,7 +418,11 @@ def _hasher(device: str) -> Any:
     from gpumigrate.snapshot.devhash import blake3_device, warm
 
     warm(torch.device(device))
-    return blake3_device
+
+    def hasher(block: Any, chunk: int) -> Any:
+        return blake3_device(block.view(-1, chunk).unbind(0))
+
+    return hasher
 
 
 def _gpu_target(nbytes: int, chunk: int, device: str) -> None:
@@ -434,7 +440,7 @@ def _gpu_target(nbytes: int, chunk: int, device: str) -> None:
     print(json.dumps(result.__dict__), flush=True)
 
 
-def gpu_bench(gib: float, chunk_mib: int, batch: int, reps: int, device: str = "cuda") -> dict[str, object]:
+def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device: str = "cuda") -> dict[str, object]:
     import torch
 
     from gpumigrate.transfer.nixl_device import DeviceSender
@@ -450,15 +456,15 @@ def gpu_bench(gib: float, chunk_mib: int, batch: int, reps: int, device: str = "
     )
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src.random_(0, 256)
-    blake3_device = _hasher(device)
+    hasher = _hasher(device)
     sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     count = nbytes // chunk
+    batch = batches[0]
 
     def hash_all() -> list[str]:
         out = []
         for first in range(0, count, batch):
-            views = [src[i * chunk : (i + 1) * chunk] for i in range(first, min(count, first + batch))]
-            raw = blake3_device(views).cpu().numpy().tobytes()
+            raw = hasher(src[first * chunk : min(count, first + batch) * chunk], chunk).cpu().numpy().tobytes()
             out += [raw[i : i + 32].hex() for i in range(0, len(raw), 32)]
         return out
 
@@ -474,14 +480,20 @@ def gpu_bench(gib: float, chunk_mib: int, batch: int, reps: int, device: str = "
     address = json.loads(target.stdout.readline())["address"]  # type: ignore[union-attr]
     sender = DeviceSender(address, {"state": src}, control_key=key)
     sender.expect({"state": ids})
-    first_pass = timed(lambda: sender.send_all(batch=batch))  # cuda_ipc maps the target's memory on first use
-    verified = [timed(lambda: sender.send_all(batch=batch)) for _ in range(reps)]
+    first_pass = timed(lambda: sender.send_all(batch=batch))
+    verified = {b: [timed(lambda b=b: sender.send_all(batch=b)) for _ in range(reps)] for b in batches}
 
     def raw_write() -> None:
         for first in range(0, count, batch):
             sender.write("state", first, min(batch, count - first), announce=False)
 
+    def check_only() -> None:  # the target checks what already landed: its hashing alone, no copies beside it
+        for first in range(0, count, batch):
+            sender.announce("state", first, min(batch, count - first))
+        assert not sender.collect()
+
     raw = [timed(raw_write) for _ in range(reps)]
+    check = [timed(check_only) for _ in range(reps)]
     sender.close()
     landing = json.loads(target.stdout.readline())  # type: ignore[union-attr]
     target.wait(timeout=60)
@@ -491,6 +503,8 @@ def gpu_bench(gib: float, chunk_mib: int, batch: int, reps: int, device: str = "
         scratch.copy_(src)
 
     copy = [timed(plain_copy) for _ in range(reps)]
+    one_process = lambda: _copy_and_hash_one_process(src, scratch, chunk, batch, hasher)  # noqa: E731
+    overlap = [timed(one_process) for _ in range(reps)] if device != "cpu" else []
     gbps = lambda secs: round(nbytes / min(secs) / 1e9, 1)  # noqa: E731
     return {
         "bench": "transfer_link",
@@ -499,28 +513,52 @@ def gpu_bench(gib: float, chunk_mib: int, batch: int, reps: int, device: str = "
         "bytes": nbytes,
         "chunk_bytes": chunk,
         "chunks": count,
-        "batch_chunks": batch,
+        "batch_chunks": batches,
         "includes": "nixl_verified: every chunk WRITTEN by NIXL into the other process's tensor (cuda_ipc), then its "
         "BLAKE3 computed on the device by the target and compared with the manifest's id, the check of "
         "one batch overlapping the WRITE of the next, until the target acknowledged the last batch; "
         "best of reps after one warm-up pass",
         "GBps": {
-            "nixl_verified": gbps(verified),
+            **{f"nixl_verified_batch{b}": gbps(v) for b, v in verified.items()},
             "nixl_write_unverified": gbps(raw),
+            "target_check_alone": gbps(check),
             "plain_device_copy": gbps(copy),
             "blake3_kernels_alone": gbps(hash_s),
+            "copy_and_hash_overlapped_in_one_process": gbps(overlap) if overlap else None,
             "first_pass_verified": round(nbytes / first_pass / 1e9, 1),
         },
         "seconds": {
-            "nixl_verified": verified,
+            **{f"nixl_verified_batch{b}": v for b, v in verified.items()},
             "nixl_write_unverified": raw,
+            "target_check_alone": check,
             "plain_device_copy": copy,
             "blake3_kernels_alone": hash_s,
+            "copy_and_hash_overlapped_in_one_process": overlap,
         },
         "landing": landing,
-        "vs_plain_copy": round(min(copy) / min(verified), 3),
+        "vs_plain_copy": round(min(copy) / min(min(v) for v in verified.values()), 3),
         "targets": {"nixl_verified_GBps": ">= 700"},
     }
+
+
+def _copy_and_hash_one_process(src: Any, dst: Any, chunk: int, batch: int, hasher: Any) -> None:
+    """A reference, not the transport: one process copies batch k+1 on one stream while it hashes batch k
+    on another, so the two overlap (two processes' kernels take turns on the GPU instead)."""
+    import torch
+
+    copier, checker = torch.cuda.Stream(), torch.cuda.Stream()
+    step = batch * chunk
+    landed = []
+    for start in range(0, src.numel(), step):
+        with torch.cuda.stream(copier):
+            dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(copier)
+        landed.append((start, done))
+    for start, done in landed:
+        checker.wait_event(done)
+        with torch.cuda.stream(checker):
+            hasher(dst[start : start + step], chunk)
 
 
 def main(argv: list[str]) -> None:
@@ -539,7 +577,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--gib", type=float, default=16, help="GiB moved (gpu mode)")
     ap.add_argument("--device", default="cuda", help="gpu mode: cuda, or cpu for a smoke run of the same code")
     ap.add_argument("--chunk-mib", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=256, help="chunks per NIXL WRITE (gpu mode)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[256], help="chunks per NIXL WRITE (gpu mode)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)

@@ -34,17 +34,20 @@ from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.transfer.nixl import make_agent
 from gpumigrate.transfer.stream import CHANNEL, parse_listen
 
-Hasher = Callable[[Sequence[Any]], Any]  # equal-length uint8 views → [n, 8] int32 BLAKE3 words (little-endian)
+# hasher(block, chunk): BLAKE3 of each ``chunk``-byte piece of a contiguous uint8 tensor whose length is a
+# multiple of ``chunk`` → [pieces, 8] int32 words (little-endian), computed where the block lives.
+Hasher = Callable[[Any, int], Any]
 MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
 
 
-def cpu_hasher(views: Sequence[Any]) -> Any:
-    """BLAKE3 on the CPU, in the device kernels' output shape: for CPU tensors and tails the kernels refuse."""
+def cpu_hasher(block: Any, chunk: int) -> Any:
+    """BLAKE3 on the CPU, in the device kernels' output shape: for CPU tensors and pieces the kernels refuse."""
     import blake3
     import torch
 
-    digests = b"".join(blake3.blake3(v.contiguous().cpu().numpy()).digest() for v in views)
-    return torch.frombuffer(bytearray(digests), dtype=torch.int32).view(len(views), 8)
+    data = block.contiguous().cpu().numpy()
+    digests = b"".join(blake3.blake3(data[o : o + chunk]).digest() for o in range(0, len(data), chunk))
+    return torch.frombuffer(bytearray(digests), dtype=torch.int32).view(-1, 8)
 
 
 def ids_to_words(ids: Sequence[str], device: Any) -> Any:
@@ -187,30 +190,34 @@ class DeviceLanding:
 
     def _verify(self, name: str, first: int, count: int) -> list[int]:
         """Hash chunks ``first .. first+count-1`` of a region where they landed; return the failing indices."""
-        import torch
-
         region, want = self.regions[name], self._expected.get(name)
         if want is None:
             raise IntegrityError(f"no expected ids for region {name!r}: nothing landed there can be trusted")
+        n, size = region.numel(), self.chunk_size
+        end = min(first + count, -(-n // size))
+        whole = min(end, n // size)  # chunks before this one are full-size; a region's last may be shorter
         t0 = time.perf_counter()
-        spans = _chunks(region.numel(), self.chunk_size)[first : first + count]
-        groups: dict[int, list[int]] = {}
-        for k, (_, length) in enumerate(spans):
-            groups.setdefault(length, []).append(k)  # the kernels take views of one length
-        bad: list[int] = []
-        for length, ks in groups.items():
-            views = [region[spans[k][0] : spans[k][0] + length] for k in ks]
-            hasher = self.hasher if length % 1024 == 0 else cpu_hasher
-            words = hasher(views).to(want.device)
-            index = torch.tensor([first + k for k in ks], device=want.device)
-            mismatch = (words != want[index]).any(dim=1)
-            bad += [first + ks[i] for i in mismatch.nonzero().flatten().tolist()]
+        words = []
+        if whole > first:
+            words.append(self._hash(region[first * size : whole * size], size))
+        if end > whole:
+            tail = region[whole * size : n]
+            words.append(self._hash(tail, tail.numel()))
+        import torch
+
+        got = torch.cat(words) if len(words) > 1 else words[0]
+        mismatch = (got.to(want.device) != want[first:end]).any(dim=1)
+        bad = [first + int(i) for i in mismatch.nonzero().flatten().tolist()]  # the one wait for the device
         self.result.seconds_hashing += time.perf_counter() - t0
-        self.result.chunks_verified += count - len(bad)
+        self.result.chunks_verified += end - first - len(bad)
         self.result.chunks_failed += len(bad)
-        self.result.bytes_verified += sum(n for _, n in spans)
+        self.result.bytes_verified += min(end * size, n) - first * size
         self.result.failures += [f"{name}[{i}]" for i in bad]
         return bad
+
+    def _hash(self, block: Any, chunk: int) -> Any:
+        """The device hasher where its kernels apply (whole 1 KiB leaves), else the CPU."""
+        return (self.hasher if chunk % 1024 == 0 else cpu_hasher)(block, chunk)
 
     def wait(self, timeout_s: float | None = None) -> LandingResult:
         if not self._done.wait(timeout_s):
@@ -303,7 +310,11 @@ class DeviceSender:
         if state != "DONE":
             raise TransferError(f"NIXL WRITE of {name}[{first}:{first + count}] failed ({state})")
         if announce:
-            self._waiting.append((self._post({"op": "landed", "region": name, "first": first, "count": count}), name))
+            self.announce(name, first, count)
+
+    def announce(self, name: str, first: int, count: int) -> None:
+        """Tell the target these chunks landed; it checks them (the reply, read later, names failures)."""
+        self._waiting.append((self._post({"op": "landed", "region": name, "first": first, "count": count}), name))
 
     def collect(self) -> list[tuple[str, int]]:
         """Read every outstanding ``landed`` reply; return the chunks that failed their check."""
