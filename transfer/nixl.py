@@ -165,10 +165,6 @@ def _register(agent: Any, arr: np.ndarray) -> Any:
     return agent.register_memory([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
 
 
-def _triples(arr: np.ndarray, count: int, size: int) -> list[tuple[int, int, int]]:
-    return [(arr.ctypes.data + i * size, size, 0) for i in range(count)]
-
-
 # ----------------------------------------------------------------------------- receiver side
 class HostLanding:
     """The receiver's pool of registered landing slots, leased to authenticated connections."""
@@ -230,8 +226,8 @@ class _Slots:
     """One connection's leased remote slots, each paired with a local staging slot."""
 
     remote_index: list[int]  # the receiver's slot numbers, in local slot order
-    local: Any  # prepped local descriptor list
-    remote: Any  # prepped remote descriptor list
+    remote: list[tuple[int, int]]  # each remote slot's (address, device)
+    mem: str  # the remote slots' memory type
     staging: np.ndarray
     slot_bytes: int
     free: list[int] = field(default_factory=list)
@@ -288,9 +284,6 @@ class NixlStore(StreamStore):
                     self._remote_name = name.decode() if isinstance(name, bytes) else str(name)
                 staging = np.empty(len(slots) * slot_bytes, dtype=np.uint8)
                 self._registered.append((_register(agent, staging), staging))
-                local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", _triples(staging, len(slots), slot_bytes), "DRAM")
-                remote_triples = [(int(addr), int(length), int(dev)) for _, addr, length, dev in slots]
-                remote = agent.prep_xfer_dlist(self._remote_name, remote_triples, offer.get("mem", "DRAM"))
         except Exception as exc:  # NIXL raises its own error types (nixlBackendError, …)
             raise TransferError(
                 f"NIXL cannot reach receiver {self.host}:{self.port} ({type(exc).__name__}: {exc})",
@@ -299,8 +292,8 @@ class NixlStore(StreamStore):
             ) from None
         conn.extra = _Slots(
             remote_index=[int(s[0]) for s in slots],
-            local=local,
-            remote=remote,
+            remote=[(int(addr), int(dev)) for _, addr, _, dev in slots],
+            mem=str(offer.get("mem", "DRAM")),
             staging=staging,
             slot_bytes=slot_bytes,
             free=list(range(len(slots))),
@@ -309,10 +302,15 @@ class NixlStore(StreamStore):
     def _write(self, slots: _Slots, i: int, blob: bytes | bytearray | memoryview) -> None:
         """Copy ``blob`` into local slot ``i`` and WRITE it into the paired remote slot; return once DONE."""
         n = len(blob)
-        slots.staging[i * slots.slot_bytes : i * slots.slot_bytes + n] = np.frombuffer(blob, dtype=np.uint8)
+        start = i * slots.slot_bytes
+        slots.staging[start : start + n] = np.frombuffer(blob, dtype=np.uint8)
         agent = self._agent
+        addr, dev = slots.remote[i]
         try:
-            handle = agent.make_prepped_xfer("WRITE", slots.local, [i], slots.remote, [i])
+            # descriptors of exactly this object's length: a slot is larger than most objects
+            local = agent.get_xfer_descs([(slots.staging.ctypes.data + start, n, 0)], "DRAM")
+            remote = agent.get_xfer_descs([(addr, n, dev)], slots.mem)
+            handle = agent.initialize_xfer("WRITE", local, remote, self._remote_name)
             try:
                 state = agent.transfer(handle)
                 pause = 0.0001
