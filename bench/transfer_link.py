@@ -76,6 +76,30 @@ def _open_tun(ns: str, dev: str) -> int:
     return fd
 
 
+def _tbf(ns: str, dev: str, rate_mbit: int, burst: str, latency: str) -> None:
+    """Shape ``dev`` inside ``ns`` with a token bucket (the qdisc this kernel has; netem it lacks)."""
+    rate = f"{rate_mbit}mbit"
+    _sh(
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        burst,
+        "latency",
+        latency,
+    )
+
+
 def forward(delay_s: float) -> None:
     """Move packets A→B and B→A, each released ``delay_s`` after it was read. Runs until SIGTERM."""
     fd_a = _open_tun(NS_A, DEV_A)
@@ -144,25 +168,7 @@ def link_up(rate_mbit: int, delay_ms: float) -> Link:
         _sh("ip", "-n", ns, "link", "set", dev, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         # burst must hold a whole 64 KiB GSO packet; the queue must hold a bandwidth-delay product
-        _sh(
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_mbit}mbit",
-            "burst",
-            "256kb",
-            "latency",
-            "200ms",
-        )
+        _tbf(ns, dev, rate_mbit, "256kb", "200ms")
     proc = subprocess.Popen(
         [sys.executable, __file__, "FORWARD", str(delay_ms)], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -228,25 +234,7 @@ def veth_up(rate_mbit: int) -> None:
         _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
         _sh("ip", "-n", ns, "link", "set", dev, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh(
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            f"{rate_mbit}mbit",
-            "burst",
-            str(burst),
-            "latency",
-            "50ms",
-        )
+        _tbf(ns, dev, rate_mbit, str(burst), "50ms")
 
 
 def _in(ns: str, *argv: str) -> list[str]:

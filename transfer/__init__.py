@@ -10,7 +10,7 @@ Importing this package is cheap: the public names load their modules on first us
   receiver (stream://, nixl://) as destination; the CLI and the flows both call it
 - ``verify(store_url, image_id, *, key) -> TransferStats``
 - ``serve_stream(listen, store_url, *, key=None, quota_bytes=None, nixl=False) -> Receiver`` (``.url``, ``.close()``)
-- a receiver on a host: ``receiver_argv(state_dir, ...)`` (the command to run there), ``start_receiver``
+- a receiver on a host: ``receiver_argv(state_dir, ReceiverOptions(...), key_ref=)`` (the command to run there), ``start_receiver``
   (detached here), ``read_receiver_info(state_dir) -> ReceiverInfo`` (``.url`` pinned, ``.store``),
   ``stop_receiver(state_dir)``
 - ``store_region(store_url) -> str | None``
@@ -38,6 +38,7 @@ _EXPORTS = {
     "read_receiver_info": "receiver_host",
     "stop_receiver": "receiver_host",
     "ReceiverInfo": "receiver_host",
+    "ReceiverOptions": "receiver_host",
     "ProgressCallback": "progress",
     "TransferStats": "progress",
     "open_store": "stores",

@@ -71,16 +71,31 @@ def store_url(state_dir: str | Path) -> str:
     return f"file://{Path(state_dir).resolve() / STORE_DIR}"
 
 
+@dataclass(frozen=True)
+class ReceiverOptions:
+    """How a receiver listens and what it takes (the flags of ``gpumigrate image receive``)."""
+
+    listen: str = "127.0.0.1:0"  # host:port; port 0 picks one; loopback unless the caller names an address
+    advertise: str | None = None  # the host name senders use when ``listen`` is a wildcard
+    quota_bytes: int | None = None
+    nixl: bool = False  # also land nixl:// WRITEs
+    nixl_transports: str | None = None  # UCX_TLS for NIXL, e.g. "tcp"
+
+    def flags(self) -> list[str]:
+        out = ["--listen", self.listen]
+        if self.advertise:
+            out += ["--advertise", self.advertise]
+        if self.quota_bytes is not None:
+            out += ["--quota", str(int(self.quota_bytes))]
+        if self.nixl:
+            out += ["--nixl"]
+        if self.nixl_transports:
+            out += ["--nixl-transports", self.nixl_transports]
+        return out
+
+
 def receiver_argv(
-    state_dir: str | Path,
-    *,
-    listen: str,
-    key_ref: Mapping[str, str] | None,
-    advertise: str | None = None,
-    quota_bytes: int | None = None,
-    nixl: bool = False,
-    nixl_transports: str | None = None,
-    python: str | None = None,
+    state_dir: str | Path, options: ReceiverOptions, *, key_ref: Mapping[str, str] | None, python: str | None = None
 ) -> list[str]:
     """The command that runs a receiver in the foreground on a host (its provider starts it there).
 
@@ -88,23 +103,14 @@ def receiver_argv(
     images only); the control key reaches the process by reference, through its environment
     (``gpumigrate.control.reference_env``), never in argv.
     """
-    argv = [python or sys.executable, "-m", "gpumigrate", "image", "receive"]
-    argv += ["--state-dir", str(state_dir), "--listen", listen]
+    argv = [python or sys.executable, "-m", "gpumigrate", "image", "receive", "--state-dir", str(state_dir)]
     if key_ref and key_ref.get("env"):
         argv += ["--key-env", key_ref["env"]]
     elif key_ref and key_ref.get("file"):
         argv += ["--key-file", key_ref["file"]]
     else:
         argv += ["--no-key"]
-    if advertise:
-        argv += ["--advertise", advertise]
-    if quota_bytes is not None:
-        argv += ["--quota", str(int(quota_bytes))]
-    if nixl:
-        argv += ["--nixl"]
-    if nixl_transports:
-        argv += ["--nixl-transports", nixl_transports]
-    return argv
+    return argv + options.flags()
 
 
 def _info_doc(receiver: Receiver, state: str) -> dict[str, Any]:
@@ -125,14 +131,10 @@ def _info_doc(receiver: Receiver, state: str) -> dict[str, Any]:
 
 def run_receiver(
     state_dir: str | Path | None,
+    options: ReceiverOptions,
     *,
-    listen: str,
     key: bytes | None,
     store: str | None = None,
-    advertise: str | None = None,
-    quota_bytes: int | None = None,
-    nixl: bool = False,
-    nixl_transports: str | None = None,
     on_ready: Any = None,
     exit_after: int = 0,
 ) -> dict[str, Any]:
@@ -148,13 +150,13 @@ def run_receiver(
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
     receiver = serve_stream(
-        listen,
+        options.listen,
         store or store_url(root),  # type: ignore[arg-type]
         key=key,
-        quota_bytes=quota_bytes,
-        nixl=nixl,
-        nixl_transports=nixl_transports,
-        advertise=advertise,
+        quota_bytes=options.quota_bytes,
+        nixl=options.nixl,
+        nixl_transports=options.nixl_transports,
+        advertise=options.advertise,
     )
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -194,28 +196,16 @@ def read_receiver_info(state_dir: str | Path, *, timeout_s: float = 0.0, pid: in
 
 def start_receiver(
     state_dir: str | Path,
+    options: ReceiverOptions,
     *,
-    listen: str,
     key_ref: Mapping[str, str] | None,
-    advertise: str | None = None,
-    quota_bytes: int | None = None,
-    nixl: bool = False,
-    nixl_transports: str | None = None,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 60.0,
 ) -> ReceiverInfo:
     """Run a receiver detached on this machine (its own session, output in ``receiver.log``) and wait until it listens."""
     root = Path(state_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    argv = receiver_argv(
-        root,
-        listen=listen,
-        key_ref=key_ref,
-        advertise=advertise,
-        quota_bytes=quota_bytes,
-        nixl=nixl,
-        nixl_transports=nixl_transports,
-    )
+    argv = receiver_argv(root, options, key_ref=key_ref)
     with open(root / LOG_FILE, "ab") as log:
         proc = subprocess.Popen(
             argv,

@@ -331,43 +331,26 @@ def receive(
     Only clients holding the control key (GPUMIGRATE_CONTROL_KEY_FILE) are served. Prints one JSON
     line with the URL to push to (certificate pinned) once listening, and the counts when it stops.
     """
-    from gpumigrate.transfer.receiver_host import run_receiver, start_receiver
+    from gpumigrate.transfer.receiver_host import ReceiverOptions, run_receiver, start_receiver
 
     key = _key(key_env, key_file, no_key)
-    quota_bytes = parse_size(quota)
+    options = ReceiverOptions(
+        listen=listen, advertise=advertise, quota_bytes=parse_size(quota), nixl=nixl, nixl_transports=nixl_transports
+    )
     if detach:
         if state_dir is None:
             raise InvalidInputError("--detach needs --state-dir (where receiver.json tells senders the address)")
         key_ref = {"env": key_env} if key_env else {"file": str(key_file)} if key_file else None
         if key_ref is None and not no_key:
             key_ref = {"env": DEFAULT_KEY_ENV}
-        info = start_receiver(
-            state_dir,
-            listen=listen,
-            key_ref=key_ref,
-            advertise=advertise,
-            quota_bytes=quota_bytes,
-            nixl=nixl,
-            nixl_transports=nixl_transports,
-        )
+        info = start_receiver(state_dir, options, key_ref=key_ref)
         emit_json({"url": info.url, "fingerprint": info.fingerprint, "store": info.store, "pid": info.pid})
         return
 
     def ready(doc: dict[str, Any]) -> None:
         emit_json({k: doc[k] for k in ("url", "fingerprint", "host", "port", "store", "nixl")})
 
-    stats = run_receiver(
-        state_dir,
-        listen=listen,
-        key=key,
-        store=store,
-        advertise=advertise,
-        quota_bytes=quota_bytes,
-        nixl=nixl,
-        nixl_transports=nixl_transports,
-        on_ready=ready,
-        exit_after=exit_after,
-    )
+    stats = run_receiver(state_dir, options, key=key, store=store, on_ready=ready, exit_after=exit_after)
     emit_json(stats)
 
 

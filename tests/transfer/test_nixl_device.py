@@ -35,8 +35,20 @@ def regions(device: str = "cpu") -> dict[str, Any]:
     }
 
 
-def test_chunks_land_verified_and_a_damaged_landing_is_sent_again() -> None:
+def send(src: dict[str, Any], dst: dict[str, Any], hasher: Any, batch: int) -> tuple[dict[str, Any], DeviceLanding]:
+    """One transfer of ``src`` into ``dst``, the source naming the manifest's ids; (done reply, landing)."""
     key = os.urandom(32)
+    landing = DeviceLanding(dst, chunk_size=CHUNK, control_key=key, hasher=hasher)
+    sender = DeviceSender(landing.address, src, control_key=key)
+    try:
+        sender.expect({k: ids_of(v) for k, v in src.items()})
+        return sender.send_all(batch=batch), landing
+    finally:
+        sender.close()
+        landing.close()
+
+
+def test_chunks_land_verified_and_a_damaged_landing_is_sent_again() -> None:
     src = regions()
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
     damaged: list[int] = []
@@ -50,14 +62,7 @@ def test_chunks_land_verified_and_a_damaged_landing_is_sent_again() -> None:
             block[offset + 100] ^= 0xFF
         return cpu_hasher(block, chunk)
 
-    landing = DeviceLanding(dst, chunk_size=CHUNK, control_key=key, hasher=damaging_hasher)
-    sender = DeviceSender(landing.address, src, control_key=key)
-    try:
-        sender.expect({k: ids_of(v) for k, v in src.items()})
-        result = sender.send_all(batch=2)
-    finally:
-        sender.close()
-        landing.close()
+    result, landing = send(src, dst, damaging_hasher, batch=2)
     assert damaged and result["chunks_resent"] == 1 and result["failures"] == ["w[2]"]
     assert all(torch.equal(src[k], dst[k]) for k in src)
     assert landing.result.chunks_verified == sum(len(ids_of(v)) for v in src.values())
@@ -97,16 +102,8 @@ def test_device_to_device_with_the_blake3_kernels() -> None:
     def hasher(block: Any, chunk: int) -> Any:  # the kernels take a list of equal-length views
         return blake3_device([block[o : o + chunk] for o in range(0, block.numel(), chunk)])
 
-    key = os.urandom(32)
     src = regions("cuda")
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    landing = DeviceLanding(dst, chunk_size=CHUNK, control_key=key, hasher=hasher)
-    sender = DeviceSender(landing.address, src, control_key=key)
-    try:
-        sender.expect({k: ids_of(v) for k, v in src.items()})
-        result = sender.send_all(batch=4)
-    finally:
-        sender.close()
-        landing.close()
+    result, _ = send(src, dst, hasher, batch=4)
     torch.cuda.synchronize()
     assert result["chunks_resent"] == 0 and all(torch.equal(src[k], dst[k]) for k in src)

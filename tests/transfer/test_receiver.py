@@ -59,17 +59,22 @@ def test_receiver_detach_needs_a_state_dir(cli_cmd: list[str], env: dict[str, st
     assert res.returncode == 2 and "--state-dir" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_quota_refuses_what_does_not_fit_and_stores_nothing_past_it(gm_home: Path, tmp_path: Path, key: bytes) -> None:
+def _packed(tmp_path: Path, key: bytes, mib: int) -> tuple[str, str]:
+    """A packed image of ``mib`` MiB of random bytes: (store URL, image id)."""
     files = tmp_path / "in"
     files.mkdir()
-    (files / "big").write_bytes(os.urandom(12 << 20))
+    (files / "f").write_bytes(os.urandom(mib << 20))
     local = f"file://{tmp_path / 'src'}"
-    ref = pack_paths([files], local, key=key)
+    return local, pack_paths([files], local, key=key).id
+
+
+def test_quota_refuses_what_does_not_fit_and_stores_nothing_past_it(gm_home: Path, tmp_path: Path, key: bytes) -> None:
+    local, image_id = _packed(tmp_path, key, 12)
     quota = 5 << 20
     receiver = serve_stream("127.0.0.1:0", f"file://{tmp_path / 'dst'}", key=key, quota_bytes=quota)
     try:
         with pytest.raises(TransferError, match="quota"):
-            push(local, receiver.url, ref.id, key=key)
+            push(local, receiver.url, image_id, key=key)
         held = sum(p.stat().st_size for p in (tmp_path / "dst").rglob("*") if p.is_file())
         assert 0 < held <= quota
         assert receiver.stats()["images"] == []
@@ -83,16 +88,24 @@ def test_a_receiver_writes_only_to_a_local_directory(gm_home: Path, key: bytes) 
 
 
 def test_resume_into_the_same_receiver_sends_nothing_twice(gm_home: Path, tmp_path: Path, key: bytes) -> None:
-    files = tmp_path / "in"
-    files.mkdir()
-    (files / "f").write_bytes(os.urandom(5 << 20))
-    local = f"file://{tmp_path / 'src'}"
-    ref = pack_paths([files], local, key=key)
+    local, image_id = _packed(tmp_path, key, 5)
     with serve_stream("127.0.0.1:0", f"file://{tmp_path / 'dst'}", key=key) as receiver:
-        first = push(local, receiver.url, ref.id, key=key)
-        again = push(local, receiver.url, ref.id, key=key)
+        first = push(local, receiver.url, image_id, key=key)
+        again = push(local, receiver.url, image_id, key=key)
     assert first.chunks_sent == first.chunks_total and again.chunks_sent == 0
-    assert verify(f"file://{tmp_path / 'dst'}", ref.id, key=key).chunks_total == first.chunks_total
+    assert verify(f"file://{tmp_path / 'dst'}", image_id, key=key).chunks_total == first.chunks_total
+
+
+def _validate_plan_with_store(
+    cli_cmd: list[str], env: dict[str, str], repo: Path, tmp_path: Path, store: str
+) -> subprocess.CompletedProcess[str]:
+    """`gpumigrate plan validate` on the demo plan with ``transfer.store`` set to ``store``."""
+    plan = yaml.safe_load((repo / "examples" / "local-demo.yaml").read_text())
+    plan["transfer"]["store"] = store
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    (tmp_path / "golden").symlink_to(repo / "examples" / "golden")
+    return _cli(cli_cmd, env, "plan", "validate", str(path))
 
 
 @pytest.mark.parametrize(
@@ -106,13 +119,7 @@ def test_resume_into_the_same_receiver_sends_nothing_twice(gm_home: Path, tmp_pa
 def test_a_plan_can_pin_the_receivers_certificate(
     cli_cmd: list[str], env: dict[str, str], repo: Path, tmp_path: Path, store: str
 ) -> None:
-    plan = yaml.safe_load((repo / "examples" / "local-demo.yaml").read_text())
-    plan["transfer"]["store"] = store
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    golden = repo / "examples" / "golden"
-    (tmp_path / "golden").symlink_to(golden)
-    res = _cli(cli_cmd, env, "plan", "validate", str(path))
+    res = _validate_plan_with_store(cli_cmd, env, repo, tmp_path, store)
     assert res.returncode == 0, res.stderr
 
 
@@ -123,9 +130,5 @@ def test_a_plan_can_pin_the_receivers_certificate(
 def test_a_malformed_receiver_url_is_invalid_input(
     cli_cmd: list[str], env: dict[str, str], repo: Path, tmp_path: Path, store: str
 ) -> None:
-    plan = yaml.safe_load((repo / "examples" / "local-demo.yaml").read_text())
-    plan["transfer"]["store"] = store
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    res = _cli(cli_cmd, env, "plan", "validate", str(path))
+    res = _validate_plan_with_store(cli_cmd, env, repo, tmp_path, store)
     assert res.returncode == 2 and "transfer.store" in res.stderr and "Traceback" not in res.stderr

@@ -22,7 +22,7 @@ from gpumigrate.errors import TransferError
 from gpumigrate.infra import netns as netns_lib
 from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import Host, HostSpec
-from gpumigrate.transfer import pack_paths, read_receiver_info, receiver_argv, stop_receiver, verify
+from gpumigrate.transfer import ReceiverOptions, pack_paths, read_receiver_info, receiver_argv, stop_receiver, verify
 from gpumigrate.transfer.stores import file_root
 
 _ok, _why = netns_lib.available()
@@ -62,15 +62,13 @@ def _image(tmp_path: Path, key: bytes, mib: int = 12) -> tuple[str, str, Path]:
     return store, pack_paths([files], store, key=key, dtype="bfloat16").id, files
 
 
-def _start_receiver(provider: LocalProvider, host: Host, state: Path, scheme: str, **kw: object) -> dict:
-    argv = receiver_argv(
-        state,
+def _start_receiver(provider: LocalProvider, host: Host, state: Path, scheme: str) -> dict:
+    options = ReceiverOptions(
         listen=f"{host.address}:{host.ports['stream']}",
-        key_ref={"env": KEY_ENV},
         nixl=scheme == "nixl",
         nixl_transports="tcp" if scheme == "nixl" else None,
-        **kw,  # type: ignore[arg-type]
     )
+    argv = receiver_argv(state, options, key_ref={"env": KEY_ENV})
     proc = provider.spawn(host, argv, env={KEY_ENV: os.environ[KEY_ENV]}, name="receiver")
     deadline = time.monotonic() + 60
     while True:
@@ -351,7 +349,7 @@ def test_unsigned_image_is_refused_by_the_receiver_and_the_target(
     store = f"file://{tmp_path / 'unsigned'}"
     image_id = pack_paths([files], store, key=None).id  # alg none: anyone who can write a store can make one
     state = Path(dst.workdir or tmp_path) / "receiver"
-    argv = receiver_argv(state, listen=f"{dst.address}:{dst.ports['stream']}", key_ref=None)
+    argv = receiver_argv(state, ReceiverOptions(listen=f"{dst.address}:{dst.ports['stream']}"), key_ref=None)
     proc = provider.spawn(dst, argv, name="receiver")
     info = read_receiver_info(state, timeout_s=60, pid=proc["pid"])
     code, text = _wait(
