@@ -242,9 +242,10 @@ class Snapshot(_Model):
 
 # Receivers (stream://, nixl://) take options after "?": the certificate pinned as
 # fingerprint=sha256:<64 hex> (receiver.json gives it), connections=N, and for nixl:// the UCX
-# transports (transports=tcp) and landing slots per connection (slots=N).
+# transports (transports=tcp), landing slots per connection (slots=N) and inline=0 (every chunk by NIXL).
 _RECEIVER_OPTION = (
-    r"(fingerprint=sha256:[0-9a-fA-F]{64}|connections=\d{1,2}|transports=[a-z0-9_]+(,[a-z0-9_]+)*|slots=\d{1,2})"
+    r"(fingerprint=sha256:[0-9a-fA-F]{64}|connections=\d{1,2}|transports=[a-z0-9_]+(,[a-z0-9_]+)*|slots=\d{1,2}"
+    r"|inline=[01])"
 )
 _STORE_RE = re.compile(
     r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|gs://[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9](/.*)?"

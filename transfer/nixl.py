@@ -9,7 +9,9 @@ slot, WRITEs it into the receiver's slot, waits for the transfer to be DONE (NIX
 completes a WRITE only after flushing it to the remote side) and sends NIXL_LANDED (slot, length)
 on the connection. The receiver copies the slot out, verifies the object (AES-GCM tag, decode,
 BLAKE3) and stores it, then acknowledges; the acknowledgement frees the slot. What the wire carries
-is the image's sealed objects, so the data link needs no trust (TRANSPORTS.md, nixl://).
+is the image's sealed objects, so the data link needs no trust (TRANSPORTS.md, nixl://). NIXL's
+agent starts in the background (about half a second); until it is up, chunks go inline on the
+connections as stream:// sends them.
 
 NIXL is optional (extra ``nixl``, PyPI ``nixl-cu13``): :func:`load_nixl` raises a clear error when
 it is missing or fails to load, and ``stream://`` works without it.
@@ -18,6 +20,7 @@ it is missing or fails to load, and ``stream://`` works without it.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -36,7 +39,7 @@ import numpy as np
 from gpumigrate import control
 from gpumigrate.errors import EXIT_INVALID, InvalidInputError, TransferError
 from gpumigrate.transfer.stores import split_url
-from gpumigrate.transfer.stream import CHANNEL, NIXL_LANDED, NIXL_OPEN, PUT_CHUNK, StreamStore, _Conn, _Pending
+from gpumigrate.transfer.stream import CHANNEL, NIXL_LANDED, NIXL_OPEN, NO_ID, PUT_CHUNK, StreamStore, _Conn, _Pending
 
 PACKAGE = "nixl-cu13"  # PyPI name; the import name is nixl_cu13
 SLOT = struct.Struct(">IQ")  # NIXL_LANDED payload: slot index, object length
@@ -231,14 +234,27 @@ class _Slots:
     staging: np.ndarray
     slot_bytes: int
     free: list[int] = field(default_factory=list)
+    writing: collections.deque[_Write] = field(default_factory=collections.deque)  # posted, in order
+
+
+@dataclass
+class _Write:
+    """A WRITE posted into slot ``slot``; announced (NIXL_LANDED) once DONE, in posting order."""
+
+    slot: int
+    chunk_id: str
+    nbytes: int
+    handle: Any
+    state: str
 
 
 class NixlStore(StreamStore):
-    """Sender side of ``nixl://host:port[?fingerprint=sha256:HEX][&connections=N][&transports=tcp]``.
+    """Sender side of ``nixl://host:port[?fingerprint=sha256:HEX][&connections=N][&transports=tcp][&slots=N][&inline=0]``.
 
     ``transports`` sets the UCX transports this side may use (UCX_TLS: ``tcp`` between hosts
-    without a fabric, ``rc,tcp`` for InfiniBand/RoCE, default: UCX's own choice); objects larger
-    than a slot travel inline on the connection, like stream://.
+    without a fabric, ``rc,tcp`` for InfiniBand/RoCE, default: UCX's own choice); ``slots`` the
+    objects in flight per connection. Objects larger than a slot travel inline on the connection,
+    like stream://, and so do the first ones while NIXL starts, unless ``inline=0``.
     """
 
     scheme = "nixl"
@@ -248,29 +264,58 @@ class NixlStore(StreamStore):
         query = split_url(url)[3]
         self.transports = (query.get("transports") or [None])[0]
         self.slots_per_connection = max(1, int((query.get("slots") or [SLOTS_PER_CONNECTION])[0]))
+        # inline=0: every chunk through NIXL (the first ones wait for the agent to start), never inline
+        self.inline_start = (query.get("inline") or ["1"])[0] != "0"
         load_nixl()  # fail here, before any connection, when NIXL is missing
         self._agent: Any = None
+        self._agent_error: BaseException | None = None
+        self._agent_ready = threading.Event()
         self._remote_name: str | None = None
         self._agent_lock = threading.Lock()
         self._registered: list[Any] = []
-        self.chunks_written = 0  # objects that went through NIXL (the rest went inline)
+        self.chunks_written = 0  # objects that went through NIXL
+        self.chunks_inline = 0  # objects sent on the connection: before NIXL was up, or larger than a slot
+        # Starting NIXL's UCX backend takes about half a second here; meanwhile the connections carry
+        # chunks inline (as stream:// does), so a short push does not wait for it.
+        threading.Thread(target=self._start_agent, name="gm-nixl-start", daemon=True).start()
 
-    def _nixl(self) -> Any:
-        with self._agent_lock:
-            if self._agent is None:
-                self._agent = make_agent("send", transports=self.transports)
-            return self._agent
+    def _start_agent(self) -> None:
+        try:
+            self._agent = make_agent("send", transports=self.transports)
+        except BaseException as exc:
+            self._agent_error = exc
+        finally:
+            self._agent_ready.set()
+
+    def _nixl(self, *, wait: bool) -> Any:
+        """The agent; None while it is still starting (unless ``wait``)."""
+        if wait:
+            self._agent_ready.wait()
+        if not self._agent_ready.is_set():
+            return None
+        if self._agent_error is not None:
+            raise self._agent_error
+        return self._agent
 
     def _on_connected(self, conn: _Conn) -> None:
         if not self.receiver_info.get("nixl"):
             raise TransferError(
                 f"receiver {self.host}:{self.port} has no NIXL landing pool: start it with nixl on, or use stream://"
             )
-        agent = self._nixl()
+        conn.extra = None  # landing slots are leased once the agent is up (_open_slots)
+
+    def _open_slots(self, conn: _Conn) -> _Slots:
+        """Lease landing slots for this connection (NIXL_OPEN, signed both ways). Caller holds its lock."""
+        agent = self._nixl(wait=True)
         request = control.sign_request(
             self.control_key, CHANNEL, {"op": "nixl-open", "slots": self.slots_per_connection, "agent": agent.name}
         )
-        status, body = self._exchange(conn, NIXL_OPEN, json.dumps(request).encode(), "nixl-open")
+        payload = json.dumps(request).encode()
+        p = _Pending("nixl-open", len(payload), conn)
+        self._send(conn, NIXL_OPEN, NO_ID, payload, p)
+        while p.status is None:  # earlier requests on this connection answer first
+            self._read_reply(conn)
+        status, body = p.status, p.body
         self._check(status, body, "nixl-open")
         offer = control.verify_reply(self.control_key, CHANNEL, request["auth"]["nonce"], json.loads(body))
         slots = offer["slots"]
@@ -290,7 +335,7 @@ class NixlStore(StreamStore):
                 hint="the two sides share no UCX transport (transports= here, --nixl-transports there), or this "
                 "process started before the route to the receiver existed: UCX reads the routing table once per process",
             ) from None
-        conn.extra = _Slots(
+        return _Slots(
             remote_index=[int(s[0]) for s in slots],
             remote=[(int(addr), int(dev)) for _, addr, _, dev in slots],
             mem=str(offer.get("mem", "DRAM")),
@@ -299,8 +344,8 @@ class NixlStore(StreamStore):
             free=list(range(len(slots))),
         )
 
-    def _write(self, slots: _Slots, i: int, blob: bytes | bytearray | memoryview) -> None:
-        """Copy ``blob`` into local slot ``i`` and WRITE it into the paired remote slot; return once DONE."""
+    def _post(self, slots: _Slots, i: int, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
+        """Copy ``blob`` into local slot ``i`` and post its WRITE into the paired remote slot (no wait)."""
         n = len(blob)
         start = i * slots.slot_bytes
         slots.staging[start : start + n] = np.frombuffer(blob, dtype=np.uint8)
@@ -311,41 +356,66 @@ class NixlStore(StreamStore):
             local = agent.get_xfer_descs([(slots.staging.ctypes.data + start, n, 0)], "DRAM")
             remote = agent.get_xfer_descs([(addr, n, dev)], slots.mem)
             handle = agent.initialize_xfer("WRITE", local, remote, self._remote_name)
-            try:
-                state = agent.transfer(handle)
-                pause = 0.0001
-                while state == "PROC":
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.002)
-                    state = agent.check_xfer_state(handle)
-            finally:
-                handle.release()
+            slots.writing.append(_Write(i, chunk_id, n, handle, agent.transfer(handle)))
         except Exception as exc:  # NIXL's own error types: the connection's slots are in an unknown state
             raise ConnectionError(f"NIXL WRITE into slot {slots.remote_index[i]} failed: {exc}") from None
-        if state != "DONE":
-            raise ConnectionError(f"NIXL WRITE of {n} bytes into slot {slots.remote_index[i]} failed ({state})")
+
+    def _announce(self, conn: _Conn, slots: _Slots, *, wait: bool) -> None:
+        """Send NIXL_LANDED for each WRITE at the head of the queue that is DONE (all of them with ``wait``).
+
+        A WRITE is DONE once NIXL flushed it to the remote memory, so the receiver reads whole bytes."""
+        agent = self._agent
+        pause = 0.0001
+        while slots.writing:
+            w = slots.writing[0]
+            if w.state == "PROC":
+                try:
+                    w.state = agent.check_xfer_state(w.handle)
+                except Exception as exc:
+                    raise ConnectionError(f"NIXL WRITE into slot {slots.remote_index[w.slot]} failed: {exc}") from None
+            if w.state == "PROC":
+                if not wait:
+                    return
+                time.sleep(pause)
+                pause = min(pause * 2, 0.002)
+                continue
+            slots.writing.popleft()
+            w.handle.release()
+            if w.state != "DONE":
+                raise ConnectionError(f"NIXL WRITE of {w.nbytes} bytes into slot {slots.remote_index[w.slot]} failed")
+            p = _Pending(f"chunk {w.chunk_id[:16]}", w.nbytes, conn, done=lambda i=w.slot: slots.free.append(i))
+            self._send(conn, NIXL_LANDED, bytes.fromhex(w.chunk_id), SLOT.pack(slots.remote_index[w.slot], w.nbytes), p)
+            pause = 0.0001
 
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        """WRITE one sealed object into a landing slot, then tell the receiver (acknowledged later)."""
-        self._raise_errors()
+        """Post a WRITE of one sealed object into a landing slot and return; the receiver is told once
+        it is DONE (by this or a later call on the connection, or flush) and acknowledges it later."""
+        self._raise_errors(rejected=False)
         conn = self._locked_conn()
         try:
-            slots: _Slots = conn.extra
             if conn.broken is not None:
                 raise TransferError(f"nixl to receiver {self.host}:{self.port} failed: {conn.broken}")
             try:
-                if len(blob) > slots.slot_bytes:  # larger than a landing slot: inline, as stream:// sends it
+                slots: _Slots | None = conn.extra
+                if slots is None and self._nixl(wait=not self.inline_start) is not None:
+                    slots = conn.extra = self._open_slots(conn)
+                if slots is None or len(blob) > slots.slot_bytes:  # inline, as stream:// sends it
+                    if slots is not None:
+                        self._announce(conn, slots, wait=True)  # keep the connection's requests in order
                     p = _Pending(f"chunk {chunk_id[:16]}", len(blob), conn)
                     self._send(conn, PUT_CHUNK, bytes.fromhex(chunk_id), blob, p)
                     self._drain_ready(conn)
+                    with self._lock:
+                        self.chunks_inline += 1
                     return
+                self._announce(conn, slots, wait=False)
                 while not slots.free:
-                    self._read_reply(conn)  # the oldest acknowledgement frees its slot
-                i = slots.free.pop()
-                self._write(slots, i, blob)
-                p = _Pending(f"chunk {chunk_id[:16]}", len(blob), conn, done=lambda: slots.free.append(i))
-                landed = SLOT.pack(slots.remote_index[i], len(blob))
-                self._send(conn, NIXL_LANDED, bytes.fromhex(chunk_id), landed, p)
+                    if slots.writing:
+                        self._announce(conn, slots, wait=True)
+                    else:
+                        self._read_reply(conn)  # the oldest acknowledgement frees its slot
+                self._post(slots, slots.free.pop(), chunk_id, blob)
+                self._announce(conn, slots, wait=False)
                 self._drain_ready(conn)
             except (OSError, ConnectionError, ValueError) as exc:
                 self._drop(conn, exc)
@@ -355,8 +425,29 @@ class NixlStore(StreamStore):
         finally:
             conn.lock.release()
 
+    def _collect(self) -> None:
+        """Announce every posted WRITE once it is DONE, then wait for every acknowledgement."""
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with conn.lock:
+                try:
+                    if conn.extra is not None:
+                        self._announce(conn, conn.extra, wait=True)
+                except (OSError, ConnectionError, ValueError) as exc:
+                    self._drop(conn, exc)
+        super()._collect()
+
+    def _close_conn(self, conn: _Conn) -> None:
+        slots: _Slots | None = conn.extra
+        while slots is not None and slots.writing:
+            with contextlib.suppress(Exception):
+                slots.writing.popleft().handle.release()
+        super()._close_conn(conn)
+
     def close(self) -> None:
         super().close()
+        self._agent_ready.wait(timeout=30)
         with self._agent_lock:
             if self._agent is not None:
                 if self._remote_name is not None:

@@ -154,6 +154,7 @@ class Receiver:
         self.bytes_received = 0
         self.refusals = 0
         self.clients = 0  # connections that authenticated
+        self.chunks_via_nixl = 0  # of chunks_received, those a NIXL WRITE landed (the rest came inline)
         self.manifests: list[str] = []
         self.manifest_event = threading.Event()
         self.stop_requested = threading.Event()
@@ -358,7 +359,11 @@ class Receiver:
         try:
             if kind in (PUT_CHUNK, NIXL_LANDED):
                 blob = self._landed(session, payload) if kind == NIXL_LANDED else payload
-                return self._land(ident, blob, scratch)
+                status, body = self._land(ident, blob, scratch)
+                if kind == NIXL_LANDED and status == OK:
+                    with self._lock:
+                        self.chunks_via_nixl += 1
+                return status, body
             if kind == HAS_CHUNK:
                 size = self.verified_chunks().get(ident)
                 if size is None:
@@ -496,6 +501,7 @@ class Receiver:
                 "bytes_stored": self._used,
                 "refusals": self.refusals,
                 "clients": self.clients,
+                "chunks_via_nixl": self.chunks_via_nixl,
             }
 
     def close(self) -> None:

@@ -405,11 +405,12 @@ class StreamStore(Store):
         if status != OK:
             raise self._error(status, body, what)
 
-    def _raise_errors(self) -> None:
+    def _raise_errors(self, *, rejected: bool = True) -> None:
+        """Raise the first failure recorded; ``rejected=False`` leaves refused chunks for flush (push resends them)."""
         with self._lock:
-            errors = list(self._errors)
+            errors = [err for cid, err in self._errors if rejected or cid is None]
         if errors:
-            raise errors[0][1]
+            raise errors[0]
 
     def take_rejected(self) -> list[str]:
         """The chunks the receiver rejected since the last call (its check failed: damaged on the way),
@@ -436,9 +437,9 @@ class StreamStore(Store):
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
         """Send one chunk; returns once sent (the caller's buffer is free).
 
-        A rejection is raised by a later put_chunk or, at the latest, by flush().
+        A rejection is raised by flush(), which always precedes a manifest; a lost connection sooner.
         """
-        self._raise_errors()
+        self._raise_errors(rejected=False)
         self._request(PUT_CHUNK, bytes.fromhex(chunk_id), blob, f"chunk {chunk_id[:16]}", wait=False)
 
     def get_chunk(self, chunk_id: str) -> bytes:

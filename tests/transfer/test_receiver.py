@@ -112,7 +112,7 @@ def _validate_plan_with_store(
     "store",
     [
         "stream://10.0.0.5:7443?fingerprint=sha256:" + "ab" * 32,
-        "nixl://10.0.0.5:7443?fingerprint=sha256:" + "AB" * 32 + "&transports=tcp&connections=4",
+        "nixl://10.0.0.5:7443?fingerprint=sha256:" + "AB" * 32 + "&transports=tcp&connections=4&inline=0",
         "nixl://target-1:7443",
     ],
 )

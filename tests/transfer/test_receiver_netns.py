@@ -85,7 +85,8 @@ def _start_receiver(provider: LocalProvider, host: Host, state: Path, scheme: st
 
 
 def _url(recv: dict, scheme: str) -> str:
-    return recv["url"] + ("&transports=tcp" if scheme == "nixl" else "")
+    """The receiver's pinned URL; for nixl://, UCX over TCP and every chunk through NIXL (none inline)."""
+    return recv["url"] + ("&transports=tcp&inline=0" if scheme == "nixl" else "")
 
 
 def _spawn(provider: LocalProvider, host: Host, args: list[str], module: bool = True) -> dict:
@@ -134,6 +135,7 @@ def test_push_between_hosts_then_verify_and_restore_read_on_the_target(
     assert final.state == "stopped"
     assert final.stats["chunks_received"] == pushed["chunks_sent"] and final.stats["chunks_rejected"] == 0
     assert final.stats["images"] == [image_id]
+    assert final.stats["chunks_via_nixl"] == (pushed["chunks_sent"] if scheme == "nixl" else 0)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -209,7 +211,9 @@ def test_wrong_pinned_fingerprint_is_refused_before_any_byte_moves(
 
 
 def _raw(address: tuple[str, int], frame: bytes) -> tuple[int | None, bytes, bool]:
-    """Send one frame over a fresh TLS connection: (status, body, closed afterwards)."""
+    """Send one frame over a fresh TLS connection: (status, body, closed afterwards); status None when
+    the receiver closed the connection before its reply could be read (it refuses an oversized frame
+    from an unauthenticated client before reading it, so the client may see a reset)."""
     import socket
     import ssl
 
@@ -218,13 +222,16 @@ def _raw(address: tuple[str, int], frame: bytes) -> tuple[int | None, bytes, boo
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
     with socket.create_connection(address, timeout=10) as raw, ctx.wrap_socket(raw) as sock:
-        sock.sendall(frame)
         head = b""
-        while len(head) < REPLY.size:
-            more = sock.recv(REPLY.size - len(head))
-            if not more:
-                return None, b"", True
-            head += more
+        try:
+            sock.sendall(frame)
+            while len(head) < REPLY.size:
+                more = sock.recv(REPLY.size - len(head))
+                if not more:
+                    return None, b"", True
+                head += more
+        except (ConnectionError, ssl.SSLError):
+            return None, b"", True
         status, length = REPLY.unpack(head)
         body = b""
         while len(body) < length:
@@ -295,7 +302,7 @@ def test_an_unauthenticated_client_gets_nothing(
     }
     for what, data in attempts.items():
         status, body, closed = _raw(address, data)
-        assert status == DENIED and closed, what
+        assert status in (DENIED, None) and closed, what
         assert image_id not in body.decode(errors="replace") and held[0] not in body.decode(errors="replace"), what
     replayed = json.dumps(hello_request(control.load_key(), fingerprint)).encode()
     assert _raw(address, frame(HELLO, payload=replayed))[0] == 0  # the genuine one, once

@@ -176,7 +176,7 @@ def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_i
 
 def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, receiver: Receiver) -> None:
     """A window smaller than two chunks forces the sender to wait for acknowledgements mid-stream;
-    a rejected chunk is raised by a later put_chunk or at the latest by flush (before any manifest)."""
+    a rejected chunk is raised by flush (before any manifest), and take_rejected names it for a resend."""
     from gpumigrate.transfer.chunkobj import chunk_id_of
 
     sealer = Sealer(key)
@@ -193,7 +193,8 @@ def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, 
                 sender.put_chunk(cid, blob)
                 sent.append(cid)
             sender.flush()
-        assert len(sent) >= 8
+        assert len(sent) == 12  # a rejection does not stop the stream: flush reports it
+        assert sender.take_rejected() == [sent[7]]
         deadline = time.monotonic() + 10  # chunks sent after the bad one may still be in flight
         while receiver.chunks_received + receiver.chunks_rejected < len(sent) and time.monotonic() < deadline:
             time.sleep(0.01)
