@@ -447,7 +447,8 @@ class NixlStore(StreamStore):
 
     def close(self) -> None:
         super().close()
-        self._agent_ready.wait(timeout=30)
+        # An agent still starting (a push that ended inline) registered nothing and reached no one:
+        # it is not waited for; it goes with the process.
         with self._agent_lock:
             if self._agent is not None:
                 if self._remote_name is not None:
