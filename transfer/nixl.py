@@ -425,18 +425,10 @@ class NixlStore(StreamStore):
         finally:
             conn.lock.release()
 
-    def _collect(self) -> None:
-        """Announce every posted WRITE once it is DONE, then wait for every acknowledgement."""
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            with conn.lock:
-                try:
-                    if conn.extra is not None:
-                        self._announce(conn, conn.extra, wait=True)
-                except (OSError, ConnectionError, ValueError) as exc:
-                    self._drop(conn, exc)
-        super()._collect()
+    def _finish_sends(self, conn: _Conn) -> None:
+        """Announce every WRITE posted on this connection, once it is DONE (before its acknowledgements are read)."""
+        if conn.extra is not None:
+            self._announce(conn, conn.extra, wait=True)
 
     def _close_conn(self, conn: _Conn) -> None:
         slots: _Slots | None = conn.extra

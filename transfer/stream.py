@@ -421,6 +421,9 @@ class StreamStore(Store):
             self._errors = [(cid, err) for cid, err in self._errors if cid is None]
         return rejected
 
+    def _finish_sends(self, conn: _Conn) -> None:
+        """Send whatever this connection still holds back (nixl://: announcements of WRITEs). Caller holds its lock."""
+
     def _collect(self) -> None:
         """Wait for every outstanding acknowledgement on every connection."""
         with self._lock:
@@ -428,6 +431,7 @@ class StreamStore(Store):
         for conn in conns:
             with conn.lock:
                 try:
+                    self._finish_sends(conn)
                     while conn.pending:
                         self._read_reply(conn)
                 except (OSError, ConnectionError, ValueError) as exc:
