@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py transfer/_huffplane.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[workloads,dev,examples]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[workloads,nixl,dev,examples]'
 	touch $(STAMP)
 
 demo: $(STAMP)

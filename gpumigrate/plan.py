@@ -240,13 +240,24 @@ class Snapshot(_Model):
     max_downtime_ms: Annotated[int, Field(gt=0, le=600_000)] = 500
 
 
+# Receivers (stream://, nixl://) take options after "?": the certificate pinned as
+# fingerprint=sha256:<64 hex> (receiver.json gives it), connections=N, and for nixl:// the UCX
+# transports (transports=tcp), landing slots per connection (slots=N) and inline=0 (every chunk by NIXL).
+_RECEIVER_OPTION = (
+    r"(fingerprint=sha256:[0-9a-fA-F]{64}|connections=\d{1,2}|transports=[a-z0-9_]+(,[a-z0-9_]+)*|slots=\d{1,2}"
+    r"|inline=[01])"
+)
 _STORE_RE = re.compile(
-    r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|gs://[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9](/.*)?|stream://[A-Za-z0-9_.\-\[\]:]+:\d{1,5})$"
+    r"^(file://.+|s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?|gs://[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9](/.*)?"
+    rf"|(stream|nixl)://[A-Za-z0-9_.\-\[\]:]+:\d{{1,5}}(\?{_RECEIVER_OPTION}(&{_RECEIVER_OPTION})*)?)$"
 )
 
 
 class Transfer(_Model):
-    store: str = Field(description="file:///path, s3://bucket/prefix, gs://bucket/prefix or stream://host:port")
+    store: str = Field(
+        description="file:///path, s3://bucket/prefix, gs://bucket/prefix, or a receiver: "
+        "stream://host:port or nixl://host:port, optionally ?fingerprint=sha256:<hex>"
+    )
     compression: Literal["auto", "none", "zstd", "byteplane"] = Field(
         default="auto",
         description="auto picks per chunk (byte-plane for float tensors, zstd, or none when a sample gains < 5%).",
@@ -259,7 +270,10 @@ class Transfer(_Model):
     @classmethod
     def _store(cls, v: str) -> str:
         if not _STORE_RE.match(v):
-            raise ValueError("must be file:///path, s3://bucket[/prefix], gs://bucket[/prefix] or stream://host:port")
+            raise ValueError(
+                "must be file:///path, s3://bucket/prefix, gs://bucket/prefix, stream://host:port or "
+                "nixl://host:port (a receiver's URL may add ?fingerprint=sha256:HEX with 64 hex digits)"
+            )
         return v
 
 

@@ -142,8 +142,8 @@ def store_location(
     """Where a store keeps the image: (provider, region or None when unknown, enforcement point).
 
     ``s3://`` is an AWS bucket and ``gs://`` a GCS bucket in ``store_region``; ``file://`` is this
-    machine (LOCAL) unless ``store_region`` names where that disk is; ``stream://`` goes straight to
-    the target, so it lives wherever the target lives.
+    machine (LOCAL) unless ``store_region`` names where that disk is; ``stream://`` and ``nixl://`` go
+    straight to the target, so they live wherever the target lives.
     """
     scheme = store_url.split("://", 1)[0]
     if scheme == "s3":
@@ -155,9 +155,9 @@ def store_location(
             return "local", "local", "store"
         owner = next((p for p in PROVIDERS if lookup(p, store_region)), "local")
         return owner, store_region, "store"
-    if scheme == "stream":
+    if scheme in ("stream", "nixl"):  # receivers on the target host
         return target_provider or "local", target_region, "stream"
-    raise InvalidInputError(f"store {store_url!r}: scheme must be file, s3, gs or stream")
+    raise InvalidInputError(f"store {store_url!r}: scheme must be file, s3, gs, stream or nixl")
 
 
 def check_store(

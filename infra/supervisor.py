@@ -39,6 +39,7 @@ from gpumigrate.atomic import atomic_write_json
 
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS, MS_REC, MS_SLAVE, MNT_DETACH = 0x00020000, 0x4000, 0x80000, 2
 MARKER_ENV = "GPUMIGRATE_LOCAL_HOST_TOKEN"  # in every child's environment: lets a reaper prove ownership
 
 
@@ -60,6 +61,13 @@ def child_preexec(supervisor_pid: int, netns_path: str | None) -> Any:
             if libc.setns(fd, CLONE_NEWNET) != 0:
                 os._exit(126)
             os.close(fd)
+            # As `ip netns exec` does: a private /sys that lists this namespace's interfaces (sysfs shows
+            # the namespace of whoever mounted it; UCX, used by NIXL, finds network devices there).
+            if libc.unshare(CLONE_NEWNS) == 0 and libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None) == 0:
+                libc.umount2(b"/sys", MNT_DETACH)
+                libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None)
+            else:
+                os.write(2, f"DEBUGNS unshare/mount failed errno {ctypes.get_errno()}\n".encode())
 
     return preexec
 

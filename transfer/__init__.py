@@ -6,9 +6,13 @@ Importing this package is cheap: the public names load their modules on first us
 - ``open_reader(store_url, image_id, *, key)``
 - ``resolve_key(env=None, file=None) -> bytes``, ``generate_key() -> str``
 - ``pack_paths(paths, store_url, *, key, parent=None, ...) -> ImageRef``, ``unpack(store_url, image_id, out_dir, *, key)``
-- ``push(src_url, dst_url, image_id, *, key, parallelism=4, progress=None) -> TransferStats``
+- ``push(src_url, dst_url, image_id, *, key, parallelism=4, progress=None) -> TransferStats``: any store or
+  receiver (stream://, nixl://) as destination; the CLI and the flows both call it
 - ``verify(store_url, image_id, *, key) -> TransferStats``
-- ``serve_stream(listen, store_url, *, key=None) -> StreamServer`` (``.port``, ``.close()``)
+- ``serve_stream(listen, store_url, *, key=None, quota_bytes=None, nixl=False) -> Receiver`` (``.url``, ``.close()``)
+- a receiver on a host: ``receiver_argv(state_dir, ReceiverOptions(...), key_ref=)`` (the command to run there), ``start_receiver``
+  (detached here), ``read_receiver_info(state_dir) -> ReceiverInfo`` (``.url`` pinned, ``.store``),
+  ``stop_receiver(state_dir)``
 - ``store_region(store_url) -> str | None``
 - ``ProgressCallback = Callable[[bytes_done, bytes_total], None]``
 """
@@ -28,7 +32,13 @@ _EXPORTS = {
     "verify": "push",
     "store_region": "push",
     "serve_stream": "receiver",
-    "StreamServer": "receiver",
+    "Receiver": "receiver",
+    "receiver_argv": "receiver_host",
+    "start_receiver": "receiver_host",
+    "read_receiver_info": "receiver_host",
+    "stop_receiver": "receiver_host",
+    "ReceiverInfo": "receiver_host",
+    "ReceiverOptions": "receiver_host",
     "ProgressCallback": "progress",
     "TransferStats": "progress",
     "open_store": "stores",

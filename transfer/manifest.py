@@ -5,16 +5,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from typing import Any
 
 import blake3
 
-from gpumigrate.errors import IntegrityError, InvalidInputError
+from gpumigrate.errors import EXIT_INVALID, IntegrityError, InvalidInputError
 from gpumigrate.transfer.chunkobj import Sealer
 from gpumigrate.transfer.keys import WrongKeyError
 
 FORMAT_NAME = "gpumigrate-image"
 FORMAT_VERSION = 1
+# Development only: read images written without a key (signature "alg": "none"). Anyone who can
+# write a store can forge such an image, so readers refuse them unless this is set to 1.
+ALLOW_UNSIGNED_ENV = "GPUMIGRATE_ALLOW_UNSIGNED_IMAGES"
+
+
+class UnsignedImageError(IntegrityError):
+    """An unsigned image met a reader that may not accept one: refused before anything is read (exit 2)."""
+
+    exit_code = EXIT_INVALID
+
+
+def unsigned_allowed() -> bool:
+    return os.environ.get(ALLOW_UNSIGNED_ENV) == "1"
 
 
 def canonical(obj: Any) -> bytes:
@@ -55,6 +69,12 @@ def open_manifest(data: bytes, image_id: str, sealer: Sealer) -> dict[str, Any]:
         if alg != "none" or body.get("encryption") != "none":
             raise InvalidInputError(
                 f"image {image_id[:16]} is encrypted and signed: give its key (--key-env or --key-file)"
+            )
+        if not unsigned_allowed():
+            raise UnsignedImageError(
+                f"image {image_id[:16]} is unsigned (alg none): anyone who can write its store could have "
+                f"made it, so it is refused",
+                hint=f"write images with a key; for development only, {ALLOW_UNSIGNED_ENV}=1 reads unsigned ones",
             )
         return body
     if alg != "hmac-sha256":

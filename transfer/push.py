@@ -1,9 +1,14 @@
 """push (copy an image between stores, resumable), verify, and store_region.
 
-Push lists the destination once and copies only objects it lacks or holds at the wrong size; each
-object is authenticated and its BLAKE3 recomputed before it is stored (at the source, or by a keyed
-``stream://`` receiver before it acknowledges — not both), and the manifest goes last,
-so an interrupted push leaves only whole, reusable chunks and a re-run sends the rest.
+Push is the one code path for ``gpumigrate image push`` and the flows' transfer phase. It checks the
+signed manifest, lists the destination once and copies only the objects it lacks. It never reads
+back, decrypts or re-hashes the chunks it copies (the snapshot writer hashed them as it wrote
+them): each object is checked where it lands, by its AES-GCM tag and BLAKE3 id — a ``stream://``
+or ``nixl://`` receiver before it stores the object, any other store by the reader that uses it
+(``verify``, a restore). Objects the destination already holds at the right size are verified
+before they are trusted: a receiver lists only objects it verified, any other store's are read and
+checked here. The manifest goes last, so an interrupted push leaves only whole, reusable chunks and
+a re-run sends the rest.
 """
 
 from __future__ import annotations
@@ -13,14 +18,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError
+from gpumigrate.errors import GpumigrateError, IntegrityError
 from gpumigrate.transfer.api import _store
 from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, resolve_image_id
-
-CHECK_EXISTING = ("size", "full")
 
 
 class _Scratch(threading.local):
@@ -38,6 +41,39 @@ def _check_object(reader: StoreImageReader, scratch: _Scratch, chunk_id: str, bl
     reader.sealer.open_into(chunk_id, blob, scratch.get(raw_len), reader.read_object)
 
 
+def _untrusted(dst: Store, reader: StoreImageReader, candidates: list[str], parallelism: int) -> list[str]:
+    """The objects among ``candidates`` (present at the right size) that fail verification at ``dst``."""
+    if dst.verifies_on_arrival or not candidates:
+        return []  # a receiver lists only objects it verified
+    scratch = _Scratch()
+
+    def bad(cid: str) -> bool:
+        try:
+            _check_object(reader, scratch, cid, dst.get_chunk(cid))
+        except GpumigrateError:
+            return True
+        return False
+
+    with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-push-check") as pool:
+        return [cid for cid, failed in zip(candidates, pool.map(bad, candidates), strict=True) if failed]
+
+
+RESENDS = 2  # a chunk a receiver rejects (damaged on the way) is sent again up to this many times
+
+
+def _flush_or_resend(dst: Store) -> tuple[list[str], str]:
+    """Flush ``dst``; return the chunks it rejected (to send again) and why, raising any other failure."""
+    try:
+        dst.flush()
+    except IntegrityError as exc:
+        rejected = dst.take_rejected()
+        if not rejected:
+            raise
+        dst.flush()
+        return rejected, exc.message
+    return [], ""
+
+
 def push(
     src_url: str | Store,
     dst_url: str | Store,
@@ -46,74 +82,66 @@ def push(
     key: bytes | None,
     parallelism: int = 4,
     progress: ProgressCallback | None = None,
-    check_existing: str = "size",
     rate_limit: float | None = None,
     endpoint_url: str | None = None,
 ) -> TransferStats:
     """Copy image ``image_id`` and whichever of its chunks ``dst_url`` lacks; returns what moved.
 
-    ``check_existing="full"`` also re-reads and verifies every chunk the destination already holds
-    (catches a flipped bit there, at the cost of reading it); the default trusts a chunk of the
-    right size, which catches truncation. ``rate_limit`` caps bytes/s.
+    ``dst_url`` is any store (file://, s3://, gs://) or a receiver (stream://, nixl://).
+    ``rate_limit`` caps bytes/s.
     """
-    if check_existing not in CHECK_EXISTING:
-        raise InvalidInputError(f"check_existing={check_existing!r}", hint=f"allowed: {', '.join(CHECK_EXISTING)}")
     t0 = time.monotonic()
     src = _store(src_url, endpoint_url)
     dst = _store(dst_url, endpoint_url, parallelism)
-    image_id = resolve_image_id(src, image_id)
-    sealer = Sealer(key)
-    reader = StoreImageReader(src, image_id, sealer)
-    manifest = src.get_manifest(image_id)
-    objects: dict[str, list[Any]] = reader.objects
-    stats = TransferStats(image_id=image_id, chunks_total=len(objects), bytes_logical=reader.ref.bytes_image)
-    have = dst.list_chunks()
-    scratch = _Scratch()
-    todo: list[str] = []
-    invalid: list[str] = []
-    for cid, entry in objects.items():
-        size = have.get(cid)
-        if size is None:
-            todo.append(cid)
-        elif size != int(entry[0]):
-            invalid.append(cid)
-        elif check_existing == "full" and dst.readable:
-            try:
-                _check_object(reader, scratch, cid, dst.get_chunk(cid))
-            except GpumigrateError:
-                invalid.append(cid)
-    todo += invalid
-    stats.chunks_resent_invalid = len(invalid)
-    stats.chunks_skipped = len(objects) - len(todo)
-    counter = ProgressCounter(progress, sum(int(objects[c][0]) for c in todo))
-    limiter = RateLimiter(rate_limit)
-    lock = threading.Lock()
-
-    check_at_source = not (todo and dst.verifies_on_arrival)
-
-    def copy_one(cid: str) -> None:
-        blob = src.get_chunk(cid)
-        if check_at_source:
-            _check_object(reader, scratch, cid, blob)
-        limiter.take(len(blob))
-        dst.put_chunk(cid, blob)
-        with lock:
-            stats.chunks_sent += 1
-            stats.bytes_sent += len(blob)
-        counter.add(len(blob))
-
     try:
-        # Delta bases go before the deltas built on them, so a receiver can verify every delta on arrival.
-        bases_first = [c for c in todo if not objects[c][2]], [c for c in todo if objects[c][2]]
+        image_id = resolve_image_id(src, image_id)
+        reader = StoreImageReader(src, image_id, Sealer(key))  # the signed manifest, checked
+        manifest = src.get_manifest(image_id)
+        objects: dict[str, list[Any]] = reader.objects
+        stats = TransferStats(image_id=image_id, chunks_total=len(objects), bytes_logical=reader.ref.bytes_image)
+        have = dst.list_chunks()
+        todo = [cid for cid in objects if cid not in have]
+        wrong_size = [cid for cid in objects if cid in have and have[cid] != int(objects[cid][0])]
+        present = [cid for cid in objects if have.get(cid) == int(objects[cid][0])]
+        invalid = wrong_size + _untrusted(dst, reader, present, parallelism)
+        todo += invalid
+        stats.chunks_resent_invalid = len(invalid)
+        stats.chunks_skipped = len(objects) - len(todo)
+        counter = ProgressCounter(progress, sum(int(objects[c][0]) for c in todo))
+        limiter = RateLimiter(rate_limit)
+        lock = threading.Lock()
+
+        def copy_one(cid: str) -> None:
+            blob = src.get_chunk(cid)
+            limiter.take(len(blob))
+            dst.put_chunk(cid, blob)
+            with lock:
+                stats.chunks_sent += 1
+                stats.bytes_sent += len(blob)
+            counter.add(len(blob))
+
         with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-push") as pool:
-            for n, phase in enumerate(bases_first):
-                if n and phase and bases_first[0]:
-                    # stores may acknowledge asynchronously (stream:// pipelines): every base must
-                    # be stored before a delta that the receiver verifies against it arrives
-                    dst.flush()
-                for fut in [pool.submit(copy_one, cid) for cid in phase]:
-                    fut.result()
-        dst.flush()
+            for attempt in range(RESENDS + 1):
+                # Delta bases go before the deltas built on them, so a receiver can verify every delta on arrival.
+                bases_first = [c for c in todo if not objects[c][2]], [c for c in todo if objects[c][2]]
+                for n, phase in enumerate(bases_first):
+                    if n and phase and bases_first[0]:
+                        # stores may acknowledge asynchronously (stream:// pipelines): every base must
+                        # be stored before a delta that the receiver verifies against it arrives
+                        todo_later, _ = _flush_or_resend(dst)
+                        phase = phase + todo_later
+                    for fut in [pool.submit(copy_one, cid) for cid in phase]:
+                        fut.result()
+                todo, why = _flush_or_resend(dst)
+                if not todo:
+                    break
+                if attempt == RESENDS:
+                    raise IntegrityError(
+                        f"{len(todo)} chunks were rejected {RESENDS + 1} times; the last time: {why}",
+                        hint="a damaged source copy (`gpumigrate image verify` it) or a receiver with another key",
+                    )
+                stats.chunks_resent_invalid += len(todo)
+                counter.grow(sum(int(objects[c][0]) for c in todo))
         dst.put_manifest(image_id, manifest)
         stats.bytes_sent += len(manifest)
     finally:

@@ -1,7 +1,8 @@
 """Chunk stores behind one interface: where the objects of FORMAT.md live.
 
 ``open_store(url)`` picks the backend by scheme: ``file://`` (here), ``s3://`` (s3store),
-``gs://`` (gcsstore), ``stream://`` (stream, write-only towards a receiver). Every put is atomic:
+``gs://`` (gcsstore), ``stream://`` (stream) and ``nixl://`` (nixl), write-only towards a receiver
+(receiver.py). Every put is atomic:
 an object is either absent or complete.
 """
 
@@ -18,9 +19,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from gpumigrate.atomic import fsync_dir
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
-from gpumigrate.transfer.chunkobj import HEADER_SIZE
 
-SCHEMES = ("file", "s3", "gs", "stream")
+SCHEMES = ("file", "s3", "gs", "stream", "nixl")
 SYNC_MODES = ("chunk", "deferred", "none")
 STORE_MARKER = "gpumigrate-store.json"
 # Concurrent fdatasyncs let the filesystem commit several files' data in one journal transaction.
@@ -29,6 +29,14 @@ _TMP_SERIAL = itertools.count()
 STORE_MARKER_BODY = b'{"format": "gpumigrate-store", "version": 1}\n'
 # Objects at least this big get their blocks allocated before the write (FileStore._reserve).
 PREALLOCATE_BYTES = 256 << 10
+
+
+def _header_size() -> int:
+    # Imported here, not at the top: the receivers' senders (stream://, nixl://) and the device path
+    # import this module without the codec and cipher stack that chunkobj brings.
+    from gpumigrate.transfer.chunkobj import HEADER_SIZE
+
+    return HEADER_SIZE
 
 
 def chunk_key(chunk_id: str) -> str:
@@ -44,8 +52,9 @@ class Store:
 
     url: str
     readable = True
-    # True when the far side authenticates and BLAKE3-checks every chunk before accepting it (a keyed
-    # stream receiver): push then skips its own source-side check instead of doing the work twice.
+    # True when the far side authenticates and BLAKE3-checks every chunk before storing it and lists
+    # only chunks it verified (a stream:// or nixl:// receiver): push then trusts its listing instead
+    # of reading existing chunks back to verify them.
     verifies_on_arrival = False
     # True when one listing is cheaper than a size query per chunk (remote stores): the writer then
     # lists once instead of asking about every chunk it has not seen.
@@ -67,7 +76,7 @@ class Store:
 
     def chunk_header(self, chunk_id: str) -> bytes:
         """The first HEADER_SIZE bytes of a chunk object (codec, base) without reading the rest."""
-        return self.get_chunk(chunk_id)[:HEADER_SIZE]
+        return self.get_chunk(chunk_id)[: _header_size()]
 
     def list_chunks(self) -> dict[str, int]:
         """Every chunk id the store holds, with its stored size (one listing, not one call per chunk)."""
@@ -84,6 +93,10 @@ class Store:
 
     def flush(self) -> None:
         """Make every put so far durable (before a manifest that names the chunks is written)."""
+
+    def take_rejected(self) -> list[str]:
+        """Chunks the far side refused after checking them (a receiver), to send again; none for a store."""
+        return []
 
     def region(self) -> str | None:
         """Where the store's data lives (cloud region), for residency checks; None when not a cloud."""
@@ -250,6 +263,10 @@ class FileStore(Store):
                 self._syncer = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gm-fsync")
             self._sync_futures.append(self._syncer.submit(fn, *args))
 
+    def remove_chunk(self, chunk_id: str) -> None:
+        """Delete a damaged chunk (a receiver's check of what an earlier run left)."""
+        self._path(chunk_key(chunk_id)).unlink(missing_ok=True)
+
     def get_chunk(self, chunk_id: str) -> bytes:
         try:
             return self._path(chunk_key(chunk_id)).read_bytes()
@@ -259,7 +276,7 @@ class FileStore(Store):
     def chunk_header(self, chunk_id: str) -> bytes:
         try:
             with open(self._path(chunk_key(chunk_id)), "rb") as fh:
-                return fh.read(HEADER_SIZE)
+                return fh.read(_header_size())
         except FileNotFoundError:
             raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
 
@@ -340,7 +357,8 @@ def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
     if parts.scheme not in SCHEMES or "://" not in url:
         raise InvalidInputError(
             f"unsupported store URL {url!r}",
-            hint="allowed: file:///abs/dir, file://relative/dir, s3://bucket/prefix, gs://bucket/prefix, stream://host:port",
+            hint="allowed: file:///abs/dir, file://relative/dir, s3://bucket/prefix, gs://bucket/prefix, "
+            "stream://host:port, nixl://host:port",
         )
     return parts.scheme, parts.netloc, parts.path, parse_qs(parts.query)
 
@@ -374,6 +392,10 @@ def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 
         from gpumigrate.transfer.gcsstore import GcsStore
 
         return GcsStore(url, endpoint_url=endpoint_url)
+    if scheme == "nixl":
+        from gpumigrate.transfer.nixl import NixlStore
+
+        return NixlStore(url, connections=parallelism)
     from gpumigrate.transfer.stream import StreamStore
 
     return StreamStore(url, connections=parallelism)

@@ -2,14 +2,14 @@
 
 An IMAGE URL is ``STORE_URL#IMAGE_ID``; the id may be a unique prefix, or left out when the store
 holds one image. Store URLs: file:///abs/dir, file://relative/dir, s3://bucket/prefix,
-gs://bucket/prefix, stream://host:port (push/pack destination only; a receiver writes it to its store).
+gs://bucket/prefix, and the receivers stream://host:port and nixl://host:port (push/pack
+destinations only; ``image receive`` writes what arrives to its own file:// store).
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +19,11 @@ import typer
 from rich.text import Text
 
 from gpumigrate.cli.output import clean, console, emit_json
-from gpumigrate.errors import InvalidInputError
+from gpumigrate.errors import GpumigrateError, InvalidInputError
 
 app = typer.Typer(
-    help="Checkpoint images: pack files, push between stores (file://, s3://, gs://, stream://), verify, unpack.\n\n"
+    help="Checkpoint images: pack files, push between stores (file://, s3://, gs://) or to a receiver "
+    "(stream://, nixl://), verify, unpack, receive.\n\n"
     "IMAGE URLs are STORE_URL#IMAGE_ID (a unique id prefix is enough; the id may be left out when the store "
     "holds one image), e.g. file:///data/images#3fa2c1. The key (32 bytes: hex, base64 or raw) comes from "
     "--key-env VAR, --key-file FILE, or GPUMIGRATE_IMAGE_KEY; --no-key writes/reads unencrypted, unsigned images.\n\n"
@@ -42,6 +43,12 @@ Endpoint = typer.Option(
 Quiet = typer.Option(False, "--quiet", "-q", help="no progress bar")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)(?:/s)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | None) -> int | None:
+    """'10GiB', '500MB', '1000000' → bytes."""
+    value = parse_rate(text)
+    return None if value is None else int(value)
 
 
 def parse_rate(text: str | None) -> float | None:
@@ -216,20 +223,22 @@ def pack(
 @app.command("push")
 def push(
     src: str = typer.Argument(..., help="IMAGE URL to copy (STORE_URL#IMAGE_ID)"),
-    dst: str = typer.Argument(..., help="destination store URL (file://, s3://, gs://, stream://host:port)"),
+    dst: str = typer.Argument(
+        ..., help="destination: a store URL (file://, s3://, gs://) or a receiver (stream://, nixl://host:port)"
+    ),
     key_env: str | None = KeyEnv,
     key_file: Path | None = KeyFile,
     no_key: bool = NoKey,
     parallelism: int = Parallelism,
     rate_limit: str | None = typer.Option(None, "--rate-limit", help="cap on bytes/s, e.g. 100MB, 1GiB"),
-    verify_existing: bool = typer.Option(
-        False, "--verify-existing", help="re-verify chunks the destination already holds"
-    ),
     endpoint_url: str | None = Endpoint,
     quiet: bool = Quiet,
     as_json: bool = JsonOut,
 ) -> None:
-    """Copy an image and whichever of its chunks DST lacks (resumable: re-run moves only the rest)."""
+    """Copy an image and whichever of its chunks DST lacks (resumable: re-run moves only the rest).
+
+    Chunks DST already holds are verified before they are trusted; a receiver verifies every chunk it gets.
+    """
     from gpumigrate.transfer.push import push as do_push
 
     store, image = _image_url(src)
@@ -242,7 +251,6 @@ def push(
             key=key,
             parallelism=parallelism,
             progress=cb,
-            check_existing="full" if verify_existing else "size",
             rate_limit=parse_rate(rate_limit),
             endpoint_url=endpoint_url,
         )
@@ -305,49 +313,71 @@ def unpack(
 
 @app.command("receive")
 def receive(
-    listen: str = typer.Option(..., "--listen", help="host:port to listen on (port 0 picks a free one)"),
-    store: str = typer.Option(..., "--store", help="store URL the received images are written to"),
+    listen: str = typer.Option(
+        "127.0.0.1:0", "--listen", help="host:port to listen on (port 0 picks a free one; loopback by default)"
+    ),
+    state_dir: Path | None = typer.Option(
+        None,
+        "--state-dir",
+        help="directory for receiver.json (address and certificate fingerprint) and store/ (the images)",
+    ),
+    store: str | None = typer.Option(None, "--store", help="file:// store to write to (default: STATE_DIR/store)"),
     key_env: str | None = KeyEnv,
     key_file: Path | None = KeyFile,
-    no_key: bool = typer.Option(False, "--no-key", help="accept chunks without decrypting them (header checks only)"),
-    exit_after: int = typer.Option(
-        0, "--exit-after", min=0, help="exit after this many images arrived (0: run until SIGTERM/SIGINT)"
+    no_key: bool = typer.Option(
+        False, "--no-key", help="no image key: only unencrypted chunks can be verified, encrypted ones are refused"
     ),
-    endpoint_url: str | None = Endpoint,
+    advertise: str | None = typer.Option(None, "--advertise", help="host name senders use (listening on 0.0.0.0)"),
+    quota: str | None = typer.Option(None, "--quota", help="most bytes the store may hold, e.g. 50GiB"),
+    nixl: bool = typer.Option(False, "--nixl", help="also land nixl:// WRITEs (needs the nixl-cu13 package)"),
+    nixl_transports: str | None = typer.Option(
+        None, "--nixl-transports", help="UCX transports for NIXL (UCX_TLS), e.g. tcp; default: UCX chooses"
+    ),
+    detach: bool = typer.Option(False, "--detach", help="run in the background; needs --state-dir"),
+    exit_after: int = typer.Option(
+        0, "--exit-after", min=0, help="exit after this many images arrived (0: until SIGTERM or `receive-stop`)"
+    ),
 ) -> None:
-    """Receive stream:// pushes into a local store. Prints one JSON line with the sender URL, then a summary on exit."""
-    from gpumigrate.transfer.receiver import serve_stream
+    """Receive stream:// and nixl:// pushes into a local store, verifying every chunk before storing it.
+
+    Only clients holding the control key (GPUMIGRATE_CONTROL_KEY_FILE) are served. Prints one JSON
+    line with the URL to push to (certificate pinned) once listening, and the counts when it stops.
+    """
+    from gpumigrate.transfer.receiver_host import ReceiverOptions, run_receiver, start_receiver
 
     key = _key(key_env, key_file, no_key)
-    server = serve_stream(listen, store, key=key, endpoint_url=endpoint_url)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        emit_json(
-            {
-                "listening": f"{server.host}:{server.port}",
-                "port": server.port,
-                "url": server.url,
-                "fingerprint": server.fingerprint,
-                "store": store,
-            }
-        )
-        while not stop.is_set():
-            if exit_after and len(server.manifests) >= exit_after:
-                break
-            server.manifest_event.wait(0.2)
-            server.manifest_event.clear()
-    finally:
-        server.close()
-    emit_json(
-        {
-            "images": server.manifests,
-            "chunks_received": server.chunks_received,
-            "chunks_rejected": server.chunks_rejected,
-            "bytes_received": server.bytes_received,
-        }
+    options = ReceiverOptions(
+        listen=listen, advertise=advertise, quota_bytes=parse_size(quota), nixl=nixl, nixl_transports=nixl_transports
     )
+    if detach:
+        if state_dir is None:
+            raise InvalidInputError("--detach needs --state-dir (where receiver.json tells senders the address)")
+        key_ref = {"env": key_env} if key_env else {"file": str(key_file)} if key_file else None
+        if key_ref is None and not no_key:
+            key_ref = {"env": DEFAULT_KEY_ENV}
+        info = start_receiver(state_dir, options, key_ref=key_ref)
+        emit_json({"url": info.url, "fingerprint": info.fingerprint, "store": info.store, "pid": info.pid})
+        return
+
+    def ready(doc: dict[str, Any]) -> None:
+        emit_json({k: doc[k] for k in ("url", "fingerprint", "host", "port", "store", "nixl")})
+
+    stats = run_receiver(state_dir, options, key=key, store=store, on_ready=ready, exit_after=exit_after)
+    emit_json(stats)
+
+
+@app.command("receive-stop")
+def receive_stop(
+    state_dir: Path = typer.Option(..., "--state-dir", help="the receiver's state directory"),
+    timeout: float = typer.Option(30.0, "--timeout", min=1, help="seconds to wait for it to stop"),
+) -> None:
+    """Stop the receiver of STATE_DIR (an authenticated request; it flushes its store first) and print its counts."""
+    from gpumigrate.transfer.receiver_host import stop_receiver
+
+    info = stop_receiver(state_dir, timeout_s=timeout)
+    emit_json({"state": info.state, **info.stats})
+    if info.state != "stopped":
+        raise GpumigrateError(f"the receiver of {state_dir} did not stop cleanly (pid {info.pid})")
 
 
 @app.command("ls")
@@ -391,8 +421,8 @@ def region(
     endpoint_url: str | None = Endpoint,
     as_json: bool = JsonOut,
 ) -> None:
-    """Where a store's bucket lives (for residency checks); none for file:// and stream://."""
-    from gpumigrate.transfer.push import store_region
+    """Where a store's bucket lives (for residency checks); none for file://, stream:// and nixl://."""
+    from gpumigrate.transfer import store_region
 
     where = store_region(_parses(store), endpoint_url=endpoint_url)
     _summary({"store": store, "region": where}, as_json, f"{store}: {where or 'no cloud region'}")

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from transfer_helpers import bf16_weights
 
-from gpumigrate.errors import DecryptionError, InvalidInputError, TransferError
+from gpumigrate.errors import DecryptionError, IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageReader, ImageWriter, RegionInfo
 from gpumigrate.transfer import generate_key, open_reader, open_writer, resolve_key
+from gpumigrate.transfer.manifest import UnsignedImageError
 
 CHUNK = 256 * 1024
 
@@ -144,12 +145,21 @@ def test_wrong_key_and_missing_key(store: str, key: bytes) -> None:
         open_reader(store, ref.id, key=None)
 
 
-def test_unencrypted_image_roundtrip_and_key_mismatch(store: str) -> None:
+def test_unsigned_image_is_refused_unless_the_development_flag_is_set(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     w = open_writer(store, key=None, chunk_size=CHUNK)
     w.add_region(RegionInfo(name="b", nbytes=5, kind="blob"))
     w.put_chunk("b", 0, memoryview(b"hello"))
     ref = w.commit()
+    monkeypatch.delenv("GPUMIGRATE_ALLOW_UNSIGNED_IMAGES", raising=False)
+    with pytest.raises(UnsignedImageError, match="unsigned") as refused:
+        open_reader(store, ref.id, key=None)
+    assert refused.value.exit_code == 2
+    monkeypatch.setenv("GPUMIGRATE_ALLOW_UNSIGNED_IMAGES", "1")
     assert bytes(open_reader(store, ref.id, key=None).read_region("b")) == b"hello"
+    with pytest.raises(IntegrityError, match="not signed"):  # a reader given a key never accepts one
+        open_reader(store, ref.id, key=os.urandom(32))
     with pytest.raises(Exception, match="not signed"):
         open_reader(store, ref.id, key=os.urandom(32))
 

@@ -13,13 +13,13 @@ from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError, TransferError
 from gpumigrate.interfaces import RegionInfo
-from gpumigrate.transfer import StreamServer, open_reader, open_writer, pack_paths, push, serve_stream, verify
+from gpumigrate.transfer import Receiver, open_reader, open_writer, pack_paths, push, serve_stream, verify
 from gpumigrate.transfer.chunkobj import Sealer
 from gpumigrate.transfer.stream import StreamStore
 
 
 @pytest.fixture
-def receiver(tmp_path: Path, key: bytes) -> Iterator[StreamServer]:
+def receiver(tmp_path: Path, key: bytes) -> Iterator[Receiver]:
     server = serve_stream("127.0.0.1:0", f"file://{tmp_path / 'target'}", key=key)
     try:
         yield server
@@ -27,7 +27,7 @@ def receiver(tmp_path: Path, key: bytes) -> Iterator[StreamServer]:
         server.close()
 
 
-def test_push_over_stream_then_resume_sends_nothing(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+def test_push_over_stream_then_resume_sends_nothing(tmp_path: Path, key: bytes, receiver: Receiver) -> None:
     src = tmp_path / "in"
     src.mkdir()
     (src / "w").write_bytes(bf16_weights(3 << 20).tobytes())
@@ -42,7 +42,7 @@ def test_push_over_stream_then_resume_sends_nothing(tmp_path: Path, key: bytes, 
     assert verify(target, ref.id, key=key).chunks_total == stats.chunks_total
 
 
-def test_writer_streams_tensors_straight_to_the_target(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+def test_writer_streams_tensors_straight_to_the_target(tmp_path: Path, key: bytes, receiver: Receiver) -> None:
     data = bf16_weights(1_500_000)
     w = open_writer(receiver.url, key=key, chunk_size=1 << 20, parallelism=3)
     w.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="bfloat16", shape=data.shape))
@@ -55,7 +55,7 @@ def test_writer_streams_tensors_straight_to_the_target(tmp_path: Path, key: byte
 
 
 def test_receiver_rejects_a_tampered_chunk_and_an_early_manifest(
-    key: bytes, receiver: StreamServer, tmp_path: Path
+    key: bytes, receiver: Receiver, tmp_path: Path
 ) -> None:
     sealer = Sealer(key)
     from gpumigrate.transfer.chunkobj import chunk_id_of
@@ -97,9 +97,9 @@ def test_receiver_with_another_key_rejects_chunks(tmp_path: Path, key: bytes) ->
         other.close()
 
 
-def test_pinned_fingerprint_mismatch_and_no_receiver(receiver: StreamServer) -> None:
+def test_pinned_fingerprint_mismatch_and_no_receiver(receiver: Receiver) -> None:
     bad = StreamStore(f"stream://127.0.0.1:{receiver.port}?fingerprint={'0' * 64}")
-    with pytest.raises(TransferError, match="pinned fingerprint"):
+    with pytest.raises(TransferError, match="not the pinned"):
         bad.list_chunks()
     bad.close()
     import socket
@@ -112,7 +112,7 @@ def test_pinned_fingerprint_mismatch_and_no_receiver(receiver: StreamServer) -> 
 
 
 def test_precopy_rounds_written_straight_to_the_stream_chain_parents(
-    tmp_path: Path, key: bytes, receiver: StreamServer
+    tmp_path: Path, key: bytes, receiver: Receiver
 ) -> None:
     data = bf16_weights(800_000)
     chunk = 256 * 1024
@@ -135,7 +135,7 @@ def test_precopy_rounds_written_straight_to_the_stream_chain_parents(
     assert bytes(got) == changed.tobytes()
 
 
-def test_writer_reuses_chunks_the_receiver_already_holds(tmp_path: Path, key: bytes, receiver: StreamServer) -> None:
+def test_writer_reuses_chunks_the_receiver_already_holds(tmp_path: Path, key: bytes, receiver: Receiver) -> None:
     data = os.urandom(600_000)
     refs = []
     for _ in range(2):  # the second image has no parent, yet sends nothing: the receiver has every chunk
@@ -149,7 +149,7 @@ def test_writer_reuses_chunks_the_receiver_already_holds(tmp_path: Path, key: by
 
 
 def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_its_base(
-    tmp_path: Path, key: bytes, receiver: StreamServer
+    tmp_path: Path, key: bytes, receiver: Receiver
 ) -> None:
     """Bases and deltas in one push: the receiver must hold each base before a delta built on it arrives."""
     local = f"file://{tmp_path / 'local'}"
@@ -174,9 +174,9 @@ def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_i
     assert bytes(got) == changed.tobytes()
 
 
-def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, receiver: StreamServer) -> None:
+def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, receiver: Receiver) -> None:
     """A window smaller than two chunks forces the sender to wait for acknowledgements mid-stream;
-    a rejected chunk is raised by a later put_chunk or at the latest by flush (before any manifest)."""
+    a rejected chunk is raised by flush (before any manifest), and take_rejected names it for a resend."""
     from gpumigrate.transfer.chunkobj import chunk_id_of
 
     sealer = Sealer(key)
@@ -193,7 +193,8 @@ def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, 
                 sender.put_chunk(cid, blob)
                 sent.append(cid)
             sender.flush()
-        assert len(sent) >= 8
+        assert len(sent) == 12  # a rejection does not stop the stream: flush reports it
+        assert sender.take_rejected() == [sent[7]]
         deadline = time.monotonic() + 10  # chunks sent after the bad one may still be in flight
         while receiver.chunks_received + receiver.chunks_rejected < len(sent) and time.monotonic() < deadline:
             time.sleep(0.01)
