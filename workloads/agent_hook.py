@@ -78,6 +78,8 @@ def start_inference_agent(state: Any, port: int, host: str = "127.0.0.1") -> Age
     """Embed an agent in the inference server: the model's tensors, frozen at the request SafePoint."""
     agent = make_agent(freezer=state.safe_point, set_ready=state.set_ready)
     agent.track_module("model", state.model)
+    if getattr(state, "mutable", None) is not None:  # the server's --mutable-mb state
+        agent.track_tensor("mutable", state.mutable)
     return AgentHandle(agent, serve(agent, port, host))
 
 

@@ -94,6 +94,9 @@ class InferenceApp:
                 time.sleep(fault.delay_ms / 1000.0)
             noise = state.drift_noise if hit and fault.kind == "drift" else None
             tokens, logprobs = generate(state.model, prompt, n, logit_noise=noise)
+            mutable = getattr(state, "mutable", None)
+            if mutable is not None:  # --mutable-mb: state every request changes, as a KV cache would
+                mutable.add_(1)
         return 200, {
             "tokens": tokens,
             "text": decode(tokens),
@@ -143,6 +146,11 @@ class InferenceApp:
                 **{k: st.meta[k] for k in ("seed", "size", "dtype", "device", "params_mb") if k in st.meta},
             }
         )
+        mutable = getattr(st, "mutable", None)
+        if mutable is not None:
+            from gpumigrate.workloads.model import weights_digest
+
+            facts["mutable_digest"] = weights_digest({"mutable": mutable})
         return facts
 
     async def fault(self, request: Request) -> Response:
@@ -235,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="request worker threads")
     p.add_argument("--name", default=socket.gethostname(), help="host name reported in every answer")
     p.add_argument("--await-restore", action="store_true", help="start unready with unloaded weights")
+    p.add_argument(
+        "--mutable-mb", type=float, default=0, help="N MB of device state that every request changes (migrated too)"
+    )
     return p
 
 
@@ -259,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         ready=not args.await_restore,
         meta=meta,
     )
+    if args.mutable_mb:
+        state.mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device=args.device)  # type: ignore[attr-defined]
     app = InferenceApp(state, workers=args.workers)
     sock = bind_socket(args.host, args.port)
     agent = _start_agent(state, args.agent_port, args.host)
