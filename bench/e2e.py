@@ -450,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                 out["runs"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
                 shutil.rmtree(base, ignore_errors=True)
+            if args.out:  # partial results survive a run cut short
+                Path(args.out).write_text(json.dumps(out) + "\n")
         if args.baselines:
             log("baselines ...")
             try:

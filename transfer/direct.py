@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -29,9 +30,9 @@ from gpumigrate.errors import IntegrityError, InvalidInputError
 from gpumigrate.interfaces import TensorChunk
 from gpumigrate.transfer import codecs, gpucodec
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
-from gpumigrate.transfer.chunkobj import HEADER_SIZE, TAG_SIZE, chunk_id_of
+from gpumigrate.transfer.chunkobj import HEADER_SIZE, TAG_SIZE, chunk_id_of, sealed_size
 from gpumigrate.transfer.reader import StoreImageReader
-from gpumigrate.transfer.writer import StoreImageWriter
+from gpumigrate.transfer.writer import BUFFERS, StoreImageWriter
 
 # A slot's payload starts on a page boundary (DMA-friendly); the object's header sits just before it.
 PAYLOAD_AT = 4096
@@ -40,6 +41,31 @@ WORKERS = max(2, os.cpu_count() or 2)
 SLOTS = 2 * WORKERS + 8  # a restore holds two per chunk that the CPU decodes; a few more keep the DMA busy
 _PLANE_ENTRY = struct.Struct(">BQ")
 _GPU_PLANES_HEADER = 1 + 2 * _PLANE_ENTRY.size  # k = 2: element size, then (codec, length) per plane
+
+
+class StageClock:
+    """Seconds spent per stage, summed over threads: where a direct capture or restore waits and works.
+
+    Cheap enough to stay on (a lock and an add per stage per chunk); ``bench/direct.py`` reads it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.totals: dict[str, float] = {}
+
+    def add(self, stage: str, since: float) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            self.totals[stage] = self.totals.get(stage, 0.0) + now - since
+        return now
+
+    def take(self) -> dict[str, float]:
+        with self._lock:
+            out, self.totals = self.totals, {}
+        return {k: round(v, 4) for k, v in sorted(out.items())}
+
+
+STAGES = StageClock()
 
 
 def _devhash() -> Any:
@@ -133,6 +159,10 @@ class DirectStoreImageWriter(StoreImageWriter):
         super().__init__(*args, **kwargs)
         self._direct_pool: ThreadPoolExecutor | None = None
         self._direct_lock = threading.Lock()
+        # Every sealing thread holds an encode buffer at a time: keep that many idle between chunks, or
+        # each chunk maps (and faults in) a fresh one; 16 threads then contend for the address space.
+        need = (WORKERS + 4) * sealed_size(codecs.scratch_size(self.chunk_size), True)
+        BUFFERS.max_idle_bytes = max(BUFFERS.max_idle_bytes, need)
 
     def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
         self._check_open()
@@ -178,16 +208,20 @@ class DirectStoreImageWriter(StoreImageWriter):
             if n > self.chunk_size:
                 raise InvalidInputError(f"chunk {chunk.region}#{chunk.index} is {n} bytes, more than the chunk size")
             coded = None
+            t = time.perf_counter()
             if coder is not None and self._gpu_coded(chunk):
                 with torch.cuda.stream(coder):
                     planes = chunk.data.view(-1, 2).t().contiguous()  # [low bytes; sign-and-exponent bytes]
                     hi = gpucodec.encode_plane(planes[1], coder)
                 if _GPU_PLANES_HEADER + n // 2 + hi.numel() < n:
-                    coded = (planes, hi)
+                    coded = (planes, hi)  # kept by the worker until the copy that reads them has landed
+                    planes.record_stream(current)
                     event = torch.cuda.Event()
                     event.record(coder)
                     current.wait_event(event)
+                t = STAGES.add("capture.main.gpu_encode", t)
             slot = slots.take()
+            t = STAGES.add("capture.main.slot_wait", t)
             with torch.cuda.stream(current):
                 if coded is None:
                     slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
@@ -209,6 +243,7 @@ class DirectStoreImageWriter(StoreImageWriter):
             futures[members[k]] = _pool(self).submit(
                 self._finish_device, chunk, slots, slot, landed, ids, k, length, coded
             )
+            STAGES.add("capture.main.queue", t)
         current.wait_stream(ids.stream)  # the caller's later writes come after the hash reads
         if coder is not None:
             current.wait_stream(coder)
@@ -225,18 +260,23 @@ class DirectStoreImageWriter(StoreImageWriter):
         coded: Any,
     ) -> str:
         try:
+            t = time.perf_counter()
             landed.synchronize()
+            t = STAGES.add("capture.worker.copy_wait", t)
             n = chunk.data.numel()
             view = slots.view(slot)
             chunk_id = ids.get(k) or chunk_id_of(view[PAYLOAD_AT : PAYLOAD_AT + n])  # odd lengths: on the CPU
+            t = STAGES.add("capture.worker.id_wait", t)
             reg = self._region(chunk.region)
             if self._claim(reg, chunk.index, chunk_id, n):
                 if coded is not None:
                     with self._lock:
                         self.decoders.add(gpucodec.DECODER)
                     self._store_sealed(chunk_id, codecs.BYTEPLANE, n, view[PAYLOAD_AT - HEADER_SIZE :], length)
+                    STAGES.add("capture.worker.seal_store", t)
                 else:  # raw bytes in pinned memory: the CPU codec reads them there
                     self._send(reg, chunk.index, chunk_id, view[PAYLOAD_AT : PAYLOAD_AT + n])
+                    STAGES.add("capture.worker.cpu_codec_seal_store", t)
             self._progress.add(n)
             return chunk_id
         finally:
@@ -287,7 +327,9 @@ class DirectStoreImageReader(StoreImageReader):
                 f.exception()
         for device in devices:
             torch.cuda.synchronize(device)
+        t = time.perf_counter()
         self._verify_on_device([c for c in chunks if c.data.is_cuda])
+        STAGES.add("restore.main.verify", t)
         return total
 
     def _load_host(self, chunk: TensorChunk) -> int:
@@ -300,14 +342,18 @@ class DirectStoreImageReader(StoreImageReader):
         chunk_id = self._region(chunk.region)["chunks"][chunk.index]
         where = f" ({chunk.region}[{chunk.index}])"
         slots = _slots(self.chunk_size, SLOTS)
+        t = time.perf_counter()
         slot = slots.take()
+        t = STAGES.add("restore.worker.slot_wait", t)
         plain: int | None = None
         try:
             view = slots.view(slot)
             size = self._fetch_into(chunk_id, view[PAYLOAD_AT - HEADER_SIZE :])
+            t = STAGES.add("restore.worker.read", t)
             hdr, payload = self.sealer.open_payload(
                 chunk_id, view[PAYLOAD_AT - HEADER_SIZE : PAYLOAD_AT - HEADER_SIZE + size], where
             )
+            t = STAGES.add("restore.worker.open", t)
             if hdr.raw_len != n:
                 raise IntegrityError(f"chunk {chunk_id[:16]}{where} records {hdr.raw_len} bytes, the manifest says {n}")
             stream = _STREAMS.get(chunk.data.device, "copy")
@@ -331,7 +377,9 @@ class DirectStoreImageReader(StoreImageReader):
                     chunk.data.copy_(slots.tensor(plain, 0, n), non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(stream)
+            t = STAGES.add("restore.worker.decode_queue", t)
             done.synchronize()
+            STAGES.add("restore.worker.copy_wait", t)
             return n
         finally:
             slots.give(slot)
