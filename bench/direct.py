@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchlib import gbps
 
 from gpumigrate import transfer
 from gpumigrate.interfaces import RegionInfo, TensorChunk
@@ -32,10 +33,6 @@ from gpumigrate.transfer import direct
 
 KEY = bytes(range(32))
 PIECE = 256 << 20
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
 
 
 def threaded(n: int, fn: Any) -> float:

@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from benchlib import gbps, pinned_d2h_GBps
 
 from gpumigrate.snapshot.client import AgentClient
 
@@ -50,10 +50,6 @@ PROMPT = {"prompt": "The quick brown fox", "max_new_tokens": 4}
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
 
 
 def free_port() -> int:
@@ -348,22 +344,11 @@ def baselines(args: argparse.Namespace, where: Path) -> dict[str, Any]:
 
 
 def line_rate(device: str) -> float | None:
-    """Pinned device→host copies of 1 GiB (256 MiB pieces), median of 4."""
     import torch
 
     if not device.startswith("cuda"):
         return None
-    src = torch.empty(1 << 28, dtype=torch.uint8, device=device).random_()
-    pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k in range(4):
-            pinned[k << 28 : (k + 1) << 28].copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return gbps(1 << 30, statistics.median(times[1:]))
+    return pinned_d2h_GBps(torch.empty(1 << 28, dtype=torch.uint8, device=device).random_())
 
 
 # --------------------------------------------------------------------------- report

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from benchlib import gbps, pinned_d2h_GBps
 
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
@@ -57,10 +58,6 @@ def make_tensors(total_bytes: int, device: torch.device, seed: int) -> dict[str,
         t.normal_(0.0, 0.02, generator=g)
         out[f"w{i:03d}"] = t
     return out
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
 
 
 # --------------------------------------------------------------------------- driver baseline
@@ -382,18 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     log("allocating tensors ...")
     tensors = make_tensors(total, device, seed=1)
     if cuda:
-        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-        src = byte_view(next(iter(tensors.values())))[: 1 << 28]
-        ts = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for k in range(4):
-                pinned[k << 28 : (k + 1) << 28].copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        out["line_rate_pinned_d2h_GBps"] = gbps(1 << 30, statistics.median(ts[1:]))
-        del pinned
+        out["line_rate_pinned_d2h_GBps"] = pinned_d2h_GBps(byte_view(next(iter(tensors.values())))[: 1 << 28])
     log("fingerprint ...")
     out["fingerprint_fused"] = fingerprint_rate(tensors, chunk, device, fused=True)
     out["fingerprint_eager"] = fingerprint_rate(tensors, chunk, device, fused=False)
