@@ -45,26 +45,48 @@ class Job:
 
 
 class Ring:
-    """Fixed set of host slots (pinned when a GPU is involved) plus device staging slots, handed out in turn."""
+    """Fixed set of host slots (pinned when a GPU is involved) plus device staging slots, handed out in turn.
+
+    Each set is allocated when first used: a capture into a direct writer on a GPU needs only the
+    staging slots, and pinning host slots it would never touch costs time inside the first round.
+    """
 
     def __init__(self, chunk_size: int, slots: int, device: torch.device) -> None:
         self.chunk_size = chunk_size
         self.device = device
-        cuda = device.type == "cuda"
-        self.host = [torch.empty(chunk_size, dtype=torch.uint8, pin_memory=cuda) for _ in range(slots)]
-        self.stage = (
-            [torch.empty(chunk_size, dtype=torch.uint8, device=device) for _ in range(max(slots, STAGE_SLOTS))]
-            if cuda
-            else []
-        )
+        self.slots = slots
+        self._host: list[torch.Tensor] = []
+        self._stage: list[torch.Tensor] = []
+        self._lock = threading.Lock()
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(slots):
             self.free.put(i)
 
+    @property
+    def host(self) -> list[torch.Tensor]:
+        with self._lock:
+            if not self._host:
+                cuda = self.device.type == "cuda"
+                self._host = [
+                    torch.empty(self.chunk_size, dtype=torch.uint8, pin_memory=cuda) for _ in range(self.slots)
+                ]
+            return self._host
+
+    @property
+    def stage(self) -> list[torch.Tensor]:
+        with self._lock:
+            if not self._stage and self.device.type == "cuda":
+                count = max(self.slots, STAGE_SLOTS)
+                self._stage = [
+                    torch.empty(self.chunk_size, dtype=torch.uint8, device=self.device) for _ in range(count)
+                ]
+            return self._stage
+
     def zeroize(self) -> None:
         """Ring slots held copies of workload memory: wipe them before they are freed."""
-        for t in self.host + self.stage:
-            t.zero_()
+        with self._lock:
+            for t in self._host + self._stage:
+                t.zero_()
 
 
 def _cuda_streams(device: torch.device, count: int) -> list[torch.cuda.Stream]:

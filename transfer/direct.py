@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from gpumigrate.errors import IntegrityError, InvalidInputError
+from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import TensorChunk
 from gpumigrate.transfer import codecs, gpucodec
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
@@ -145,11 +145,18 @@ class DeviceIds:
             return self._hex[batch][row]
 
 
-def _pool(owner: Any) -> ThreadPoolExecutor:
-    with owner._direct_lock:
-        if owner._direct_pool is None:
-            owner._direct_pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gm-direct")
-        return owner._direct_pool
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's sealing/opening threads, one per core, shared by every direct writer and reader
+    (an agent opens a new writer or reader every round: a pool each would leave threads behind)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gm-direct")
+        return _POOL
 
 
 class DirectStoreImageWriter(StoreImageWriter):
@@ -157,12 +164,11 @@ class DirectStoreImageWriter(StoreImageWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._direct_pool: ThreadPoolExecutor | None = None
-        self._direct_lock = threading.Lock()
         # Every sealing thread holds an encode buffer at a time: keep that many idle between chunks, or
         # each chunk maps (and faults in) a fresh one; 16 threads then contend for the address space.
         need = (WORKERS + 4) * sealed_size(codecs.scratch_size(self.chunk_size), True)
         BUFFERS.max_idle_bytes = max(BUFFERS.max_idle_bytes, need)
+        self._queued: list[Future[str]] = []
 
     def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
         self._check_open()
@@ -173,10 +179,22 @@ class DirectStoreImageWriter(StoreImageWriter):
             if chunk.data.is_cuda:
                 by_device.setdefault(str(chunk.data.device), []).append(i)
             else:
-                futures[i] = _pool(self).submit(self._put_host, chunk)
+                futures[i] = _pool().submit(self._put_host, chunk)
         for members in by_device.values():
             self._put_device([chunks[i] for i in members], [futures, members])
+        with self._lock:
+            self._queued.extend(f for f in futures if f is not None)
         return futures  # type: ignore[return-value]
+
+    def commit(self) -> Any:
+        """As the plain writer's, once every queued chunk is stored; a chunk that failed fails the commit."""
+        with self._lock:
+            queued, self._queued = self._queued, []
+        failed = [exc for exc in (f.exception() for f in queued) if exc is not None]
+        if failed:
+            self.abort()
+            raise TransferError(f"storing chunks in {self.store.url} failed: {failed[0]}") from failed[0]
+        return super().commit()
 
     def _put_host(self, chunk: TensorChunk) -> str:
         return self.put_chunk(chunk.region, chunk.index, memoryview(chunk.data.numpy()))
@@ -240,9 +258,7 @@ class DirectStoreImageWriter(StoreImageWriter):
                     length = at + n // 2 + hi.numel() - PAYLOAD_AT
                 landed = torch.cuda.Event()
                 landed.record(current)
-            futures[members[k]] = _pool(self).submit(
-                self._finish_device, chunk, slots, slot, landed, ids, k, length, coded
-            )
+            futures[members[k]] = _pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, length, coded)
             STAGES.add("capture.main.queue", t)
         current.wait_stream(ids.stream)  # the caller's later writes come after the hash reads
         if coder is not None:
@@ -282,31 +298,14 @@ class DirectStoreImageWriter(StoreImageWriter):
         finally:
             slots.give(slot)
 
-    def commit(self) -> Any:
-        try:
-            return super().commit()
-        finally:
-            if self._direct_pool is not None:
-                self._direct_pool.shutdown(wait=True)
-
-    def abort(self) -> None:
-        super().abort()
-        if self._direct_pool is not None:
-            self._direct_pool.shutdown(wait=True, cancel_futures=True)
-
 
 class DirectStoreImageReader(StoreImageReader):
     """A :class:`StoreImageReader` that also fills tensors (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._direct_pool: ThreadPoolExecutor | None = None
-        self._direct_lock = threading.Lock()
-
     def read_tensors(self, chunks: Sequence[TensorChunk]) -> int:
         import torch
 
-        pool = _pool(self)
+        pool = _pool()
         futures: list[Future[int]] = []
         devices: set[Any] = set()
         for chunk in chunks:
@@ -433,11 +432,6 @@ class DirectStoreImageReader(StoreImageReader):
                         f"chunk {chunk.index} of {chunk.region}: BLAKE3 of the restored bytes does not match its id "
                         "(corrupted)"
                     )
-
-    def close(self) -> None:
-        if self._direct_pool is not None:
-            self._direct_pool.shutdown(wait=True)
-            self._direct_pool = None
 
 
 def _gpu_planes(payload: memoryview, n: int) -> bool:

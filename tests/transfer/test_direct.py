@@ -143,6 +143,24 @@ def test_agent_round_trip_through_the_direct_path_refuses_damage_and_stays_unrea
     assert cold.ready is False
 
 
+def test_a_chunk_that_fails_to_store_fails_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumigrate.errors import TransferError
+
+    w = transfer.open_writer(f"file://{tmp_path / 's'}", key=KEY, chunk_size=CHUNK)
+    data = torch.randint(0, 256, (3 * CHUNK,), dtype=torch.uint8)
+    w.add_region(RegionInfo("x", data.numel()))
+
+    def broken(chunk_id: str, blob: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(w.store, "put_chunk", broken)
+    futures = w.put_tensors([TensorChunk("x", i, data[i * CHUNK : (i + 1) * CHUNK]) for i in range(3)])
+    with pytest.raises(TransferError, match="No space left"):
+        w.commit()
+    assert all(f.exception() is not None for f in futures)
+    assert not list((tmp_path / "s").glob("manifests/*"))  # no image names chunks that are not there
+
+
 def test_a_manifest_naming_an_unknown_decoder_is_refused(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 's'}"
     w = transfer.open_writer(url, key=KEY)
