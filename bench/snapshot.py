@@ -27,12 +27,13 @@ import time
 from typing import Any
 
 import torch
+from benchlib import gbps, pinned_d2h_GBps
 
-from gpumigrate.snapshot import devhash
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
-from gpumigrate.snapshot.pipeline import DEVICE_HASH_BATCH
+from gpumigrate.transfer import devhash
+from gpumigrate.transfer.direct import HASH_BATCH as DEVICE_HASH_BATCH
 
 KEY = b"bench-key-not-secret-0123456789ab"
 TENSOR_MB = 256
@@ -57,10 +58,6 @@ def make_tensors(total_bytes: int, device: torch.device, seed: int) -> dict[str,
         t.normal_(0.0, 0.02, generator=g)
         out[f"w{i:03d}"] = t
     return out
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return round(nbytes / seconds / 1e9, 2) if seconds > 0 else float("inf")
 
 
 # --------------------------------------------------------------------------- driver baseline
@@ -188,18 +185,6 @@ def agent_capture(
     )
 
 
-class CpuVerifiedReader:
-    """The same reader without ``chunk_id``: the pipeline then checks every chunk's BLAKE3 on the CPU."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "chunk_id":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-
 def agent_restore(
     tensors: dict[str, torch.Tensor],
     store: MemoryStore,
@@ -207,7 +192,6 @@ def agent_restore(
     workers: int,
     *,
     verify: bool = True,
-    cpu_verify: bool = False,
     repeat: int = 3,
 ) -> dict[str, Any]:
     targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
@@ -220,7 +204,7 @@ def agent_restore(
         sync(next(iter(tensors.values())).device)
         t0 = time.perf_counter()
         reader = store.reader(image, KEY, verify_chunks=verify)
-        res = agent.restore(CpuVerifiedReader(reader) if cpu_verify else reader)
+        res = agent.restore(reader)
         runs.append(time.perf_counter() - t0)
         agent.close()
     ok = all(torch.equal(targets[k], v) for k, v in tensors.items())
@@ -395,18 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     log("allocating tensors ...")
     tensors = make_tensors(total, device, seed=1)
     if cuda:
-        pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
-        src = byte_view(next(iter(tensors.values())))[: 1 << 28]
-        ts = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for k in range(4):
-                pinned[k << 28 : (k + 1) << 28].copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        out["line_rate_pinned_d2h_GBps"] = gbps(1 << 30, statistics.median(ts[1:]))
-        del pinned
+        out["line_rate_pinned_d2h_GBps"] = pinned_d2h_GBps(byte_view(next(iter(tensors.values())))[: 1 << 28])
     log("fingerprint ...")
     out["fingerprint_fused"] = fingerprint_rate(tensors, chunk, device, fused=True)
     out["fingerprint_eager"] = fingerprint_rate(tensors, chunk, device, fused=False)
@@ -444,25 +417,18 @@ def main(argv: list[str] | None = None) -> int:
     log("agent capture ...")
     cap, store, image = agent_capture(tensors, chunk, workers, arena, frozen=True, hash_chunks=True)
     cap["includes"] = (
-        "frozen stop-and-copy path: on-device fingerprint of every chunk + D2H (2 streams) straight into the "
-        "sink's pinned host arena + BLAKE3 of every chunk on 'workers' threads + signed manifest commit"
+        "frozen stop-and-copy path: on-device fingerprint of every chunk + D2H straight into the sink's pinned "
+        "host arena (the sink's direct placement) + BLAKE3 of every chunk on the CPU's threads + signed manifest commit"
     )
     out["agent_capture"] = cap
     log("agent restore ...")
     rest = agent_restore(tensors, store, image, workers)
     rest["includes"] = (
-        "HMAC manifest check + H2D (2 streams) from the pinned arena into pre-allocated tensors + BLAKE3 of "
-        "every chunk computed on the GPU from the bytes that landed (Triton kernels, a hash stream trailing the "
-        "copies; CPU where Triton is absent) and compared with its id: a mismatch fails the restore and the "
-        "target stays unready"
+        "HMAC manifest check + H2D from the pinned arena into pre-allocated tensors + BLAKE3 of every chunk's "
+        "arena bytes on the CPU's threads while the copies run: a mismatch fails the restore and the target "
+        "stays unready (the transfer engine verifies on the GPU instead: bench/e2e.py)"
     )
     out["agent_restore"] = rest
-    if cuda:
-        cpu_rest = agent_restore(tensors, store, image, workers, cpu_verify=True)
-        cpu_rest["includes"] = (
-            "as agent_restore, every chunk's BLAKE3 checked on 'workers' CPU threads instead (overlapped with its DMA)"
-        )
-        out["agent_restore_cpu_verify"] = cpu_rest
     nover = agent_restore(tensors, store, image, workers, verify=False)
     nover["includes"] = (
         "pipeline bound only: as agent_restore without the per-chunk BLAKE3 check (never used for real restores)"

@@ -11,6 +11,7 @@ new module implementing one Protocol.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -151,6 +152,46 @@ class ImageReader(Protocol):
 
     def read_chunk_into(self, region: str, index: int, out: memoryview) -> int:
         """Fetch, verify (BLAKE3), decrypt and decompress into ``out``; return bytes written."""
+
+
+@dataclass(frozen=True)
+class TensorChunk:
+    """One chunk of a region as a flat uint8 tensor (torch), where it lives: a CUDA device or host memory."""
+
+    region: str
+    index: int
+    data: Any
+
+
+@runtime_checkable
+class DirectImageWriter(ImageWriter, Protocol):
+    """An ImageWriter that takes chunks as tensors where they live and moves their bytes itself.
+
+    For device tensors the writer computes each chunk id on the device, encodes there where it can,
+    copies into its own pinned host memory and seals and stores from that memory: the caller makes
+    no host copy and hashes nothing. Host tensors are read in place by the writer's threads.
+    """
+
+    def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
+        """Queue ``chunks``; each future gives its chunk id (BLAKE3 of the bytes read) once stored.
+
+        Device tensors are read by work queued on each device's current CUDA stream before this
+        returns: the caller may overwrite them with work it queues on that stream afterwards.
+        Host tensors may be overwritten once their futures are done.
+        """
+
+
+@runtime_checkable
+class DirectImageReader(ImageReader, Protocol):
+    """An ImageReader that fills destination tensors itself (fetch, open, decode, copy, verify)."""
+
+    def read_tensors(self, chunks: Sequence[TensorChunk]) -> int:
+        """Fill each chunk's tensor with its verified plaintext; return the bytes loaded.
+
+        Every chunk's BLAKE3 is checked against its id where its bytes landed (on the device for
+        device tensors) before this returns; a mismatch raises IntegrityError, and the destinations
+        then hold unverified bytes that the caller must not serve.
+        """
 
 
 # ----------------------------------------------------------------------------- snapshot

@@ -6,10 +6,10 @@ reader refuses forged or altered manifests and chunks, as the transfer engine's 
 does no compression or encryption and moves nothing between hosts; real migrations use
 ``gpumigrate.transfer`` (wired in ``workloads/agent_hook.py``).
 
-With an ``arena`` (a pre-allocated, optionally pinned host tensor) it supports the pipeline's direct
-placement: ``reserve`` hands out a slice for the device→host copy, ``put_reserved`` hashes it in
-place, and the reader's ``chunk_tensor`` returns the verified slice for the host→device copy, so no
-byte is copied on the host.
+With an ``arena`` (a pre-allocated, optionally pinned host tensor) it is a direct writer and reader
+(:class:`~gpumigrate.interfaces.DirectImageWriter`): each chunk is copied once, from the device into
+an arena slice and back, and hashed there with BLAKE3 on the CPU's threads, so no byte is copied on
+the host. (The transfer engine hashes on the GPU instead; this sink stays a plain host-memory one.)
 """
 
 from __future__ import annotations
@@ -17,15 +17,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from gpumigrate.errors import IntegrityError, NotFoundError, SnapshotError
-from gpumigrate.interfaces import ImageRef, RegionInfo
+from gpumigrate.interfaces import ImageRef, RegionInfo, TensorChunk
+
+_POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="gm-memimage")
 
 try:
     import blake3 as _blake3
@@ -98,7 +102,6 @@ class MemoryWriter:
         self._lock = threading.Lock()
         self.bytes_sent = 0
         self._serial = 0
-        self._reserved: dict[tuple[str, int], tuple[int, int]] = {}
 
     def add_region(self, info: RegionInfo) -> None:
         self._regions[info.name] = info
@@ -121,20 +124,34 @@ class MemoryWriter:
             self._serial += 1
             return f"nohash-{id(self)}-{self._serial}"
 
-    def reserve(self, region: str, index: int, n: int) -> torch.Tensor | None:
-        off = self.store.alloc(n)
-        if off is None:
-            return None
-        with self._lock:
-            self._reserved[(region, index)] = (off, n)
-        return self.store.arena[off : off + n]  # type: ignore[index]
+    def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
+        """Each chunk copied once into an arena slice (device chunks on the current stream), then hashed
+        and recorded on the pool's threads; without room in the arena, the plain way."""
+        import torch
 
-    def put_reserved(self, region: str, index: int) -> str:
-        with self._lock:
-            off, n = self._reserved.pop((region, index))
-        return self._place(region, index, self._id_of(self.store.view(off, n)), off, n)
+        futures: list[Future[str]] = []
+        for chunk in chunks:
+            n = chunk.data.numel()
+            off = self.store.alloc(n)
+            if off is None:
+                host = chunk.data.cpu() if chunk.data.is_cuda else chunk.data
+                futures.append(_POOL.submit(self.put_chunk, chunk.region, chunk.index, memoryview(host.numpy())))
+                continue
+            dst = self.store.arena[off : off + n]  # type: ignore[index]
+            landed = None
+            if chunk.data.is_cuda:
+                dst.copy_(chunk.data, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(torch.cuda.current_stream(chunk.data.device))
+            else:
+                dst.copy_(chunk.data)
+            futures.append(_POOL.submit(self._put_placed, chunk.region, chunk.index, off, n, landed))
+        return futures
 
-    def _place(self, region: str, index: int, cid: str, off: int, n: int) -> str:
+    def _put_placed(self, region: str, index: int, off: int, n: int, landed: Any) -> str:
+        if landed is not None:
+            landed.synchronize()
+        cid = self._id_of(self.store.view(off, n))
         with self.store._lock:
             if not self.store.has(cid):
                 self.store.placed[cid] = (off, n)
@@ -142,14 +159,6 @@ class MemoryWriter:
             self._ids[region][index] = cid
             self.bytes_sent += n
         return cid
-
-    def put_reserved_hashed(self, region: str, index: int, chunk_id: str) -> str:
-        """As put_reserved, with the id the pipeline computed on the GPU from the same (frozen) bytes."""
-        if not self._hash:
-            return self.put_reserved(region, index)
-        with self._lock:
-            off, n = self._reserved.pop((region, index))
-        return self._place(region, index, chunk_id, off, n)
 
     def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
         if not self.store.has(chunk_id):
@@ -235,31 +244,39 @@ class MemoryReader:
             raise IntegrityError(f"chunk {index} of {region}: BLAKE3 digest does not match its id (corrupted)")
         return cid, data
 
-    def chunk_tensor(self, region: str, index: int, *, verified: bool = True) -> torch.Tensor:
-        """A chunk's plaintext as a host tensor (an arena slice: pinned, no copy).
+    def read_tensors(self, chunks: Sequence[TensorChunk]) -> int:
+        """Copy each chunk from the arena (pinned: straight to the device) and check its BLAKE3 there
+        on the pool's threads while the copies run; a mismatch fails the whole read."""
+        import torch
 
-        ``verified=False`` returns it before its BLAKE3 check so the host→device copy can overlap the
-        hash; the caller must then call :meth:`verify_chunk` and fail the restore if it raises.
-        """
-        if verified and self.verify:
-            cid, data = self._verified(region, index)
-        else:
-            cid = self._chunks[region][index]
+        checks: list[Future[Any]] = []
+        devices = set()
+        for chunk in chunks:
+            cid = self._chunks[chunk.region][chunk.index]
             data = self.store.data(cid)
             if data is None:
-                raise IntegrityError(f"chunk {cid[:12]} of {region} is missing from {self.store.url}")
-        loc = self.store.placed.get(cid)
-        if loc is not None:
-            return self.store.arena[loc[0] : loc[0] + loc[1]]  # type: ignore[index]
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-
-    def chunk_id(self, region: str, index: int) -> str | None:
-        """The id a chunk's plaintext must hash to, or None when this reader does not verify."""
-        return self._chunks[region][index] if self.verify else None
-
-    def verify_chunk(self, region: str, index: int) -> None:
-        if self.verify:
-            self._verified(region, index)
+                raise IntegrityError(f"chunk {cid[:12]} of {chunk.region} is missing from {self.store.url}")
+            if len(data) != chunk.data.numel():
+                raise IntegrityError(
+                    f"chunk {chunk.index} of {chunk.region} is {len(data)} bytes, not {chunk.data.numel()}"
+                )
+            loc = self.store.placed.get(cid)
+            src = (
+                self.store.arena[loc[0] : loc[0] + loc[1]]  # type: ignore[index]
+                if loc is not None
+                else torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            )
+            if len(data):
+                chunk.data.copy_(src, non_blocking=chunk.data.is_cuda)
+            if chunk.data.is_cuda:
+                devices.add(chunk.data.device)
+            if self.verify:
+                checks.append(_POOL.submit(self._verified, chunk.region, chunk.index))
+        for check in checks:
+            check.result()
+        for device in devices:
+            torch.cuda.synchronize(device)
+        return sum(c.data.numel() for c in chunks)
 
     def read_chunk_into(self, region: str, index: int, out: memoryview) -> int:
         _, data = self._verified(region, index)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gpumigrate.transfer.chunkobj import Sealer
+from gpumigrate.transfer.direct import DirectStoreImageReader, DirectStoreImageWriter
 from gpumigrate.transfer.progress import ProgressCallback
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, open_store, resolve_image_id
-from gpumigrate.transfer.writer import StoreImageWriter
 
 
 def _store(store_url: str | Store, endpoint_url: str | None, parallelism: int = 4) -> Store:
@@ -28,8 +28,8 @@ def open_writer(
     parent_store: str | None = None,
     endpoint_url: str | None = None,
     progress: ProgressCallback | None = None,
-) -> StoreImageWriter:
-    """An ImageWriter into ``store_url``. With ``parent``, chunks the parent holds cost no bytes.
+) -> DirectStoreImageWriter:
+    """An ImageWriter (a DirectImageWriter: it also takes chunks as tensors) into ``store_url``. With ``parent``, chunks the parent holds cost no bytes.
 
     ``parent`` is read (and verified) from ``parent_store`` or, by default, the same store; a
     ``stream://`` destination needs ``parent_store`` to name a readable copy of the parent.
@@ -45,7 +45,7 @@ def open_writer(
         parent_reader = StoreImageReader(pstore, parent_id, sealer)
         parent_body = parent_reader.body
         parent = parent_id
-    return StoreImageWriter(
+    return DirectStoreImageWriter(
         store,
         sealer,
         parent=parent_body,
@@ -62,7 +62,7 @@ def open_writer(
 
 def open_reader(
     store_url: str | Store, image_id: str, *, key: bytes | None, endpoint_url: str | None = None
-) -> StoreImageReader:
-    """A verified ImageReader: the manifest's id, key id and signature are checked here."""
+) -> DirectStoreImageReader:
+    """A verified ImageReader (a DirectImageReader: it also fills tensors): the manifest's id, key id and signature are checked here."""
     store = _store(store_url, endpoint_url)
-    return StoreImageReader(store, resolve_image_id(store, image_id), Sealer(key))
+    return DirectStoreImageReader(store, resolve_image_id(store, image_id), Sealer(key))

@@ -8,7 +8,9 @@ are kept (up to ``max_idle_bytes``) and reused by any thread and any writer.
 
 from __future__ import annotations
 
+import queue
 import threading
+from typing import Any
 
 # Buffers are rounded up to this granule so chunks of slightly different sizes share buffers.
 GRANULE = 256 << 10
@@ -44,3 +46,53 @@ class BufferPool:
 
 # Shared by every writer and reader in the process (encode scratch, sealed objects, decrypted payloads).
 POOL = BufferPool(max_idle_bytes=96 << 20)
+
+
+class PinnedSlots:
+    """Equal host slots in page-locked memory, handed out in turn, for device↔host copies.
+
+    Page-locked memory is what lets a copy to or from the GPU run at the link's rate without an extra
+    host copy, but locking costs about a tenth of a second per GB, so one set per slot size serves
+    every writer and reader of the process (:func:`pinned_slots`). ``take`` blocks while all slots
+    are in use: that paces the copies to the threads that seal or decode the slots.
+    """
+
+    def __init__(self, slot_bytes: int, count: int) -> None:
+        import torch
+
+        self.slot_bytes = slot_bytes
+        self.count = count
+        self._memory = torch.empty(slot_bytes * count, dtype=torch.uint8, pin_memory=True)
+        self._array = self._memory.numpy()
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(count):
+            self._free.put(i)
+
+    def take(self) -> int:
+        return self._free.get()
+
+    def give(self, slot: int) -> None:
+        self._free.put(slot)
+
+    def tensor(self, slot: int, start: int = 0, stop: int | None = None) -> Any:
+        """Bytes ``[start, stop)`` of a slot as a pinned uint8 torch tensor (a view, no copy)."""
+        base = slot * self.slot_bytes
+        return self._memory[base + start : base + (self.slot_bytes if stop is None else stop)]
+
+    def view(self, slot: int) -> memoryview:
+        """The whole slot as a writable memoryview (for the sealer, the codecs and file reads)."""
+        base = slot * self.slot_bytes
+        return self._array[base : base + self.slot_bytes].data
+
+
+_PINNED: dict[int, PinnedSlots] = {}
+_PINNED_LOCK = threading.Lock()
+
+
+def pinned_slots(slot_bytes: int, count: int) -> PinnedSlots:
+    """The process's pinned slots of at least ``slot_bytes`` each, at least ``count`` of them."""
+    with _PINNED_LOCK:
+        found = _PINNED.get(slot_bytes)
+        if found is None or found.count < count:
+            found = _PINNED[slot_bytes] = PinnedSlots(slot_bytes, count)
+        return found

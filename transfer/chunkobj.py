@@ -121,6 +121,32 @@ class Sealer:
             self._aead.encrypt_into(nonce, payload, bytes.fromhex(chunk_id) + header, view[HEADER_SIZE:])
         return out if len(out) == size else view
 
+    def open_payload(self, chunk_id: str, blob: memoryview, where: str = "") -> tuple[ObjectHeader, memoryview]:
+        """Authenticate and decrypt one object where it lies; return its header and encoded payload.
+
+        The payload is a view of ``blob`` (decrypted in place: no second buffer). Nothing is decoded
+        or hashed: the caller decodes and checks BLAKE3 against ``chunk_id`` wherever the bytes land.
+        """
+        label = f"chunk {chunk_id[:16]}{where}"
+        hdr = parse_header(blob, chunk_id)
+        body = blob[HEADER_SIZE:]
+        if not hdr.encrypted:
+            if self._aead is not None:
+                raise IntegrityError(f"{label} is not encrypted, but this image requires encryption")
+            return hdr, body
+        if self._aead is None:
+            raise DecryptionError(f"{label} is encrypted but no key was given")
+        if len(body) < TAG_SIZE:
+            raise IntegrityError(f"{label} is truncated")
+        payload = body[: len(body) - TAG_SIZE]
+        try:  # OpenSSL's GCM runs in place when the output is the input
+            self._aead.decrypt_into(hdr.nonce, body, bytes.fromhex(chunk_id) + bytes(blob[:HEADER_SIZE]), payload)
+        except InvalidTag:
+            raise DecryptionError(
+                f"{label} failed authentication: the key is wrong, or the object was altered, truncated or swapped"
+            ) from None
+        return hdr, payload
+
     def open_into(
         self,
         chunk_id: str,

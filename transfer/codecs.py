@@ -16,7 +16,7 @@ import numpy as np
 import zstandard
 
 from gpumigrate.errors import IntegrityError, InvalidInputError
-from gpumigrate.transfer import planehuff
+from gpumigrate.transfer import gpucodec, planehuff
 from gpumigrate.transfer.planezstd import compress_plane
 
 NONE = 0
@@ -25,6 +25,7 @@ BYTEPLANE = 2
 DELTA_FLAG = 0x80
 CODEC_NAMES = {NONE: "none", ZSTD: "zstd", BYTEPLANE: "byteplane"}
 PLANE_HUFF = 2  # plane codec inside a byte-plane payload (0 none and 1 zstd as above); FORMAT.md
+PLANE_GPU = gpucodec.PLANE_NVCOMP_ANS  # plane codec 3: coded on a GPU with nvCOMP (gpucodec.py)
 COMPRESSION_MODES = ("auto", "none", "zstd", "byteplane")
 
 SAMPLE_BYTES = 64 * 1024
@@ -258,9 +259,11 @@ def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> Non
         if codec == PLANE_HUFF:
             plane = planehuff.scratch(k * n)[j * n : (j + 1) * n]
             planehuff.decode_into(body, plane)
+        elif codec == PLANE_GPU:
+            plane = gpucodec.decode_plane_to_host(body, n)
         else:
             plane = _decompressor().decompress(body, max_output_size=n) if codec == ZSTD else body
-        if codec not in (NONE, ZSTD, PLANE_HUFF) or len(plane) != n:
+        if codec not in (NONE, ZSTD, PLANE_HUFF, PLANE_GPU) or len(plane) != n:
             raise IntegrityError("byte-plane payload is malformed (plane codec or length)")
         planes.append(np.frombuffer(plane, dtype=np.uint8))
     if planehuff.AVAILABLE:

@@ -8,11 +8,13 @@ from typing import Any
 
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
+from gpumigrate.transfer import gpucodec
 from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.manifest import open_manifest
 from gpumigrate.transfer.stores import Store
 
 BASE_CACHE_BYTES = 64 << 20
+KNOWN_DECODERS = {gpucodec.DECODER}  # FORMAT.md, "decoders": optional decoders this reader can name
 
 
 class StoreImageReader:
@@ -23,6 +25,12 @@ class StoreImageReader:
         self.sealer = sealer
         self.body: dict[str, Any] = open_manifest(store.get_manifest(image_id), image_id, sealer)
         self.image_id = image_id
+        unknown = sorted(set(self.body.get("decoders") or ()) - KNOWN_DECODERS)
+        if unknown:
+            raise TransferError(
+                f"image {image_id[:16]} needs decoder(s) {', '.join(unknown)}, which this version of gpumigrate "
+                f"does not have (it knows: {', '.join(sorted(KNOWN_DECODERS))})"
+            )
         self.chunk_size: int = int(self.body["chunk_size"])
         self._regions = {r["name"]: r for r in self.body["regions"]}
         self.objects: dict[str, list[Any]] = self.body["objects"]

@@ -70,6 +70,14 @@ class Store:
     def get_chunk(self, chunk_id: str) -> bytes:
         raise NotImplementedError
 
+    def get_chunk_into(self, chunk_id: str, out: memoryview) -> int:
+        """Read a chunk object into ``out`` (e.g. a pinned buffer); return its length."""
+        data = self.get_chunk(chunk_id)
+        if len(data) > len(out):
+            raise TransferError(f"chunk {chunk_id[:16]} is {len(data)} bytes, more than the {len(out)} expected")
+        out[: len(data)] = data
+        return len(data)
+
     def chunk_size(self, chunk_id: str) -> int | None:
         """Stored size of a chunk object, or None when the store does not hold it."""
         raise NotImplementedError
@@ -272,6 +280,23 @@ class FileStore(Store):
             return self._path(chunk_key(chunk_id)).read_bytes()
         except FileNotFoundError:
             raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
+
+    def get_chunk_into(self, chunk_id: str, out: memoryview) -> int:
+        """Straight into ``out``: no intermediate bytes object (a fresh multi-MiB one faults its pages in)."""
+        try:
+            fh = open(self._path(chunk_key(chunk_id)), "rb", buffering=0)  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
+        with fh:
+            got = 0
+            while got < len(out):
+                n = fh.readinto(out[got:])
+                if not n:
+                    return got
+                got += n
+            if fh.read(1):
+                raise TransferError(f"chunk {chunk_id[:16]} is more than the {len(out)} bytes expected")
+            return got
 
     def chunk_header(self, chunk_id: str) -> bytes:
         try:

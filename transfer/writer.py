@@ -91,6 +91,7 @@ class StoreImageWriter:
         self.chunks_new = 0
         self.chunks_reused = 0
         self._progress = ProgressCounter(progress, 0)
+        self.decoders: set[str] = set()  # optional decoders a reader needs (FORMAT.md, "decoders")
 
     # -- regions and metadata
 
@@ -167,21 +168,25 @@ class StoreImageWriter:
                 f"put_chunk({region!r}, {index}): {len(view)} bytes is more than a chunk may hold ({MAX_RAW_LEN})"
             )
         chunk_id = chunk_id_of(view)
-        with self._lock:
-            self._record(reg, index, chunk_id, len(view))
-            self.bytes_logical += len(view)
-            entry = self._objects.get(chunk_id)
-        if entry is None:
-            entry = self._known_entry(chunk_id)
-            if entry is None:
-                self._send(reg, index, chunk_id, view)
-                self._progress.add(len(view))
-                return chunk_id
-            with self._lock:
-                self.chunks_reused += 1
-                self._add_object(chunk_id, entry)
+        if self._claim(reg, index, chunk_id, len(view)):
+            self._send(reg, index, chunk_id, view)
         self._progress.add(len(view))
         return chunk_id
+
+    def _claim(self, reg: _Region, index: int, chunk_id: str, length: int) -> bool:
+        """Record chunk ``index`` as ``chunk_id``; True when its bytes must be sent (nothing holds them yet)."""
+        with self._lock:
+            self._record(reg, index, chunk_id, length)
+            self.bytes_logical += length
+            if chunk_id in self._objects:
+                return False
+        entry = self._known_entry(chunk_id)
+        if entry is None:
+            return True
+        with self._lock:
+            self.chunks_reused += 1
+            self._add_object(chunk_id, entry)
+        return False
 
     def _send(self, reg: _Region, index: int, chunk_id: str, view: memoryview) -> None:
         base_id = None
@@ -241,8 +246,27 @@ class StoreImageWriter:
         finally:
             self._slots.release()
 
-    def _put_object(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray) -> None:
-        """One object into the store; a failure is kept for commit. The buffer goes back either way."""
+    def _store_sealed(self, chunk_id: str, codec: int, raw_len: int, out: memoryview, payload_len: int) -> None:
+        """Seal a payload that already lies at ``out[HEADER_SIZE:]`` where it lies, and store it now.
+
+        For callers that own ``out`` (a pinned slot the device copied the payload into): no copy,
+        and the object is stored on this thread so ``out`` is free again on return.
+        """
+        payload = out[HEADER_SIZE : HEADER_SIZE + payload_len]
+        blob = self.sealer.seal(chunk_id, codec, raw_len, payload, None, out=out, in_place=True)
+        with self._lock:
+            if chunk_id in self._objects:  # another thread sent the same content meanwhile
+                return
+            self._add_object(chunk_id, [len(blob), codec, None])
+            self.chunks_new += 1
+            self.bytes_sent += len(blob)
+        try:
+            self._put_object(chunk_id, blob, None)
+        except BaseException as exc:
+            raise TransferError(f"storing chunk {chunk_id[:16]} in {self.store.url} failed: {exc}") from exc
+
+    def _put_object(self, chunk_id: str, blob: bytearray | memoryview, buf: bytearray | None) -> None:
+        """One object into the store; a failure is kept for commit. A pooled buffer goes back either way."""
         try:
             self.store.put_chunk(chunk_id, blob)
         except BaseException as exc:
@@ -252,7 +276,8 @@ class StoreImageWriter:
         finally:
             if isinstance(blob, memoryview):
                 blob.release()
-            BUFFERS.give(buf)  # stores never keep the buffer past put_chunk
+            if buf is not None:
+                BUFFERS.give(buf)  # stores never keep the buffer past put_chunk
 
     def reuse_chunk(self, region: str, index: int, chunk_id: str, length: int | None = None) -> None:
         """Reference a chunk the parent (or the store) holds. ``length`` is needed for variable-size chunks."""
@@ -331,7 +356,7 @@ class StoreImageWriter:
         self._committed = True
         regions = [self._region_doc(r) for r in self._regions.values()]
         self.store.flush()
-        body = {
+        body: dict[str, Any] = {
             "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "source": self.source,
             "parent": self.parent_id,
@@ -342,6 +367,8 @@ class StoreImageWriter:
             "objects": {cid: self._objects[cid] for cid in sorted(self._objects)},
             "metadata": self._metadata,
         }
+        if self.decoders:  # only when needed: images without them keep the manifest of earlier versions
+            body["decoders"] = sorted(self.decoders)
         image_id, data = seal_manifest(body, self.sealer)
         self.store.put_manifest(image_id, data)
         self._progress.finish()

@@ -103,6 +103,8 @@ class InferenceApp:
                 time.sleep(fault.delay_ms / 1000.0)
             noise = state.drift_noise if hit and fault.kind == "drift" else None
             tokens, logprobs = generate(state.model, prompt, n, logit_noise=noise)
+            if state.mutable is not None:  # --mutable-mb: state every request changes, as a KV cache would
+                state.mutable.add_(1)
         return 200, {
             "tokens": tokens,
             "text": decode(tokens),
@@ -152,6 +154,11 @@ class InferenceApp:
                 **{k: st.meta[k] for k in ("seed", "size", "dtype", "device", "params_mb") if k in st.meta},
             }
         )
+        mutable = st.mutable
+        if mutable is not None:
+            from gpumigrate.workloads.model import weights_digest
+
+            facts["mutable_digest"] = weights_digest({"mutable": mutable})
         return facts
 
     async def fault(self, request: Request) -> Response:
@@ -237,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=socket.gethostname(), help="host name reported in every answer")
     add_contract_flags(p)
     p.add_argument("--enable-faults", action="store_true", help=f"serve POST /admin/fault (${FAULTS_ENV}=1)")
+    p.add_argument(
+        "--mutable-mb", type=float, default=0, help="N MB of device state that every request changes (migrated too)"
+    )
     return p
 
 
@@ -254,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             params_mb=args.params_mb,
             load_weights=not gm.awaiting_restore(),
         )
-        handle = gm.attach(model, name="model")
+        # --mutable-mb: device state that every request changes, as a KV cache would; it travels too.
+        mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device=args.device)
+        handle = gm.attach(model, name="model", state={"mutable": mutable} if args.mutable_mb else None)
     except GpumigrateError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -265,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     state = ServingState(
         model, name=args.name, model_id=f"tinylm-{size}-{args.dtype}-s{args.seed}", meta=meta, handle=handle
     )
+    state.mutable = mutable if args.mutable_mb else None
     faults = args.enable_faults or os.environ.get(FAULTS_ENV) == "1"
     app = InferenceApp(state, workers=args.workers, faults=faults)
     try:

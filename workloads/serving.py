@@ -77,6 +77,7 @@ class ServingState:
         # A fixed perturbation of the logits: large enough to change tokens and logprobs.
         self.drift_noise = torch.randn(vocab, generator=torch.Generator().manual_seed(1234)) * 3.0
         self._digest: tuple[int, str] | None = None  # (state version it was computed at, digest)
+        self.mutable: torch.Tensor | None = None  # state each request changes (--mutable-mb), tracked by the agent
 
     @contextmanager
     def request(self, timeout_s: float) -> Iterator[None]:

@@ -92,8 +92,8 @@ def test_capture_streams_through_a_ring_smaller_than_the_state() -> None:
 
 
 def test_direct_placement_into_an_arena_and_fallback_when_full() -> None:
-    """Writers that offer reserve/put_reserved get the bytes placed in their memory; when the arena is
-    full the pipeline falls back to the ring for the remaining chunks."""
+    """A direct writer with an arena gets the bytes placed in its memory; when the arena is full it
+    takes the remaining chunks the plain way."""
     data = torch.randn(48 * 1024)  # 192 KiB = 12 chunks of 16 KiB
     arena = torch.empty(100 << 10, dtype=torch.uint8)  # room for 6 chunks only
     store = MemoryStore(arena=arena)

@@ -1,18 +1,19 @@
-"""BLAKE3 on the device (snapshot/devhash.py): the reference algorithm on CPU in CI, the Triton
-kernels and the device-verified restore on the GPU machine."""
+"""BLAKE3 on the device (transfer/devhash.py): the reference algorithm on CPU in CI, the Triton
+kernels and the device-hashed capture and verified restore on the GPU machine."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import blake3
 import pytest
 import torch
 
+from gpumigrate import transfer
 from gpumigrate.errors import IntegrityError
-from gpumigrate.snapshot import devhash
 from gpumigrate.snapshot.agent import Agent
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.transfer import devhash
 
-KEY = b"d" * 32
 # One leaf (ROOT on the leaf), two (ROOT on the parent), and odd counts whose last node moves up
 # unpaired: the left-balanced tree.
 SHAPES = [(1, 3), (2, 2), (3, 2), (5, 1), (6, 2), (7, 1), (16, 2), (33, 1)]
@@ -63,32 +64,33 @@ def test_kernels_match_the_blake3_package(leaves: int, count: int) -> None:
 
 
 @pytest.mark.gpu
-def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flipped_bit() -> None:
+def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flipped_byte(tmp_path: Path) -> None:
     dev = torch.device("cuda")
     if not devhash.available(dev):
         pytest.skip("Triton is not importable here")
-    src = {"a": torch.randn(3 << 20, device=dev), "odd": torch.randn(777, device=dev)}  # odd: CPU-verified tail
-    arena = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
-    store = MemoryStore(arena=arena)
+    src = {"a": torch.randn(3 << 20, device=dev), "odd": torch.randn(777, device=dev)}  # odd: CPU-hashed tail
+    url = f"file://{tmp_path / 'store'}"  # no key: only BLAKE3 stands between a flipped byte and the target
     a = Agent()
     a.track_tensors("w", src)
     a.freeze()
-    a.precopy(store.writer(KEY, chunk_size=1 << 20))
+    a.precopy(transfer.open_writer(url, key=None, chunk_size=1 << 20, compression="none"))
     image = a.last_image.id
-    # Frozen capture takes its ids from the GPU kernels: each must be the CPU's BLAKE3 of the stored bytes.
-    host = arena.numpy()
-    assert len(store.placed) >= 12
-    for cid, (off, n) in store.placed.items():
-        assert blake3.blake3(host[off : off + n].tobytes()).hexdigest() == cid
+    # Ids come from the GPU kernels: each must be the CPU's BLAKE3 of the stored plaintext.
+    objects = sorted((tmp_path / "store" / "chunks").glob("*/*"))
+    assert len(objects) >= 12
+    for path in objects:
+        assert blake3.blake3(path.read_bytes()[60:]).hexdigest() == path.name
     out = {k: torch.zeros_like(v) for k, v in src.items()}
     b = Agent()
     b.track_tensors("w", out)
-    b.restore(store.reader(image, KEY))
+    b.restore(transfer.open_reader(url, image, key=None))
     assert all(torch.equal(out[k], src[k]) for k in src)
-    off, _ = next(loc for loc in store.placed.values() if loc[1] > 4096)
-    arena[off + 4096] ^= 1
+    victim = max(objects, key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[4096] ^= 1
+    victim.write_bytes(raw)
     c = Agent()
     c.track_tensors("w", {k: torch.zeros_like(v) for k, v in src.items()})
-    with pytest.raises(IntegrityError, match="BLAKE3 digest does not match"):
-        c.restore(store.reader(image, KEY))
+    with pytest.raises(IntegrityError, match="BLAKE3"):
+        c.restore(transfer.open_reader(url, image, key=None))
     assert not c.ready

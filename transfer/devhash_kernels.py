@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`gpumigrate.snapshot.devhash` (imported only on CUDA hosts with Triton).
+"""Triton kernels for :mod:`gpumigrate.transfer.devhash` (imported only on CUDA hosts with Triton).
 
 One program lane per BLAKE3 node; all arithmetic on uint32, which wraps as BLAKE3 wants. The round
 function takes the 16 state and 16 message words as separate values per lane so they stay in

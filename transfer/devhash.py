@@ -115,7 +115,7 @@ def blake3_reference(data: torch.Tensor, count: int) -> list[str]:
 
 # ---------------------------------------------------------------- the kernels (CUDA)
 def _kernels():  # noqa: ANN202 - the Triton module, imported only where it runs
-    from gpumigrate.snapshot import devhash_kernels
+    from gpumigrate.transfer import devhash_kernels
 
     return devhash_kernels
 

@@ -1,0 +1,151 @@
+"""Component view of the transfer engine's direct path: where a capture or restore of device tensors
+spends its time, per stage and thread, beside the host's own ceilings measured in the same run.
+
+    python bench/direct.py --json [--gb 16] [--chunk-mb 16] [--store DIR] [--codecs gpu,cpu]
+
+In one process: bf16 tensors on the device are captured frozen through ``DirectStoreImageWriter``
+(device BLAKE3, pinned slots, codec, AES-256-GCM, ``file://`` store in ``--store``, default
+/dev/shm) and restored through ``DirectStoreImageReader`` (read, open, decode, host→device copy,
+device BLAKE3 check). ``stages`` sums the seconds each stage took over all threads
+(``transfer.direct.STAGES``). Ceilings from the same run: AES-256-GCM on 1, 4 and all threads,
+writing new files into the store's filesystem on 1 and all threads, and the pinned device→host line
+rate. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from benchlib import gbps
+
+from gpumigrate import transfer
+from gpumigrate.interfaces import RegionInfo, TensorChunk
+from gpumigrate.transfer import direct
+
+KEY = bytes(range(32))
+PIECE = 256 << 20
+
+
+def threaded(n: int, fn: Any) -> float:
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def aes_ceiling(threads: int, per_thread: int = 24) -> float:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead = AESGCM(KEY)
+    bufs = [bytearray((16 << 20) + 16) for _ in range(threads)]
+
+    def work(i: int) -> None:
+        view = memoryview(bufs[i])
+        for _ in range(per_thread):
+            aead.encrypt_into(os.urandom(12), view[:-16], b"", view)
+
+    return gbps(threads * per_thread * (16 << 20), threaded(threads, work))
+
+
+def write_ceiling(where: Path, threads: int, per_thread: int = 32) -> float:
+    where.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(11 << 20)
+
+    def work(i: int) -> None:
+        for k in range(per_thread):
+            with open(where / f"{i}-{k}", "wb") as fh:
+                fh.write(data)
+
+    try:
+        return gbps(threads * per_thread * len(data), threaded(threads, work))
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def run(codec: str, gb: float, chunk: int, store: Path) -> dict[str, Any]:
+    os.environ["GPUMIGRATE_GPU_CODEC"] = "1" if codec == "gpu" else "0"
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tensors = []
+    for _ in range(max(1, int(gb * (1 << 30)) // PIECE)):
+        t = torch.empty(PIECE // 2, dtype=torch.bfloat16, device="cuda")
+        t.normal_(0.0, 0.02, generator=g)
+        tensors.append(t)
+    total = len(tensors) * PIECE
+    shutil.rmtree(store, ignore_errors=True)
+    url = f"file://{store}"
+    writer = transfer.open_writer(url, key=KEY, chunk_size=chunk)
+    chunks = []
+    for i, t in enumerate(tensors):
+        writer.add_region(RegionInfo(f"w{i}", PIECE, dtype="bfloat16", shape=tuple(t.shape)))
+        flat = t.view(torch.uint8)
+        chunks += [TensorChunk(f"w{i}", k // chunk, flat[k : k + chunk]) for k in range(0, PIECE, chunk)]
+    torch.cuda.synchronize()
+    direct.STAGES.take()
+    t0 = time.perf_counter()
+    for f in writer.put_tensors(chunks):
+        f.result()
+    ref = writer.commit()
+    capture = time.perf_counter() - t0
+    capture_stages = direct.STAGES.take()
+    outs = [torch.zeros_like(t) for t in tensors]
+    back = []
+    for i, t in enumerate(outs):
+        flat = t.view(torch.uint8)
+        back += [TensorChunk(f"w{i}", k // chunk, flat[k : k + chunk]) for k in range(0, PIECE, chunk)]
+    reader = transfer.open_reader(url, ref.id, key=KEY)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reader.read_tensors(back)
+    restore = time.perf_counter() - t0
+    restore_stages = direct.STAGES.take()
+    ok = all(torch.equal(a, b) for a, b in zip(tensors, outs, strict=True))
+    shutil.rmtree(store, ignore_errors=True)
+    return {
+        "bytes": total,
+        "stored_fraction": round(ref.bytes_stored / total, 4),
+        "capture_GBps": gbps(total, capture),
+        "restore_GBps": gbps(total, restore),
+        "bit_identical": ok,
+        "capture_stages_s": capture_stages,
+        "restore_stages_s": restore_stages,
+        "workers": direct.WORKERS,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="(always on)")
+    p.add_argument("--gb", type=float, default=16)
+    p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--store", default="/dev/shm/gm-direct")
+    p.add_argument("--codecs", default="gpu,cpu")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"bench": "direct", "not_run": "needs a CUDA GPU"}))
+        return 0
+    store = Path(args.store)
+    cores = os.cpu_count() or 1
+    out: dict[str, Any] = {"bench": "direct", "device": torch.cuda.get_device_name(0), "cpus": cores}
+    out["aes_gcm_GBps"] = {str(n): aes_ceiling(n) for n in sorted({1, 4, cores})}
+    out["new_file_writes_GBps"] = {str(n): write_ceiling(store / "ceiling", n) for n in sorted({1, cores})}
+    for codec in args.codecs.split(","):
+        out[codec] = run(codec, args.gb, args.chunk_mb << 20, store / codec)
+        print(json.dumps({codec: out[codec]}), file=sys.stderr, flush=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

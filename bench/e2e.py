@@ -1,0 +1,464 @@
+"""End-to-end migration benchmark: the product path between two processes, beside its baselines.
+
+    python bench/e2e.py --json [--gb 16] [--mutable-mb 256] [--chunk-mb 16] [--device cuda]
+                        [--runs shm:auto,disk:auto,shm:cpu] [--root DIR] [--out FILE]
+
+Source: the reference inference server (``--params-mb``, ``--device``, bf16, ``--mutable-mb``: state
+that every request changes) with its embedded agent. Target: the same server started awaiting a
+restore (``GPUMIGRATE_AWAIT_RESTORE=1``, ``--await-restore``). Everything moves through the real
+agent control channel and the transfer engine into a ``file://`` store (tmpfs and a disk directory),
+the way the migrate flow runs its snapshot, transfer and restore phases with a pre-loaded target:
+
+  1. the target starts while pre-copy round 1 writes the full image (capture figure);
+  2. the target pre-loads round 1 (``restore``, ``ready: false``: restore figure);
+  3. requests dirty the source's mutable state; round 2 ships the delta; the target pre-loads it;
+  4. requests dirty it again; freeze → final → target restore(ready) is the downtime;
+  5. the target's weights and mutable digests and its answer must equal the source's.
+
+Each run is one ``STORE:CODEC`` pair: ``shm`` (/dev/shm) or ``disk`` (``--root``), and ``auto``
+(the GPU codec where nvCOMP and a GPU are present) or ``cpu`` (``GPUMIGRATE_GPU_CODEC=0``).
+Baselines from the same run: a safetensors cold load in a fresh process (load, and with start-up),
+``torch.save``/``torch.load`` through a file in the same store directory, the CUDA driver checkpoint
+of the source process, and the pinned device→host line rate. The last stdout line is one JSON
+object; every figure says what it includes. ``--smoke`` runs a small CPU migration and exits 1
+unless the state came back bit-identical (CI runs it; it asserts no timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from benchlib import gbps, pinned_d2h_GBps
+
+from gpumigrate.snapshot.client import AgentClient
+
+KEY_ENV = "GM_E2E_IMAGE_KEY"
+PROMPT = {"prompt": "The quick brown fox", "max_new_tokens": 4}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- the two processes
+@dataclass
+class Workload:
+    """One started workload: its process, HTTP address and agent client. The migrate flow's launcher
+    (``workload.launch`` of the plan) takes this role in the product; here the reference server is
+    started directly so the benchmark runs beside that work."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    url: str
+    agent: AgentClient
+    started: float
+    log_path: Path
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+
+    def wait_listening(self, timeout_s: float) -> float:
+        """Seconds from start until both the HTTP server and the agent answer."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                self.http.get(f"{self.url}/healthz")
+                self.agent.call("ping")
+                return time.perf_counter() - self.started
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError(f"{self.name} did not start in {timeout_s} s: {self.tail()}")
+
+    def info(self) -> dict[str, Any]:
+        return dict(self.http.get(f"{self.url}/v1/info").json())
+
+    def generate(self) -> dict[str, Any]:
+        r = self.http.post(f"{self.url}/v1/generate", json=PROMPT)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def ready(self) -> bool:
+        return self.http.get(f"{self.url}/readyz").status_code == 200
+
+    def tail(self) -> str:
+        try:
+            return self.log_path.read_text()[-2000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        self.agent.close()
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def launch(name: str, args: argparse.Namespace, *, await_restore: bool, env: dict[str, str], logs: Path) -> Workload:
+    port, agent_port = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "gpumigrate.workloads.inference",
+        "--port",
+        str(port),
+        "--agent-port",
+        str(agent_port),
+        "--params-mb",
+        str(args.params_mb),
+        "--device",
+        args.device,
+        "--dtype",
+        "bfloat16",
+        "--mutable-mb",
+        str(args.mutable_mb),
+        "--threads",
+        "2",
+        "--name",
+        name,
+    ]
+    child_env = {**os.environ, **env}
+    if await_restore:
+        argv.append("--await-restore")
+        child_env["GPUMIGRATE_AWAIT_RESTORE"] = "1"
+    log_path = logs / f"{name}.log"
+    out = log_path.open("w")
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, env=child_env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    out.close()
+    return Workload(name, proc, f"http://127.0.0.1:{port}", AgentClient(f"127.0.0.1:{agent_port}"), started, log_path)
+
+
+# --------------------------------------------------------------------------- one migration
+def migrate(args: argparse.Namespace, store_dir: Path, codec: str, logs: Path) -> dict[str, Any]:
+    """Source → image in ``store_dir`` → pre-loaded target → stop-and-copy → ready, timed and checked."""
+    shutil.rmtree(store_dir, ignore_errors=True)
+    store = f"file://{store_dir}"
+    env = {
+        KEY_ENV: args.key,
+        "GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb),
+        "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1",
+    }
+    key_ref = {"env": KEY_ENV}
+    options = {"compression": "auto", "parallelism": args.workers}
+    source = launch("source", args, await_restore=False, env=env, logs=logs)
+    target: Workload | None = None
+    out: dict[str, Any] = {"store": store, "codec": codec}
+    try:
+        out["source_start_s"] = round(source.wait_listening(args.start_timeout), 2)
+        source.generate()  # warm: the first request compiles/allocates what later ones reuse
+        t_migration = time.perf_counter()
+        target = launch("target", args, await_restore=True, env=env, logs=logs)
+        t0 = time.perf_counter()
+        round1 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
+        capture_s = time.perf_counter() - t0
+        image_bytes = int(round1["image"]["bytes_image"])
+        out["capture"] = {
+            "bytes": image_bytes,
+            "stored_bytes": int(round1["image"]["bytes_sent"]),
+            "stored_fraction": round(int(round1["image"]["bytes_sent"]) / max(1, image_bytes), 4),
+            "seconds": round(capture_s, 3),
+            "GBps": gbps(image_bytes, capture_s),
+            "agent_seconds": round(float(round1["stats"]["seconds"]), 3),
+            "includes": "pre-copy round 1 of the live source (all chunks): fingerprint, stage, device BLAKE3, codec "
+            "(GPU planes where nvCOMP is present, else the CPU byte-plane coder), AES-256-GCM, file:// store writes, "
+            "signed manifest; timed at the orchestrator around the agent call",
+        }
+        out["target_start_s"] = round(target.wait_listening(args.start_timeout), 2)
+        t0 = time.perf_counter()
+        pre1 = target.agent.call("restore", store=store, image_id=round1["image"]["id"], key_ref=key_ref, ready=False)
+        restore_s = time.perf_counter() - t0
+        out["restore"] = {
+            "bytes": int(pre1["bytes_loaded"]),
+            "seconds": round(restore_s, 3),
+            "GBps": gbps(int(pre1["bytes_loaded"]), restore_s),
+            "agent_seconds": round(float(pre1["seconds"]), 3),
+            "includes": "pre-load of round 1 into the cold target: manifest signature, store reads, AES-256-GCM open, "
+            "decode (GPU or CPU), host→device copies, BLAKE3 of every chunk where it landed; timed around the call",
+        }
+        source.generate()
+        round2 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
+        pre2 = target.agent.call("restore", store=store, image_id=round2["image"]["id"], key_ref=key_ref, ready=False)
+        out["round2"] = {"stats": round2["stats"], "preload_seconds": round(float(pre2["seconds"]), 4)}
+        source.generate()  # the mutable state is dirty again: the final round ships it
+        t_freeze = time.perf_counter()
+        source.agent.call("freeze")
+        t_frozen = time.perf_counter()
+        final = source.agent.call("final", store=store, key_ref=key_ref, options=options)
+        t_final = time.perf_counter()
+        done = target.agent.call("restore", store=store, image_id=final["image"]["id"], key_ref=key_ref, ready=True)
+        t_ready = time.perf_counter()
+        out["total_migration_s"] = round(t_ready - t_migration, 3)
+        out["downtime"] = {
+            "ms": round((t_ready - t_freeze) * 1000, 1),
+            "freeze_ms": round((t_frozen - t_freeze) * 1000, 1),
+            "final_ms": round((t_final - t_frozen) * 1000, 1),
+            "restore_ms": round((t_ready - t_final) * 1000, 1),
+            "final_stats": final["stats"],
+            "restore_chunks_loaded": done["chunks_loaded"],
+            "restore_bytes_loaded": done["bytes_loaded"],
+            "includes": "freeze (request safe point) → final round (fingerprint all, ship the dirty set: the mutable "
+            "state) → target restore of the changed chunks → ready; two processes, agent calls over TCP",
+        }
+        out["target_ready_endpoint"] = target.ready()
+        src_info, dst_info = source.info(), target.info()
+        out["bit_identical"] = {
+            "weights": src_info["weights_digest"] == dst_info["weights_digest"],
+            "mutable": src_info.get("mutable_digest") == dst_info.get("mutable_digest") is not None,
+        }
+        source.agent.call("resume")
+        out["same_answer"] = source.generate()["tokens"] == target.generate()["tokens"]
+        out["image_files_bytes"] = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
+        if args.device.startswith("cuda") and args.driver and codec == "auto" and "shm" in str(store_dir):
+            target.stop()
+            target = None
+            out["driver_checkpoint_of_source"] = driver_checkpoint(source.proc.pid, image_bytes)
+    finally:
+        for w in (target, source):
+            if w is not None:
+                w.stop()
+    return out
+
+
+def driver_checkpoint(pid: int, nbytes: int) -> dict[str, Any]:
+    """The CUDA driver's own checkpoint and restore of the source process (to/from host memory)."""
+    try:
+        from gpumigrate.snapshot import cuda_driver
+
+        proc = cuda_driver.CudaProcess(pid)
+        proc.lock(timeout_ms=10_000)
+        proc.checkpoint()
+        proc.restore()
+        proc.unlock()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "bytes_tracked_state": nbytes,
+        "checkpoint_s": round(proc.timing.checkpoint_s, 3),
+        "restore_s": round(proc.timing.restore_s, 3),
+        "checkpoint_GBps_of_state": gbps(nbytes, proc.timing.checkpoint_s),
+        "restore_GBps_of_state": gbps(nbytes, proc.timing.restore_s),
+        "includes": "cuCheckpointProcessCheckpoint/Restore of the whole source process (all its device memory, "
+        "driver-managed host copy); GB/s counted over the same tracked bytes as the agent's figures",
+    }
+
+
+# --------------------------------------------------------------------------- baselines
+SAVE = r"""
+import json, sys, time, torch
+from gpumigrate.workloads.model import build_model
+params_mb, device, st_path, pt_path = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+state = {k: v.contiguous() for k, v in build_model(0, dtype="bfloat16", device=device, params_mb=params_mb).state_dict().items()}
+n = sum(v.numel() * v.element_size() for v in state.values())
+out = {"bytes": n}
+try:
+    import safetensors.torch as st
+    t = time.perf_counter(); st.save_file(state, st_path); out["safetensors_save_s"] = time.perf_counter() - t
+except ImportError:
+    out["safetensors_save_s"] = None
+t = time.perf_counter(); torch.save(state, pt_path); out["torch_save_s"] = time.perf_counter() - t
+print(json.dumps(out), flush=True)
+"""
+
+LOAD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+kind, path, device = sys.argv[1], sys.argv[2], sys.argv[3]
+if device.startswith("cuda"):
+    torch.zeros(1, device=device)  # CUDA context: part of a cold start, kept out of the load figure
+t1 = time.perf_counter()
+if kind == "safetensors":
+    import safetensors.torch as st
+    state = st.load_file(path, device=device)
+else:
+    state = {k: v.to(device) for k, v in torch.load(path, map_location="cpu", mmap=False).items()}
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+t2 = time.perf_counter()
+print(json.dumps({"load_s": t2 - t1, "in_process_s": t2 - t0, "tensors": len(state)}), flush=True)
+"""
+
+
+def baselines(args: argparse.Namespace, where: Path) -> dict[str, Any]:
+    """Files written by a process that built the same model; each loaded by a fresh process."""
+    where.mkdir(parents=True, exist_ok=True)
+    st_path, pt_path = where / "weights.safetensors", where / "weights.pt"
+    saved = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", SAVE, str(args.params_mb), args.device, str(st_path), str(pt_path)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    n = int(saved["bytes"])
+    out: dict[str, Any] = {"bytes": n, "where": str(where)}
+    for kind, path in (("safetensors", st_path), ("torch_load", pt_path)):
+        if kind == "safetensors" and saved["safetensors_save_s"] is None:
+            out[kind] = {"not_run": "safetensors is not installed here"}
+            continue
+        t0 = time.perf_counter()
+        run = subprocess.run(
+            [sys.executable, "-c", LOAD, kind, str(path), args.device], check=True, capture_output=True, text=True
+        )
+        total = time.perf_counter() - t0
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        out[kind] = {
+            "load_s": round(got["load_s"], 3),
+            "load_GBps": gbps(n, got["load_s"]),
+            "cold_start_s": round(total, 3),
+            "includes": "a fresh process: interpreter + torch import + CUDA context (cold_start_s only), then the "
+            "file read from the same directory as the image and copied to the device",
+        }
+    out["safetensors_save_s"] = round(saved["safetensors_save_s"], 3) if saved["safetensors_save_s"] else None
+    out["torch_save_GBps"] = gbps(n, saved["torch_save_s"])
+    out["torch_save_includes"] = "torch.save of the state dict (device→pageable host copy included) to a file"
+    st_path.unlink(missing_ok=True)
+    pt_path.unlink(missing_ok=True)
+    return out
+
+
+def line_rate(device: str) -> float | None:
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    return pinned_d2h_GBps(torch.empty(1 << 28, dtype=torch.uint8, device=device).random_())
+
+
+# --------------------------------------------------------------------------- report
+def ratios(out: dict[str, Any]) -> dict[str, Any]:
+    base = out.get("baselines") or {}
+    cold = (base.get("safetensors") or {}) if "load_s" in (base.get("safetensors") or {}) else None
+    line = out.get("line_rate_pinned_d2h_GBps")
+    rows = {}
+    for name, run in out["runs"].items():
+        if "error" in run:
+            continue
+        row: dict[str, Any] = {
+            "capture_GBps": run["capture"]["GBps"],
+            "restore_GBps": run["restore"]["GBps"],
+            "downtime_ms": run["downtime"]["ms"],
+            "total_migration_s": run["total_migration_s"],
+        }
+        if cold:
+            row["restore_vs_safetensors_load"] = round(run["restore"]["GBps"] / cold["load_GBps"], 2)
+            row["total_vs_cold_start"] = round(run["total_migration_s"] / cold["cold_start_s"], 2)
+        if line:
+            row["capture_vs_line_rate"] = round(run["capture"]["GBps"] / line, 2)
+            row["restore_vs_line_rate"] = round(run["restore"]["GBps"] / line, 2)
+        rows[name] = row
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="(always on) print the result as JSON on the last line")
+    p.add_argument("--gb", type=float, default=None, help="model weights in GiB (default 16 on a GPU, 0.03 on CPU)")
+    p.add_argument("--mutable-mb", type=float, default=None, help="state each request changes (256 on a GPU)")
+    p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
+    p.add_argument("--runs", default="shm:auto,disk:auto,shm:cpu", help="STORE:CODEC pairs, comma-separated")
+    p.add_argument("--root", default=None, help="disk directory for the 'disk' store and logs (default: a temp dir)")
+    p.add_argument("--workers", type=int, default=None, help="writer parallelism option (default: cores)")
+    p.add_argument("--no-driver", dest="driver", action="store_false", help="skip the CUDA driver checkpoint")
+    p.add_argument("--no-baselines", dest="baselines", action="store_false")
+    p.add_argument("--smoke", action="store_true", help="small CPU run; exit 1 unless the state is bit-identical")
+    p.add_argument("--start-timeout", type=float, default=300)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.smoke:
+        args.device, args.runs, args.driver, args.baselines = "cpu", "disk:auto", False, False
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    gpu = args.device.startswith("cuda")
+    args.gb = args.gb if args.gb is not None else (16.0 if gpu else 0.03)
+    args.params_mb = round(args.gb * 1024, 3)
+    args.mutable_mb = args.mutable_mb if args.mutable_mb is not None else (256 if gpu else 2)
+    args.workers = args.workers or min(64, os.cpu_count() or 2)
+    from gpumigrate import transfer
+
+    args.key = transfer.generate_key()
+    root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="gm-e2e-"))
+    root.mkdir(parents=True, exist_ok=True)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() and not args.smoke else root
+    logs = root / "logs"
+    logs.mkdir(exist_ok=True)
+    out: dict[str, Any] = {
+        "bench": "e2e",
+        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "weights_GiB": args.gb,
+        "mutable_MiB": args.mutable_mb,
+        "chunk_MiB": args.chunk_mb,
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "runs": {},
+    }
+    if gpu:
+        out["line_rate_pinned_d2h_GBps"] = line_rate(args.device)
+    try:
+        for spec in args.runs.split(","):
+            where, codec = spec.split(":")
+            base = shm / f"gm-e2e-{os.getpid()}" if where == "shm" else root / "disk"
+            log(f"migration {spec} ...")
+            try:
+                out["runs"][spec] = migrate(args, base / "store", codec, logs)
+            except Exception as exc:
+                out["runs"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+            if args.out:  # partial results survive a run cut short
+                Path(args.out).write_text(json.dumps(out) + "\n")
+        if args.baselines:
+            log("baselines ...")
+            try:
+                out["baselines"] = baselines(args, shm / f"gm-e2e-base-{os.getpid()}")
+            except Exception as exc:
+                out["baselines"] = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                shutil.rmtree(shm / f"gm-e2e-base-{os.getpid()}", ignore_errors=True)
+    finally:
+        if not args.root:
+            shutil.rmtree(root, ignore_errors=True)
+    out["summary"] = ratios(out)
+    text = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    if args.smoke:
+        run = next(iter(out["runs"].values()))
+        ok = "error" not in run and all(run["bit_identical"].values()) and run["same_answer"]
+        return 0 if ok and run["target_ready_endpoint"] else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

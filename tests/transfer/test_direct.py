@@ -1,0 +1,275 @@
+"""The direct writer/reader (transfer/direct.py) against the plain ones, and the end-to-end smoke.
+
+On CPU (CI) the direct path takes host tensors; the ``gpu``-marked tests run the device path
+(device BLAKE3 ids, pinned slots, device-side verification, the nvCOMP plane codec where present)
+on the lent GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import blake3
+import pytest
+import torch
+
+from gpumigrate import transfer
+from gpumigrate.errors import DecryptionError, IntegrityError
+from gpumigrate.interfaces import DirectImageReader, DirectImageWriter, RegionInfo, TensorChunk
+from gpumigrate.snapshot.agent import Agent
+from gpumigrate.transfer import gpucodec, writer
+
+KEY = bytes(range(32))
+REPO = Path(__file__).resolve().parents[2]
+CHUNK = 64 << 10
+
+
+class _FixedClock(datetime):
+    @classmethod
+    def now(cls, tz=None):  # noqa: ANN001, ANN206 - datetime's own signature
+        return datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w": (torch.randn(5 * CHUNK // 2 + 300, generator=g) * 0.02).to(torch.bfloat16).to(device),
+        "f": torch.randn(CHUNK // 4 * 2, generator=g).to(device),
+        "b": torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g).to(device),
+    }
+
+
+def _write(url: str, tensors: dict[str, torch.Tensor], *, direct: bool, key: bytes | None = KEY) -> str:
+    w = transfer.open_writer(url, key=key, chunk_size=CHUNK)
+    chunks = []
+    for name, t in tensors.items():
+        flat = t.contiguous().view(torch.uint8).reshape(-1)
+        w.add_region(RegionInfo(name, flat.numel(), dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape)))
+        for i in range(0, flat.numel(), CHUNK):
+            chunks.append(TensorChunk(name, i // CHUNK, flat[i : i + CHUNK]))
+    if direct:
+        for f in w.put_tensors(chunks):
+            f.result()
+    else:
+        for c in chunks:
+            w.put_chunk(c.region, c.index, memoryview(c.data.cpu().numpy()))
+    return w.commit().id
+
+
+def test_open_writer_and_reader_are_the_declared_direct_kinds(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 's'}"
+    image = _write(url, _tensors(), direct=False)
+    assert isinstance(transfer.open_writer(url, key=KEY), DirectImageWriter)
+    assert isinstance(transfer.open_reader(url, image, key=KEY), DirectImageReader)
+
+
+def test_direct_and_plain_writers_make_the_same_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "datetime", _FixedClock)
+    tensors = _tensors()
+    plain = _write(f"file://{tmp_path / 'plain'}", tensors, direct=False, key=None)
+    direct = _write(f"file://{tmp_path / 'direct'}", tensors, direct=True, key=None)
+    assert plain == direct  # the manifest (ids, sizes, codecs, metadata) is byte for byte the same
+    for path in (tmp_path / "plain" / "chunks").glob("*/*"):  # unencrypted: the objects are equal too
+        assert path.read_bytes() == (tmp_path / "direct" / path.relative_to(tmp_path / "plain")).read_bytes()
+    # Encrypted, the nonces differ but ids, stored sizes and plaintext do not.
+    a = transfer.open_reader(
+        f"file://{tmp_path / 'pe'}", _write(f"file://{tmp_path / 'pe'}", tensors, direct=False), key=KEY
+    )
+    b = transfer.open_reader(
+        f"file://{tmp_path / 'de'}", _write(f"file://{tmp_path / 'de'}", tensors, direct=True), key=KEY
+    )
+    assert a.objects == b.objects
+    for name in tensors:
+        assert a.chunk_ids(name) == b.chunk_ids(name)
+        assert a.read_region(name) == b.read_region(name)
+
+
+def test_direct_reader_fills_tensors_like_the_plain_reader(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 's'}"
+    tensors = _tensors()
+    reader = transfer.open_reader(url, _write(url, tensors, direct=True), key=KEY)
+    for name, t in tensors.items():
+        out = torch.zeros_like(t).view(torch.uint8).reshape(-1)
+        chunks = [TensorChunk(name, i // CHUNK, out[i : i + CHUNK]) for i in range(0, out.numel(), CHUNK)]
+        assert reader.read_tensors(chunks) == out.numel()
+        assert bytes(out.numpy()) == bytes(reader.read_region(name))
+        assert torch.equal(out, t.contiguous().view(torch.uint8).reshape(-1))
+
+
+@pytest.mark.parametrize("key", [KEY, None], ids=["encrypted", "plain"])
+def test_a_damaged_chunk_is_caught_by_the_direct_reader(tmp_path: Path, key: bytes | None) -> None:
+    url = f"file://{tmp_path / 's'}"
+    tensors = _tensors()
+    image = _write(url, tensors, direct=True, key=key)
+    victim = max((tmp_path / "s" / "chunks").glob("*/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    victim.write_bytes(raw)
+    out = {k: torch.zeros_like(v).view(torch.uint8).reshape(-1) for k, v in tensors.items()}
+    chunks = [TensorChunk(n, i // CHUNK, o[i : i + CHUNK]) for n, o in out.items() for i in range(0, o.numel(), CHUNK)]
+    with pytest.raises((IntegrityError, DecryptionError)):
+        transfer.open_reader(url, image, key=key).read_tensors(chunks)
+
+
+def test_agent_round_trip_through_the_direct_path_refuses_damage_and_stays_unready(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumigrate.workloads.agent_hook import make_agent
+
+    monkeypatch.setenv("GM_DIRECT_TEST_KEY", transfer.generate_key())
+    key_env = {"env": "GM_DIRECT_TEST_KEY"}
+    url = f"file://{tmp_path / 'store'}"
+    src = make_agent()
+    data = _tensors()
+    src.track_tensors("w", data)
+    ref = src.precopy_to(url, key_env)["image"]
+    dst = make_agent()
+    got = {k: torch.zeros_like(v) for k, v in data.items()}
+    dst.track_tensors("w", got)
+    dst.restore_from(url, ref["id"], key_env)
+    assert dst.ready and all(torch.equal(got[k], data[k]) for k in data)
+    for path in (tmp_path / "store" / "chunks").glob("*/*"):
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 1
+        path.write_bytes(raw)
+    cold = make_agent()
+    cold.track_tensors("w", {k: torch.zeros_like(v) for k, v in data.items()})
+    with pytest.raises((IntegrityError, DecryptionError)):
+        cold.restore_from(url, ref["id"], key_env)
+    assert cold.ready is False
+
+
+def test_a_chunk_that_fails_to_store_fails_the_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumigrate.errors import TransferError
+
+    w = transfer.open_writer(f"file://{tmp_path / 's'}", key=KEY, chunk_size=CHUNK)
+    data = torch.randint(0, 256, (3 * CHUNK,), dtype=torch.uint8)
+    w.add_region(RegionInfo("x", data.numel()))
+
+    def broken(chunk_id: str, blob: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(w.store, "put_chunk", broken)
+    futures = w.put_tensors([TensorChunk("x", i, data[i * CHUNK : (i + 1) * CHUNK]) for i in range(3)])
+    with pytest.raises(TransferError, match="No space left"):
+        w.commit()
+    assert all(f.exception() is not None for f in futures)
+    assert not list((tmp_path / "s").glob("manifests/*"))  # no image names chunks that are not there
+
+
+def test_a_manifest_naming_an_unknown_decoder_is_refused(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 's'}"
+    w = transfer.open_writer(url, key=KEY)
+    w.add_region(RegionInfo("x", 4))
+    w.put_chunk("x", 0, b"abcd")
+    w.decoders.add("from-the-future")
+    image = w.commit().id
+    with pytest.raises(Exception, match="from-the-future"):
+        transfer.open_reader(url, image, key=KEY)
+
+
+def test_plane_codec_3_says_what_it_needs_without_a_gpu() -> None:
+    if gpucodec.available():
+        pytest.skip("this host can decode plane codec 3")
+    with pytest.raises(Exception, match="nvCOMP"):
+        gpucodec.decode_plane_to_host(memoryview(b"\0" * 16), 8)
+
+
+def test_e2e_smoke_migrates_bit_identical_between_two_processes(tmp_path: Path) -> None:
+    """bench/e2e.py --smoke: source and awaiting target processes, agent calls, file:// store, pre-loaded
+    target, stop-and-copy; asserts only that the state came back bit-identical and the target is ready."""
+    out = tmp_path / "e2e.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "e2e.py"),
+            "--smoke",
+            "--root",
+            str(tmp_path / "root"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    result = json.loads(out.read_text())
+    (migration,) = result["runs"].values()
+    assert migration["bit_identical"] == {"weights": True, "mutable": True}
+    assert migration["same_answer"] and migration["target_ready_endpoint"]
+    assert migration["downtime"]["restore_chunks_loaded"] >= 1  # the dirty state moved in the final round
+    assert migration["round2"]["stats"]["chunks_dirty"] < migration["round2"]["stats"]["chunks_total"]
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _cuda() -> str:
+    from gpumigrate.transfer import devhash
+
+    if not devhash.available(torch.device("cuda")):
+        pytest.skip("Triton is not importable here")
+    return "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["auto", "cpu"])
+def test_device_direct_path_matches_the_plain_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str) -> None:
+    dev = _cuda()
+    if codec == "cpu":
+        monkeypatch.setenv("GPUMIGRATE_GPU_CODEC", "0")
+    tensors = _tensors(dev)
+    url = f"file://{tmp_path / 'd'}"
+    image = _write(url, tensors, direct=True)
+    plain = transfer.open_reader(
+        f"file://{tmp_path / 'p'}", _write(f"file://{tmp_path / 'p'}", tensors, direct=False), key=KEY
+    )
+    reader = transfer.open_reader(url, image, key=KEY)
+    for name in tensors:
+        assert reader.chunk_ids(name) == plain.chunk_ids(name)  # device BLAKE3 = CPU BLAKE3
+    coded = [cid for cid, entry in reader.objects.items() if entry[1] == 2]
+    if codec == "auto" and gpucodec.available():
+        assert reader.body.get("decoders") == [gpucodec.DECODER]
+        assert reader.objects[reader.chunk_ids("w")[0]][0] < 0.8 * CHUNK  # fewer bytes crossed PCIe
+    assert coded
+    for name, t in tensors.items():
+        assert bytes(reader.read_region(name)) == bytes(t.cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
+        out = torch.zeros_like(t).view(torch.uint8).reshape(-1)
+        reader.read_tensors([TensorChunk(name, i // CHUNK, out[i : i + CHUNK]) for i in range(0, out.numel(), CHUNK)])
+        assert torch.equal(out, t.contiguous().view(torch.uint8).reshape(-1))
+
+
+@pytest.mark.gpu
+def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(tmp_path: Path) -> None:
+    dev = _cuda()
+    url = f"file://{tmp_path / 's'}"
+    w = {"a": torch.randn(5 << 20, device=dev).to(torch.bfloat16), "odd": torch.randn(777, device=dev)}
+    src = Agent()
+    src.track_tensors("w", w)
+    src.precopy(transfer.open_writer(url, key=None, chunk_size=1 << 20))  # live: staged batches
+    w["a"][: 1 << 10].add_(1)
+    stats = src.precopy(transfer.open_writer(url, key=None, parent=src.last_image.id, chunk_size=1 << 20))
+    assert stats.chunks_dirty == 1
+    image = src.last_image.id
+    for path in (tmp_path / "s" / "chunks").glob("*/*"):
+        body = path.read_bytes()[60:]
+        entry = transfer.open_reader(url, image, key=None).objects.get(path.name)
+        if entry is not None and entry[1] == 0:
+            assert blake3.blake3(body).hexdigest() == path.name
+    out = {k: torch.zeros_like(v) for k, v in w.items()}
+    dst = Agent()
+    dst.track_tensors("w", out)
+    dst.restore(transfer.open_reader(url, image, key=None))
+    assert all(torch.equal(out[k], w[k]) for k in w)
+    victim = max((tmp_path / "s" / "chunks").glob("*/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 1
+    victim.write_bytes(raw)
+    cold = Agent()
+    cold.track_tensors("w", {k: torch.zeros_like(v) for k, v in w.items()})
+    with pytest.raises(IntegrityError):
+        cold.restore(transfer.open_reader(url, image, key=None))
+    assert not cold.ready

@@ -1,0 +1,136 @@
+"""Plane codec 3 (FORMAT.md, "Plane codec 3: nvcomp-ans"): exponent planes entropy-coded on the GPU.
+
+A bf16 or fp16 chunk that lives in device memory is split into its two byte planes on the device
+and the sign-and-exponent plane is coded there with NVIDIA nvCOMP's ANS coder, so only about 0.68
+of the chunk's bytes cross PCIe (the mantissa plane is noise and stays raw). The payload is an
+ordinary byte-plane payload (codec 2) whose high plane has plane codec 3.
+
+nvCOMP is optional (PyPI ``nvidia-nvcomp-cu13`` with ``nvidia-libnvcomp-cu13``) and runs only on a
+CUDA device: :func:`available` says whether this process can code or decode such planes. Its ANS
+bitstream is nvCOMP's own (no CPU decoder exists), so an image holding such planes lists
+``"nvcomp-ans"`` under the manifest's ``decoders``, and a reader without nvCOMP and a GPU says so
+instead of misreading. nvCOMP's native bitstream carries its own sizes; it is used as is.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+from gpumigrate.errors import IntegrityError, TransferError
+
+DECODER = "nvcomp-ans"  # the manifest's name for what a reader needs to decode plane codec 3
+PLANE_NVCOMP_ANS = 3
+GPU_ELEMENT_SIZES = (2,)  # bf16 / fp16: one sign-and-exponent plane, one mantissa plane
+_local = threading.local()
+
+
+class _TorchBlock:
+    """Device memory for nvCOMP from torch's caching allocator, ordered on the stream nvCOMP names.
+
+    nvCOMP's own allocations are cudaMalloc/cudaFree per call; cudaFree waits for the whole device,
+    and nvCOMP frees while holding the GIL: measured on an H100 (``bench/direct.py``), every sealing
+    thread then waited for every other one and a 16 GiB capture ran at 0.95 GB/s. A block freed here
+    returns to torch's pool for its stream: the caller keeps an output alive until every stream that
+    reads it is done (the writer holds it until its device→host copy has landed).
+    """
+
+    def __init__(self, nbytes: int, stream: Any) -> None:
+        import torch
+
+        device = torch.device("cuda", stream.device if stream.device >= 0 else torch.cuda.current_device())
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr, device=device)):
+            self._block = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+        self.ptr = self._block.data_ptr()
+
+
+@functools.cache
+def _nvcomp() -> Any:
+    try:
+        from nvidia import nvcomp
+    except Exception:  # not installed, or its library does not load: the CPU codec is used instead
+        return None
+    try:
+        nvcomp.set_device_allocator(_TorchBlock)
+    except Exception:  # an nvCOMP without allocator hooks: its own allocator is slower, still correct
+        pass
+    return nvcomp
+
+
+def available() -> bool:
+    """True where planes can be coded and decoded here: nvCOMP imports and a CUDA device is present.
+
+    ``GPUMIGRATE_GPU_CODEC=0`` turns GPU coding off (decoding still works), e.g. to compare codecs.
+    """
+    try:
+        import torch
+    except ImportError:
+        return False
+    return _nvcomp() is not None and torch.cuda.is_available()
+
+
+def enabled() -> bool:
+    """Whether writers should code device chunks with this codec (available and not switched off)."""
+    return os.environ.get("GPUMIGRATE_GPU_CODEC", "1") != "0" and available()
+
+
+def _codec(stream: Any) -> Any:
+    """This thread's nvCOMP codec on ``stream`` (codec objects must not be shared between threads)."""
+    nv = _nvcomp()
+    key = int(stream.cuda_stream)
+    codecs = getattr(_local, "codecs", None)
+    if codecs is None:
+        codecs = _local.codecs = {}
+    codec = codecs.get(key)
+    if codec is None:
+        codec = codecs[key] = nv.Codec(algorithm="ANS", device_id=stream.device.index or 0, cuda_stream=key)
+    return codec
+
+
+def encode_plane(plane: Any, stream: Any) -> Any:
+    """ANS payload of a contiguous uint8 device plane, as a uint8 device tensor, coded on ``stream``.
+
+    nvCOMP waits for its own result before returning (it learns the coded size), so the tensor's
+    length is final; ``stream`` must already be ordered after whatever wrote ``plane``.
+    """
+    import torch
+
+    nv = _nvcomp()
+    coded = _codec(stream).encode(nv.as_array(plane))
+    return torch.as_tensor(coded, device=plane.device).view(torch.uint8).reshape(-1)
+
+
+def decode_plane(payload: Any, out: Any, stream: Any) -> None:
+    """Decode an ANS payload (uint8 device tensor) into ``out`` (uint8 device tensor of the plane's length)."""
+    import torch
+
+    nv = _nvcomp()
+    try:
+        plane = _codec(stream).decode(nv.as_array(payload))
+        got = torch.as_tensor(plane, device=out.device).view(torch.uint8).reshape(-1)
+    except Exception as exc:  # nvCOMP reports malformed streams as generic runtime errors
+        raise IntegrityError(f"plane codec 3 (nvcomp-ans) payload does not decode: {exc}") from None
+    if got.numel() != out.numel():
+        raise IntegrityError(f"plane codec 3 payload decodes to {got.numel()} bytes, the plane holds {out.numel()}")
+    with torch.cuda.stream(stream):
+        out.copy_(got)
+
+
+def decode_plane_to_host(payload: memoryview, n: int) -> Any:
+    """Host-side decode for readers without direct placement: through the GPU when there is one."""
+    if not available():
+        raise TransferError(
+            "this chunk's exponent plane was coded on a GPU with nvCOMP's ANS (plane codec 3); decoding it "
+            "needs a CUDA device and the nvidia-nvcomp-cu13 and nvidia-libnvcomp-cu13 packages"
+        )
+    import numpy as np
+    import torch
+
+    stream = torch.cuda.current_stream()
+    dev_payload = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to("cuda", non_blocking=False)
+    out = torch.empty(n, dtype=torch.uint8, device="cuda")
+    decode_plane(dev_payload, out, stream)
+    stream.synchronize()
+    return np.asarray(out.cpu().numpy())
