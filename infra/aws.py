@@ -505,6 +505,8 @@ class AwsProvider:
 
     def secret_region(self, name: str, region: str) -> str:
         """Where a Secrets Manager secret is held (its ARN's region), asked of Secrets Manager itself."""
+        if name.startswith("arn:"):  # a secret named by ARN is asked of its own region
+            region = name.split(":")[3]
         client = self.client("secretsmanager", region)
         arn = self._call(f"DescribeSecret {name}", region, client.describe_secret, SecretId=name)["ARN"]
         return str(arn.split(":")[3])

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -331,3 +333,42 @@ def seed_gcp(gce: Any, project: str, keys: Keys, *, locations: tuple[str, ...] =
     )
     for name, value in (("gpumigrate-control-key", keys.control), ("gpumigrate-image-key", keys.image)):
         gce.state.secrets[f"projects/{project}/secrets/{name}"] = {"replication": replication, "data": value.encode()}
+
+
+# ----------------------------------------------------------------------------- GCS that creates buckets
+def _gcs_fake_class() -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transfer"))
+    from transfer_fake_gcs import FakeGcs
+
+    return FakeGcs
+
+
+class BucketGcs(_gcs_fake_class()):  # type: ignore[misc]
+    """The transfer tests' GCS fake, plus bucket insert (``POST /storage/v1/b``) as GCS answers it."""
+
+    def _post(self, h: Any) -> None:
+        if urlsplit(h.path).path != "/storage/v1/b":
+            return super()._post(h)
+        body = json.loads(h.rfile.read(int(h.headers.get("Content-Length", "0"))) or b"{}")
+        name, location = body["name"], str(body.get("location") or "US").upper()
+        with self.lock:
+            self.requests += 1
+            if name in self.locations:
+                return self._json(h, 409, {"error": {"code": 409, "message": "You already own this bucket."}})
+            self.locations[name] = location
+            self.created[name] = body
+        return self._json(h, 200, {"kind": "storage#bucket", "name": name, "id": name, "location": location})
+
+    def __init__(self, buckets: dict[str, str]) -> None:
+        self.created: dict[str, dict[str, Any]] = {}  # bucket -> the insert request's body
+        super().__init__(buckets)
+
+
+@pytest.fixture
+def gcs() -> Iterator[BucketGcs]:
+    """A GCS endpoint holding one bucket in the US multi-region (``gm-us-bucket``)."""
+    server = BucketGcs({"gm-us-bucket": "US"})
+    try:
+        yield server
+    finally:
+        server.close()
