@@ -126,6 +126,8 @@ def test_launch_refusals_become_policy_errors(aws: Any, ec2_of: Any, migration_i
     with pytest.raises(CapacityError) as err:
         aws.provision(spec(), migration_id=migration_id)
     assert err.value.rule == rule and code in str(err.value) and err.value.exit_code == 2
+    if rule == "quota":  # the refusal names the quota to raise
+        assert "L-417A185B (Running On-Demand P instances)" in str(err.value)
     assert all_instances(ec2_of("us-east-1"), migration_id) == []
 
 
