@@ -325,19 +325,9 @@ class AwsProvider(Ec2Capacity):
     def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
         """Wait for the workload the user data started (infra/BOOT.md). On failure the instance is
         terminated and :class:`BootError` carries its console output."""
-        try:
-            return bootstrap.await_boot(
-                host,
-                launch,
-                console=lambda: self.console_output(host),
-                state=lambda: self._state(host),
-                running="running",
-                timeout_s=timeout_s,
-                poll_s=self.poll_interval_s,
-            )
-        except GpumigrateError:
-            self.terminate(host)
-            raise
+        return bootstrap.boot_or_terminate(
+            self, host, launch, state=self._state, running="running", timeout_s=timeout_s
+        )
 
     def secret_region(self, name: str, region: str) -> str:
         """Where a Secrets Manager secret is held (its ARN's region), asked of Secrets Manager itself."""

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import httpx
 
 import gpumigrate
-from gpumigrate.errors import InvalidInputError, ProviderError
+from gpumigrate.errors import GpumigrateError, InvalidInputError, ProviderError
 from gpumigrate.interfaces import Host
 from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.plan import TargetBootstrap, TargetNetwork
@@ -244,3 +244,23 @@ def await_boot(
         if time.monotonic() >= deadline:
             raise BootError(f"{what} timed out after {timeout_s:g} s: the workload never answered", console=text)
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def boot_or_terminate(
+    provider: Any, host: Host, launch: WorkloadLaunch, *, state: Callable[[Host], str], running: str, timeout_s: float
+) -> Host:
+    """:func:`await_boot` with ``provider``'s console reader; on any failure the instance is terminated
+    (a GPU machine whose workload did not come up is never left running, whatever the caller does)."""
+    try:
+        return await_boot(
+            host,
+            launch,
+            console=lambda: provider.console_output(host),
+            state=lambda: state(host),
+            running=running,
+            timeout_s=timeout_s,
+            poll_s=provider.poll_interval_s,
+        )
+    except GpumigrateError:
+        provider.terminate(host)
+        raise

@@ -381,19 +381,9 @@ class GcpProvider(GceCapacity):
     def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
         """Wait for the workload the startup script started (infra/BOOT.md). On failure the instance is
         deleted and :class:`BootError` carries its serial console output."""
-        try:
-            return bootstrap.await_boot(
-                host,
-                launch,
-                console=lambda: self.console_output(host),
-                state=lambda: self._status(host),
-                running="RUNNING",
-                timeout_s=timeout_s,
-                poll_s=self.poll_interval_s,
-            )
-        except GpumigrateError:
-            self.terminate(host)
-            raise
+        return bootstrap.boot_or_terminate(
+            self, host, launch, state=self._status, running="RUNNING", timeout_s=timeout_s
+        )
 
     def secret_locations(self, name: str) -> list[str] | None:
         """Where a Secret Manager secret's data is held (its replicas' locations), asked of Secret Manager;

@@ -79,18 +79,28 @@ def aws_target(tmp_path: Path, **network: Any) -> CloudTarget:
     return CloudTarget(network=TargetNetwork(**network), bootstrap=boot, image_key_ref=ref)
 
 
-def aws_spec(zone: str = "eu-central-1a", argv: tuple[str, ...] = INFERENCE) -> HostSpec:
+SPECS: dict[str, dict[str, Any]] = {
+    "aws": {"name": "gm-svc-m1", "region": "eu-central-1", "zone": "eu-central-1a", "image": AMI},
+    "gcp": {"name": "gm-svc-g1", "region": "europe-west4", "zone": "europe-west4-a"},
+}
+MACHINES = {"aws": ("g5.xlarge", "A10G"), "gcp": ("a2-highgpu-1g", "A100-40GB")}
+
+
+def host_spec(provider: str, zone: str | None = None, argv: tuple[str, ...] = INFERENCE) -> HostSpec:
+    base = dict(SPECS[provider])
+    base["zone"] = zone or base["zone"]
+    instance_type, gpu = MACHINES[provider]
     return HostSpec(
-        name="gm-svc-m1",
-        provider="aws",
-        region="eu-central-1",
-        zone=zone,
-        instance_type="g5.xlarge",
-        gpu_model="A10G",
-        gpu_count=1,
-        image=AMI,
-        launch=launch(argv),
+        provider=provider, instance_type=instance_type, gpu_model=gpu, gpu_count=1, launch=launch(argv), **base
     )
+
+
+def aws_spec(zone: str | None = None, argv: tuple[str, ...] = INFERENCE) -> HostSpec:
+    return host_spec("aws", zone, argv)
+
+
+def gcp_spec(zone: str | None = None, argv: tuple[str, ...] = INFERENCE) -> HostSpec:
+    return host_spec("gcp", zone, argv)
 
 
 def aws(moto_url: str, target: CloudTarget) -> Any:
@@ -100,6 +110,21 @@ def aws(moto_url: str, target: CloudTarget) -> Any:
 def groups_of(ec2: Any, host_name: str) -> list[dict[str, Any]]:
     return list(
         ec2.describe_security_groups(Filters=[{"Name": "tag:gpumigrate:host", "Values": [host_name]}])["SecurityGroups"]
+    )
+
+
+def placed(
+    provider: Any,
+    spec: HostSpec,
+    migration_id: str,
+    allowed: list[str],
+    fallback: list[str],
+    events: list[tuple[str, dict]] | None = None,
+) -> Any:
+    """:func:`place` with the plan's fallback zones, recording its audit events into ``events``."""
+    record = (lambda e, d: events.append((e, d))) if events is not None else None
+    return place(
+        provider, spec, migration_id=migration_id, allowed_jurisdictions=allowed, fallback_zones=fallback, record=record
     )
 
 
@@ -204,14 +229,7 @@ def test_aws_no_capacity_in_first_zone_uses_the_second(
     cloud.harness.exhausted_zones.add("eu-central-1a")
     provider = aws(moto_url, aws_target(tmp_path))
     events: list[tuple[str, dict]] = []
-    host = place(
-        provider,
-        aws_spec(),
-        migration_id=migration_id,
-        allowed_jurisdictions=["EU"],
-        fallback_zones=["eu-central-1b", "eu-central-1c"],
-        record=lambda e, d: events.append((e, d)),
-    )
+    host = placed(provider, aws_spec(), migration_id, ["EU"], ["eu-central-1b", "eu-central-1c"], events)
     assert host.zone == "eu-central-1b" and cloud.ec2 and cloud.ec2.zones_asked == ["eu-central-1a", "eu-central-1b"]
     assert [e for e, _ in events] == ["residency.allow", "infra.zone.no-capacity", "infra.provisioned"]
     serves(provider.bootstrap(host, launch(), timeout_s=180))
@@ -225,16 +243,8 @@ def test_aws_no_capacity_anywhere_allowed_exits_2_naming_the_zones(
     cloud.harness.exhausted_zones.update({"eu-central-1a", "eu-central-1b"})
     provider = aws(moto_url, aws_target(tmp_path))
     events: list[tuple[str, dict]] = []
-    with pytest.raises(CapacityError) as err:
-        place(
-            provider,
-            aws_spec(),
-            migration_id=migration_id,
-            allowed_jurisdictions=["EU"],
-            # us-east-1a: residency forbids its region, so it is never tried
-            fallback_zones=["us-east-1a", "eu-central-1b"],
-            record=lambda e, d: events.append((e, d)),
-        )
+    with pytest.raises(CapacityError) as err:  # us-east-1a: residency forbids its region, so it is never tried
+        placed(provider, aws_spec(), migration_id, ["EU"], ["us-east-1a", "eu-central-1b"], events)
     assert err.value.exit_code == 2 and "zones tried: eu-central-1a, eu-central-1b" in str(err.value)
     assert "InsufficientInstanceCapacity" in str(err.value) and "us-east-1a" not in str(err.value)
     assert cloud.ec2 and cloud.ec2.zones_asked == ["eu-central-1a", "eu-central-1b"]
@@ -257,19 +267,6 @@ def gcp_target(**network: Any) -> CloudTarget:
         timeout_s=180,
     )
     return CloudTarget(network=TargetNetwork(**network), bootstrap=boot, image_key_ref={"env": "GPUMIGRATE_IMAGE_KEY"})
-
-
-def gcp_spec(zone: str = "europe-west4-a", argv: tuple[str, ...] = INFERENCE) -> HostSpec:
-    return HostSpec(
-        name="gm-svc-g1",
-        provider="gcp",
-        region="europe-west4",
-        zone=zone,
-        instance_type="a2-highgpu-1g",
-        gpu_model="A100-40GB",
-        gpu_count=1,
-        launch=launch(argv),
-    )
 
 
 def gcp(gce: Any, target: CloudTarget) -> Any:
@@ -336,25 +333,13 @@ def test_gcp_zone_exhausted_falls_back_then_exits_2(cloud: Cloud, gce: Any, keys
     add_zone(gce, "europe-west4-b")
     provider = gcp(gce, gcp_target())
     cloud.harness.exhausted_zones.add("europe-west4-a")
-    host = place(
-        provider,
-        gcp_spec(),
-        migration_id="m-g3",
-        allowed_jurisdictions=["EEA"],
-        fallback_zones=["us-central1-a", "europe-west4-b"],
-    )
+    host = placed(provider, gcp_spec(), "m-g3", ["EEA"], ["us-central1-a", "europe-west4-b"])
     assert host.zone == "europe-west4-b" and cloud.gce and cloud.gce.zones_asked == ["europe-west4-a", "europe-west4-b"]
     provider.terminate(host)
 
     cloud.harness.exhausted_zones.add("europe-west4-b")
     with pytest.raises(CapacityError) as err:
-        place(
-            provider,
-            gcp_spec(),
-            migration_id="m-g4",
-            allowed_jurisdictions=["EEA"],
-            fallback_zones=["us-central1-a", "europe-west4-b"],
-        )
+        placed(provider, gcp_spec(), "m-g4", ["EEA"], ["us-central1-a", "europe-west4-b"])
     assert err.value.exit_code == 2 and "zones tried: europe-west4-a, europe-west4-b" in str(err.value)
     assert "ZONE_RESOURCE_POOL_EXHAUSTED" in str(err.value)
     assert "us-central1-a" not in cloud.gce.zones_asked and gce.state.instances == {} and gce.state.firewalls == {}
@@ -364,13 +349,7 @@ def test_quota_refusal_stops_at_once_and_names_the_quota(cloud: Cloud, gce: Any,
     add_zone(gce, "europe-west4-b")
     gce.state.quotas["europe-west4"]["NVIDIA_A100_GPUS"] = [8, 8]
     with pytest.raises(CapacityError) as err:
-        place(
-            gcp(gce, gcp_target()),
-            gcp_spec(),
-            migration_id="m-q",
-            allowed_jurisdictions=["EEA"],
-            fallback_zones=["europe-west4-b"],
-        )
+        placed(gcp(gce, gcp_target()), gcp_spec(), "m-q", ["EEA"], ["europe-west4-b"])
     assert err.value.rule == "quota" and "NVIDIA_A100_GPUS" in str(err.value)
     assert gce.state.inserts() == []
 

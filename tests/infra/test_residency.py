@@ -9,6 +9,7 @@ from pathlib import Path
 import botocore.session
 import pytest
 import yaml
+from cloud_helpers import example_plan
 
 from gpumigrate.audit import AuditLog
 from gpumigrate.errors import InvalidInputError, ResidencyError
@@ -99,14 +100,7 @@ def test_store_checks() -> None:
 
 
 def _plan_dict(**changes: object) -> dict:
-    data = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
-    for dotted, value in changes.items():
-        node = data
-        *path, leaf = dotted.split(".")
-        for key in path:
-            node = node[key]
-        node[leaf] = value
-    return data
+    return example_plan("aws-eu.yaml", **changes)
 
 
 def test_validate_plan_residency() -> None:

@@ -11,6 +11,7 @@ import boto3
 import pytest
 import yaml
 from cloud_harness import BucketGcs, Keys, seed_aws, seed_gcp
+from cloud_helpers import example_plan
 
 from gpumigrate.errors import PolicyDeniedError, ResidencyError
 from gpumigrate.infra import get_provider
@@ -29,17 +30,7 @@ KEYS = Keys(control="11" * 32, image="22" * 32)
 
 
 def plan(**changes: Any) -> Any:
-    data = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
-    for dotted, value in changes.items():
-        node = data
-        *path, leaf = dotted.split(".")
-        for key in path:
-            node = node[key]
-        if value is None:
-            node.pop(leaf, None)
-        else:
-            node[leaf] = value
-    return parse_plan(data, "test")
+    return parse_plan(example_plan("aws-eu.yaml", **changes), "test")
 
 
 def locate_with(endpoint: str) -> Any:
