@@ -242,7 +242,15 @@ def await_boot(
             meta = {**host.meta, "boot_seconds": round(time.monotonic() - start, 1), "version": started.get("version")}
             return replace(host, meta=meta)
         if time.monotonic() >= deadline:
-            raise BootError(f"{what} timed out after {timeout_s:g} s: the workload never answered", console=text)
+            where = f"http://{_netloc(host.address, host.ports['service'])}{launch.health_path}"
+            if any(e["event"] == "ready" for e in events):
+                why = (
+                    f"the machine reports its workload ready, but {where} and the agent port do not answer from "
+                    "here: check target.network (public_ip, orchestrator, frontdoor) against where this runs"
+                )
+            else:
+                why = f"the workload never answered {where}"
+            raise BootError(f"{what} timed out after {timeout_s:g} s: {why}", console=text)
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 

@@ -9,6 +9,7 @@ import os
 import secrets
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +62,10 @@ def keys(monkeypatch: pytest.MonkeyPatch) -> Keys:
     return k
 
 
-def launch(argv: tuple[str, ...] = INFERENCE, ready_timeout_s: float = 120) -> WorkloadLaunch:
+def launch(argv: tuple[str, ...] = INFERENCE, health_path: str = "/healthz") -> WorkloadLaunch:
     # The orchestrator's own key reference rides along: the machine must use the key it fetched instead.
     contract = {"GPUMIGRATE_AWAIT_RESTORE": "1", "GPUMIGRATE_CONTROL_KEY_FILE": "/orchestrator/only/control.key"}
-    return WorkloadLaunch(argv=argv, ready_timeout_s=ready_timeout_s, contract_env=contract)
+    return WorkloadLaunch(argv=argv, ready_timeout_s=120, health_path=health_path, contract_env=contract)
 
 
 def aws_target(tmp_path: Path, **network: Any) -> CloudTarget:
@@ -360,3 +361,39 @@ def test_a_workload_needs_bootstrap_settings(cloud: Cloud, moto_url: str, migrat
     with pytest.raises(InvalidInputError, match="target.bootstrap is needed"):
         aws(moto_url, CloudTarget()).provision(aws_spec(), migration_id=migration_id)
     assert os.environ.get("AWS_ENDPOINT_URL") == moto_url
+
+
+SLEEPER = ("{python}", "-c", "import time; time.sleep(600)")
+
+
+@pytest.mark.parametrize("provider_name", ["aws", "gcp"])
+def test_public_addressing_as_the_plan_says(
+    cloud: Cloud, moto_url: str, gce: Any, keys: Keys, tmp_path: Path, migration_id: str, provider_name: str
+) -> None:
+    public = {"public_ip": True, "orchestrator": ["10.213.0.0/16"]}
+    if provider_name == "aws":
+        seed_aws(moto_url, "eu-central-1", keys)
+        provider = aws(moto_url, aws_target(tmp_path, **public))
+    else:
+        seed_gcp(gce, PROJECT, keys)
+        provider = gcp(gce, gcp_target(**public))
+    host = provider.provision(host_spec(provider_name, argv=SLEEPER), migration_id=migration_id)
+    # reached at its public address (the harness maps it to the namespace too), the private one kept in meta
+    assert host.meta["public_ip"] and host.address == host.meta["public_ip"] and host.meta["private_ip"]
+    if provider_name == "gcp":
+        nic = gce.state.instances[("europe-west4-a", str(host.instance_id))]["networkInterfaces"][0]
+        assert nic["accessConfigs"][0]["type"] == "ONE_TO_ONE_NAT"
+    provider.terminate(host)
+
+
+def test_ready_on_the_machine_but_unreachable_names_the_network(
+    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
+) -> None:
+    seed_aws(moto_url, "eu-central-1", keys)
+    provider = aws(moto_url, aws_target(tmp_path))
+    static = ("{python}", "-m", "http.server", "{service_port}", "--bind", "{host}")  # "/" answers 200 at once
+    serve = launch(static, health_path="/")
+    host = provider.provision(replace(aws_spec(), launch=serve), migration_id=migration_id)
+    wrong = replace(host, ports={"service": 8001, "agent": 7071})  # nothing listens there
+    with pytest.raises(BootError, match="reports its workload ready, but .* check target.network"):
+        provider.bootstrap(wrong, serve, timeout_s=15)
