@@ -4,6 +4,7 @@ report it (moto, the GCS fake), the classification's need for a key, and the key
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,10 @@ def test_gcp_key_replicas_count(gce: Any) -> None:
     seed_gcp(gce, "test-proj", KEYS, locations=())  # automatic replication: Google chooses where
     with pytest.raises(ResidencyError, match="automatic replication"):
         check_classification(parsed, key_locations=key_locations(parsed, provider))
+
+
+def test_the_locator_leaves_push_callable() -> None:
+    """The preflight asks store_region before the transfer phase calls push (same module, transfer/push.py)."""
+    code = "from gpumigrate.transfer import store_region; from gpumigrate.transfer import push, verify; print(callable(push), callable(verify))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["True", "True"]
