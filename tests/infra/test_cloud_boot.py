@@ -9,6 +9,7 @@ import os
 import secrets
 import stat
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,13 @@ def aws(moto_url: str, target: CloudTarget) -> Any:
     return get_provider("aws", endpoint_url=moto_url, poll_interval_s=0.2, target=target)
 
 
+@pytest.fixture
+def ec2(cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path) -> Callable[..., Any]:
+    """An AWS provider for a seeded account (the two secrets, the instance profile): ``ec2(**network)``."""
+    seed_aws(moto_url, "eu-central-1", keys)
+    return lambda **network: aws(moto_url, aws_target(tmp_path, **network))
+
+
 def groups_of(ec2: Any, host_name: str) -> list[dict[str, Any]]:
     return list(
         ec2.describe_security_groups(Filters=[{"Name": "tag:gpumigrate:host", "Values": [host_name]}])["SecurityGroups"]
@@ -139,10 +147,9 @@ def serves(host: Any) -> None:
 
 
 def test_aws_boots_the_workload_and_reports_its_ports(
-    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
+    ec2: Callable[..., Any], moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
 ) -> None:
-    seed_aws(moto_url, "eu-central-1", keys)
-    provider = aws(moto_url, aws_target(tmp_path))
+    provider = ec2()
     events: list[str] = []
     host = place(
         provider,
@@ -178,10 +185,9 @@ def test_aws_boots_the_workload_and_reports_its_ports(
 
 
 def test_aws_security_group_admits_agent_port_only_from_the_orchestrator(
-    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
+    ec2: Callable[..., Any], moto_url: str, migration_id: str
 ) -> None:
-    seed_aws(moto_url, "eu-central-1", keys)
-    provider = aws(moto_url, aws_target(tmp_path, frontdoor=["10.77.0.0/24"]))
+    provider = ec2(frontdoor=["10.77.0.0/24"])
     host = provider.provision(aws_spec(), migration_id=migration_id)
     orchestrator = source_address_towards(host.address) + "/32"  # this process's address towards the instance
     ec2 = boto3.client("ec2", region_name="eu-central-1", endpoint_url=moto_url)
@@ -195,10 +201,9 @@ def test_aws_security_group_admits_agent_port_only_from_the_orchestrator(
 
 
 def test_aws_failed_boot_reports_console_and_terminates(
-    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
+    ec2: Callable[..., Any], cloud: Cloud, moto_url: str, keys: Keys, migration_id: str
 ) -> None:
-    seed_aws(moto_url, "eu-central-1", keys)
-    provider = aws(moto_url, aws_target(tmp_path))
+    provider = ec2()
     crash = ("{python}", "-c", "import sys; print('weights /models/llama missing', flush=True); sys.exit(3)")
     host = provider.provision(aws_spec(argv=crash), migration_id=migration_id)
     with pytest.raises(BootError) as err:
@@ -224,11 +229,10 @@ def test_aws_missing_secret_fails_the_boot_by_name(
 
 
 def test_aws_no_capacity_in_first_zone_uses_the_second(
-    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
+    ec2: Callable[..., Any], cloud: Cloud, migration_id: str
 ) -> None:
-    seed_aws(moto_url, "eu-central-1", keys)
     cloud.harness.exhausted_zones.add("eu-central-1a")
-    provider = aws(moto_url, aws_target(tmp_path))
+    provider = ec2()
     events: list[tuple[str, dict]] = []
     host = placed(provider, aws_spec(), migration_id, ["EU"], ["eu-central-1b", "eu-central-1c"], events)
     assert host.zone == "eu-central-1b" and cloud.ec2 and cloud.ec2.zones_asked == ["eu-central-1a", "eu-central-1b"]
@@ -238,11 +242,10 @@ def test_aws_no_capacity_in_first_zone_uses_the_second(
 
 
 def test_aws_no_capacity_anywhere_allowed_exits_2_naming_the_zones(
-    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
+    ec2: Callable[..., Any], cloud: Cloud, moto_url: str, migration_id: str
 ) -> None:
-    seed_aws(moto_url, "eu-central-1", keys)
     cloud.harness.exhausted_zones.update({"eu-central-1a", "eu-central-1b"})
-    provider = aws(moto_url, aws_target(tmp_path))
+    provider = ec2()
     events: list[tuple[str, dict]] = []
     with pytest.raises(CapacityError) as err:  # us-east-1a: residency forbids its region, so it is never tried
         placed(provider, aws_spec(), migration_id, ["EU"], ["us-east-1a", "eu-central-1b"], events)
@@ -368,12 +371,11 @@ SLEEPER = ("{python}", "-c", "import time; time.sleep(600)")
 
 @pytest.mark.parametrize("provider_name", ["aws", "gcp"])
 def test_public_addressing_as_the_plan_says(
-    cloud: Cloud, moto_url: str, gce: Any, keys: Keys, tmp_path: Path, migration_id: str, provider_name: str
+    ec2: Callable[..., Any], gce: Any, keys: Keys, migration_id: str, provider_name: str
 ) -> None:
     public = {"public_ip": True, "orchestrator": ["10.213.0.0/16"]}
     if provider_name == "aws":
-        seed_aws(moto_url, "eu-central-1", keys)
-        provider = aws(moto_url, aws_target(tmp_path, **public))
+        provider = ec2(**public)
     else:
         seed_gcp(gce, PROJECT, keys)
         provider = gcp(gce, gcp_target(**public))
@@ -386,11 +388,8 @@ def test_public_addressing_as_the_plan_says(
     provider.terminate(host)
 
 
-def test_ready_on_the_machine_but_unreachable_names_the_network(
-    cloud: Cloud, moto_url: str, keys: Keys, tmp_path: Path, migration_id: str
-) -> None:
-    seed_aws(moto_url, "eu-central-1", keys)
-    provider = aws(moto_url, aws_target(tmp_path))
+def test_ready_on_the_machine_but_unreachable_names_the_network(ec2: Callable[..., Any], migration_id: str) -> None:
+    provider = ec2()
     static = ("{python}", "-m", "http.server", "{service_port}", "--bind", "{host}")  # "/" answers 200 at once
     serve = launch(static, health_path="/")
     host = provider.provision(replace(aws_spec(), launch=serve), migration_id=migration_id)
