@@ -141,7 +141,8 @@ class AwsProvider(Ec2Capacity):
             subnet, vpc, zone = aws_network.subnet_for_zone(ec2, net, spec.zone)
         except (ClientError, BotoCoreError) as exc:
             raise translate(exc, "DescribeSubnets", region) from None
-        ports = network.ports(net)
+        ports = network.ports(net, spec.launch)
+        http = "service" in ports
         tags[TAG_PORTS] = ",".join(f"{k}={v}" for k, v in ports.items())
         config = bootstrap.boot_config(
             name=spec.name,
@@ -161,7 +162,7 @@ class AwsProvider(Ec2Capacity):
         try:
             group = aws_network.ensure_group(ec2, vpc_id=vpc, host_name=spec.name, tags=group_tags)
             if not network.needs_instance_address(net):
-                aws_network.admit(ec2, group, network.port_rules(net))
+                aws_network.admit(ec2, group, network.port_rules(net, service=http))
         except (ClientError, BotoCoreError) as exc:
             raise translate(exc, "security group", region) from None
         kwargs["NetworkInterfaces"] = [
@@ -181,7 +182,7 @@ class AwsProvider(Ec2Capacity):
             raise
         if network.needs_instance_address(net):
             try:
-                aws_network.admit(ec2, group, network.port_rules(net, host.meta["private_ip"]))
+                aws_network.admit(ec2, group, network.port_rules(net, host.meta["private_ip"], service=http))
             except (ClientError, BotoCoreError, GpumigrateError) as exc:
                 self.terminate(host)
                 if isinstance(exc, GpumigrateError):

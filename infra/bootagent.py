@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,11 +110,15 @@ def place_keys(config: dict[str, Any], boot_dir: Path) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the workload
-def _healthy(url: str) -> bool:
+def _up(address: str, ports: dict[str, int], health_path: str) -> bool:
+    """The workload is up: its health path answers 200 when it serves HTTP, else its agent takes connections."""
     try:
-        with httpx.Client(timeout=2, trust_env=False) as client:
-            return client.get(url).status_code == 200
-    except httpx.HTTPError:
+        if "service" in ports:
+            with httpx.Client(timeout=2, trust_env=False) as client:
+                return client.get(f"http://{address}:{ports['service']}{health_path}").status_code == 200
+        with socket.create_connection((address, ports["agent"]), timeout=2):
+            return True
+    except (httpx.HTTPError, OSError):
         return False
 
 
@@ -145,7 +150,7 @@ def run(config: dict[str, Any], boot_dir: Path) -> int:
     rendered = launch.render(
         host=address,
         agent_port=ports["agent"],
-        service_port=ports["service"],
+        service_port=ports.get("service"),
         python=sys.executable,
         name=config["name"],
     )
@@ -156,16 +161,16 @@ def run(config: dict[str, Any], boot_dir: Path) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
     mark("started", pid=proc.pid, address=address, ports=ports)
-    health = f"http://{address}:{ports['service']}{launch.health_path}"
     start = time.monotonic()
-    while not _healthy(health):
+    while not _up(address, ports, launch.health_path):
         rc = proc.poll()
         if rc is not None:
-            raise BootFailed("launch", "the workload exited before it answered its health endpoint", rc)
+            raise BootFailed("launch", "the workload exited before it was up", rc)
         if time.monotonic() - start > launch.ready_timeout_s:
             proc.terminate()
             proc.wait(timeout=30)
-            raise BootFailed("health", f"{launch.health_path} did not answer 200 within {launch.ready_timeout_s:g} s")
+            what = f"{launch.health_path} did not answer 200" if "service" in ports else "the agent port stayed closed"
+            raise BootFailed("health", f"{what} within {launch.ready_timeout_s:g} s")
         time.sleep(0.2)
     mark("ready", address=address, ports=ports, seconds=round(time.monotonic() - start, 1))
     rc = proc.wait()

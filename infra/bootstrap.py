@@ -176,13 +176,15 @@ def markers(console: str) -> list[dict[str, Any]]:
 
 
 def _serves(host: Host, health_path: str, timeout_s: float = 2.0) -> bool:
-    """The health endpoint answers 200 and the agent port takes a connection, from here."""
-    service, agent = host.ports["service"], host.ports["agent"]
+    """From here: the health endpoint answers 200 (a workload that serves HTTP) and the agent port takes
+    a connection."""
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-            if client.get(f"http://{_netloc(host.address, service)}{health_path}").status_code != 200:
-                return False
-        with socket.create_connection((host.address, agent), timeout=timeout_s):
+        if "service" in host.ports:
+            with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+                url = f"http://{_netloc(host.address, host.ports['service'])}{health_path}"
+                if client.get(url).status_code != 200:
+                    return False
+        with socket.create_connection((host.address, host.ports["agent"]), timeout=timeout_s):
             return True
     except (httpx.HTTPError, OSError):
         return False
@@ -223,8 +225,8 @@ def await_boot(
     the value that means it runs).
     """
     what = f"bootstrap of {host.name} ({host.instance_id})"
-    if "service" not in host.ports or "agent" not in host.ports:
-        raise ProviderError(f"{what}: the host record names no service/agent ports")
+    if "agent" not in host.ports:
+        raise ProviderError(f"{what}: the host record names no agent port")
     start = time.monotonic()
     deadline = start + timeout_s
     text = ""
@@ -242,11 +244,15 @@ def await_boot(
             meta = {**host.meta, "boot_seconds": round(time.monotonic() - start, 1), "version": started.get("version")}
             return replace(host, meta=meta)
         if time.monotonic() >= deadline:
-            where = f"http://{_netloc(host.address, host.ports['service'])}{launch.health_path}"
+            where = (
+                f"http://{_netloc(host.address, host.ports['service'])}{launch.health_path}"
+                if "service" in host.ports
+                else f"the agent port {_netloc(host.address, host.ports['agent'])}"
+            )
             if any(e["event"] == "ready" for e in events):
                 why = (
-                    f"the machine reports its workload ready, but {where} and the agent port do not answer from "
-                    "here: check target.network (public_ip, orchestrator, frontdoor) against where this runs"
+                    f"the machine reports its workload ready, but {where} does not answer from here (nor, maybe, "
+                    "its agent port): check target.network (public_ip, orchestrator, frontdoor) against where this runs"
                 )
             else:
                 why = f"the workload never answered {where}"

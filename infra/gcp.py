@@ -237,7 +237,7 @@ class GcpProvider(GceCapacity):
         assert spec.launch is not None
         boot = self.target.require_bootstrap("GCP")
         net = self.target.network
-        ports = network.ports(net)
+        ports = network.ports(net, spec.launch)
         config = bootstrap.boot_config(
             name=spec.name,
             provider="gcp",
@@ -273,7 +273,7 @@ class GcpProvider(GceCapacity):
         """The host's firewall rules: the agent port from the orchestrator, the service port from it and
         the front door."""
         net = self.target.network
-        rules = network.port_rules(net, host.meta["private_ip"])
+        rules = network.port_rules(net, host.meta["private_ip"], service="service" in host.ports)
         client = self._client(compute_v1.FirewallsClient)
         for fw in gcp_network.firewalls(self.project, net.vpc or "default", name, rules):
             try:

@@ -1,8 +1,9 @@
 """Ports and who may reach them: the rules a cloud target's security group / firewall carries.
 
-The workload on a target listens on two ports (``target.network``): the agent port, which only the
-orchestrator may reach (it drives the snapshot agent), and the service port, which the orchestrator
-(health, parity) and the front door (Envoy, live traffic) reach. Nothing else is opened. Provider
+The workload on a target listens on at most two ports (``target.network``): the agent port, which only
+the orchestrator may reach (it drives the snapshot agent), and — when it serves HTTP — the service
+port, which the orchestrator (health, parity) and the front door (Envoy, live traffic) reach. Nothing
+else is opened. Provider
 modules turn :func:`port_rules` into their cloud's objects.
 """
 
@@ -34,9 +35,17 @@ class PortRule:
         return [c for c in self.cidrs if ipaddress.ip_network(c).version == 6]
 
 
-def ports(network: Any) -> dict[str, int]:
-    """The ports a target's workload listens on, by name (the Host record's ``ports``)."""
-    return {"service": int(network.service_port), "agent": int(network.agent_port)}
+def serves_http(launch: Any) -> bool:
+    """A workload serves HTTP when its launch is told a service port (``{service_port}`` in argv or env);
+    a training job that is not is reached through its agent only."""
+    return any("{service_port}" in part for part in (*launch.argv, *launch.env.values()))
+
+
+def ports(network: Any, launch: Any) -> dict[str, int]:
+    """The ports a target's workload listens on, by name (the Host record's ``ports``): the agent's, and
+    the service's when the workload serves HTTP. Only these are opened."""
+    out = {"service": int(network.service_port)} if serves_http(launch) else {}
+    return {**out, "agent": int(network.agent_port)}
 
 
 def as_cidr(text: str) -> str:
@@ -62,9 +71,10 @@ def needs_instance_address(network: Any) -> bool:
     return not network.orchestrator
 
 
-def port_rules(network: Any, instance_address: str | None = None) -> list[PortRule]:
-    """The two ingress rules. Without ``network.orchestrator``, the orchestrator is the address this
-    process reaches ``instance_address`` from (private addressing: no NAT between the two)."""
+def port_rules(network: Any, instance_address: str | None = None, *, service: bool = True) -> list[PortRule]:
+    """The ingress rules: the agent port, and the service port unless ``service`` is false (a workload
+    that serves no HTTP). Without ``network.orchestrator``, the orchestrator is the address this process
+    reaches ``instance_address`` from (private addressing: no NAT between the two)."""
     orchestrator = [as_cidr(c) for c in network.orchestrator]
     if not orchestrator:
         if network.public_ip:
@@ -76,8 +86,7 @@ def port_rules(network: Any, instance_address: str | None = None) -> list[PortRu
             raise InvalidInputError("the orchestrator's address is derived from the instance's: none is known yet")
         orchestrator = [as_cidr(source_address_towards(instance_address))]
     frontdoor = [as_cidr(c) for c in network.frontdoor] or orchestrator
-    service = tuple(dict.fromkeys([*orchestrator, *frontdoor]))
-    return [
-        PortRule("agent", int(network.agent_port), tuple(orchestrator)),
-        PortRule("service", int(network.service_port), service),
-    ]
+    rules = [PortRule("agent", int(network.agent_port), tuple(orchestrator))]
+    if service:
+        rules.append(PortRule("service", int(network.service_port), tuple(dict.fromkeys([*orchestrator, *frontdoor]))))
+    return rules

@@ -126,6 +126,7 @@ def test_port_rules_auto_explicit_and_public() -> None:
     explicit = port_rules(TargetNetwork(orchestrator=["10.0.1.20"], frontdoor=["10.0.2.0/24", "fd00::/64"]))
     assert explicit[0].cidrs == ("10.0.1.20/32",)
     assert explicit[1].v4() == ["10.0.1.20/32", "10.0.2.0/24"] and explicit[1].v6() == ["fd00::/64"]
+    assert [r.name for r in port_rules(TargetNetwork(orchestrator=["10.0.1.20"]), service=False)] == ["agent"]
     with pytest.raises(InvalidInputError, match="required with public_ip"):
         port_rules(
             TargetNetwork.model_construct(public_ip=True, orchestrator=[], frontdoor=[], service_port=1, agent_port=2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import os
 import secrets
+import socket
 import stat
 import sys
 from collections.abc import Callable
@@ -347,6 +348,23 @@ def test_gcp_zone_exhausted_falls_back_then_exits_2(cloud: Cloud, gce: Any, keys
     assert err.value.exit_code == 2 and "zones tried: europe-west4-a, europe-west4-b" in str(err.value)
     assert "ZONE_RESOURCE_POOL_EXHAUSTED" in str(err.value)
     assert "us-central1-a" not in cloud.gce.zones_asked and gce.state.instances == {} and gce.state.firewalls == {}
+
+
+def test_gcp_training_job_is_reached_through_its_agent_only(cloud: Cloud, gce: Any, keys: Keys) -> None:
+    # No {service_port} in its launch: it serves no HTTP, so only its agent port is opened and awaited.
+    trainer = (
+        "{python}",
+        "-c",
+        "import socket, time; s = socket.create_server(('{host}', {agent_port})); time.sleep(600)",
+    )
+    seed_gcp(gce, PROJECT, keys)
+    provider = gcp(gce, gcp_target())
+    host = provider.provision(gcp_spec(argv=trainer), migration_id="m-train")
+    assert host.ports == {"agent": 7070}
+    assert [r["allowed"][0]["ports"] for r in gce.state.firewalls.values()] == [["7070"]]
+    ready = provider.bootstrap(host, launch(trainer), timeout_s=120)
+    socket.create_connection((ready.address, 7070), timeout=5).close()  # reached from here
+    provider.terminate(host)
 
 
 def test_quota_refusal_stops_at_once_and_names_the_quota(cloud: Cloud, gce: Any, keys: Keys) -> None:
