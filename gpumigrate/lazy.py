@@ -18,13 +18,8 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> Callable[[str], An
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        loaded = importlib.import_module(f"{package}.{module}")
-        # Bind every name the module exports, not only this one: importing ``transfer.push`` for
-        # ``store_region`` also sets the package attribute ``push`` to the submodule, which would
-        # shadow the function ``push`` for every later lookup.
-        for other, where in exports.items():
-            if where == module:
-                setattr(sys.modules[package], other, getattr(loaded, other))  # later lookups skip this function
-        return getattr(loaded, name)
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        setattr(sys.modules[package], name, value)  # later lookups skip this function
+        return value
 
     return __getattr__
