@@ -38,23 +38,20 @@ from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.plan import TargetBootstrap, TargetNetwork
 
 AMI = "ami-12c6146b"  # one of moto's built-in images
-INFERENCE = (
-    "{python}",
-    "-m",
-    "gpumigrate.workloads.inference",
-    "--host",
-    "{host}",
-    "--port",
-    "{service_port}",
-    "--agent-port",
-    "{agent_port}",
-    "--name",
-    "{name}",
-    "--seed",
-    "0",
-    "--size",
-    "tiny",
-)
+
+
+def _inference_argv() -> tuple[str, ...]:
+    argv = ("{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}")
+    argv += ("--name", "{name}", "--seed", "0", "--size", "tiny")
+    from gpumigrate.workloads.inference import build_parser
+
+    # The reference server reads its agent address from GPUMIGRATE_AGENT_ADDR (the launch contract); a
+    # version that still takes --agent-port is told the same port.  (Drop this once all take the env.)
+    takes_flag = any("--agent-port" in a.option_strings for a in build_parser()._actions)
+    return argv + (("--agent-port", "{agent_port}") if takes_flag else ())
+
+
+INFERENCE = _inference_argv()
 
 
 @pytest.fixture
