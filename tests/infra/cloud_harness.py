@@ -317,8 +317,10 @@ def seed_aws(moto_url: str, region: str, keys: Keys, *, secret_region: str | Non
 
     sm = boto3.client("secretsmanager", region_name=secret_region or region, endpoint_url=moto_url)
     for name, value in ((CONTROL_SECRET, keys.control), (IMAGE_SECRET, keys.image)):
-        with contextlib.suppress(sm.exceptions.ResourceExistsException):
+        try:
             sm.create_secret(Name=name, SecretString=value)
+        except sm.exceptions.ResourceExistsException:  # moto outlives a test: this test's keys are current
+            sm.put_secret_value(SecretId=name, SecretString=value)
     iam = boto3.client("iam", region_name=region, endpoint_url=moto_url)
     with contextlib.suppress(iam.exceptions.EntityAlreadyExistsException):
         iam.create_role(RoleName=INSTANCE_PROFILE, AssumeRolePolicyDocument="{}")
