@@ -1,4 +1,5 @@
-"""AWS provider: EC2 GPU capacity, vCPU quota, idempotent launch, readiness, terminate (boto3).
+"""AWS provider: idempotent launch, the workload's boot, readiness, terminate (boto3); capacity and
+quota checks are its other half (infra/aws_capacity.py).
 
 Credentials come from boto3's standard chain (environment, shared profile, SSO, instance role);
 this module never reads, logs or stores them. ``endpoint_url`` (or ``AWS_ENDPOINT_URL``, which
@@ -13,88 +14,33 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from gpumigrate.errors import CapacityError, GpumigrateError, InvalidInputError, ProviderError
-from gpumigrate.infra import pricing, residency
+from gpumigrate.infra import aws_network, bootstrap, network, pricing, residency
+from gpumigrate.infra.aws_capacity import Ec2Capacity, quota_for, translate
+from gpumigrate.infra.bootstrap import CloudTarget
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
+from gpumigrate.launch import WorkloadLaunch
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 TAG_MIGRATION = "gpumigrate:migration-id"
 TAG_HOST = "gpumigrate:host"
+TAG_PORTS = "gpumigrate:ports"  # service=8000,agent=7070: what a found instance listens on
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
-
-# Service Quotas codes of the EC2 On-Demand vCPU quotas, by instance family prefix.
-QUOTA_CODES: dict[str, tuple[str, str]] = {
-    "p": ("L-417A185B", "Running On-Demand P instances"),
-    "g": ("L-DB2E81BA", "Running On-Demand G and VT instances"),
-    "vt": ("L-DB2E81BA", "Running On-Demand G and VT instances"),
-    "dl": ("L-6E869C2A", "Running On-Demand DL instances"),
-    "inf": ("L-1945791B", "Running On-Demand Inf instances"),
-    "trn": ("L-2C3B7624", "Running On-Demand Trn instances"),
-    "f": ("L-74FC7D96", "Running On-Demand F instances"),
-    "x": ("L-7295265B", "Running On-Demand X instances"),
-}
-STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances")
-
-CAPACITY_CODES = {"InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientCapacity", "Unsupported"}
-QUOTA_ERROR_CODES = {"VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"}
 GONE_CODES = {"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"}
-QUOTA_UNAVAILABLE = {
-    "NoSuchResourceException",
-    "UnknownOperationException",
-    "AccessDeniedException",
-    "ServiceException",
-}
+
 # The Deep Learning Base AMI (NVIDIA driver) published by AWS as an SSM public parameter.
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 
 
-def family_of(instance_type: str) -> str:
-    m = re.match(r"^([a-z]+)", instance_type)
-    return m.group(1) if m else ""
-
-
-def quota_for(instance_type: str) -> tuple[str, str]:
-    """(quota code, quota name) of the vCPU quota that ``instance_type`` counts against."""
-    fam = family_of(instance_type)
-    for prefix in sorted(QUOTA_CODES, key=len, reverse=True):
-        if fam == prefix or (len(prefix) == 1 and fam.startswith(prefix) and fam not in QUOTA_CODES):
-            return QUOTA_CODES[prefix]
-    return STANDARD_QUOTA
-
-
-def _gpu_matches(plan_model: str, aws_name: str) -> bool:
-    return plan_model.split("-")[0].lower() in aws_name.lower()
-
-
-def _translate(exc: Exception, what: str, region: str) -> GpumigrateError:
-    """An AWS failure as our error: capacity and quota refusals are policy denials (exit 2)."""
-    if isinstance(exc, NoCredentialsError):
-        return ProviderError(
-            "no AWS credentials found in the standard chain (environment, shared profile, SSO, instance role)"
-        )
-    if isinstance(exc, ClientError):
-        err = exc.response.get("Error", {})
-        code, msg = err.get("Code", "Unknown"), err.get("Message", "")
-        if code in CAPACITY_CODES:
-            return CapacityError(f"AWS has no capacity for {what} in {region}: {code}: {msg}", region=region)
-        if code in QUOTA_ERROR_CODES:
-            return CapacityError(f"AWS quota refuses {what} in {region}: {code}: {msg}", region=region, rule="quota")
-        return ProviderError(f"AWS {what} in {region} failed: {code}: {msg}")
-    return ProviderError(f"AWS {what} in {region} failed: {type(exc).__name__}: {exc}")
-
-
-class AwsProvider:
+class AwsProvider(Ec2Capacity):
     """EC2 behind the :class:`gpumigrate.interfaces.Provider` interface."""
 
     name = "aws"
@@ -108,6 +54,7 @@ class AwsProvider:
         poll_interval_s: float = 5.0,
         check_quota: bool = True,
         default_image: str | None = None,
+        target: CloudTarget | None = None,
     ) -> None:
         try:
             self._session = session or boto3.session.Session(profile_name=profile)
@@ -117,6 +64,7 @@ class AwsProvider:
         self.poll_interval_s = poll_interval_s
         self.check_quota = check_quota
         self.default_image = default_image
+        self.target = target or CloudTarget()
         self._clients: dict[tuple[str, str], Any] = {}
         self.last_capacity: dict[str, Any] = {}
 
@@ -130,124 +78,6 @@ class AwsProvider:
                 kwargs["endpoint_url"] = self.endpoint_url
             self._clients[key] = self._session.client(service, **kwargs)
         return self._clients[key]
-
-    def _call(self, what: str, region: str, fn: Callable[..., T], **kwargs: Any) -> T:
-        """Run one API call; turn AWS errors into our errors (capacity/quota → exit 2)."""
-        try:
-            return fn(**kwargs)
-        except (ClientError, BotoCoreError) as exc:
-            raise _translate(exc, what, region) from None
-
-    # -- capacity and quota -------------------------------------------------------------
-    def instance_type_info(self, instance_type: str, region: str) -> dict[str, Any]:
-        ec2 = self.client("ec2", region)
-        try:
-            return ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "InvalidInstanceType":
-                raise CapacityError(
-                    f"instance type {instance_type!r} does not exist in AWS {region}", region=region
-                ) from None
-            raise _translate(exc, "DescribeInstanceTypes", region) from None
-        except BotoCoreError as exc:
-            raise _translate(exc, "DescribeInstanceTypes", region) from None
-
-    def offered_zones(self, instance_type: str, region: str) -> list[str]:
-        ec2 = self.client("ec2", region)
-        resp = self._call(
-            f"DescribeInstanceTypeOfferings {instance_type}",
-            region,
-            ec2.describe_instance_type_offerings,
-            LocationType="availability-zone",
-            Filters=[{"Name": "instance-type", "Values": [instance_type]}],
-        )
-        return sorted(o["Location"] for o in resp.get("InstanceTypeOfferings", []))
-
-    def vcpu_quota(self, instance_type: str, region: str) -> float | None:
-        """The family's On-Demand vCPU quota, or None where Service Quotas cannot answer (e.g. moto)."""
-        code, _ = quota_for(instance_type)
-        sq = self.client("service-quotas", region)
-        try:
-            return float(sq.get_service_quota(ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in QUOTA_UNAVAILABLE:
-                return None
-            raise ProviderError(
-                f"AWS Service Quotas in {region} failed: {exc.response.get('Error', {}).get('Code')}"
-            ) from None
-        except NoCredentialsError as exc:
-            raise _translate(exc, "GetServiceQuota", region) from None
-        except BotoCoreError:
-            return None  # e.g. no Service Quotas endpoint here: the quota stays unchecked, the launch still enforces it
-
-    def vcpus_in_use(self, instance_type: str, region: str) -> int:
-        """vCPUs of live instances counting against the same quota as ``instance_type``."""
-        code, _ = quota_for(instance_type)
-        ec2 = self.client("ec2", region)
-        pages = ec2.get_paginator("describe_instances").paginate(
-            Filters=[{"Name": "instance-state-name", "Values": ["pending", "running"]}]
-        )
-        types: list[str] = []
-        try:
-            for page in pages:
-                for res in page.get("Reservations", []):
-                    types += [i["InstanceType"] for i in res["Instances"] if quota_for(i["InstanceType"])[0] == code]
-        except (ClientError, BotoCoreError) as exc:
-            raise _translate(exc, "DescribeInstances", region) from None
-        total = 0
-        for itype in set(types):
-            vcpus = self.instance_type_info(itype, region)["VCpuInfo"]["DefaultVCpus"]
-            total += vcpus * types.count(itype)
-        return total
-
-    def check_capacity(self, spec: HostSpec) -> dict[str, Any]:
-        """Type exists with the GPUs asked for, is offered in the zone, and the vCPU quota has room.
-
-        Raises CapacityError (rule capacity or quota, exit 2). Launches nothing. Returns what it saw.
-        """
-        if not spec.instance_type:
-            raise InvalidInputError("an AWS target needs target.instance_type (e.g. p5.48xlarge)")
-        region, itype = spec.region, spec.instance_type
-        info = self.instance_type_info(itype, region)
-        gpus = (info.get("GpuInfo") or {}).get("Gpus") or []
-        gpu_count = sum(int(g.get("Count", 0)) for g in gpus)
-        gpu_name = gpus[0]["Name"] if gpus else "none"
-        if spec.gpu_count and gpu_count < spec.gpu_count:
-            raise CapacityError(f"{itype} has {gpu_count} GPUs, the target asks for {spec.gpu_count}", region=region)
-        if spec.gpu_count and spec.gpu_model != "none" and not _gpu_matches(spec.gpu_model, gpu_name):
-            raise CapacityError(f"{itype} carries {gpu_name} GPUs, the target asks for {spec.gpu_model}", region=region)
-        zones = self.offered_zones(itype, region)
-        if not zones:
-            raise CapacityError(f"instance type {itype} is not offered in any zone of {region}", region=region)
-        if spec.zone and spec.zone not in zones:
-            raise CapacityError(
-                f"instance type {itype} is not offered in zone {spec.zone}: offered in {', '.join(zones)}",
-                region=region,
-            )
-        vcpus = int(info["VCpuInfo"]["DefaultVCpus"])
-        code, qname = quota_for(itype)
-        report: dict[str, Any] = {
-            "instance_type": itype,
-            "gpus": f"{gpu_count} x {gpu_name}",
-            "zones": zones,
-            "vcpus": vcpus,
-            "quota_code": code,
-        }
-        limit = self.vcpu_quota(itype, region) if self.check_quota else None
-        if limit is None:
-            report["quota"] = "unchecked: Service Quotas did not answer here; a launch over quota fails with rule quota"
-        else:
-            used = self.vcpus_in_use(itype, region)
-            report.update(quota_limit=limit, quota_in_use=used)
-            if used + vcpus > limit:
-                raise CapacityError(
-                    f"{itype} needs {vcpus} vCPUs of quota {code} ({qname}) in {region}: limit {limit:g}, "
-                    f"in use {used}; request an increase in Service Quotas",
-                    region=region,
-                    rule="quota",
-                )
-        self.last_capacity = report
-        return report
 
     # -- lifecycle ----------------------------------------------------------------------
     def find(self, *, region: str, migration_id: str, host_name: str | None = None) -> list[dict[str, Any]]:
@@ -275,7 +105,12 @@ class AwsProvider:
             ) from None
 
     def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
-        """Launch one instance for ``spec``, or return the one already launched for this migration."""
+        """Launch one instance for ``spec``, or return the one already launched for this migration.
+
+        With ``spec.launch`` the instance boots the workload (user data, infra/BOOT.md) in the plan's
+        subnet of ``spec.zone``, behind a security group of its own that admits the agent and service
+        ports only from the orchestrator and the front door (infra/network.py).
+        """
         existing = self.find(region=spec.region, migration_id=migration_id, host_name=spec.name)
         if existing:
             log.info("aws: %s already launched for %s: %s", spec.name, migration_id, existing[0]["InstanceId"])
@@ -283,34 +118,120 @@ class AwsProvider:
         if not spec.instance_type:
             raise InvalidInputError("an AWS target needs target.instance_type (e.g. p5.48xlarge)")
         tags = {"Name": spec.name, TAG_MIGRATION: migration_id, TAG_HOST: spec.name, **dict(spec.tags)}
-        token = hashlib.sha256(f"{migration_id}/{spec.name}".encode()).hexdigest()[:64]
+        token = hashlib.sha256(f"{migration_id}/{spec.name}/{spec.zone}".encode()).hexdigest()[:64]
         kwargs: dict[str, Any] = {
             "ImageId": self._image(spec),
             "InstanceType": spec.instance_type,
             "MinCount": 1,
             "MaxCount": 1,
             "ClientToken": token,
-            "TagSpecifications": [
-                {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
-            ],
         }
-        if spec.zone:
-            kwargs["Placement"] = {"AvailabilityZone": spec.zone}
+        if spec.launch is None:  # a bare machine: no workload, no ports opened
+            if spec.zone:
+                kwargs["Placement"] = {"AvailabilityZone": spec.zone}
+            return self._launch(spec, migration_id, kwargs, tags)
+        return self._launch_workload(spec, migration_id, kwargs, tags)
+
+    def _launch_workload(self, spec: HostSpec, migration_id: str, kwargs: dict[str, Any], tags: dict[str, str]) -> Host:
+        assert spec.launch is not None
+        boot = self.target.require_bootstrap("AWS")
+        net, region = self.target.network, spec.region
+        ec2 = self.client("ec2", region)
+        try:
+            subnet, vpc, zone = aws_network.subnet_for_zone(ec2, net, spec.zone)
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, "DescribeSubnets", region) from None
+        ports = network.ports(net, spec.launch)
+        http = "service" in ports
+        tags[TAG_PORTS] = ",".join(f"{k}={v}" for k, v in ports.items())
+        config = bootstrap.boot_config(
+            name=spec.name,
+            provider="aws",
+            region=region,
+            launch=spec.launch,
+            ports=ports,
+            bootstrap=boot,
+            image_key_ref=self.target.image_key_ref,
+        )
+        kwargs["UserData"] = bootstrap.boot_script(config, boot)
+        kwargs["MetadataOptions"] = {"HttpTokens": "required", "HttpEndpoint": "enabled"}  # IMDSv2 only
+        if boot.identity:
+            key = "Arn" if boot.identity.startswith("arn:") else "Name"
+            kwargs["IamInstanceProfile"] = {key: boot.identity}
+        group_tags = {TAG_MIGRATION: migration_id, TAG_HOST: spec.name}
+        try:
+            group = aws_network.ensure_group(ec2, vpc_id=vpc, host_name=spec.name, tags=group_tags)
+            if not network.needs_instance_address(net):
+                aws_network.admit(ec2, group, network.port_rules(net, service=http))
+        except (ClientError, BotoCoreError) as exc:
+            raise translate(exc, "security group", region) from None
+        kwargs["NetworkInterfaces"] = [
+            {
+                "DeviceIndex": 0,
+                "SubnetId": subnet,
+                "Groups": [group],
+                "AssociatePublicIpAddress": net.public_ip,
+                "DeleteOnTermination": True,
+            }
+        ]
+        log.info("aws: launching %s in %s (subnet %s, security group %s)", spec.name, zone, subnet, group)
+        try:
+            host = self._launch(spec, migration_id, kwargs, tags)
+        except GpumigrateError:
+            self._delete_group(ec2, group, timeout_s=30)  # nothing runs in it: no wait for the instance
+            raise
+        if network.needs_instance_address(net):
+            try:
+                aws_network.admit(ec2, group, network.port_rules(net, host.meta["private_ip"], service=http))
+            except (ClientError, BotoCoreError, GpumigrateError) as exc:
+                self.terminate(host)
+                if isinstance(exc, GpumigrateError):
+                    raise
+                raise translate(exc, "AuthorizeSecurityGroupIngress", region) from None
+        return host
+
+    def _launch(self, spec: HostSpec, migration_id: str, kwargs: dict[str, Any], tags: dict[str, str]) -> Host:
+        kwargs["TagSpecifications"] = [
+            {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+        ]
         ec2 = self.client("ec2", spec.region)
-        resp = self._call(f"RunInstances {spec.instance_type}", spec.region, ec2.run_instances, **kwargs)
+        try:
+            resp = self._call(f"RunInstances {spec.instance_type}", spec.region, ec2.run_instances, **kwargs)
+        except CapacityError as exc:
+            if exc.rule != "quota":
+                raise
+            code, qname = quota_for(str(spec.instance_type))
+            raise CapacityError(
+                f"{exc.message.removeprefix('denied by quota: ')}; the quota is {code} ({qname}) in {spec.region}: "
+                "request an increase in Service Quotas",
+                region=spec.region,
+                rule="quota",
+            ) from None
         inst = resp["Instances"][0]
         log.info("aws: launched %s (%s) for %s", inst["InstanceId"], spec.instance_type, migration_id)
         return self._host(spec.name, spec.region, inst)
 
     def _host(self, name: str, region: str, inst: dict[str, Any]) -> Host:
+        tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
+        ports = {k: int(v) for k, _, v in (p.partition("=") for p in tags.get(TAG_PORTS, "").split(",") if p)}
+        private, public = inst.get("PrivateIpAddress") or "", inst.get("PublicIpAddress") or ""
+        # A workload host is reached where the plan says; a bare one wherever it answers.
+        wants_public = self.target.network.public_ip if ports else bool(public)
+        address = public if wants_public else private
         return Host(
             name=name,
             provider="aws",
             region=region,
-            address=inst.get("PublicIpAddress") or inst.get("PrivateIpAddress") or "",
+            address=address,
             instance_id=inst["InstanceId"],
             zone=(inst.get("Placement") or {}).get("AvailabilityZone"),
-            meta={"state": inst["State"]["Name"], "instance_type": inst.get("InstanceType")},
+            ports=ports,
+            meta={
+                "state": inst["State"]["Name"],
+                "instance_type": inst.get("InstanceType"),
+                "private_ip": private,
+                "public_ip": public or None,
+            },
         )
 
     def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host:
@@ -341,19 +262,81 @@ class AwsProvider:
             time.sleep(min(self.poll_interval_s, max(0.0, deadline - time.monotonic())))
 
     def terminate(self, host: Host) -> None:
-        """Terminate; an instance that is already gone is fine."""
+        """Terminate, then delete the host's security group; an instance already gone is fine."""
         if not host.instance_id:
             return
         ec2 = self.client("ec2", host.region)
         try:
             ec2.terminate_instances(InstanceIds=[host.instance_id])
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in GONE_CODES:
-                return
-            raise _translate(exc, "TerminateInstances", host.region) from None
+            if exc.response.get("Error", {}).get("Code") not in GONE_CODES:
+                raise translate(exc, "TerminateInstances", host.region) from None
         except BotoCoreError as exc:
-            raise _translate(exc, "TerminateInstances", host.region) from None
+            raise translate(exc, "TerminateInstances", host.region) from None
         log.info("aws: terminated %s", host.instance_id)
+        try:
+            groups = aws_network.find_groups(ec2, {TAG_HOST: host.name})
+        except (ClientError, BotoCoreError) as exc:
+            log.warning("aws: security groups of %s not listed: %s", host.name, exc)
+            return
+        if groups:
+            self._wait_terminated(host)
+        for group in groups:
+            self._delete_group(ec2, group["GroupId"], timeout_s=300)
+
+    def _wait_terminated(self, host: Host, timeout_s: float = 300) -> None:
+        ec2 = self.client("ec2", host.region)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                resp = ec2.describe_instances(InstanceIds=[str(host.instance_id)])
+            except ClientError:
+                return
+            states = [i["State"]["Name"] for r in resp["Reservations"] for i in r["Instances"]]
+            if all(st == "terminated" for st in states):
+                return
+            time.sleep(self.poll_interval_s)
+
+    def _delete_group(self, ec2: Any, group_id: str, *, timeout_s: float) -> None:
+        """A security group left behind costs nothing and blocks nothing: warn, never raise."""
+        try:
+            aws_network.delete_group(ec2, group_id, timeout_s=timeout_s, poll_s=self.poll_interval_s)
+        except ProviderError as exc:
+            log.warning("aws: %s", exc)
+
+    # -- the workload ---------------------------------------------------------------------
+    def console_output(self, host: Host) -> str:
+        """The instance's console output (the latest, where the instance type keeps it)."""
+        ec2 = self.client("ec2", host.region)
+        try:
+            out = ec2.get_console_output(InstanceId=host.instance_id, Latest=True).get("Output") or ""
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in GONE_CODES:
+                return ""
+            raise translate(exc, "GetConsoleOutput", host.region) from None
+        except BotoCoreError as exc:
+            raise translate(exc, "GetConsoleOutput", host.region) from None
+        return str(out)  # botocore decodes the base64 itself (its after-call handler for this operation)
+
+    def _state(self, host: Host) -> str:
+        ec2 = self.client("ec2", host.region)
+        resp = self._call("DescribeInstances", host.region, ec2.describe_instances, InstanceIds=[host.instance_id])
+        return str(resp["Reservations"][0]["Instances"][0]["State"]["Name"])
+
+    def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
+        """Wait for the workload the user data started (infra/BOOT.md). On failure the instance is
+        terminated and :class:`BootError` carries its console output."""
+        return bootstrap.boot_or_terminate(
+            self, host, launch, state=self._state, running="running", timeout_s=timeout_s
+        )
+
+    def secret_region(self, name: str, region: str) -> str:
+        """Where a Secrets Manager secret is held (its ARN's region), asked of Secrets Manager itself."""
+        if name.startswith("arn:"):  # a secret named by ARN is asked of its own region
+            region = name.split(":")[3]
+        client = self.client("secretsmanager", region)
+        arn = self._call(f"DescribeSecret {name}", region, client.describe_secret, SecretId=name)["ARN"]
+        return str(arn.split(":")[3])
 
     # -- policy and price -----------------------------------------------------------------
     def jurisdiction(self, region: str) -> Jurisdiction:

@@ -1,6 +1,7 @@
-"""GCP provider: GPU machine types and accelerators in the zone, regional GPU quotas, instance
-insert with guest accelerators (``on_host_maintenance=TERMINATE``: GPU VMs cannot live-migrate),
-operation wait, delete — through google-cloud-compute's REST transport.
+"""GCP provider: instance insert with guest accelerators (``on_host_maintenance=TERMINATE``: GPU VMs
+cannot live-migrate), the workload's boot and firewall rules, operation wait, delete — through
+google-cloud-compute's REST transport. Capacity and quota checks are its other half
+(infra/gcp_capacity.py).
 
 Credentials come from ``google.auth.default()`` (ADC: GOOGLE_APPLICATION_CREDENTIALS, gcloud, the
 metadata server) unless ``credentials`` is given; this module never reads, logs or stores a token.
@@ -17,42 +18,30 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.cloud import compute_v1
 
-from gpumigrate.errors import CapacityError, GpumigrateError, InvalidInputError, ProviderError
-from gpumigrate.infra import pricing, residency
+from gpumigrate.errors import GpumigrateError, InvalidInputError, ProviderError
+from gpumigrate.infra import bootstrap, gcp_network, network, pricing, residency
+from gpumigrate.infra.bootagent import SECRET_MANAGER, SECRET_MANAGER_ENDPOINT_ENV
+from gpumigrate.infra.bootstrap import CloudTarget
+from gpumigrate.infra.gcp_capacity import GceCapacity, op_error_codes, translate
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
+from gpumigrate.launch import WorkloadLaunch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LABEL_MIGRATION = "gpumigrate-migration"
 LABEL_HOST = "gpumigrate-host"
-# Plan GPU model -> GCE accelerator type and its regional quota metric.
-ACCELERATORS: dict[str, tuple[str, str]] = {
-    "T4": ("nvidia-tesla-t4", "NVIDIA_T4_GPUS"),
-    "L4": ("nvidia-l4", "NVIDIA_L4_GPUS"),
-    "A100-40GB": ("nvidia-tesla-a100", "NVIDIA_A100_GPUS"),
-    "A100-80GB": ("nvidia-a100-80gb", "NVIDIA_A100_80GB_GPUS"),
-    "H100": ("nvidia-h100-80gb", "NVIDIA_H100_GPUS"),
-    "H200": ("nvidia-h200-141gb", "NVIDIA_H200_GPUS"),
-    "B200": ("nvidia-b200", "NVIDIA_B200_GPUS"),
-}
-CAPACITY_CODES = (
-    "ZONE_RESOURCE_POOL_EXHAUSTED",
-    "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-    "RESOURCE_POOL_EXHAUSTED",
-)
-QUOTA_CODES = ("QUOTA_EXCEEDED",)
-_QUOTA_TEXT = re.compile(r"Quota '[A-Z0-9_]+' exceeded|quotaExceeded")
+METADATA_PORTS = "gpumigrate-ports"  # service=8000,agent=7070: what a found instance listens on
 DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu124-ubuntu-2204-py310"
 
 
@@ -72,24 +61,7 @@ def instance_name(host_name: str) -> str:
     return v.rstrip("-") or "gm-host"
 
 
-def _op_error_codes(op: compute_v1.Operation) -> list[tuple[str, str]]:
-    return [(e.code, e.message) for e in (op.error.errors if op.error else [])]
-
-
-def _translate(exc: Exception, what: str, region: str) -> GpumigrateError:
-    """A GCE failure as our error: capacity and quota refusals are policy denials (exit 2).
-
-    Operation errors carry codes (QUOTA_EXCEEDED); an HTTP 403 on insert says "Quota 'X' exceeded".
-    """
-    text = str(exc)
-    if any(code in text for code in QUOTA_CODES) or _QUOTA_TEXT.search(text):
-        return CapacityError(f"GCP quota refuses {what} in {region}: {text}", region=region, rule="quota")
-    if any(code in text for code in CAPACITY_CODES):
-        return CapacityError(f"GCP has no capacity for {what} in {region}: {text}", region=region)
-    return ProviderError(f"GCP {what} in {region} failed: {type(exc).__name__}: {text}")
-
-
-class GcpProvider:
+class GcpProvider(GceCapacity):
     """Compute Engine behind the :class:`gpumigrate.interfaces.Provider` interface."""
 
     name = "gcp"
@@ -103,6 +75,8 @@ class GcpProvider:
         poll_interval_s: float = 2.0,
         network: str = "global/networks/default",
         boot_disk_gb: int = 200,
+        target: CloudTarget | None = None,
+        secret_manager_endpoint: str | None = None,
     ) -> None:
         self.api_endpoint = api_endpoint
         if credentials is None and api_endpoint and api_endpoint.startswith("http://"):
@@ -118,6 +92,10 @@ class GcpProvider:
         self.poll_interval_s = poll_interval_s
         self.network = network
         self.boot_disk_gb = boot_disk_gb
+        self.target = target or CloudTarget()
+        self.secret_manager_endpoint = (
+            secret_manager_endpoint or os.environ.get(SECRET_MANAGER_ENDPOINT_ENV) or SECRET_MANAGER
+        ).rstrip("/")
         self._clients: dict[str, Any] = {}
         self.last_capacity: dict[str, Any] = {}
 
@@ -141,104 +119,6 @@ class GcpProvider:
             self._clients[key] = cls(credentials=self._credentials, client_options=opts)
         return self._clients[key]
 
-    def _call(self, what: str, where: str, fn: Callable[..., T], **kwargs: Any) -> T:
-        try:
-            return fn(**kwargs)
-        except gexc.GoogleAPICallError as exc:
-            raise _translate(exc, what, where) from None
-
-    @staticmethod
-    def _region_of(spec: HostSpec) -> str:
-        if not spec.zone:
-            raise InvalidInputError("a GCP target needs target.zone (e.g. europe-west4-a)")
-        return spec.region
-
-    # -- capacity and quota -------------------------------------------------------------
-    def machine_type(self, zone: str, machine_type: str, region: str) -> compute_v1.MachineType:
-        client = self._client(compute_v1.MachineTypesClient)
-        try:
-            return client.get(project=self.project, zone=zone, machine_type=machine_type)
-        except gexc.NotFound:
-            raise CapacityError(f"machine type {machine_type} is not offered in zone {zone}", region=region) from None
-        except gexc.GoogleAPICallError as exc:
-            raise _translate(exc, f"machine type {machine_type}", region) from None
-
-    def accelerators_in_zone(self, zone: str, region: str) -> dict[str, int]:
-        """Accelerator type name -> maximum cards per instance, for the zone."""
-        client = self._client(compute_v1.AcceleratorTypesClient)
-        items = self._call("list accelerator types", region, client.list, project=self.project, zone=zone)
-        return {a.name: a.maximum_cards_per_instance for a in items}
-
-    def gpu_quota(self, region: str, metric: str) -> tuple[float, float] | None:
-        """(limit, usage) of a regional quota metric, or None when the region lists no such metric."""
-        client = self._client(compute_v1.RegionsClient)
-        reg = self._call(f"get region {region}", region, client.get, project=self.project, region=region)
-        for q in reg.quotas:
-            if q.metric == metric:
-                return float(q.limit), float(q.usage)
-        return None
-
-    def _gpus_of(self, spec: HostSpec, mt: compute_v1.MachineType) -> tuple[str, int, bool]:
-        """(accelerator type, count, built into the machine type?) for ``spec``."""
-        if mt.accelerators:
-            acc = mt.accelerators[0]
-            return acc.guest_accelerator_type, int(acc.guest_accelerator_count), True
-        if spec.gpu_count == 0:
-            return "", 0, False
-        if spec.gpu_model not in ACCELERATORS:
-            raise CapacityError(f"GCP has no accelerator for GPU model {spec.gpu_model}", region=spec.region)
-        return ACCELERATORS[spec.gpu_model][0], spec.gpu_count, False
-
-    def check_capacity(self, spec: HostSpec) -> dict[str, Any]:
-        """Machine type and GPUs offered in the zone, and the regional GPU quota has room. Raises
-        CapacityError (rule capacity or quota, exit 2); inserts nothing. Returns what it saw."""
-        region = self._region_of(spec)
-        if not spec.instance_type:
-            raise InvalidInputError("a GCP target needs target.instance_type (e.g. a2-highgpu-1g)")
-        zone = str(spec.zone)
-        mt = self.machine_type(zone, spec.instance_type, region)
-        acc_type, count, built_in = self._gpus_of(spec, mt)
-        report: dict[str, Any] = {
-            "machine_type": spec.instance_type,
-            "zone": zone,
-            "gpus": f"{count} x {acc_type or 'none'}",
-        }
-        if spec.gpu_count and spec.gpu_model in ACCELERATORS and acc_type != ACCELERATORS[spec.gpu_model][0]:
-            raise CapacityError(
-                f"{spec.instance_type} carries {acc_type or 'no GPUs'}, the target asks for {spec.gpu_model}",
-                region=region,
-            )
-        if spec.gpu_count and count < spec.gpu_count:
-            raise CapacityError(
-                f"{spec.instance_type} has {count} GPUs, the target asks for {spec.gpu_count}", region=region
-            )
-        if count:
-            offered = self.accelerators_in_zone(zone, region)
-            if acc_type not in offered:
-                names = ", ".join(sorted(offered)) or "none"
-                raise CapacityError(f"zone {zone} offers no {acc_type} (offers: {names})", region=region)
-            if not built_in and count > offered[acc_type]:
-                raise CapacityError(
-                    f"{acc_type} allows at most {offered[acc_type]} per instance, the target asks for {count}",
-                    region=region,
-                )
-            metric = next((m for a, m in ACCELERATORS.values() if a == acc_type), None)
-            quota = self.gpu_quota(region, metric) if metric else None
-            if metric and quota is None:
-                raise CapacityError(f"region {region} has no {metric} quota: request one", region=region, rule="quota")
-            if quota is not None:
-                limit, usage = quota
-                report.update(quota_metric=metric, quota_limit=limit, quota_usage=usage)
-                if usage + count > limit:
-                    raise CapacityError(
-                        f"{count} x {acc_type} needs quota {metric} in {region}: limit {limit:g}, in use {usage:g}; "
-                        "request an increase in IAM & Admin > Quotas",
-                        region=region,
-                        rule="quota",
-                    )
-        self.last_capacity = report
-        return report
-
     # -- lifecycle ----------------------------------------------------------------------
     def _get(self, zone: str, name: str, region: str) -> compute_v1.Instance | None:
         client = self._client(compute_v1.InstancesClient)
@@ -247,7 +127,7 @@ class GcpProvider:
         except gexc.NotFound:
             return None
         except gexc.GoogleAPICallError as exc:
-            raise _translate(exc, f"get instance {name}", region) from None
+            raise translate(exc, f"get instance {name}", region) from None
 
     def wait_operation(self, op: compute_v1.Operation, zone: str, region: str, *, timeout_s: float = 600) -> None:
         """Wait for a zonal operation with our own client (it honours the endpoint); raise its error."""
@@ -257,23 +137,48 @@ class GcpProvider:
             if time.monotonic() >= deadline:
                 raise ProviderError(f"GCP operation {op.name} in {zone} not done after {timeout_s:g} s")
             op = self._call("wait operation", region, ops.wait, project=self.project, zone=zone, operation=op.name)
-        errors = _op_error_codes(op)
+        errors = op_error_codes(op)
         if errors:
             text = "; ".join(f"{c}: {m}" for c, m in errors)
-            raise _translate(ProviderError(text), f"operation {op.operation_type or op.name}", region)
+            raise translate(ProviderError(text), f"operation {op.operation_type or op.name}", region)
+
+    def _find(self, name: str, region: str) -> tuple[str, compute_v1.Instance] | None:
+        """(zone, instance) of the instance called ``name`` in any zone: a retried provision may have
+        landed in a fallback zone."""
+        client = self._client(compute_v1.InstancesClient)
+        pages = self._call(
+            f"find instance {name}",
+            region,
+            client.aggregated_list,
+            request={"project": self.project, "filter": f'name = "{name}"'},
+        )
+        try:
+            for scope, listed in pages:
+                for inst in listed.instances:
+                    if inst.name == name:
+                        return scope.rsplit("/", 1)[-1], inst
+        except gexc.GoogleAPICallError as exc:
+            raise translate(exc, f"find instance {name}", region) from None
+        return None
 
     def provision(self, spec: HostSpec, *, migration_id: str) -> Host:
-        """Insert one instance for ``spec``, or return the one this migration already inserted."""
+        """Insert one instance for ``spec``, or return the one this migration already inserted.
+
+        With ``spec.launch`` the instance boots the workload (``startup-script``, infra/BOOT.md),
+        carries a network tag of its own and gets firewall rules that admit the agent and service
+        ports only from the orchestrator and the front door (infra/network.py).
+        """
         region = self._region_of(spec)
         zone, name = str(spec.zone), instance_name(spec.name)
-        found = self._get(zone, name, region)
+        found = self._find(name, region)
         if found is not None:
-            if found.labels.get(LABEL_MIGRATION) != label_value(migration_id):
+            found_zone, inst = found
+            if inst.labels.get(LABEL_MIGRATION) != label_value(migration_id):
                 raise ProviderError(
-                    f"instance {name} in {zone} exists but was not launched by migration {migration_id}"
+                    f"instance {name} in {found_zone} exists but was not launched by migration {migration_id}"
                 )
             log.info("gcp: %s already inserted for %s", name, migration_id)
-            return self._host(spec.name, region, zone, found)
+            return self._host(spec.name, region, found_zone, inst)
         if not spec.instance_type:
             raise InvalidInputError("a GCP target needs target.instance_type (e.g. a2-highgpu-1g)")
         mt = self.machine_type(zone, spec.instance_type, region)
@@ -303,7 +208,9 @@ class GcpProvider:
                     accelerator_type=f"zones/{zone}/acceleratorTypes/{acc_type}", accelerator_count=count
                 )
             ]
-        request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpumigrate:{migration_id}/{name}"))
+        if spec.launch is not None:
+            self._add_workload(instance, spec, region)
+        request_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpumigrate:{migration_id}/{name}/{zone}"))
         client = self._client(compute_v1.InstancesClient)
         op = self._call(
             f"insert {spec.instance_type}",
@@ -316,18 +223,98 @@ class GcpProvider:
         if created is None:
             raise ProviderError(f"GCP reported instance {name} inserted in {zone} but it cannot be found")
         log.info("gcp: inserted %s (%s) for %s", name, spec.instance_type, migration_id)
-        return self._host(spec.name, region, zone, created)
+        host = self._host(spec.name, region, zone, created)
+        if spec.launch is not None:
+            try:
+                self._open_ports(host, name)
+            except GpumigrateError:
+                self.terminate(host)
+                raise
+        return host
+
+    def _add_workload(self, instance: compute_v1.Instance, spec: HostSpec, region: str) -> None:
+        """Startup script, ports, network tag, service account, subnetwork and addressing for a workload host."""
+        assert spec.launch is not None
+        boot = self.target.require_bootstrap("GCP")
+        net = self.target.network
+        ports = network.ports(net, spec.launch)
+        config = bootstrap.boot_config(
+            name=spec.name,
+            provider="gcp",
+            region=region,
+            project=self.project,
+            launch=spec.launch,
+            ports=ports,
+            bootstrap=boot,
+            image_key_ref=self.target.image_key_ref,
+        )
+        instance.metadata.items.extend(
+            [
+                compute_v1.Items(key="startup-script", value=bootstrap.boot_script(config, boot)),
+                compute_v1.Items(key=METADATA_PORTS, value=",".join(f"{k}={v}" for k, v in ports.items())),
+            ]
+        )
+        instance.tags = compute_v1.Tags(items=[gcp_network.host_tag(str(instance.name))])
+        nic = compute_v1.NetworkInterface(network=gcp_network.network_url(self.project, net.vpc or "default"))
+        if net.subnets:
+            sub = net.subnets[0]
+            nic.subnetwork = sub if "/" in sub else f"projects/{self.project}/regions/{region}/subnetworks/{sub}"
+        if net.public_ip:
+            nic.access_configs = [compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")]
+        instance.network_interfaces = [nic]
+        if boot.identity:
+            instance.service_accounts = [
+                compute_v1.ServiceAccount(
+                    email=boot.identity, scopes=["https://www.googleapis.com/auth/cloud-platform"]
+                )
+            ]
+
+    def _open_ports(self, host: Host, name: str) -> None:
+        """The host's firewall rules: the agent port from the orchestrator, the service port from it and
+        the front door."""
+        net = self.target.network
+        rules = network.port_rules(net, host.meta["private_ip"], service="service" in host.ports)
+        client = self._client(compute_v1.FirewallsClient)
+        for fw in gcp_network.firewalls(self.project, net.vpc or "default", name, rules):
+            try:
+                op = client.insert_unary(project=self.project, firewall_resource=fw)
+            except gexc.Conflict:
+                continue  # a retried provision: the rule is there
+            except gexc.GoogleAPICallError as exc:
+                raise translate(exc, f"firewall rule {fw.name}", host.region) from None
+            self.wait_global_operation(op, host.region)
+
+    def wait_global_operation(self, op: compute_v1.Operation, region: str, *, timeout_s: float = 300) -> None:
+        ops = self._client(compute_v1.GlobalOperationsClient)
+        deadline = time.monotonic() + timeout_s
+        while op.status != compute_v1.Operation.Status.DONE:
+            if time.monotonic() >= deadline:
+                raise ProviderError(f"GCP operation {op.name} not done after {timeout_s:g} s")
+            op = self._call("wait operation", region, ops.wait, project=self.project, operation=op.name)
+        errors = op_error_codes(op)
+        if errors:
+            raise translate(ProviderError("; ".join(f"{c}: {m}" for c, m in errors)), op.name, region)
 
     def _host(self, host_name: str, region: str, zone: str, inst: compute_v1.Instance) -> Host:
         nic = inst.network_interfaces[0] if inst.network_interfaces else None
+        private = nic.network_i_p if nic else ""
+        public = nic.access_configs[0].nat_i_p if nic and nic.access_configs else ""
+        items = {i.key: i.value for i in inst.metadata.items} if inst.metadata else {}
+        ports = {k: int(v) for k, _, v in (p.partition("=") for p in items.get(METADATA_PORTS, "").split(",") if p)}
         return Host(
             name=host_name,
             provider="gcp",
             region=region,
-            address=nic.network_i_p if nic else "",
+            address=public if ports and self.target.network.public_ip else private,
             instance_id=inst.name,
             zone=zone,
-            meta={"status": inst.status, "machine_type": inst.machine_type.rsplit("/", 1)[-1]},
+            ports=ports,
+            meta={
+                "status": inst.status,
+                "machine_type": inst.machine_type.rsplit("/", 1)[-1],
+                "private_ip": private,
+                "public_ip": public or None,
+            },
         )
 
     def wait_ready(self, host: Host, *, timeout_s: float = 600) -> Host:
@@ -349,18 +336,71 @@ class GcpProvider:
             time.sleep(min(self.poll_interval_s, max(0.0, deadline - time.monotonic())))
 
     def terminate(self, host: Host) -> None:
-        """Delete the instance; one that is already gone is fine."""
+        """Delete the instance, then its firewall rules; what is already gone is fine."""
         if not host.instance_id or not host.zone:
             return
         client = self._client(compute_v1.InstancesClient)
         try:
             op = client.delete_unary(project=self.project, zone=host.zone, instance=host.instance_id)
         except gexc.NotFound:
-            return
+            op = None
         except gexc.GoogleAPICallError as exc:
-            raise _translate(exc, f"delete {host.instance_id}", host.region) from None
-        self.wait_operation(op, host.zone, host.region)
-        log.info("gcp: deleted %s", host.instance_id)
+            raise translate(exc, f"delete {host.instance_id}", host.region) from None
+        if op is not None:
+            self.wait_operation(op, host.zone, host.region)
+            log.info("gcp: deleted %s", host.instance_id)
+        firewalls = self._client(compute_v1.FirewallsClient)
+        for rule in gcp_network.names_for(host.instance_id):
+            try:
+                fop = firewalls.delete_unary(project=self.project, firewall=rule)
+            except gexc.NotFound:
+                continue
+            except gexc.GoogleAPICallError as exc:  # a rule left behind admits no one once the host is gone
+                log.warning("gcp: firewall rule %s not deleted: %s", rule, exc)
+                continue
+            self.wait_global_operation(fop, host.region)
+
+    # -- the workload ---------------------------------------------------------------------
+    def console_output(self, host: Host) -> str:
+        """Serial port 1 of the instance: where the startup script's output goes."""
+        client = self._client(compute_v1.InstancesClient)
+        try:
+            out = client.get_serial_port_output(
+                request={"project": self.project, "zone": host.zone, "instance": host.instance_id, "port": 1}
+            )
+        except gexc.NotFound:
+            return ""
+        except gexc.GoogleAPICallError as exc:
+            raise translate(exc, f"serial port output of {host.instance_id}", host.region) from None
+        return str(out.contents)
+
+    def _status(self, host: Host) -> str:
+        inst = self._get(str(host.zone), str(host.instance_id), host.region)
+        return "GONE" if inst is None else str(inst.status)
+
+    def bootstrap(self, host: Host, launch: WorkloadLaunch, *, timeout_s: float) -> Host:
+        """Wait for the workload the startup script started (infra/BOOT.md). On failure the instance is
+        deleted and :class:`BootError` carries its serial console output."""
+        return bootstrap.boot_or_terminate(
+            self, host, launch, state=self._status, running="RUNNING", timeout_s=timeout_s
+        )
+
+    def secret_locations(self, name: str) -> list[str] | None:
+        """Where a Secret Manager secret's data is held (its replicas' locations), asked of Secret Manager;
+        None when Google chooses (automatic replication)."""
+        from google.auth.transport.requests import AuthorizedSession
+
+        resource = name if name.startswith("projects/") else f"projects/{self.project}/secrets/{name}"
+        session = AuthorizedSession(self._credentials)
+        try:
+            reply = session.get(f"{self.secret_manager_endpoint}/v1/{resource}", timeout=30)
+        except Exception as exc:  # requests' and google-auth's errors: a failed lookup, never a secret
+            raise ProviderError(f"GCP Secret Manager lookup of {resource} failed: {type(exc).__name__}") from None
+        finally:
+            session.close()
+        if reply.status_code != 200:
+            raise ProviderError(f"GCP Secret Manager answered {reply.status_code} for {resource}")
+        return gcp_network.secret_locations(reply.json())
 
     # -- policy and price -----------------------------------------------------------------
     def jurisdiction(self, region: str) -> Jurisdiction:

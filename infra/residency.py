@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 from gpumigrate.audit import AuditLog
-from gpumigrate.errors import InvalidInputError, ResidencyError
+from gpumigrate.errors import GpumigrateError, InvalidInputError, PolicyDeniedError, ResidencyError
 from gpumigrate.interfaces import Jurisdiction
 from gpumigrate.settings import state_root
 
 RULE = "data-residency"
+CLASSIFICATION_RULE = "data-classification"
+ENCRYPTED_CLASSES = ("confidential", "restricted")  # data.classification values that must be encrypted
 PROVIDERS = ("aws", "gcp", "local")
+BUCKET_PROVIDERS = {"s3": "aws", "gs": "gcp"}
 
 # (event, data) -> None; Migration.record and AuditLog.append both fit.
 Recorder = Callable[[str, dict[str, Any]], Any]
@@ -187,8 +190,119 @@ def check_store(
     return check_region(provider, region, allowed, point=point, record=record)
 
 
+def check_store_location(
+    store_url: str,
+    allowed: Sequence[str],
+    *,
+    locate: Callable[[str], str | None],
+    plan_region: str | None = None,
+    target_provider: str | None = None,
+    target_region: str | None = None,
+    record: Recorder | None = None,
+) -> ResidencyDecision:
+    """Residency of the image store from where it really is, before any byte moves.
+
+    A bucket's location comes from the cloud's own API through ``locate`` (S3 GetBucketLocation, the GCS
+    bucket's ``location``: ``gpumigrate.transfer.store_region``), never from the plan; a plan whose
+    ``transfer.store_region`` disagrees with it is denied too (it would mislead every later reader).
+    ``file://`` and ``stream://`` stores are checked as :func:`check_store` does.
+    """
+    scheme = store_url.split("://", 1)[0]
+    provider = BUCKET_PROVIDERS.get(scheme)
+    if provider is None:
+        return check_store(
+            store_url,
+            plan_region,
+            allowed,
+            target_provider=target_provider,
+            target_region=target_region,
+            record=record,
+        )
+    allowed_t = tuple(allowed)
+    try:
+        real = locate(store_url)
+    except GpumigrateError as exc:
+        reason = f"{store_url}: the bucket's location could not be read: {exc.message}"
+        return enforce(ResidencyDecision("bucket", provider, "unknown", None, allowed_t, "deny", reason), record)
+    if real is None:
+        reason = f"{store_url}: the cloud reports no location for this bucket: denied, not guessed"
+        return enforce(ResidencyDecision("bucket", provider, "unknown", None, allowed_t, "deny", reason), record)
+    if plan_region is not None and plan_region.lower() != real.lower():
+        reason = f"{store_url} is in {real}, the plan's transfer.store_region says {plan_region}: correct the plan"
+        where = lookup(provider, real)
+        return enforce(ResidencyDecision("bucket", provider, real, where, allowed_t, "deny", reason), record)
+    decision = evaluate_region(provider, real, allowed_t, point="bucket")
+    reason = f"{decision.reason} (the bucket's location as its cloud reports it)"
+    return enforce(replace(decision, reason=reason), record)
+
+
+def check_classification(
+    plan: Any, *, key_locations: Sequence[tuple[str, str | None]] = (), record: Recorder | None = None
+) -> list[ResidencyDecision]:
+    """``data.classification`` enforced before anything moves: ``confidential`` and ``restricted`` data
+    travels only encrypted (``transfer.encryption_key``), and wherever the key is held — each
+    ``(provider, region)`` of ``key_locations``, from :func:`key_locations` — must be allowed as well:
+    a key kept in a forbidden jurisdiction hands the data there. ``region`` None: held where the cloud
+    chooses (GCP automatic replication), denied unless ``ANY``. Raises PolicyDeniedError (exit 2)."""
+    allowed = tuple(plan.data.allowed_jurisdictions)
+    cls, key = plan.data.classification, plan.transfer.encryption_key
+    t = plan.target
+    if cls in ENCRYPTED_CLASSES and key is None:
+        reason = (
+            f"data classified {cls} travels only encrypted: set transfer.encryption_key "
+            "({env: NAME} or {file: PATH}, the image key by reference)"
+        )
+        verdict: Literal["allow", "deny"] = "deny"
+    else:
+        verdict = "allow"
+        reason = f"data classified {cls}: " + ("encrypted with the plan's image key" if key else "encryption optional")
+    decision = ResidencyDecision(
+        "classification", t.provider, t.region, None, allowed, verdict, reason, rule=CLASSIFICATION_RULE
+    )
+    if record is not None:
+        record(f"residency.{verdict}", decision.to_record())
+    if verdict == "deny":
+        raise PolicyDeniedError(CLASSIFICATION_RULE, reason, region=t.region)
+    decisions = [decision]
+    for provider, region in key_locations:
+        if region is None:
+            if "ANY" in allowed:
+                held = ResidencyDecision(
+                    "key", provider, "automatic", None, allowed, "allow", "the data policy allows ANY"
+                )
+            else:
+                why = (
+                    "the image key's secret is replicated where the cloud chooses (automatic replication): "
+                    "use user-managed replication in allowed locations"
+                )
+                held = ResidencyDecision("key", provider, "automatic", None, allowed, "deny", why)
+            decisions.append(enforce(held, record))
+        else:
+            decisions.append(check_region(provider, region, allowed, point="key", record=record))
+    return decisions
+
+
+def key_locations(plan: Any, provider: Any) -> list[tuple[str, str | None]]:
+    """Where the plan's image key is held in a cloud: the target's secret (``target.bootstrap.image_key_secret``)
+    asked of the secrets manager itself (AWS: the secret's region; GCP: its replicas' locations). A key
+    given by env var or file is held by the orchestrator and the target, not in a cloud region: none."""
+    boot = getattr(plan.target, "bootstrap", None)
+    name = getattr(boot, "image_key_secret", None)
+    if not name:
+        return []
+    if plan.target.provider == "aws":
+        return [("aws", provider.secret_region(name, plan.target.region))]
+    if plan.target.provider == "gcp":
+        where = provider.secret_locations(name)
+        return [("gcp", loc) for loc in where] if where else [("gcp", None)]
+    return []
+
+
 def validate_plan_residency(plan: Any, *, record: Recorder | None = None) -> list[ResidencyDecision]:
-    """Residency at plan validation: the target region and the image store. Raises on the first deny."""
+    """Residency at plan validation, offline: the target region, the image store as the plan states it,
+    and the classification's need for encryption. Raises on the first deny. The preflight checks the
+    bucket's and the key's real locations besides (:func:`check_store_location`, :func:`check_classification`
+    with :func:`key_locations`)."""
     allowed = plan.data.allowed_jurisdictions
     decisions = [check_region(plan.target.provider, plan.target.region, allowed, point="plan", record=record)]
     decisions.append(
@@ -201,6 +315,7 @@ def validate_plan_residency(plan: Any, *, record: Recorder | None = None) -> lis
             record=record,
         )
     )
+    decisions += check_classification(plan, record=record)
     return decisions
 
 

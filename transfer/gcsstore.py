@@ -82,6 +82,22 @@ class GcsStore(BucketStore):
         except Exception as exc:
             raise self._err(exc, "listing") from None
 
+    def ensure_bucket(self, location: str) -> str:
+        """The bucket's location, creating the bucket in ``location`` when it does not exist (uniform
+        bucket-level access, public access prevented). An existing bucket is left as it is, wherever it
+        is: the caller checks that location before any byte moves."""
+        try:
+            found = self._client.lookup_bucket(self._bucket.name)
+            if found is not None:
+                return (found.location or "").lower()
+            bucket = self._client.bucket(self._bucket.name)
+            bucket.iam_configuration.uniform_bucket_level_access_enabled = True
+            bucket.iam_configuration.public_access_prevention = "enforced"
+            created = self._client.create_bucket(bucket, location=location)
+        except Exception as exc:
+            raise self._err(exc, f"bucket creation in {location}") from None
+        return (created.location or location).lower()
+
     def region(self) -> str | None:
         try:
             bucket = self._client.get_bucket(self._bucket.name)

@@ -18,6 +18,15 @@ MIN_PART = 5 << 20  # S3's smallest multipart part (except the last)
 DEFAULT_MULTIPART_THRESHOLD = 16 << 20
 
 
+def _regional_client(client: Any, region: str) -> Any:
+    """An S3 client with ``client``'s endpoint and settings, in ``region`` (buckets are created regionally)."""
+    import boto3
+
+    return boto3.session.Session().client(
+        "s3", region_name=region, endpoint_url=client.meta.endpoint_url, config=client.meta.config
+    )
+
+
 class S3Store(BucketStore):
     def __init__(
         self,
@@ -122,6 +131,47 @@ class S3Store(BucketStore):
         except Exception as exc:
             raise self._err(exc, "listing") from None
         return found
+
+    def ensure_bucket(self, location: str) -> str:
+        """The bucket's region, creating the bucket in ``location`` when it does not exist (private:
+        public access blocked, objects encrypted at rest). An existing bucket is left as it is, wherever
+        it is: the caller checks that location before any byte moves."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code not in ("404", "NoSuchBucket", "NotFound"):
+                raise self._err(exc, "bucket check") from None
+        else:
+            return str(self.region())
+        regional = _regional_client(self._client, location)
+        try:
+            args: dict[str, Any] = {"Bucket": self.bucket}
+            if location != "us-east-1":  # S3 names us-east-1 by leaving the constraint out
+                args["CreateBucketConfiguration"] = {"LocationConstraint": location}
+            regional.create_bucket(**args)
+            regional.put_public_access_block(
+                Bucket=self.bucket,
+                PublicAccessBlockConfiguration={
+                    "BlockPublicAcls": True,
+                    "IgnorePublicAcls": True,
+                    "BlockPublicPolicy": True,
+                    "RestrictPublicBuckets": True,
+                },
+            )
+            regional.put_bucket_encryption(
+                Bucket=self.bucket,
+                ServerSideEncryptionConfiguration={
+                    "Rules": [{"ApplyServerSideEncryptionByDefault": {"SSEAlgorithm": "AES256"}}]
+                },
+            )
+        except Exception as exc:
+            raise self._err(exc, f"bucket creation in {location}") from None
+        finally:
+            regional.close()
+        return location
 
     def region(self) -> str | None:
         try:

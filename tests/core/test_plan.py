@@ -96,14 +96,6 @@ BAD_PLANS = [
 ]
 
 
-@pytest.mark.parametrize(("case", "path", "value", "field"), BAD_PLANS, ids=[b[0] for b in BAD_PLANS])
-def test_bad_plan_names_field(case: str, path: str, value: object, field: str) -> None:
-    with pytest.raises(PlanError) as info:
-        parse_plan(_set(BASE, path, value), case)
-    fields = [f for f, _ in info.value.problems]
-    assert field in fields, f"{case}: expected {field} in {fields}"
-
-
 def test_cross_field_rules() -> None:
     aws = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
     with pytest.raises(PlanError) as info:
@@ -115,6 +107,51 @@ def test_cross_field_rules() -> None:
     with pytest.raises(PlanError) as info:
         parse_plan(_set(aws, "snapshot.backend", "cuda-driver"), "aws")
     assert any("cuda-driver" in m for _, m in info.value.problems)
+
+
+AWS = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
+WHEEL = "https://example.com/gpumigrate-0.1.0-py3-none-any.whl"
+# Cloud target fields, on the AWS example: (case id, dotted path, new value, field path expected)
+BAD_CLOUD_TARGETS = [
+    ("fallback-other-region", "target.fallback_zones", ["us-east-1a"], "target"),
+    ("fallback-is-zone", "target.fallback_zones", ["eu-central-1a"], "target"),
+    ("orchestrator-everyone", "target.network.orchestrator", ["0.0.0.0/0"], "target.network.orchestrator"),
+    ("orchestrator-not-ip", "target.network.orchestrator", ["orchestrator.local"], "target.network.orchestrator"),
+    ("frontdoor-everyone", "target.network.frontdoor", ["::/0"], "target.network.frontdoor"),
+    ("same-ports", "target.network.agent_port", 8000, "target.network"),
+    ("port-range", "target.network.service_port", 70000, "target.network.service_port"),
+    ("wheel-unpinned", "target.bootstrap.wheel", WHEEL, "target.bootstrap.wheel"),
+    ("wheel-http", "target.bootstrap.wheel", "http://x/g.whl#sha256=" + "0" * 64, "target.bootstrap.wheel"),
+    ("no-control-secret", "target.bootstrap.control_key_secret", _DELETE, "target.bootstrap.control_key_secret"),
+    ("secret-name", "target.bootstrap.image_key_secret", "two words", "target.bootstrap.image_key_secret"),
+    ("python-shell", "target.bootstrap.python", "python3; rm -rf /", "target.bootstrap.python"),
+    ("no-image-secret", "target.bootstrap.image_key_secret", _DELETE, "(plan)"),
+]
+
+
+BAD_CASES = [(BASE, *b) for b in BAD_PLANS] + [(AWS, *b) for b in BAD_CLOUD_TARGETS]
+
+
+@pytest.mark.parametrize(("base", "case", "path", "value", "field"), BAD_CASES, ids=[b[1] for b in BAD_CASES])
+def test_bad_plan_names_field(base: dict, case: str, path: str, value: object, field: str) -> None:
+    with pytest.raises(PlanError) as info:
+        parse_plan(_set(base, path, value), case)
+    fields = [f for f, _ in info.value.problems]
+    assert field in fields, f"{case}: expected {field} in {fields}"
+
+
+def test_cloud_target_fields_and_defaults() -> None:
+    plan = parse_plan(AWS, "aws")
+    assert plan.target.fallback_zones == ["eu-central-1b", "eu-central-1c"]
+    assert plan.target.bootstrap is not None and plan.target.bootstrap.wheel and not plan.target.network.public_ip
+    bare = parse_plan(_set(_set(AWS, "target.network", _DELETE), "target.bootstrap", _DELETE), "bare")
+    assert (bare.target.network.service_port, bare.target.network.agent_port) == (8000, 7070)
+    assert bare.target.network.orchestrator == [] and bare.target.bootstrap is None
+    public = _set(AWS, "target.network", {"public_ip": True})
+    with pytest.raises(PlanError, match="public_ip needs 'orchestrator'"):
+        parse_plan(public, "public")
+    with pytest.raises(PlanError, match="cloud targets"):
+        parse_plan(_set(BASE, "target.network", {"public_ip": False, "agent_port": 7071}), "local")
 
 
 def test_launch_placeholders_and_literal_braces() -> None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
 # Planted credentials: tests scan everything a run wrote for these strings.
 AWS_KEY_ID = "AKIAPLANTEDKEY000001"
 AWS_SECRET = "planted-aws-secret-9f3c1e7d5b"
@@ -34,3 +38,18 @@ def files_containing(root: Path, needles: list[str]) -> list[str]:
             data = path.read_bytes()
             hits += [f"{path}: {n}" for n in needles if n.encode() in data]
     return hits
+
+
+def example_plan(name: str = "aws-eu.yaml", **changes: Any) -> dict[str, Any]:
+    """An example plan as data, with ``changes`` by dotted path (``"target.region"``); None drops a field."""
+    data = yaml.safe_load((REPO / "examples" / name).read_text())
+    for dotted, value in changes.items():
+        node = data
+        *path, leaf = dotted.split(".")
+        for key in path:
+            node = node[key]
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return data

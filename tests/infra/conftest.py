@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the fake GCE module next to this file
 
+from cloud_harness import cloud, gcs  # noqa: E402,F401  (the booting cloud; GCS that creates buckets)
 from cloud_helpers import AWS_KEY_ID, AWS_SECRET  # noqa: E402
 from gce_fake import FakeGce  # noqa: E402
 

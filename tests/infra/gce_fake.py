@@ -1,17 +1,22 @@
 """A loopback HTTP server that answers the Compute Engine REST calls the GCP provider makes.
 
 No GCE emulator exists, so tests run google-cloud-compute's real REST transport against this.
-It keeps state (machine types, accelerators, regional quotas, instances, operations) that tests
-set up and inspect afterwards, counts GPU quota usage like GCE does, and logs every request
-(including the Authorization header, so a test can see which credentials travelled).
+It keeps state (machine types, accelerators, regional quotas, instances, firewall rules,
+operations, Secret Manager secrets) that tests set up and inspect afterwards, counts GPU quota
+usage like GCE does, and logs every request (including the Authorization header, so a test can
+see which credentials travelled). Hooks let a harness "boot" inserted instances
+(tests/infra/cloud_harness.py): ``on_insert`` runs after an insert is accepted and may override
+the instance's addresses, ``on_delete`` after a delete, ``console`` answers the serial port.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -31,6 +36,13 @@ class GceState:
     insert_error: str | None = None  # e.g. ZONE_RESOURCE_POOL_EXHAUSTED: the insert operation fails with it
     insert_http_error: tuple[int, str, str] | None = None  # (status, reason, message): the insert call itself fails
     gets_until_running: int = 1  # GETs of a new instance before it reports RUNNING
+    exhausted_zones: set[str] = field(default_factory=set)  # inserts there fail with ZONE_RESOURCE_POOL_EXHAUSTED
+    firewalls: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> body
+    # "projects/P/secrets/S" -> {"replication": {...}, "data": bytes}
+    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    on_insert: Callable[[str, str, dict[str, Any]], dict[str, str] | None] | None = None
+    on_delete: Callable[[str, str], None] | None = None
+    console: Callable[[str, str], str] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def inserts(self) -> list[dict[str, Any]]:
@@ -88,17 +100,21 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}") if length else {}
         st = self.server.state
+        query = parse_qs(url.query)
         with st.lock:
             st.requests.append(
                 {
                     "method": method,
                     "path": url.path,
-                    "query": parse_qs(url.query),
+                    "query": query,
                     "body": body,
                     "authorization": self.headers.get("Authorization"),
                 }
             )
-            code, out = self.server.route(method, url.path, body)
+            code, out = self.server.route(method, url.path, body, query)
+        after = out.pop("_after", None)
+        if after is not None:  # harness hooks run outside the lock, before the caller hears back
+            after()
         if code >= 400:
             self._error(code, out["message"], out.get("reason", "notFound"))
         else:
@@ -122,11 +138,11 @@ class _Server(ThreadingHTTPServer):
         self.state = state
         self._ids = itertools.count(1)
 
-    def _op(self, zone: str, kind: str, target: str, error: str | None = None) -> dict[str, Any]:
+    def _op(self, zone: str | None, kind: str, target: str, error: str | None = None) -> dict[str, Any]:
         name = f"operation-{next(self._ids)}"
         op = {
             "name": name,
-            "zone": zone,
+            **({"zone": zone} if zone else {}),
             "operationType": kind,
             "targetLink": target,
             "status": "RUNNING",
@@ -140,8 +156,14 @@ class _Server(ThreadingHTTPServer):
         self.state.operations[name] = final
         return op  # RUNNING: the client must wait for it
 
-    def route(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def route(
+        self, method: str, path: str, body: dict[str, Any], query: dict[str, list[str]] | None = None
+    ) -> tuple[int, dict[str, Any]]:
         st = self.state
+        query = query or {}
+        extra = self._route_more(method, path, body, query)
+        if extra is not None:
+            return extra
         m = re.match(PREFIX + r"/regions/(?P<region>[^/]+)$", path)
         if m and method == "GET":
             q = st.quotas.get(m["region"])
@@ -181,8 +203,65 @@ class _Server(ThreadingHTTPServer):
             if method == "DELETE":
                 del st.instances[key]
                 self._count_gpus(m["zone"], inst, -1)
-                return 200, self._op(m["zone"], "delete", m["name"])
+                op = self._op(m["zone"], "delete", m["name"])
+                if st.on_delete is not None:
+                    hook, zone, name = st.on_delete, m["zone"], m["name"]
+                    op["_after"] = lambda: hook(zone, name)
+                return 200, op
         return 404, {"message": f"fake GCE does not serve {method} {path}"}
+
+    def _route_more(
+        self, method: str, path: str, body: dict[str, Any], query: dict[str, list[str]]
+    ) -> tuple[int, dict[str, Any]] | None:
+        """Aggregated listing, serial port, firewall rules, global operations, Secret Manager."""
+        st = self.state
+        if re.match(PREFIX + r"/aggregated/instances$", path) and method == "GET":
+            wanted = re.findall(r'name = "([^"]+)"', (query.get("filter") or [""])[0])
+            items: dict[str, dict[str, Any]] = {}
+            for (zone, name), inst in st.instances.items():
+                if not wanted or name in wanted:
+                    listed = {k: v for k, v in inst.items() if not k.startswith("_")}
+                    items.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(listed)
+            return 200, {"items": items}
+        m = re.match(PREFIX + r"/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)/serialPort$", path)
+        if m and method == "GET":
+            if (m["zone"], m["name"]) not in st.instances:
+                return 404, {"message": f"The resource 'instances/{m['name']}' was not found"}
+            text = st.console(m["zone"], m["name"]) if st.console else ""
+            return 200, {"contents": text, "start": "0", "next": str(len(text)), "kind": "compute#serialPortOutput"}
+        m = re.match(PREFIX + r"/global/operations/(?P<op>[^/]+)(/wait)?$", path)
+        if m:
+            op = st.operations.get(m["op"])
+            return (200, op) if op else (404, {"message": f"operation {m['op']} not found"})
+        if re.match(PREFIX + r"/global/firewalls$", path) and method == "POST":
+            if body["name"] in st.firewalls:
+                return 409, {
+                    "message": f"The resource 'firewalls/{body['name']}' already exists",
+                    "reason": "alreadyExists",
+                }
+            st.firewalls[body["name"]] = body
+            return 200, self._op(None, "insert", body["name"])
+        m = re.match(PREFIX + r"/global/firewalls/(?P<name>[^/]+)$", path)
+        if m:
+            if m["name"] not in st.firewalls:
+                return 404, {"message": f"The resource 'firewalls/{m['name']}' was not found"}
+            if method == "GET":
+                return 200, st.firewalls[m["name"]]
+            if method == "DELETE":
+                del st.firewalls[m["name"]]
+                return 200, self._op(None, "delete", m["name"])
+        m = re.match(r"^/v1/(?P<secret>projects/[^/]+/secrets/[^/:]+)(?P<access>/versions/latest:access)?$", path)
+        if m and method == "GET":
+            secret = st.secrets.get(m["secret"])
+            if secret is None:
+                return 404, {"message": f"Secret [{m['secret']}] not found or has no versions."}
+            if m["access"]:
+                return 200, {
+                    "name": f"{m['secret']}/versions/1",
+                    "payload": {"data": base64.b64encode(secret["data"]).decode()},
+                }
+            return 200, {"name": m["secret"], "replication": secret.get("replication", {"automatic": {}})}
+        return None
 
     def _gpus(self, zone: str, inst: dict[str, Any]) -> list[tuple[str, int]]:
         mt_name = inst["machineType"].rsplit("/", 1)[-1]
@@ -210,17 +289,28 @@ class _Server(ThreadingHTTPServer):
             return status, {"message": message, "reason": reason}
         if st.insert_error:
             return 200, self._op(zone, "insert", name, error=st.insert_error)
-        inst = {
-            **body,
-            "status": "PROVISIONING",
-            "zone": zone,
-            "networkInterfaces": [
-                {**(body.get("networkInterfaces") or [{}])[0], "networkIP": f"10.164.0.{len(st.instances) + 2}"}
-            ],
-        }
+        if zone in st.exhausted_zones:
+            return 200, self._op(zone, "insert", name, error="ZONE_RESOURCE_POOL_EXHAUSTED")
+        nic = {**(body.get("networkInterfaces") or [{}])[0], "networkIP": f"10.164.0.{len(st.instances) + 2}"}
+        for access in nic.get("accessConfigs", []):
+            access["natIP"] = f"34.90.0.{len(st.instances) + 2}"
+        inst = {**body, "status": "PROVISIONING", "zone": zone, "networkInterfaces": [nic]}
         st.instances[(zone, name)] = inst
         self._count_gpus(zone, inst, +1)
-        return 200, self._op(zone, "insert", name)
+        op = self._op(zone, "insert", name)
+        if st.on_insert is not None:
+            hook = st.on_insert
+
+            def boot() -> None:  # the harness boots it and tells where it is reachable
+                addresses = hook(zone, name, body) or {}
+                with st.lock:
+                    if "networkIP" in addresses:
+                        nic["networkIP"] = addresses["networkIP"]
+                    for access in nic.get("accessConfigs", []):
+                        access["natIP"] = addresses.get("natIP", access["natIP"])
+
+            op["_after"] = boot
+        return 200, op
 
 
 class FakeGce:

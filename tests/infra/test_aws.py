@@ -3,6 +3,7 @@ botocore event hooks where moto does not enforce them (quotas, capacity)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -126,6 +127,8 @@ def test_launch_refusals_become_policy_errors(aws: Any, ec2_of: Any, migration_i
     with pytest.raises(CapacityError) as err:
         aws.provision(spec(), migration_id=migration_id)
     assert err.value.rule == rule and code in str(err.value) and err.value.exit_code == 2
+    if rule == "quota":  # the refusal names the quota to raise
+        assert "L-417A185B (Running On-Demand P instances)" in str(err.value)
     assert all_instances(ec2_of("us-east-1"), migration_id) == []
 
 
@@ -178,3 +181,15 @@ def test_missing_image_is_a_clear_input_error(aws: Any, ec2_of: Any, migration_i
     with pytest.raises(InvalidInputError, match="set target.image"):
         aws.provision(spec(image=None), migration_id=migration_id)
     assert all_instances(ec2_of("us-east-1"), migration_id) == []
+
+
+def test_preflight_checks_every_allowed_zone_and_launches_nothing(aws: Any, ec2_of: Any, migration_id: str) -> None:
+    from gpumigrate.infra.placement import check_zones
+
+    eu = spec(region="eu-central-1", zone="eu-central-1a", instance_type="g5.xlarge", gpu_model="A10G", gpu_count=1)
+    zones = check_zones(aws, eu, allowed_jurisdictions=["EU"], fallback_zones=["us-east-1a", "eu-central-1b"])
+    assert zones == ["eu-central-1a", "eu-central-1b"]  # us-east-1a: another region, never considered
+    h100 = replace(eu, instance_type="p5.48xlarge", gpu_model="H100", gpu_count=8)  # not offered in eu-central-1
+    with pytest.raises(CapacityError, match=r"zones tried: eu-central-1a, eu-central-1b"):
+        check_zones(aws, h100, allowed_jurisdictions=["EU"], fallback_zones=["eu-central-1b"])
+    assert all_instances(ec2_of("eu-central-1"), migration_id) == []

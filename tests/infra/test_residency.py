@@ -9,6 +9,7 @@ from pathlib import Path
 import botocore.session
 import pytest
 import yaml
+from cloud_helpers import example_plan
 
 from gpumigrate.audit import AuditLog
 from gpumigrate.errors import InvalidInputError, ResidencyError
@@ -99,19 +100,13 @@ def test_store_checks() -> None:
 
 
 def _plan_dict(**changes: object) -> dict:
-    data = yaml.safe_load((REPO / "examples" / "aws-eu.yaml").read_text())
-    for dotted, value in changes.items():
-        node = data
-        *path, leaf = dotted.split(".")
-        for key in path:
-            node = node[key]
-        node[leaf] = value
-    return data
+    return example_plan("aws-eu.yaml", **changes)
 
 
 def test_validate_plan_residency() -> None:
     decisions = validate_plan_residency(load_plan(REPO / "examples" / "aws-eu.yaml"))
-    assert [d.point for d in decisions] == ["plan", "store"] and all(d.verdict == "allow" for d in decisions)
+    assert [d.point for d in decisions] == ["plan", "store", "classification"]
+    assert all(d.verdict == "allow" for d in decisions)
     store_us = parse_plan(_plan_dict(**{"transfer.store_region": "us-east-1"}))
     with pytest.raises(ResidencyError, match="store: .*us-east-1"):
         validate_plan_residency(store_us)
@@ -124,7 +119,8 @@ def _write_plan(tmp_path: Path, data: dict) -> Path:
 
 
 def test_cli_plan_validate_denies_with_exit_2_and_audit(tmp_path: Path, gm_home: Path, cli_cmd: list[str]) -> None:
-    plan = _write_plan(tmp_path, _plan_dict(**{"target.region": "us-east-1", "target.zone": "us-east-1a"}))
+    moved = {"target.region": "us-east-1", "target.zone": "us-east-1a", "target.fallback_zones": []}
+    plan = _write_plan(tmp_path, _plan_dict(**moved))
     out = subprocess.run(
         [*cli_cmd, "plan", "validate", str(plan), "--json"], capture_output=True, text=True, timeout=60
     )
