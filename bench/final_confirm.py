@@ -54,7 +54,7 @@ def run(mb: int, chunk_mb: int, device: torch.device) -> dict[str, Any]:
     fp_s = time.perf_counter() - t0
     pieces = [view[i * cs : (i + 1) * cs] for i in range(chunk_count(view.numel(), cs))]
     t0 = time.perf_counter()
-    same = unchanged_by_hash(pieces, ids)
+    same = unchanged_by_hash(pieces, ids, None)
     confirm_s = time.perf_counter() - t0
     assert all(same)
     agent.close()

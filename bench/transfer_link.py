@@ -428,7 +428,7 @@ def _hasher(device: str) -> Any:
         return cpu_hasher
     import torch
 
-    from gpumigrate.snapshot.devhash import blake3_device, warm
+    from gpumigrate.transfer.devhash import blake3_device, warm
 
     warm(torch.device(device))
 

@@ -180,6 +180,12 @@ class DirectImageWriter(ImageWriter, Protocol):
         Host tensors may be overwritten once their futures are done.
         """
 
+    def chunk_ids(self, chunks: Sequence[TensorChunk]) -> list[str]:
+        """The chunk id each chunk's bytes would get (BLAKE3, computed where they live); nothing is stored.
+
+        The frozen final round confirms with it that chunks its fingerprints call unchanged really are.
+        """
+
 
 @runtime_checkable
 class DirectImageReader(ImageReader, Protocol):

@@ -20,14 +20,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from gpumigrate.errors import SnapshotError
-from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo, RoundStats
+from gpumigrate.interfaces import (
+    DirectImageWriter,
+    ImageReader,
+    ImageRef,
+    ImageWriter,
+    RegionInfo,
+    RoundStats,
+    TensorChunk,
+)
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks, unchanged_by_hash
 from gpumigrate.snapshot.environment import check_policy, env_facts
@@ -223,7 +231,16 @@ class Agent:
                 dirty_chunks += 1
                 dirty_bytes += piece.numel()
             new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
-        confirmed = unchanged_by_hash([j.data for j in unchanged], [new[j.region].ids[j.index] for j in unchanged])
+        hasher = None
+        if isinstance(writer, DirectImageWriter):
+            direct = writer  # the writer hashes where the bytes live (CUDA chunks on their device)
+
+            def hasher(pieces: Sequence[torch.Tensor]) -> list[str]:
+                return direct.chunk_ids([TensorChunk("", i, p) for i, p in enumerate(pieces)])
+
+        confirmed = unchanged_by_hash(
+            [j.data for j in unchanged], [new[j.region].ids[j.index] for j in unchanged], hasher
+        )
         for job, same in zip(unchanged, confirmed, strict=True):
             if same:
                 writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])

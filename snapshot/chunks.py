@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,14 +26,11 @@ import blake3
 import numpy as np
 import torch
 
-from gpumigrate.snapshot import devhash
-
 DEFAULT_CHUNK_SIZE = 4 << 20
 # The fingerprint processes at most this many bytes per launch, bounding the temporary it allocates.
 _FP_BATCH_BYTES = 256 << 20
 _WEIGHT_SEED = 0x6A09E667F3BCC908
 _MT_HASH_BYTES = 8 << 20  # above this, BLAKE3 hashes one buffer on several threads
-_DEVICE_HASH_BATCH = 64  # chunks per device hash launch (the pipeline's batch)
 
 _weights_lock = threading.Lock()
 _weights: dict[tuple[str, int], torch.Tensor] = {}
@@ -144,36 +141,29 @@ def _tail_fingerprint(piece: torch.Tensor) -> torch.Tensor:
     return (piece.to(torch.int64) * w).sum() + piece.numel()
 
 
-def unchanged_by_hash(pieces: Sequence[torch.Tensor], ids: Sequence[str]) -> list[bool]:
+def host_chunk_ids(pieces: Sequence[torch.Tensor]) -> list[str]:
+    """Chunk ids (BLAKE3-256 of the bytes, transfer/FORMAT.md) of flat uint8 tensors, hashed on the host,
+    one chunk per core (BLAKE3 releases the GIL); device tensors are copied to the host first."""
+
+    def one(piece: torch.Tensor) -> str:
+        data = piece.cpu().numpy().data if piece.numel() else b""
+        threads = blake3.blake3.AUTO if len(data) >= _MT_HASH_BYTES else 1
+        return blake3.blake3(data, max_threads=threads).hexdigest()
+
+    if not pieces:
+        return []
+    with ThreadPoolExecutor(max_workers=min(len(pieces), os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, pieces))
+
+
+def unchanged_by_hash(
+    pieces: Sequence[torch.Tensor], ids: Sequence[str], hasher: Callable[[Sequence[torch.Tensor]], list[str]] | None
+) -> list[bool]:
     """Whether each chunk's bytes (flat uint8, any device) still hash to the id it would reuse.
 
     The frozen final round calls this for every chunk its fingerprint calls unchanged, so that no
-    fingerprint collision reaches a committed image. The id is BLAKE3-256 of the bytes (the chunk
-    ids of transfer/FORMAT.md). CUDA chunks of whole 1 KiB leaves are hashed on their device
-    (``devhash``), in batches of one length; the rest on the host.
+    fingerprint collision reaches a committed image. ``hasher``: the image writer's own (a direct
+    writer hashes CUDA chunks on their device); without one, :func:`host_chunk_ids`.
     """
-    out = [False] * len(pieces)
-    on_device: dict[tuple[str, int], list[int]] = {}
-    on_host: list[int] = []
-    for k, piece in enumerate(pieces):
-        if devhash.eligible(piece) and devhash.available(piece.device):
-            on_device.setdefault((str(piece.device), piece.numel()), []).append(k)
-        else:
-            on_host.append(k)
-
-    def host_hash(k: int) -> bool:
-        data = pieces[k].cpu().numpy().data if pieces[k].numel() else b""
-        threads = blake3.blake3.AUTO if len(data) >= _MT_HASH_BYTES else 1
-        return blake3.blake3(data, max_threads=threads).hexdigest() == ids[k]
-
-    if on_host:  # BLAKE3 releases the GIL: one chunk per core at a time
-        with ThreadPoolExecutor(max_workers=min(len(on_host), os.cpu_count() or 1)) as pool:
-            for k, same in zip(on_host, pool.map(host_hash, on_host), strict=True):
-                out[k] = same
-    for members in on_device.values():
-        for start in range(0, len(members), _DEVICE_HASH_BATCH):
-            part = members[start : start + _DEVICE_HASH_BATCH]
-            words = devhash.blake3_device([pieces[k] for k in part]).cpu().tolist()
-            for k, w in zip(part, words, strict=True):
-                out[k] = devhash.words_hex(w) == ids[k]
-    return out
+    got = (hasher or host_chunk_ids)(pieces)
+    return [g == want for g, want in zip(got, ids, strict=True)]

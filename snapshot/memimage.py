@@ -4,7 +4,7 @@ It is the "capture to host memory" end of the agent's pipeline: chunk ids are BL
 plaintext, chunks are content-addressed (dedup), and the manifest is signed with HMAC-SHA256 so a
 reader refuses forged or altered manifests and chunks, as the transfer engine's reader does. It
 does no compression or encryption and moves nothing between hosts; real migrations use
-``gpumigrate.transfer`` (wired in ``workloads/agent_hook.py``).
+``gpumigrate.transfer`` (wired in the public SDK, ``agent/images.py``).
 
 With an ``arena`` (a pre-allocated, optionally pinned host tensor) it is a direct writer and reader
 (:class:`~gpumigrate.interfaces.DirectImageWriter`): each chunk is copied once, from the device into
@@ -123,6 +123,12 @@ class MemoryWriter:
         with self._lock:  # benchmark variant: measures the pipeline without hashing; never restorable
             self._serial += 1
             return f"nohash-{id(self)}-{self._serial}"
+
+    def chunk_ids(self, chunks: Sequence[TensorChunk]) -> list[str]:
+        """Chunk ids hashed on the host (this sink has no device hashing; the transfer engine's writer does)."""
+        from gpumigrate.snapshot.chunks import host_chunk_ids
+
+        return host_chunk_ids([c.data for c in chunks])
 
     def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
         """Each chunk copied once into an arena slice (device chunks on the current stream), then hashed

@@ -84,9 +84,12 @@ def test_fingerprints_are_64_bit_and_see_paired_sign_flips() -> None:
 
 
 @pytest.mark.gpu
-def test_planted_collision_on_cuda_is_caught_by_the_device_hash() -> None:
-    """On CUDA the final round hashes the "unchanged" chunks where they live (snapshot/devhash.py)."""
-    from gpumigrate.snapshot import devhash
+def test_planted_collision_on_cuda_is_caught_by_the_device_hash(tmp_path) -> None:
+    """On CUDA the final round hashes the "unchanged" chunks where they live: the transfer engine's
+    direct writer computes their ids with its device BLAKE3 kernels (transfer/devhash.py)."""
+    from gpumigrate import transfer
+    from gpumigrate.interfaces import DirectImageWriter
+    from gpumigrate.transfer import devhash
 
     positions = [7, 200, 640, 1001, 1022]
     data = torch.zeros(2 * CHUNK // 4, dtype=torch.int32, device="cuda")
@@ -95,18 +98,25 @@ def test_planted_collision_on_cuda_is_caught_by_the_device_hash() -> None:
         planted[p] = d
     assert fingerprint_chunks(byte_view(planted), CHUNK).tolist() == fingerprint_chunks(byte_view(data), CHUNK).tolist()
     assert devhash.available(data.device)  # the device path, not the host fallback
-    store = MemoryStore()
+    store = "file://" + str(tmp_path / "store")
+
+    def writer(parent: str | None) -> DirectImageWriter:
+        w = transfer.open_writer(store, key=KEY, parent=parent, chunk_size=CHUNK)
+        assert isinstance(w, DirectImageWriter)
+        return w
+
     agent = Agent(workers=1)
     agent.track_tensor("w", data)
-    agent.precopy(store.writer(KEY, chunk_size=CHUNK))
+    first = agent.precopy(writer(None))
+    assert first.chunks_dirty == 2
     data.copy_(planted)
-    assert agent.precopy(store.writer(KEY, chunk_size=CHUNK)).chunks_dirty == 0
+    assert agent.precopy(writer(agent.last_image.id if agent.last_image else None)).chunks_dirty == 0
     agent.freeze()
-    final = agent.final(store.writer(KEY, chunk_size=CHUNK))
+    final = agent.final(writer(agent.last_image.id if agent.last_image else None))
     assert agent.fingerprint_collisions == 1
     out = torch.full_like(data, -1)
     target = Agent(workers=1)
     target.track_tensor("w", out)
-    target.restore(store.reader(final.id, KEY))
+    target.restore(transfer.open_reader(store, final.id, key=KEY))
     assert torch.equal(out, planted)
     agent.close()

@@ -118,7 +118,7 @@ def test_a_damaged_chunk_is_caught_by_the_direct_reader(tmp_path: Path, key: byt
 def test_agent_round_trip_through_the_direct_path_refuses_damage_and_stays_unready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpumigrate.workloads.agent_hook import make_agent
+    from gpumigrate.agent.images import make_agent
 
     monkeypatch.setenv("GM_DIRECT_TEST_KEY", transfer.generate_key())
     key_env = {"env": "GM_DIRECT_TEST_KEY"}
@@ -273,3 +273,22 @@ def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(tmp_pat
     with pytest.raises(IntegrityError):
         cold.restore(transfer.open_reader(url, image, key=None))
     assert not cold.ready
+
+
+def test_chunk_ids_hash_without_storing_and_match_the_stored_ids(tmp_path) -> None:
+    """The final round's confirmation hashes through the writer: same ids as a stored chunk, nothing stored."""
+    from gpumigrate import transfer
+    from gpumigrate.interfaces import DirectImageWriter, RegionInfo, TensorChunk
+    from gpumigrate.transfer.chunkobj import chunk_id_of
+
+    data = torch.arange(4096, dtype=torch.uint8)
+    writer = transfer.open_writer("file://" + str(tmp_path / "s"), key=b"k" * 32, chunk_size=1024)
+    assert isinstance(writer, DirectImageWriter)
+    pieces = [data[i * 1024 : (i + 1) * 1024] for i in range(4)]
+    ids = writer.chunk_ids([TensorChunk("", i, p) for i, p in enumerate(pieces)])
+    assert ids == [chunk_id_of(p.numpy().tobytes()) for p in pieces]
+    assert not list((tmp_path / "s").rglob("*")) or not any(p.is_file() for p in (tmp_path / "s").rglob("*"))
+    writer.add_region(RegionInfo("r", 4096, dtype="uint8", shape=(4096,)))
+    stored = [f.result() for f in writer.put_tensors([TensorChunk("r", i, p) for i, p in enumerate(pieces)])]
+    assert stored == ids
+    writer.abort()

@@ -97,7 +97,7 @@ def test_a_source_without_the_control_key_gets_nothing() -> None:
 
 @pytest.mark.gpu
 def test_device_to_device_with_the_blake3_kernels() -> None:
-    from gpumigrate.snapshot.devhash import blake3_device
+    from gpumigrate.transfer.devhash import blake3_device
 
     def hasher(block: Any, chunk: int) -> Any:  # the kernels take a list of equal-length views
         return blake3_device([block[o : o + chunk] for o in range(0, block.numel(), chunk)])

@@ -22,7 +22,6 @@ from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import HostSpec
 
 client_mod = pytest.importorskip("gpumigrate.snapshot.client")
-pytest.importorskip("gpumigrate.workloads.agent_hook")
 from gpumigrate.workloads.training import TrainingConfig, TrainingState, run_steps  # noqa: E402
 
 KEY = {"env": "GM_WORKLOADS_TEST_KEY"}
