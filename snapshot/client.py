@@ -198,9 +198,17 @@ class AgentClient:
         *,
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
+        rank: int | None = None,
     ) -> dict[str, Any]:
+        extra = {} if rank is None else {"rank": rank}
         return self.call(
-            "restore", store=store, image_id=image_id, key_ref=dict(key_ref), policy=dict(policy or {}), ready=ready
+            "restore",
+            store=store,
+            image_id=image_id,
+            key_ref=dict(key_ref),
+            policy=dict(policy or {}),
+            ready=ready,
+            **extra,
         )
 
     def zeroize(self) -> dict[str, Any]:
