@@ -1,0 +1,256 @@
+"""Workloads of 2 ranks (torch.distributed; gloo on the CPU, NCCL on GPUs), each rank embedding the SDK,
+migrated between real torchrun worlds through the orchestrator's World: pre-copy rounds pre-loading
+the target world, the group freeze, the final round and its world image, the restore of rank r's
+part into target rank r.
+
+The data-parallel job (a DDP all-reduce in every step) continues with the losses the source gives
+for the same steps and an unmigrated control run gives, rank by rank; the tensor-parallel model
+(half the weights per rank, collectives in every token) answers exactly like the source, with no
+failed request under load; the communicators' teardown and rebuild around an in-place capture
+leaves the job's losses unchanged. Marked ``gpu``: the same over NCCL, restored onto swapped GPUs.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpumigrate import transfer
+from gpumigrate.snapshot.world import World
+from gpumigrate.workloads.worlds import LocalWorld, start_world
+
+DP = "gpumigrate.workloads.dp_training"
+TP = "gpumigrate.workloads.tp_inference"
+PARITY_STEPS = 4
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict[str, str]]:
+    monkeypatch.setenv("GM_RANKS_TEST_KEY", transfer.generate_key())
+    return f"file://{tmp_path / 'store'}", {"env": "GM_RANKS_TEST_KEY"}
+
+
+@pytest.fixture
+def worlds(tmp_path: Path, gm_home: Path) -> Iterator[Callable[..., LocalWorld]]:
+    started: list[LocalWorld] = []
+
+    def start(module: str, args: list[str], *, name: str, await_restore: bool = False) -> LocalWorld:
+        world = start_world(module, 2, args, log=tmp_path / f"{name}.log", await_restore=await_restore)
+        started.append(world)
+        return world
+
+    yield start
+    for world in started:
+        world.stop()
+
+
+def connect(world: LocalWorld, timeout_s: float = 240.0) -> World:
+    """The orchestrator's handle on a started world, once every rank's agent answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        agents = World(world.agents, timeout_s=300)
+        try:
+            agents.describe()
+            return agents
+        except Exception:
+            agents.close()
+            if time.monotonic() > deadline or world.popen.poll() is not None:
+                raise AssertionError(f"the world's agents did not come up:\n{world.text()[-3000:]}") from None
+            time.sleep(0.2)
+
+
+def migrate(source: World, target: World, store: tuple[str, dict[str, str]], rounds: int = 2) -> dict[str, Any]:
+    url, key_ref = store
+    for _ in range(rounds):  # live rounds, each pre-loaded into the target world (which stays unready)
+        image = source.precopy(url, key_ref)["image"]["id"]
+        loaded = target.restore(url, image, key_ref, ready=False)
+        assert all(r["ready"] is False for r in loaded["ranks"])
+    frozen = source.freeze(lease_s=120)
+    final = source.final(url, key_ref)
+    restored = target.restore(url, final["image"]["id"], key_ref)
+    assert all(r["ready"] is True for r in restored["ranks"])
+    return {"freeze": frozen, "final": final, "restore": restored}
+
+
+def _check_world_image(store: tuple[str, dict[str, str]], image_id: str, step: int, devices: list[str]) -> None:
+    url, key_ref = store
+    reader = transfer.open_reader(url, image_id, key=transfer.resolve_key(env=key_ref["env"]))
+    world = reader.metadata()["world"]
+    assert world["world_size"] == 2 and world["step"] == step
+    assert [(e["rank"], e["devices"], e["backend"]) for e in world["ranks"]] == [
+        (r, [devices[r]], "nccl" if devices[r].startswith("cuda") else "gloo") for r in range(2)
+    ]
+    names = [r.name for r in reader.regions()]
+    assert all(n.startswith(("rank0/", "rank1/")) for n in names)
+    for r in range(2):
+        assert {f"rank{r}/model/0.weight", f"rank{r}/optimizer/state/0/exp_avg", f"rank{r}/state.plain"} <= set(names)
+
+
+def _dp_migration(
+    worlds: Callable[..., LocalWorld], store: tuple[str, dict[str, str]], source_args: list[str], target_args: list[str]
+) -> dict[str, Any]:
+    source_args, target_args = ["--steps", "400", *source_args], ["--steps", "400", *target_args]
+    control = worlds(DP, source_args, name="control")
+    src = worlds(DP, [*source_args, "--step-delay-ms", "100"], name="source")
+    dst = worlds(DP, target_args, name="target", await_restore=True)
+    src.wait_steps(3)
+    with connect(src) as source, connect(dst) as target:
+        done = migrate(source, target, store)
+        cut = done["freeze"]["step"]
+        assert done["freeze"]["steps"] == [cut, cut]  # both ranks parked after the same step
+        advanced = source.advance(PARITY_STEPS)  # the source's losses for the steps the target takes next
+        assert [a["steps"] for a in advanced] == [cut + PARITY_STEPS] * 2
+        source.resume()
+    devices = [m["source"][0] for m in done["restore"]["device_map"]]
+    _check_world_image(store, done["final"]["image"]["id"], cut, devices)
+    dst.wait_steps(cut + PARITY_STEPS)
+    control.wait_steps(cut + PARITY_STEPS)
+    for rank in range(2):
+        target, reference = dst.losses(rank), control.losses(rank)
+        source_losses = dict(advanced[rank]["losses"])
+        assert min(target) == cut + 1  # the target continued from the cut: it did not start over
+        for step in range(cut + 1, cut + PARITY_STEPS + 1):
+            assert target[step] == source_losses[step] == reference[step], (rank, step)
+        assert {s: v for s, v in src.losses(rank).items() if s <= cut} == {s: reference[s] for s in range(1, cut + 1)}
+    return done
+
+
+def test_data_parallel_training_continues_with_identical_losses(worlds, store) -> None:
+    done = _dp_migration(worlds, store, ["--device", "cpu"], ["--device", "cpu"])
+    assert [(m["source"], m["target"]) for m in done["restore"]["device_map"]] == [(["cpu"], ["cpu"])] * 2
+
+
+class Load:
+    """Requests against rank 0 in a loop from two threads until stopped; every outcome counted."""
+
+    def __init__(self, url: str, prompts: list[str]) -> None:
+        self.url, self.prompts = url, prompts
+        self.ok = 0
+        self.failed: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(2)]
+
+    def _run(self, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                body = {"prompt": rng.choice(self.prompts), "max_new_tokens": 4}
+                try:
+                    r = client.post(self.url + "/v1/generate", json=body)
+                    if r.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.failed.append(f"{r.status_code} {r.text[:100]}")
+                except httpx.HTTPError as exc:
+                    self.failed.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+
+    def wait_for(self, n: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.ok < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _url(world: LocalWorld) -> str:
+    return f"http://127.0.0.1:{world.wait_event('listening')['port']}"
+
+
+def _wait(url: str, path: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url}{path} did not answer 200")
+
+
+def _tp_migration(
+    worlds: Callable[..., LocalWorld], store: tuple[str, dict[str, str]], source_args: list[str], target_args: list[str]
+) -> dict[str, Any]:
+    src = worlds(TP, ["--port", "0", *source_args], name="source")
+    dst = worlds(TP, ["--port", "0", *target_args], name="target", await_restore=True)
+    src_url, dst_url = _url(src), _url(dst)
+    _wait(src_url, "/readyz")
+    _wait(dst_url, "/healthz")
+    assert httpx.get(dst_url + "/readyz").json() == {"status": "not ready", "reason": "awaiting restore"}
+    prompts = [f"prompt {i}: {'xyz' * i}" for i in range(12)]
+    expected = [httpx.post(src_url + "/v1/generate", json={"prompt": p, "max_new_tokens": 12}).json() for p in prompts]
+    assert len({tuple(e["tokens"]) for e in expected}) > 1  # the answers depend on the prompt
+    with connect(src) as source, connect(dst) as target, Load(src_url, prompts) as load:
+        load.wait_for(20)
+        done = migrate(source, target, store)
+        assert httpx.get(dst_url + "/readyz").status_code == 200
+        source.resume()  # the requests held at the freeze go on: slow for a moment, never failed
+        load.wait_for(load.ok + 20)
+    assert load.failed == [] and load.ok >= 40
+    assert done["freeze"]["steps"] == [done["freeze"]["step"]] * 2
+    got = [httpx.post(dst_url + "/v1/generate", json={"prompt": p, "max_new_tokens": 12}).json() for p in prompts]
+    assert got == expected  # tokens, logprobs and text, bit for bit
+    return done
+
+
+def test_tensor_parallel_model_answers_identically_after_migration(worlds, store) -> None:
+    _tp_migration(worlds, store, ["--device", "cpu"], ["--device", "cpu"])
+
+
+@pytest.mark.slow
+def test_teardown_and_rebuild_of_the_group_keep_the_losses(worlds) -> None:
+    """Around an in-place capture (the CUDA driver's, CRIU's) the communicators are destroyed and made
+    again, the DDP wrapper with them: the job then takes the steps an untouched run takes."""
+    control = worlds(DP, ["--steps", "400"], name="control")
+    src = worlds(DP, ["--steps", "400", "--step-delay-ms", "50"], name="source")
+    src.wait_steps(3)
+    with connect(src) as source:
+        cut = source.freeze(lease_s=120)["step"]
+        source.teardown()
+        assert [r["group"] for r in source.describe()] == ["torn down", "torn down"]
+        source.rebuild()
+        source.resume()
+    src.wait_steps(cut + 5)
+    control.wait_steps(cut + 5)
+    for rank in range(2):
+        mine, reference = src.losses(rank), control.losses(rank)
+        assert [mine[s] for s in range(1, cut + 6)] == [reference[s] for s in range(1, cut + 6)], rank
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+def test_data_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> None:
+    if not _two_gpus():
+        pytest.skip("needs two GPUs")
+    done = _dp_migration(worlds, store, ["--device", "cuda"], ["--device", "cuda", "--devices", "1,0"])
+    swapped = [(m["source"], m["target"]) for m in done["restore"]["device_map"]]
+    assert swapped == [(["cuda:0"], ["cuda:1"]), (["cuda:1"], ["cuda:0"])]
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> None:
+    if not _two_gpus():
+        pytest.skip("needs two GPUs")
+    done = _tp_migration(worlds, store, ["--device", "cuda"], ["--device", "cuda", "--devices", "1,0"])
+    swapped = [(m["source"], m["target"]) for m in done["restore"]["device_map"]]
+    assert swapped == [(["cuda:0"], ["cuda:1"]), (["cuda:1"], ["cuda:0"])]
