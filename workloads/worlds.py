@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV
+from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV, WorkloadLaunch
 
 
 def torchrun_argv(module: str, ranks: int, args: Sequence[str], *, python: str = sys.executable) -> list[str]:
@@ -133,13 +133,32 @@ def start_world(
 ) -> LocalWorld:
     """Start ``module`` as a world of ``ranks`` with the environment contract of a gpumigrate target."""
     base = free_ports(ranks, host)
-    contract = {AGENT_ADDR_ENV: f"{host}:{base}", "OMP_NUM_THREADS": "1"}
+    contract = {AGENT_ADDR_ENV: f"{host}:{base}", "OMP_NUM_THREADS": "1", **(env or {})}
     if await_restore:
         contract[AWAIT_RESTORE_ENV] = "1"
+    return spawn(torchrun_argv(module, ranks, args), contract, ranks=ranks, log=log)
+
+
+def start_plan_launch(
+    workload: Any, plan_dir: Path, *, log: Path, await_restore: bool = False, host: str = "127.0.0.1"
+) -> tuple[LocalWorld, int]:
+    """Start a plan's ``workload.launch`` as the flow would on a local host (its placeholders filled
+    with free ports, ``workload.ranks`` agents from the agent port on); returns the world and its
+    service port."""
+    base = free_ports(workload.ranks, host)
+    service = free_ports(1, host)
+    launch = WorkloadLaunch.from_plan(workload, plan_dir=plan_dir, await_restore=await_restore)
+    rendered = launch.render(host=host, agent_port=base, service_port=service, python=sys.executable, name="local")
+    return spawn(rendered.argv, rendered.env, ranks=workload.ranks, log=log, cwd=rendered.cwd), service
+
+
+def spawn(argv: Sequence[str], env: dict[str, str], *, ranks: int, log: Path, cwd: str | None = None) -> LocalWorld:
+    """Run ``argv`` (a torchrun of ``ranks``) with ``env`` over this process's environment, in a session
+    of its own; rank r's agent is expected at ``env[GPUMIGRATE_AGENT_ADDR]``'s port + r."""
+    host, _, port = env[AGENT_ADDR_ENV].rpartition(":")
     inherited = {k: v for k, v in os.environ.items() if k != AWAIT_RESTORE_ENV}
-    full = {**inherited, **contract, **(env or {})}
     with open(log, "wb") as out:
         popen = subprocess.Popen(
-            torchrun_argv(module, ranks, args), stdout=out, stderr=subprocess.STDOUT, env=full, start_new_session=True
+            list(argv), stdout=out, stderr=subprocess.STDOUT, env={**inherited, **env}, cwd=cwd, start_new_session=True
         )
-    return LocalWorld(popen, log, [f"{host}:{base + r}" for r in range(ranks)], contract)
+    return LocalWorld(popen, log, [f"{host}:{int(port) + r}" for r in range(ranks)], dict(env))

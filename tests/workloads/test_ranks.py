@@ -15,17 +15,22 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from gpumigrate import transfer
+from gpumigrate.errors import PlanError
+from gpumigrate.plan import load_plan, parse_plan
 from gpumigrate.snapshot.world import World
-from gpumigrate.workloads.worlds import LocalWorld, start_world
+from gpumigrate.workloads.worlds import LocalWorld, start_plan_launch, start_world
 
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "multi"
 DP = "gpumigrate.workloads.dp_training"
 TP = "gpumigrate.workloads.tp_inference"
 PARITY_STEPS = 4
@@ -37,17 +42,33 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, dict[st
     return f"file://{tmp_path / 'store'}", {"env": "GM_RANKS_TEST_KEY"}
 
 
-@pytest.fixture
-def worlds(tmp_path: Path, gm_home: Path) -> Iterator[Callable[..., LocalWorld]]:
-    started: list[LocalWorld] = []
+class Worlds:
+    """Worlds this test started (each a torchrun), all killed at its end."""
 
-    def start(module: str, args: list[str], *, name: str, await_restore: bool = False) -> LocalWorld:
-        world = start_world(module, 2, args, log=tmp_path / f"{name}.log", await_restore=await_restore)
-        started.append(world)
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[LocalWorld] = []
+
+    def __call__(self, module: str, args: list[str], *, name: str, await_restore: bool = False) -> LocalWorld:
+        world = start_world(module, 2, args, log=self.tmp_path / f"{name}.log", await_restore=await_restore)
+        self.started.append(world)
         return world
 
-    yield start
-    for world in started:
+    def from_plan(self, plan_path: Path, *, name: str, await_restore: bool = False) -> LocalWorld:
+        """The plan's own workload.launch, rendered for a local host as the flow renders it."""
+        plan = load_plan(plan_path)
+        world, _ = start_plan_launch(
+            plan.workload, plan_path.parent, log=self.tmp_path / f"{name}.log", await_restore=await_restore
+        )
+        self.started.append(world)
+        return world
+
+
+@pytest.fixture
+def worlds(tmp_path: Path, gm_home: Path) -> Iterator[Worlds]:
+    made = Worlds(tmp_path)
+    yield made
+    for world in made.started:
         world.stop()
 
 
@@ -94,7 +115,7 @@ def _check_world_image(store: tuple[str, dict[str, str]], image_id: str, step: i
 
 
 def _dp_migration(
-    worlds: Callable[..., LocalWorld], store: tuple[str, dict[str, str]], source_args: list[str], target_args: list[str]
+    worlds: Worlds, store: tuple[str, dict[str, str]], source_args: list[str], target_args: list[str]
 ) -> dict[str, Any]:
     source_args, target_args = ["--steps", "400", *source_args], ["--steps", "400", *target_args]
     control = worlds(DP, source_args, name="control")
@@ -183,11 +204,7 @@ def _wait(url: str, path: str, timeout_s: float = 120) -> None:
     raise AssertionError(f"{url}{path} did not answer 200")
 
 
-def _tp_migration(
-    worlds: Callable[..., LocalWorld], store: tuple[str, dict[str, str]], source_args: list[str], target_args: list[str]
-) -> dict[str, Any]:
-    src = worlds(TP, ["--port", "0", *source_args], name="source")
-    dst = worlds(TP, ["--port", "0", *target_args], name="target", await_restore=True)
+def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: LocalWorld) -> dict[str, Any]:
     src_url, dst_url = _url(src), _url(dst)
     _wait(src_url, "/readyz")
     _wait(dst_url, "/healthz")
@@ -209,7 +226,12 @@ def _tp_migration(
 
 
 def test_tensor_parallel_model_answers_identically_after_migration(worlds, store) -> None:
-    _tp_migration(worlds, store, ["--device", "cpu"], ["--device", "cpu"])
+    """Source and target started from examples/multi/tp-plan.yaml's own launch, as the flow starts them."""
+    plan = EXAMPLES / "tp-plan.yaml"
+    assert load_plan(plan).workload.ranks == 2
+    _tp_migration(
+        store, worlds.from_plan(plan, name="source"), worlds.from_plan(plan, name="target", await_restore=True)
+    )
 
 
 @pytest.mark.slow
@@ -251,6 +273,20 @@ def test_data_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> No
 def test_tensor_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> None:
     if not _two_gpus():
         pytest.skip("needs two GPUs")
-    done = _tp_migration(worlds, store, ["--device", "cuda"], ["--device", "cuda", "--devices", "1,0"])
+    src = worlds(TP, ["--port", "0", "--device", "cuda"], name="source")
+    dst = worlds(TP, ["--port", "0", "--device", "cuda", "--devices", "1,0"], name="target", await_restore=True)
+    done = _tp_migration(store, src, dst)
     swapped = [(m["source"], m["target"]) for m in done["restore"]["device_map"]]
     assert swapped == [(["cuda:0"], ["cuda:1"]), (["cuda:1"], ["cuda:0"])]
+
+
+@pytest.mark.parametrize("name", ["tp-plan.yaml", "dp-plan.yaml"])
+def test_the_example_plans_name_their_world(name: str) -> None:
+    plan = load_plan(EXAMPLES / name)
+    assert plan.workload.ranks == 2 and plan.workload.agent == "127.0.0.1:7070"
+    assert "--nproc-per-node=2" in plan.workload.launch.argv  # torchrun starts as many ranks as the plan says
+    data = yaml.safe_load((EXAMPLES / name).read_text())
+    for bad in (0, 65, "two"):
+        data["workload"]["ranks"] = bad
+        with pytest.raises(PlanError, match="workload.ranks"):
+            parse_plan(data)
