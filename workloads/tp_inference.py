@@ -66,7 +66,7 @@ def shape_for(params_mb: float | None, ranks: int) -> Shape:
     """The tiny default, or wider layers adding up to about ``params_mb`` of fp32 per rank."""
     if not params_mb:
         return Shape(128, 512, 2)
-    d = 1024 if params_mb < 4096 else 4096
+    d = 256 if params_mb < 64 else 1024 if params_mb < 4096 else 4096
     per_layer_mb = 2 * d * (4 * d // ranks) * 4 / 2**20
     return Shape(d, 4 * d, max(1, round(params_mb / per_layer_mb)))
 
