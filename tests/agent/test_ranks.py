@@ -28,6 +28,7 @@ from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import SafePointGate
+from gpumigrate.snapshot.tracked import rng_items
 from gpumigrate.snapshot.world import World, gpu_pairs, rank_gpu_pairs
 
 WORLD = 2
@@ -318,3 +319,18 @@ def test_attach_refuses_a_process_group_it_cannot_use() -> None:
     with pytest.raises(TypeError, match="go with process_group"):
         gm.attach(model, on_rebuild=lambda: None)
     assert gm.current() is None
+
+
+@pytest.mark.gpu
+def test_a_rank_carries_its_own_gpus_rng_stream_onto_another_gpu() -> None:
+    """Rank 0 moved from GPU 0 to GPU 1 (a world restored onto GPUs 1,0) draws what it would have drawn."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    torch.cuda.manual_seed_all(0)
+    torch.randn(10, device="cuda:0")  # GPU 0's stream moves on; GPU 1's does not
+    (source,) = [i for i in rng_items("rng", cuda_devices=[0]) if i.prefix == "rng/cuda"]
+    saved = source.tensors()["rng/cuda"].clone()
+    expected = torch.randn(5, device="cuda:0").cpu()  # what rank 0 draws next where it was
+    (target,) = [i for i in rng_items("rng", cuda_devices=[1]) if i.prefix == "rng/cuda"]
+    target.after_restore({}, {"rng/cuda": saved})
+    assert torch.equal(torch.randn(5, device="cuda:1").cpu(), expected)

@@ -30,7 +30,8 @@ import yaml
 from gpumigrate import transfer
 from gpumigrate.errors import PlanError
 from gpumigrate.plan import load_plan, parse_plan
-from gpumigrate.snapshot.world import World
+from gpumigrate.snapshot.ranks import visible_gpu_uuids
+from gpumigrate.snapshot.world import World, gpu_pairs, rank_gpu_pairs
 from gpumigrate.workloads.worlds import LocalWorld, start_plan_launch, start_world
 
 REPO = Path(__file__).resolve().parents[2]
@@ -269,8 +270,16 @@ def test_data_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> No
     if not _two_gpus():
         pytest.skip("needs two GPUs")
     done = _dp_migration(worlds, store, ["--device", "cuda"], ["--device", "cuda", "--devices", "1,0"])
-    swapped = [(m["source"], m["target"]) for m in done["restore"]["device_map"]]
-    assert swapped == [(["cuda:0"], ["cuda:1"]), (["cuda:1"], ["cuda:0"])]
+    device_map = done["restore"]["device_map"]
+    assert [(m["source"], m["target"]) for m in device_map] == [(["cuda:0"], ["cuda:1"]), (["cuda:1"], ["cuda:0"])]
+    # The GPUs by UUID: rank 0's old GPU is rank 1's new one, and the driver's full map pairs them so.
+    rank0, rank1 = device_map
+    assert rank0["source_gpus"] == rank1["target_gpus"] and rank1["source_gpus"] == rank0["target_gpus"]
+    used = rank_gpu_pairs(
+        [{"gpus": [{"uuid": u} for u in m["source_gpus"]]} for m in device_map],
+        [{"gpus": [{"uuid": u} for u in m["target_gpus"]]} for m in device_map],
+    )
+    assert sorted(gpu_pairs(used, visible_gpu_uuids())[:2]) == sorted(used.items())
 
 
 @pytest.mark.gpu
