@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +30,7 @@ from gpumigrate.errors import PlanError
 from gpumigrate.plan import load_plan, parse_plan
 from gpumigrate.snapshot.ranks import visible_gpu_uuids
 from gpumigrate.snapshot.world import World, gpu_pairs, rank_gpu_pairs
+from gpumigrate.traffic.loadgen import LoadGenerator
 from gpumigrate.workloads.worlds import LocalWorld, start_plan_launch, start_world
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,44 +152,14 @@ def test_data_parallel_training_continues_with_identical_losses(worlds, store) -
     assert [(m["source"], m["target"]) for m in done["restore"]["device_map"]] == [(["cpu"], ["cpu"])] * 2
 
 
-class Load:
-    """Requests against rank 0 in a loop from two threads until stopped; every outcome counted."""
+def _answered(load: LoadGenerator) -> int:
+    return sum(1 for r in list(load.records) if r[2])
 
-    def __init__(self, url: str, prompts: list[str]) -> None:
-        self.url, self.prompts = url, prompts
-        self.ok = 0
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(2)]
 
-    def _run(self, seed: int) -> None:
-        rng = random.Random(seed)
-        with httpx.Client(timeout=60) as client:
-            while not self._stop.is_set():
-                body = {"prompt": rng.choice(self.prompts), "max_new_tokens": 4}
-                try:
-                    r = client.post(self.url + "/v1/generate", json=body)
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failed.append(f"{r.status_code} {r.text[:100]}")
-                except httpx.HTTPError as exc:
-                    self.failed.append(repr(exc))
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(90)
-
-    def wait_for(self, n: int, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.ok < n and time.monotonic() < deadline:
-            time.sleep(0.05)
+def _wait_answered(load: LoadGenerator, n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _answered(load) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _url(world: LocalWorld) -> str:
@@ -217,13 +186,17 @@ def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: Local
     prompts = [f"prompt {i}: {'xyz' * i}" for i in range(12)]
     expected = [httpx.post(src_url + "/v1/generate", json={"prompt": p, "max_new_tokens": 12}).json() for p in prompts]
     assert len({tuple(e["tokens"]) for e in expected}) > 1  # the answers depend on the prompt
-    with connect(src) as source, connect(dst) as target, Load(src_url, prompts) as load:
-        load.wait_for(20)
+    body = {"prompt": prompts[3], "max_new_tokens": 4}
+    load = LoadGenerator(src_url + "/v1/generate", rps=20, seconds=600, body=body, timeout_s=60).start()
+    with connect(src) as source, connect(dst) as target:
+        _wait_answered(load, 20)
         done = migrate(source, target, store)
         assert httpx.get(dst_url + "/readyz").status_code == 200
         source.resume()  # the requests held at the freeze go on: slow for a moment, never failed
-        load.wait_for(load.ok + 20)
-    assert load.failed == [] and load.ok >= 40
+        _wait_answered(load, _answered(load) + 20)
+    load.stop()
+    report = load.wait(120)
+    assert report.failed == 0 and report.ok >= 40, report.errors
     assert done["freeze"]["steps"] == [done["freeze"]["step"]] * 2
     got = [httpx.post(dst_url + "/v1/generate", json={"prompt": p, "max_new_tokens": 12}).json() for p in prompts]
     assert got == expected  # tokens, logprobs and text, bit for bit
