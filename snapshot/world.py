@@ -138,7 +138,10 @@ class World:
     # ------------------------------------------------------------------ source side
     def _compose(self, store: str, key_ref: Mapping[str, str], images: list[str]) -> dict[str, Any]:
         ranks = self.ranks if self.ranks is not None else self.describe()
-        return self._rank0("compose", store=store, key_ref=dict(key_ref), images=images, ranks=ranks, step=self.step)
+        out: dict[str, Any] = self._rank0(
+            "compose", store=store, key_ref=dict(key_ref), images=images, ranks=ranks, step=self.step
+        )
+        return out
 
     def precopy(
         self, store: str, key_ref: Mapping[str, str], *, options: Mapping[str, Any] | None = None
@@ -176,7 +179,8 @@ class World:
             images.append(out["image"]["id"])
             if on_image is not None:
                 on_image(out["image"]["id"])
-            return out["stats"]
+            stats: RoundStats = out["stats"]
+            return stats
 
         result = converge(one, max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
         result.images = images

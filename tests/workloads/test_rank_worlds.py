@@ -147,7 +147,9 @@ def _dp_migration(
     return done
 
 
-def test_data_parallel_training_continues_with_identical_losses(worlds, store) -> None:
+def test_data_parallel_training_continues_with_identical_losses(
+    worlds: Worlds, store: tuple[str, dict[str, str]]
+) -> None:
     done = _dp_migration(worlds, store, ["--device", "cpu"], ["--device", "cpu"])
     assert [(m["source"], m["target"]) for m in done["restore"]["device_map"]] == [(["cpu"], ["cpu"])] * 2
 
@@ -203,7 +205,9 @@ def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: Local
     return done
 
 
-def test_tensor_parallel_model_answers_identically_after_migration(worlds, store) -> None:
+def test_tensor_parallel_model_answers_identically_after_migration(
+    worlds: Worlds, store: tuple[str, dict[str, str]]
+) -> None:
     """Source and target started from examples/multi/tp-plan.yaml's own launch, as the flow starts them."""
     plan = EXAMPLES / "tp-plan.yaml"
     assert load_plan(plan).workload.ranks == 2
@@ -213,7 +217,7 @@ def test_tensor_parallel_model_answers_identically_after_migration(worlds, store
 
 
 @pytest.mark.slow
-def test_teardown_and_rebuild_of_the_group_keep_the_losses(worlds) -> None:
+def test_teardown_and_rebuild_of_the_group_keep_the_losses(worlds: Worlds) -> None:
     """Around an in-place capture (the CUDA driver's, CRIU's) the communicators are destroyed and made
     again, the DDP wrapper with them: the job then takes the steps an untouched run takes."""
     control = worlds(DP, ["--steps", "400"], name="control")
@@ -239,7 +243,7 @@ def _two_gpus() -> bool:
 
 
 @pytest.mark.gpu
-def test_data_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> None:
+def test_data_parallel_over_nccl_restored_onto_swapped_gpus(worlds: Worlds, store: tuple[str, dict[str, str]]) -> None:
     if not _two_gpus():
         pytest.skip("needs two GPUs")
     done = _dp_migration(worlds, store, ["--device", "cuda"], ["--device", "cuda", "--devices", "1,0"])
@@ -256,7 +260,9 @@ def test_data_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> No
 
 
 @pytest.mark.gpu
-def test_tensor_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> None:
+def test_tensor_parallel_over_nccl_restored_onto_swapped_gpus(
+    worlds: Worlds, store: tuple[str, dict[str, str]]
+) -> None:
     if not _two_gpus():
         pytest.skip("needs two GPUs")
     src = worlds(TP, ["--port", "0", "--device", "cuda"], name="source")
@@ -270,6 +276,7 @@ def test_tensor_parallel_over_nccl_restored_onto_swapped_gpus(worlds, store) -> 
 def test_the_example_plans_name_their_world(name: str) -> None:
     plan = load_plan(EXAMPLES / name)
     assert plan.workload.ranks == 2 and plan.workload.agent == "127.0.0.1:7070"
+    assert plan.workload.launch is not None
     assert "--nproc-per-node=2" in plan.workload.launch.argv  # torchrun starts as many ranks as the plan says
     data = yaml.safe_load((EXAMPLES / name).read_text())
     for bad in (0, 65, "two"):
