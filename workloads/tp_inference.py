@@ -158,6 +158,8 @@ class Engine:
         return job.future
 
     def run(self) -> None:
+        if self.me.device.type == "cuda":
+            torch.cuda.set_device(self.me.device)  # a thread starts on device 0; NCCL's work runs on ours
         while True:
             try:
                 job: Job | None = self.jobs.get(timeout=self.idle_s)
