@@ -55,7 +55,8 @@ def make_model(args: argparse.Namespace, me: Rank) -> torch.nn.Sequential:
             model = build(width, depth, args.dropout)
         return model.to_empty(device=me.device)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
-    return build(width, depth, args.dropout).to(me.device)
+    with me.device:  # initialised where it lives: gigabytes of weights are drawn on the GPU, not the CPU
+        return build(width, depth, args.dropout)
 
 
 def main(argv: list[str] | None = None) -> int:
