@@ -334,3 +334,21 @@ def test_a_rank_carries_its_own_gpus_rng_stream_onto_another_gpu() -> None:
     (target,) = [i for i in rng_items("rng", cuda_devices=[1]) if i.prefix == "rng/cuda"]
     target.after_restore({}, {"rng/cuda": saved})
     assert torch.equal(torch.randn(5, device="cuda:1").cpu(), expected)
+
+
+def test_the_lightning_callback_refuses_a_trainer_of_several_ranks() -> None:
+    import pytorch_lightning as pl
+
+    from gpumigrate.agent.lightning import MigrationCallback
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(RuntimeError, match="this one has 2 ranks.*process_group=torch.distributed.group.WORLD"):
+        MigrationCallback().on_train_start(trainer, pl.LightningModule())
+    assert gm.current() is None  # nothing attached
