@@ -56,11 +56,14 @@ class RankGroup:
 
 
 def _uuid(props: Any) -> str | None:
+    """The GPU's UUID in the driver's form, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (torch prints it bare)."""
     raw = getattr(props, "uuid", None)
     if raw is None:
         return None
-    text = str(raw)
-    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+    digits = str(raw).removeprefix("GPU-").replace("-", "").lower()
+    if len(digits) != 32:
+        return str(raw)
+    return f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
 
 
 def gpu_facts(devices: Iterable[str]) -> list[dict[str, Any]]:

@@ -16,7 +16,8 @@ module sends each command to every rank at once and fails as a whole, naming the
 - ``advance`` / ``metrics``: per-rank steps and losses for training parity; ``teardown`` /
   ``rebuild`` around an in-place capture (the CUDA driver, CRIU); ``resume``; ``zeroize``.
 
-``rank_gpu_pairs`` and ``gpu_pairs`` give the CUDA driver's restore its full old → new GPU map.
+``rank_gpu_pairs`` and ``gpu_pairs`` give the CUDA driver's restore its full old → new GPU map
+(``dict(gpu_pairs(...))`` is what ``cuda_driver.CudaProcess.restore(gpu_pairs=...)`` takes).
 No torch here: this runs in the orchestrator.
 """
 
@@ -307,6 +308,15 @@ class World:
         }
 
 
+def canonical_uuid(text: str) -> str:
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi's and the driver's form) from any
+    spelling of a GPU UUID (torch prints it without the prefix)."""
+    digits = text.removeprefix("GPU-").replace("-", "").lower()
+    if len(digits) != 32 or not all(c in "0123456789abcdef" for c in digits):
+        raise InvalidInputError(f"{text!r} is not a GPU UUID (32 hex digits, optionally GPU- and dashes)")
+    return f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+
+
 def rank_gpu_pairs(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """Old → new GPU UUID for the GPUs the ranks use: source rank r's i-th GPU goes to target rank r's i-th.
 
@@ -316,8 +326,8 @@ def rank_gpu_pairs(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping
         raise InvalidInputError(f"the source world has {len(source)} ranks, the target {len(target)}")
     pairs: dict[str, str] = {}
     for r, (src, dst) in enumerate(zip(source, target, strict=True)):
-        old = [g["uuid"] for g in src.get("gpus") or []]
-        new = [g["uuid"] for g in dst.get("gpus") or []]
+        old = [canonical_uuid(g["uuid"]) for g in src.get("gpus") or []]
+        new = [canonical_uuid(g["uuid"]) for g in dst.get("gpus") or []]
         if len(old) != len(new):
             raise InvalidInputError(f"rank {r} uses {len(old)} GPU(s) on the source and {len(new)} on the target")
         for a, b in zip(old, new, strict=True):
@@ -329,7 +339,9 @@ def rank_gpu_pairs(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping
 def gpu_pairs(used: Mapping[str, str], visible: Sequence[str]) -> list[tuple[str, str]]:
     """The complete old → new pairing over every GPU in ``visible`` (the CUDA driver's ``gpuPairs``
     must name every GPU it sees, none twice): the ranks' GPUs as ``used`` says, each remaining GPU
-    onto a remaining one in index order."""
+    onto a remaining one in index order. UUIDs in the driver's form (``canonical_uuid``)."""
+    used = {canonical_uuid(a): canonical_uuid(b) for a, b in used.items()}
+    visible = [canonical_uuid(g) for g in visible]
     seen = set(visible)
     unknown = sorted((set(used) | set(used.values())) - seen)
     if unknown:

@@ -286,30 +286,27 @@ def test_a_world_image_refuses_images_of_other_ranks(ranks: list[Rank], store: t
             world._compose(url, key_ref, [rounds[1]["image"]["id"], rounds[0]["image"]["id"]])
 
 
+def _gpu(n: int) -> str:
+    return f"GPU-{n:08x}-0000-0000-0000-{n:012x}"
+
+
 def test_the_gpu_map_pairs_every_gpu_the_driver_sees() -> None:
-    source = [{"gpus": [{"uuid": "GPU-a"}]}, {"gpus": [{"uuid": "GPU-b"}]}]
-    swapped = [{"gpus": [{"uuid": "GPU-b"}]}, {"gpus": [{"uuid": "GPU-a"}]}]
+    a, b, c, d = (_gpu(n) for n in range(1, 5))
+    source = [{"gpus": [{"uuid": a}]}, {"gpus": [{"uuid": b}]}]
+    swapped = [{"gpus": [{"uuid": b.removeprefix("GPU-")}]}, {"gpus": [{"uuid": a.upper()}]}]  # any spelling
     used = rank_gpu_pairs(source, swapped)
-    assert used == {"GPU-a": "GPU-b", "GPU-b": "GPU-a"}
-    assert gpu_pairs(used, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == [
-        ("GPU-a", "GPU-b"),
-        ("GPU-b", "GPU-a"),
-        ("GPU-c", "GPU-c"),
-        ("GPU-d", "GPU-d"),
-    ]
+    assert used == {a: b, b: a}
+    assert gpu_pairs(used, [a, b, c, d]) == [(a, b), (b, a), (c, c), (d, d)]
     # Ranks on GPUs 0,1 of four, restored onto 2,3: the idle GPUs take the ones left over.
-    assert gpu_pairs({"GPU-a": "GPU-c", "GPU-b": "GPU-d"}, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]) == [
-        ("GPU-a", "GPU-c"),
-        ("GPU-b", "GPU-d"),
-        ("GPU-c", "GPU-a"),
-        ("GPU-d", "GPU-b"),
-    ]
-    with pytest.raises(InvalidInputError, match="GPU-z are not among those the driver sees"):
-        gpu_pairs({"GPU-a": "GPU-z"}, ["GPU-a", "GPU-b"])
+    assert gpu_pairs({a: c, b: d}, [a, b, c, d]) == [(a, c), (b, d), (c, a), (d, b)]
+    with pytest.raises(InvalidInputError, match="are not among those the driver sees"):
+        gpu_pairs({a: _gpu(9)}, [a, b])
     with pytest.raises(InvalidInputError, match="two GPUs of the source would go onto one GPU"):
-        gpu_pairs({"GPU-a": "GPU-b", "GPU-b": "GPU-b"}, ["GPU-a", "GPU-b"])
+        gpu_pairs({a: b, b: b}, [a, b])
     with pytest.raises(InvalidInputError, match="rank 1 uses 1 GPU"):
-        rank_gpu_pairs(source, [{"gpus": [{"uuid": "GPU-a"}]}, {"gpus": []}])
+        rank_gpu_pairs(source, [{"gpus": [{"uuid": a}]}, {"gpus": []}])
+    with pytest.raises(InvalidInputError, match="'GPU-a' is not a GPU UUID"):
+        gpu_pairs({"GPU-a": b}, [a, b])
 
 
 def test_attach_refuses_a_process_group_it_cannot_use() -> None:
