@@ -40,7 +40,7 @@ from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.stepgate import SafePointGate
-from gpumigrate.snapshot.worldimage import RankView, compose, world_of
+from gpumigrate.snapshot.worldimage import RankView, compose, rank_reader
 
 log = logging.getLogger("gpumigrate.agent")
 ADVANCE_TIMEOUT_S = 600.0
@@ -291,7 +291,7 @@ class Agent:
 
     def _rank_id(self) -> dict[str, int]:
         assert self.group is not None
-        return {"rank": self.group.rank, "world_size": self.group.world_size}
+        return {"rank": self.group.rank, "world_size": self.group.world_size}  # as images record it
 
     def freeze(self, lease_s: float | None = None, *, timeout_s: float = 60.0, at_step: int | None = None) -> None:
         """Park the workload at its safe point under a lease (``lease_s``, default 60 s): unless
@@ -414,37 +414,6 @@ class Agent:
             self._shipped = {}
 
     # ------------------------------------------------------------------ target side
-    def _rank_reader(self, reader: ImageReader, rank: int | None) -> ImageReader:
-        """Rank ``rank``'s part of a world image (default: this agent's rank), checked against this
-        process's place in its group; a plain image is checked against it too."""
-        world = world_of(reader)
-        group = self.group
-        if world is None:
-            if rank is not None:
-                raise ImageMismatchError(f"image {reader.ref.id} is not a world image: restore it without a rank")
-            meta = reader.metadata().get(META_KEY)
-            own = meta.get("rank") if isinstance(meta, Mapping) else None
-            if group is not None and own is not None and own != self._rank_id():
-                raise ImageMismatchError(
-                    f"image {reader.ref.id} holds rank {own.get('rank')} of {own.get('world_size')}; "
-                    f"this process is rank {group.rank} of {group.world_size}"
-                )
-            return reader
-        if group is None and rank is None:
-            raise ImageMismatchError(
-                f"image {reader.ref.id} is a world image of {world['world_size']} ranks: name the rank to restore"
-            )
-        if group is not None:
-            if rank is None:
-                rank = group.rank
-            if (rank, world["world_size"]) != (group.rank, group.world_size):
-                raise ImageMismatchError(
-                    f"asked to restore rank {rank} of a world of {world['world_size']} into rank {group.rank} "
-                    f"of {group.world_size}: rank r's state goes to rank r of a world of the same size"
-                )
-        assert rank is not None
-        return RankView(reader, rank)
-
     def restore(
         self,
         reader: ImageReader,
@@ -461,7 +430,7 @@ class Agent:
         """
         with self._lock:
             t0 = time.perf_counter()
-            reader = self._rank_reader(reader, rank)
+            reader = rank_reader(reader, rank, self._rank_id() if self.group is not None else None)
             meta = reader.metadata().get(META_KEY)
             if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
                 raise SnapshotError(f"image {reader.ref.id} is not a gpumigrate snapshot image of format {FORMAT}")
@@ -522,7 +491,7 @@ class Agent:
                 "ready": ready,
                 "seconds": time.perf_counter() - t0,
                 "environment": env,
-                **({"world": _source_rank(reader)} if isinstance(reader, RankView) else {}),
+                **({"world": reader.source()} if isinstance(reader, RankView) else {}),
             }
 
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -675,12 +644,6 @@ class Agent:
         for p in self._pipelines.values():
             p.close()
         self._pipelines.clear()
-
-
-def _source_rank(view: RankView) -> dict[str, Any]:
-    """Where the restored rank ran on the source: the world manifest's entry, less its snapshot metadata."""
-    entry = {k: v for k, v in view.entry.items() if k != "snapshot"}
-    return {**entry, "world_size": view.world["world_size"], "step": view.world.get("step")}
 
 
 def _owned(item: tr.Item, region: str) -> bool:

@@ -50,6 +50,7 @@ class RankGroup:
             "backend": self.backend,
             "group": "torn down" if self.torn_down else "up",
             "host": socket.gethostname(),
+            "pid": os.getpid(),  # what a backend that captures whole processes (the CUDA driver's) acts on
             "devices": used,
             "gpus": gpu_facts(used),
         }

@@ -23,7 +23,7 @@ from gpumigrate.snapshot.errors import ImageMismatchError
 WORLD_KEY = "world"
 WORLD_FORMAT = 1
 SNAPSHOT_KEY = "snapshot"  # the agent's own metadata key (agent.META_KEY)
-RANK_FIELDS = ("host", "devices", "gpus", "backend", "local_rank", "agent")
+RANK_FIELDS = ("host", "pid", "devices", "gpus", "backend", "local_rank", "agent")
 
 
 def rank_prefix(rank: int) -> str:
@@ -111,6 +111,11 @@ class RankView:
         self.entry: dict[str, Any] = world["ranks"][rank]
         self.ref = reader.ref
 
+    def source(self) -> dict[str, Any]:
+        """Where this rank ran on the source: its manifest entry less its snapshot metadata."""
+        entry = {k: v for k, v in self.entry.items() if k != SNAPSHOT_KEY}
+        return {**entry, "world_size": self.world["world_size"], "step": self.world.get("step")}
+
     def regions(self) -> list[RegionInfo]:
         p = self._prefix
         return [replace(i, name=i.name[len(p) :]) for i in self._reader.regions() if i.name.startswith(p)]
@@ -136,3 +141,34 @@ class RankView:
             return method(prefix + region, index, *args, **kwargs)
 
         return prefixed
+
+
+def rank_reader(reader: ImageReader, rank: int | None, own: Mapping[str, int] | None) -> ImageReader:
+    """What a process restores from ``reader``: rank ``rank``'s part of a world image (default: its
+    own rank), or a plain image. ``own``: this process's ``{"rank", "world_size"}``, None for a
+    process that is no rank. A rank or world size that does not fit is refused before any load."""
+    world = world_of(reader)
+    if world is None:
+        if rank is not None:
+            raise ImageMismatchError(f"image {reader.ref.id} is not a world image: restore it without a rank")
+        meta = reader.metadata().get(SNAPSHOT_KEY)
+        written_by = meta.get("rank") if isinstance(meta, Mapping) else None
+        if own is not None and written_by is not None and dict(written_by) != dict(own):
+            raise ImageMismatchError(
+                f"image {reader.ref.id} holds rank {written_by.get('rank')} of {written_by.get('world_size')}; "
+                f"this process is rank {own['rank']} of {own['world_size']}"
+            )
+        return reader
+    if own is None and rank is None:
+        raise ImageMismatchError(
+            f"image {reader.ref.id} is a world image of {world['world_size']} ranks: name the rank to restore"
+        )
+    if own is not None:
+        rank = own["rank"] if rank is None else rank
+        if (rank, world["world_size"]) != (own["rank"], own["world_size"]):
+            raise ImageMismatchError(
+                f"asked to restore rank {rank} of a world of {world['world_size']} into rank {own['rank']} "
+                f"of {own['world_size']}: rank r's state goes to rank r of a world of the same size"
+            )
+    assert rank is not None
+    return RankView(reader, rank)
