@@ -11,7 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,10 +20,11 @@ from gpumigrate.errors import InvalidInputError
 from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import SafePointGate, StepReport
 
-from . import images, tracking
+from . import distributed, images, tracking
 
 DEFAULT_AGENT_ADDR = "127.0.0.1:7070"
 SERVING_WAIT_S = 30.0  # a request held at a frozen safe point waits this long, then gets a 503
@@ -62,6 +63,8 @@ class Handle:
 
     def __init__(self, agent: Agent, gate: SafePointGate, server: AgentServer, *, name: str, training: bool) -> None:
         self.agent = agent
+        self.rank = agent.group.rank if agent.group is not None else None
+        self.world_size = agent.group.world_size if agent.group is not None else None
         self.gate = gate
         self.name = name
         self.training = training
@@ -121,15 +124,33 @@ def _is_lightning_module(obj: Any) -> bool:
     return any(c.__name__ == "LightningModule" for c in type(obj).__mro__)
 
 
-def attach(obj: Any, *, optimizer: Any = None, state: dict[str, Any] | None = None, name: str | None = None) -> Handle:
+def attach(
+    obj: Any,
+    *,
+    optimizer: Any = None,
+    state: dict[str, Any] | None = None,
+    name: str | None = None,
+    process_group: Any = None,
+    on_teardown: Callable[[], None] | None = None,
+    on_rebuild: Callable[[], None] | None = None,
+) -> Handle:
     """Attach the migration agent to ``obj`` (a torch.nn.Module, a LightningModule, or a dict[str, torch.Tensor]).
 
     ``optimizer``: its state travels too (a list of optimizers works as well). ``state``: a dict of
     extra tensors and plain values (step counters, RNG generators, a KV cache) that travels with it.
     A restore updates the same objects in place. Starts the agent's control server on
     ``GPUMIGRATE_AGENT_ADDR`` (default 127.0.0.1:7070), authenticated with the control key.
+
+    ``process_group``: this process is one rank of that torch.distributed group (e.g.
+    ``torch.distributed.group.WORLD``); every rank attaches, each rank's agent listens on the
+    address's port + its local rank, and the ranks freeze together at one step. ``on_teardown`` /
+    ``on_rebuild``: called around the group's teardown and rebuild (an in-place capture; see
+    ``distributed.py``), e.g. to drop and re-create a DistributedDataParallel wrapper.
     """
-    return attach_items(obj, optimizer=optimizer, state=state, name=name)
+    if process_group is None and (on_teardown is not None or on_rebuild is not None):
+        raise TypeError("attach(on_teardown=..., on_rebuild=...) go with process_group=...")
+    group = None if process_group is None else distributed.rank_group(process_group, on_teardown, on_rebuild)
+    return attach_items(obj, optimizer=optimizer, state=state, name=name, group=group)
 
 
 def attach_items(
@@ -140,6 +161,7 @@ def attach_items(
     name: str | None = None,
     extra: Sequence[tr.Item] = (),
     training: bool | None = None,
+    group: RankGroup | None = None,
 ) -> Handle:
     """:func:`attach` plus ``extra`` tracked items (the Lightning callback's loop counters)."""
     global _current
@@ -151,6 +173,8 @@ def attach_items(
     if training is None:
         training = bool(opts) or _is_lightning_module(obj)
     host, port = agent_address()
+    if group is not None:
+        host, port = distributed.rank_address(host, port, group)
     key = control.load_key(None, create=True)
     with _current_lock:
         if _current is not None:
@@ -158,10 +182,11 @@ def attach_items(
                 f"an agent is already attached in this process (at {_current.address}): close() it first"
             )
         gate = SafePointGate(ready=not awaiting_restore())
-        agent = images.make_agent(freezer=gate, set_ready=gate.set_ready)
+        agent = images.make_agent(freezer=gate, set_ready=gate.set_ready, group=group)
         for item in items:
             agent.track(item)
-        agent.track_rng("rng")
+        # A rank carries its own GPU's RNG stream, by position: the target rank may use another index.
+        agent.track_rng("rng", cuda_devices=distributed.cuda_devices(items[0].tensors()) if group else None)
         try:
             server = serve(agent, port, host, key=key)
         except OSError as exc:

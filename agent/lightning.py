@@ -60,6 +60,12 @@ class MigrationCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.handle is not None:
             return
+        if trainer.world_size > 1:  # its ranks would each freeze alone: a peer left inside a collective
+            raise RuntimeError(
+                f"MigrationCallback carries a Trainer of one process; this one has {trainer.world_size} ranks. "
+                "For several ranks, attach each rank yourself: gpumigrate.agent.attach(module, optimizer=..., "
+                "process_group=torch.distributed.group.WORLD) (agent/README.md, 'Ranks')"
+            )
         counters = tr.json_blob("lightning", lambda: _loop_counters(trainer), lambda v: _set_loop_counters(trainer, v))
         self.handle = attach_items(
             pl_module,

@@ -131,6 +131,12 @@ class Workload(_Model):
     source_host: str = Field(description="Name of the source host (a local host name or a cloud instance id).")
     endpoint: str | None = Field(default=None, description="Service URL of the source (inference).")
     agent: str | None = Field(default=None, description="host:port of the snapshot agent's control address.")
+    ranks: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1,
+        description="World size: the workload runs as N torch.distributed ranks, each embedding the agent "
+        "(attach(process_group=...)); rank r's agent listens on the agent port + r (agent is rank 0's). "
+        "They freeze together and travel as one world image (snapshot/PROTOCOL.md, 'Ranks').",
+    )
     source_region: str = Field(default="local-a", description="Region the source runs in (for residency).")
     source_provider: Literal["local", "aws", "gcp"] = "local"
     source_instance_type: str | None = Field(

@@ -6,7 +6,11 @@ runs ship only chunks whose on-device fingerprint changed since the last shipped
 that ``renew`` extends (``lease.py``: an abandoned freeze resumes by itself); ``final`` ships the
 last dirty set, after confirming every chunk the fingerprints call unchanged by its BLAKE3, and
 commits; ``advance`` lets a frozen training source take N more steps; ``resume`` un-freezes on
-rollback; ``zeroize`` wipes tracked memory after cutover. Target side (:class:`~gpumigrate.interfaces.Restorer`): ``restore`` checks the image
+rollback; ``zeroize`` wipes tracked memory after cutover. A rank of a process group (``ranks.py``)
+freezes with its peers (``hold``, then ``freeze`` at the group's step), writes its rank into its
+images, tears its communicators down and builds them again around an in-place capture
+(``teardown``/``rebuild``), and restores its part of a world image (``worldimage.py``); any rank's
+agent can ``compose_world`` the ranks' images into one. Target side (:class:`~gpumigrate.interfaces.Restorer`): ``restore`` checks the image
 against the live model (names, shapes, dtypes) and the environment policy, loads the chunks that
 differ from what is already loaded, and only then reports ready.
 
@@ -42,7 +46,9 @@ from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
+from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.stepgate import SafePointGate
+from gpumigrate.snapshot.worldimage import RankView, compose, rank_reader
 
 log = logging.getLogger("gpumigrate.agent")
 ADVANCE_TIMEOUT_S = 600.0
@@ -76,6 +82,7 @@ class Agent:
         set_ready: Callable[[bool], None] | None = None,
         workers: int = 4,
         streams: int = 2,
+        group: RankGroup | None = None,
     ) -> None:
         self.writer_factory = writer_factory
         self.reader_factory = reader_factory
@@ -84,7 +91,9 @@ class Agent:
         self.workers = workers
         self.streams = streams
         self.items: list[tr.Item] = []
-        self.frozen = False
+        self.group = group  # this process as one rank of a torch.distributed group, if it is one
+        self.frozen = False  # parked and settled: no safe point in flight
+        self.held = False  # gate shut, safe points may still be in flight (a group freeze's first move)
         self.ready: bool | None = None
         self.rounds = 0
         self.last_image: ImageRef | None = None
@@ -135,8 +144,8 @@ class Agent:
         """Arbitrary state: JSON values by default, bytes with ``raw=True``."""
         self._add(tr.BlobItem(name, getter, setter) if raw else tr.json_blob(name, getter, setter))
 
-    def track_rng(self, name: str = "rng") -> None:
-        for item in tr.rng_items(name):
+    def track_rng(self, name: str = "rng", *, cuda_devices: list[int] | None = None) -> None:
+        for item in tr.rng_items(name, cuda_devices=cuda_devices):
             self._add(item)
 
     # ------------------------------------------------------------------ inspection
@@ -159,6 +168,9 @@ class Agent:
             device=str(t.device),
         )
 
+    def _devices(self, regions: list[RegionInfo]) -> list[str]:
+        return sorted({r.device for r in regions if r.kind != "blob" and r.device}) or ["cpu"]
+
     def info(self) -> dict[str, Any]:
         with self._lock:
             regions = [self._info(n, it, t) for n, (it, t) in self._live().items()]
@@ -167,7 +179,9 @@ class Agent:
             "bytes_total": sum(r.nbytes for r in regions),
             "environment": env_facts(),
             "frozen": self.frozen,
+            "held": self.held,
             "ready": self.ready,
+            "rank": self.group.describe(self._devices(regions)) if self.group is not None else None,
             "rounds": self.rounds,
             "last_image": self.last_image.id if self.last_image else None,
             "lease": self.lease.state(),
@@ -277,6 +291,7 @@ class Agent:
                 "environment": env_facts(),
                 "items": {it.prefix: it.meta() for it in self.items},
                 "chunks": {n: s.ids for n, s in new.items()},
+                **({"rank": self._rank_id()} if self.group is not None else {}),
             },
         )
         ref = writer.commit()
@@ -291,15 +306,80 @@ class Agent:
         with self._lock:
             return self._round(writer, frozen=self.frozen)[0]
 
-    def freeze(self, lease_s: float | None = None, *, timeout_s: float = 60.0) -> None:
+    def _rank_id(self) -> dict[str, int]:
+        assert self.group is not None
+        return {"rank": self.group.rank, "world_size": self.group.world_size}  # as images record it
+
+    def freeze(self, lease_s: float | None = None, *, timeout_s: float = 60.0, at_step: int | None = None) -> None:
         """Park the workload at its safe point under a lease (``lease_s``, default 60 s): unless
-        renewed, it resumes by itself when the lease runs out. Freezing a frozen agent renews."""
+        renewed, it resumes by itself when the lease runs out. Freezing a frozen agent renews.
+
+        ``at_step``: a group freeze (after ``hold`` on every rank): first take the steps this rank
+        lacks to have started ``at_step``. A rank of a group larger than one is frozen only so; a
+        freeze of it alone could leave a peer inside a collective for ever."""
+        lease = lease_arg(lease_s)
+        if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0):
+            raise SnapshotError(f"at_step {at_step!r}: must be a whole number of at least 0")
+        with self._lock:
+            if self.freezer is not None and (not self.frozen or at_step is not None):
+                if at_step is None and self.group is not None and self.group.world_size > 1:
+                    raise SnapshotError(
+                        f"this process is rank {self.group.rank} of a group of {self.group.world_size}: "
+                        "freeze the whole group at one step, never one rank alone",
+                        hint="hold every rank, then freeze each at_step = the highest step any started "
+                        "(gpumigrate.snapshot.world.World.freeze; snapshot/PROTOCOL.md)",
+                    )
+                try:
+                    self.freezer.freeze(timeout_s, at_step=at_step)
+                except SnapshotError:
+                    self.held = self.frozen = False  # the gate reopened: the workload runs on
+                    self.lease.clear()
+                    raise
+            self.frozen, self.held = True, False
+            self.lease.start(lease)
+
+    def hold(self, lease_s: float | None = None) -> dict[str, Any]:
+        """Shut the safe point to new steps without waiting for the one in flight (the first move of
+        a group freeze), under a lease like a freeze. Returns the steps completed, in flight, started."""
         lease = lease_arg(lease_s)
         with self._lock:
-            if self.freezer is not None and not self.frozen:
-                self.freezer.freeze(timeout_s)
-            self.frozen = True
+            if self.freezer is None:
+                raise SnapshotError("hold needs a workload with a safe point (attach() gives one)")
+            counts = self.freezer.hold() if not self.frozen else self.freezer.metrics()
+            self.held = not self.frozen
             self.lease.start(lease)
+            return {
+                "steps": counts["steps"],
+                "in_flight": counts["in_flight"],
+                "started": counts["steps"] + counts["in_flight"],
+                "frozen": self.frozen,
+                "lease_s": lease,
+            }
+
+    def teardown(self) -> dict[str, Any]:
+        """Destroy the group's communicators (before an in-place capture of the whole process). Frozen only."""
+        with self._lock:
+            if self.group is None:
+                raise SnapshotError("teardown: this process is not a rank of a process group")
+            if not self.frozen:
+                raise SnapshotError("teardown needs the group frozen first (hold, then freeze at_step)")
+            if not self.group.torn_down:
+                self.group.teardown()
+                self.group.torn_down = True
+            return {"group": "torn down"}
+
+    def rebuild(self) -> dict[str, Any]:
+        """Build the group's communicators again (every rank at once: it is a rendezvous). Idempotent."""
+        with self._lock:
+            self._rebuild_locked()
+            return {"group": "up"}
+
+    def _rebuild_locked(self) -> None:
+        if self.group is None:
+            raise SnapshotError("rebuild: this process is not a rank of a process group")
+        if self.group.torn_down:
+            self.group.rebuild()
+            self.group.torn_down = False
 
     def renew(self, lease_s: float | None = None) -> dict[str, Any]:
         """Extend the freeze lease from now (never waits for a command in progress)."""
@@ -313,6 +393,8 @@ class Agent:
         with self._lock:
             if self.freezer is None or not self.frozen:
                 raise SnapshotError("advance needs a frozen workload with a safe point: send freeze first")
+            if self.group is not None and self.group.torn_down:
+                raise SnapshotError("advance needs the process group: send rebuild first")
             try:
                 losses = self.freezer.advance(steps, timeout_s)
             finally:
@@ -336,10 +418,12 @@ class Agent:
             self._resume_locked()
 
     def _resume_locked(self) -> None:
+        if self.group is not None and self.group.torn_down:
+            self._rebuild_locked()  # the workload's next step needs its communicators
         self.lease.clear()
-        if self.frozen and self.freezer is not None:
+        if (self.frozen or self.held) and self.freezer is not None:
             self.freezer.resume()
-        self.frozen = False
+        self.frozen = self.held = False
 
     def forget_shipped(self) -> None:
         """Next round ships everything (e.g. a new store that holds none of the earlier chunks)."""
@@ -348,15 +432,22 @@ class Agent:
 
     # ------------------------------------------------------------------ target side
     def restore(
-        self, reader: ImageReader, *, policy: Mapping[str, str] | None = None, ready: bool = True
+        self,
+        reader: ImageReader,
+        *,
+        policy: Mapping[str, str] | None = None,
+        ready: bool = True,
+        rank: int | None = None,
     ) -> dict[str, Any]:
         """Load a verified image into the tracked state; with ``ready`` report ready afterwards.
 
         ``ready=False`` pre-loads a pre-copy image while the source still serves; the next restore
         then loads only chunks whose ids changed (the target has not served, so nothing else did).
+        A world image restores rank ``rank``'s part (default: this process's rank).
         """
         with self._lock:
             t0 = time.perf_counter()
+            reader = rank_reader(reader, rank, self._rank_id() if self.group is not None else None)
             meta = reader.metadata().get(META_KEY)
             if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
                 raise SnapshotError(f"image {reader.ref.id} is not a gpumigrate snapshot image of format {FORMAT}")
@@ -417,6 +508,7 @@ class Agent:
                 "ready": ready,
                 "seconds": time.perf_counter() - t0,
                 "environment": env,
+                **({"world": reader.source()} if isinstance(reader, RankView) else {}),
             }
 
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -523,10 +615,30 @@ class Agent:
         *,
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
+        rank: int | None = None,
     ) -> dict[str, Any]:
         if self.reader_factory is None:
             raise SnapshotError("this agent has no image reader: the workload did not wire the transfer engine")
-        return self.restore(self.reader_factory(store, image_id, key_ref), policy=policy, ready=ready)
+        return self.restore(self.reader_factory(store, image_id, key_ref), policy=policy, ready=ready, rank=rank)
+
+    def compose_world(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        images: list[str],
+        ranks: list[Mapping[str, Any]],
+        *,
+        step: int | None = None,
+    ) -> dict[str, Any]:
+        """Compose the ranks' images (rank r's at ``images[r]``, all in ``store``) into one world image
+        (``worldimage.py``): no chunk is copied. ``ranks[r]`` describes rank r (its ``info().rank``)."""
+        if self.reader_factory is None or self.writer_factory is None:
+            raise SnapshotError("this agent has no image reader/writer: the workload did not wire the transfer engine")
+        with self._lock:
+            t0 = time.perf_counter()
+            readers = [self.reader_factory(store, image_id, key_ref) for image_id in images]
+            ref = compose(self.writer_factory(store, key_ref, None), readers, ranks, step=step)
+            return {"image": asdict(ref), "world_size": len(images), "seconds": time.perf_counter() - t0}
 
     def _open_writer(
         self, store: str, key_ref: Mapping[str, str], parent: str | None, options: Mapping[str, Any] | None = None

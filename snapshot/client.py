@@ -212,9 +212,17 @@ class AgentClient:
         *,
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
+        rank: int | None = None,
     ) -> Restored:
+        extra = {} if rank is None else {"rank": rank}
         reply = self.call(
-            "restore", store=store, image_id=image_id, key_ref=dict(key_ref), policy=dict(policy or {}), ready=ready
+            "restore",
+            store=store,
+            image_id=image_id,
+            key_ref=dict(key_ref),
+            policy=dict(policy or {}),
+            ready=ready,
+            **extra,
         )
         return Restored(
             image_id=str(reply["image"]),

@@ -89,8 +89,29 @@ def _seconds_arg(name: str, value: Any, default: float) -> float:
 
 
 def _freeze(agent: Agent, args: Mapping[str, Any]) -> dict[str, Any]:
-    agent.freeze(args.get("lease_s"), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 60))
-    return {"frozen": True, "lease_s": agent.lease.lease_s}
+    timeout_s = _seconds_arg("timeout_s", args.get("timeout_s"), 60)
+    agent.freeze(args.get("lease_s"), timeout_s=timeout_s, at_step=args.get("at_step"))
+    steps = agent.freezer.steps if agent.freezer is not None else 0
+    return {"frozen": True, "lease_s": agent.lease.lease_s, "steps": steps}
+
+
+def _rank_arg(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 16:
+        raise SnapshotError(f"rank {value!r}: must be a whole number from 0")
+    return value
+
+
+def _compose(agent: Agent, args: Mapping[str, Any]) -> dict[str, Any]:
+    images, ranks, step = args["images"], args["ranks"], args.get("step")
+    if not isinstance(images, list) or not images or not all(isinstance(i, str) for i in images):
+        raise SnapshotError("images must be a non-empty list of image ids, rank 0's first")
+    if not isinstance(ranks, list) or not all(isinstance(r, Mapping) for r in ranks):
+        raise SnapshotError("ranks must be a list of objects, one per rank (each rank's info().rank)")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise SnapshotError(f"step {step!r}: must be a whole number")
+    return agent.compose_world(str(args["store"]), key_ref_arg(args.get("key_ref")), images, ranks, step=step)
 
 
 def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
@@ -105,6 +126,10 @@ def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
             options=writer_options_arg(args.get("options")),
         ),
         "freeze": lambda: _freeze(agent, args),
+        "hold": lambda: agent.hold(args.get("lease_s")),
+        "teardown": agent.teardown,
+        "rebuild": agent.rebuild,
+        "compose": lambda: _compose(agent, args),
         "renew": lambda: agent.renew(args.get("lease_s")),
         "advance": lambda: agent.advance(
             _steps_arg(args.get("steps")), timeout_s=_seconds_arg("timeout_s", args.get("timeout_s"), 600)
@@ -123,6 +148,7 @@ def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
             key_ref_arg(args.get("key_ref")),
             policy=args.get("policy"),
             ready=bool(args.get("ready", True)),
+            rank=_rank_arg(args.get("rank")),
         ),
         "zeroize": agent.zeroize,
     }

@@ -10,6 +10,13 @@ the orchestrator gets the source's next losses for the steps a restored target a
 The gate also counts completed safe points (``steps``: training steps, or requests served) and
 keeps the last losses the workload reported with them; both travel in the image (``progress``).
 A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one.
+
+Ranks of one process group (``torch.distributed``) freeze together, in two moves, because a step
+holds collectives: a rank parked while a peer is inside step k would leave that peer waiting in
+the collective for ever. ``hold()`` shuts the gate without waiting and says how many safe points
+this rank has *started*; once every rank is held, the orchestrator takes the highest count S and
+``freeze(at_step=S)`` lets each rank through exactly the steps it lacks to reach S, then waits until
+none is in flight. Every rank ends parked after step S, and none is inside a collective.
 """
 
 from __future__ import annotations
@@ -126,30 +133,57 @@ class SafePointGate:
             self.leave(report, completed=completed)
 
     # ------------------------------------------------------------------ the agent's side
-    def freeze(self, timeout_s: float = 60.0) -> float:
-        """Stop admitting safe points and wait until none is in flight; return the seconds waited.
+    @property
+    def started(self) -> int:
+        """Safe points entered so far: completed ones plus those in flight."""
+        return self.steps + self._in_flight
 
-        On timeout the gate reopens (the source keeps running) and SnapshotError is raised.
-        """
-        start = time.perf_counter()
+    def hold(self) -> dict[str, int]:
+        """Shut the gate to new safe points without waiting for those in flight (the first move of a
+        group freeze). Returns ``{"steps", "in_flight", "started"}`` as they stand once shut."""
         with self._cond:
             self._frozen = True
             self._budget = 0
-            if not self._cond.wait_for(lambda: self._in_flight == 0, timeout=timeout_s):
-                self._frozen = False
-                self._cond.notify_all()
+            self._cond.notify_all()
+            return {"steps": self.steps, "in_flight": self._in_flight, "started": self.started}
+
+    def freeze(self, timeout_s: float = 60.0, *, at_step: int | None = None) -> float:
+        """Stop admitting safe points and wait until none is in flight; return the seconds waited.
+
+        ``at_step``: first let through the safe points this gate lacks to have started ``at_step``
+        (a group freeze; refused if it already started more). On timeout or refusal the gate reopens
+        (the source keeps running) and SnapshotError is raised.
+        """
+        start = time.perf_counter()
+        with self._cond:
+            if at_step is not None and at_step < self.started:
+                self._reopen()
                 raise SnapshotError(
-                    f"{self._in_flight} request(s) or step(s) still in flight after {timeout_s:g}s; freeze abandoned, "
+                    f"this rank already started step {self.started}, past the group's freeze step {at_step}; "
+                    "freeze abandoned, the workload keeps running",
+                    hint="hold every rank first, then freeze them all at the highest step any rank started",
+                )
+            self._frozen = True
+            self._budget = 0 if at_step is None else at_step - self.started
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._budget == 0 and self._in_flight == 0, timeout=timeout_s):
+                waiting = f"{self._in_flight} in flight" + (f", {self._budget} still to start" if self._budget else "")
+                self._reopen()
+                raise SnapshotError(
+                    f"request(s) or step(s) not settled after {timeout_s:g}s ({waiting}); freeze abandoned, "
                     "the workload keeps running"
                 )
         return time.perf_counter() - start
 
+    def _reopen(self) -> None:
+        self._frozen = False
+        self._budget = 0
+        self._cond.notify_all()
+
     def resume(self) -> None:
         """Reopen the gate. Idempotent."""
         with self._cond:
-            self._frozen = False
-            self._budget = 0
-            self._cond.notify_all()
+            self._reopen()
 
     def advance(self, steps: int, timeout_s: float) -> list[tuple[int, float]]:
         """Let exactly ``steps`` safe points through a frozen gate; return once they finished (the

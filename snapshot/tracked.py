@@ -177,8 +177,12 @@ def json_blob(name: str, getter: Callable[[], Any], setter: Callable[[Any], None
     )
 
 
-def rng_items(prefix: str = "rng") -> list[BlobItem]:
-    """Torch CPU/CUDA, numpy and Python ``random`` generator states, so the next step draws the same numbers."""
+def rng_items(prefix: str = "rng", *, cuda_devices: list[int] | None = None) -> list[BlobItem]:
+    """Torch CPU/CUDA, numpy and Python ``random`` generator states, so the next step draws the same numbers.
+
+    ``cuda_devices``: carry the CUDA generators of these devices only, by position (a rank's own
+    GPU): on the target they go to the devices the target rank uses, which may have other indices
+    (a world restored onto GPUs 1,0 instead of 0,1). Default: every device's, by index."""
     items = [
         BlobItem(
             f"{prefix}/torch",
@@ -204,18 +208,20 @@ def rng_items(prefix: str = "rng") -> list[BlobItem]:
     except ImportError:  # numpy is optional for the agent
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        n = torch.cuda.device_count()
+        devices = list(range(torch.cuda.device_count())) if cuda_devices is None else list(cuda_devices)
 
         def get_cuda() -> bytes:
-            return b"".join(s.numpy().tobytes() for s in torch.cuda.get_rng_state_all())
+            return b"".join(torch.cuda.get_rng_state(d).numpy().tobytes() for d in devices)
 
         def set_cuda(raw: bytes) -> None:
-            size = len(raw) // n
-            torch.cuda.set_rng_state_all(
-                [torch.frombuffer(bytearray(raw[i * size : (i + 1) * size]), dtype=torch.uint8) for i in range(n)]
-            )
+            size = len(raw) // max(1, len(devices))
+            for i, d in enumerate(devices):
+                torch.cuda.set_rng_state(
+                    torch.frombuffer(bytearray(raw[i * size : (i + 1) * size]), dtype=torch.uint8), d
+                )
 
-        items.append(BlobItem(f"{prefix}/cuda", get_cuda, set_cuda))
+        if devices:
+            items.append(BlobItem(f"{prefix}/cuda", get_cuda, set_cuda))
     return items
 
 

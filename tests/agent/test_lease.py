@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 def test_an_unrenewed_lease_resumes_and_a_renewed_one_holds() -> None:
     handle = gm.attach(torch.nn.Linear(2, 2))
     with AgentClient(handle.address) as c:
-        assert c.call("freeze", lease_s=1.0) == {"frozen": True, "lease_s": 1.0}
+        assert c.call("freeze", lease_s=1.0) == {"frozen": True, "lease_s": 1.0, "steps": 0}
         for _ in range(3):  # renewed in time: stays frozen past the first lease
             time.sleep(0.5)
             assert c.call("renew", lease_s=1.0)["frozen"] is True

@@ -1,0 +1,367 @@
+"""The orchestrator's side of a workload of N ranks: drive every rank's agent as one (PROTOCOL.md, "Ranks").
+
+A workload of N ranks (torch.distributed) embeds one agent per rank; rank r's listens at the
+workload's agent address with its port + r (``World.consecutive``), or wherever a list says. This
+module sends each command to every rank at once and fails as a whole, naming the rank:
+
+- ``precopy``: one live round on every rank (each commits its own image), then the world image
+  composed from them by rank 0's agent (``worldimage.py``): one image id per round to push and to
+  pre-load, like a single process's.
+- ``freeze``: ``hold`` on every rank (gates shut, steps in flight go on), then ``freeze`` at the
+  highest step any rank started, so every rank ends parked after the same step and none is inside
+  a collective. Any failure resumes every rank: the source is never left half-frozen.
+- ``final``: each rank's last dirty set (the leases renewed from a second connection meanwhile),
+  then the world image; ``restore``: target rank r loads rank r's part, after its agent said it is
+  rank r of a world of the same size.
+- ``advance`` / ``metrics``: per-rank steps and losses for training parity; ``teardown`` /
+  ``rebuild`` around an in-place capture (the CUDA driver, CRIU); ``resume``; ``zeroize``.
+
+``rank_gpu_pairs`` and ``gpu_pairs`` give the CUDA driver's restore its full old → new GPU map
+(``dict(gpu_pairs(...))`` is what ``cuda_driver.CudaProcess.restore(gpu_pairs=...)`` takes).
+No torch here: this runs in the orchestrator.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from gpumigrate.errors import GpumigrateError, InvalidInputError
+from gpumigrate.interfaces import ImageRef, Round, RoundStats
+from gpumigrate.snapshot.client import AgentClient, parse_address
+from gpumigrate.snapshot.precopy import Convergence, converge
+
+T = TypeVar("T")
+DEFAULT_LEASE_S = 60.0
+
+
+def _ranked(exc: GpumigrateError, rank: int, address: str) -> GpumigrateError:
+    """The same error, its message naming the rank it came from."""
+    out = type(exc).__new__(type(exc))
+    GpumigrateError.__init__(out, f"rank {rank} ({address}): {exc.message}", hint=exc.hint)
+    return out
+
+
+class World:
+    """The agents of one workload's ranks, rank 0's first. Thread-safe per call; close() when done."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        key: bytes | None = None,
+        key_ref: Mapping[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not addresses:
+            raise InvalidInputError("a world needs the agent address of at least one rank")
+        self.addresses = list(addresses)
+        self._clients = [AgentClient(a, key=key, key_ref=key_ref, timeout_s=timeout_s) for a in self.addresses]
+        # A second connection per rank: renewals must not queue behind a long final on the first.
+        self._renewers = [AgentClient(a, key=key, key_ref=key_ref, timeout_s=30.0) for a in self.addresses]
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.addresses), thread_name_prefix="gm-world")
+        self.ranks: list[dict[str, Any]] | None = None  # each rank's info()["rank"], once described
+        self.step: int | None = None  # the step the world froze after
+
+    @classmethod
+    def consecutive(cls, address: str, ranks: int, **kwargs: Any) -> World:
+        """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group)."""
+        host, port = parse_address(address)
+        if ranks < 1 or port + ranks - 1 > 65535:
+            raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
+        return cls([f"{host}:{port + r}" for r in range(ranks)], **kwargs)
+
+    @property
+    def size(self) -> int:
+        return len(self.addresses)
+
+    def close(self) -> None:
+        for c in (*self._clients, *self._renewers):
+            c.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> World:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ fan-out
+    def _each(self, call: Callable[[int, AgentClient], T], clients: Sequence[AgentClient] | None = None) -> list[T]:
+        """``call(rank, client)`` on every rank at once; the first failure (in rank order) is raised
+        once every call has returned, naming its rank."""
+        clients = self._clients if clients is None else clients
+        futures = [self._pool.submit(call, r, c) for r, c in enumerate(clients)]
+        results: list[T] = []
+        failure: GpumigrateError | None = None
+        for r, fut in enumerate(futures):
+            try:
+                results.append(fut.result())
+            except GpumigrateError as exc:
+                failure = failure or _ranked(exc, r, self.addresses[r])
+        if failure is not None:
+            raise failure
+        return results
+
+    def _rank0(self, cmd: str, **args: Any) -> Any:
+        try:
+            return self._clients[0].call(cmd, **args)
+        except GpumigrateError as exc:
+            raise _ranked(exc, 0, self.addresses[0]) from None
+
+    # The rank commands carry per-rank members (``rank``, ``world``) that the single-agent typed replies
+    # leave out: the world reads the agents' raw replies (snapshot/PROTOCOL.md, "Ranks").
+
+    # ------------------------------------------------------------------ what the ranks are
+    def describe(self) -> list[dict[str, Any]]:
+        """Each rank's place (rank, world size, backend, devices, GPUs), checked: the agents are
+        ranks 0..N-1 of one world of N, listed in rank order."""
+        infos = self._each(lambda r, c: c.call("info"))
+        ranks: list[dict[str, Any]] = []
+        for r, info in enumerate(infos):
+            own = info.get("rank")
+            if own is None and self.size == 1:
+                own = {"rank": 0, "world_size": 1, "devices": [], "gpus": []}
+            if own is None:
+                raise InvalidInputError(
+                    f"the agent at {self.addresses[r]} is not a rank of a process group (attach(process_group=...))"
+                )
+            if (own["rank"], own["world_size"]) != (r, self.size):
+                raise InvalidInputError(
+                    f"the agent at {self.addresses[r]} is rank {own['rank']} of {own['world_size']}; "
+                    f"expected rank {r} of {self.size} (agents are listed in rank order)"
+                )
+            ranks.append({**own, "agent": self.addresses[r]})
+        self.ranks = ranks
+        return ranks
+
+    # ------------------------------------------------------------------ source side
+    def _compose(self, store: str, key_ref: Mapping[str, str], images: list[str]) -> dict[str, Any]:
+        ranks = self.ranks if self.ranks is not None else self.describe()
+        out: dict[str, Any] = self._rank0(
+            "compose", store=store, key_ref=dict(key_ref), images=images, ranks=ranks, step=self.step
+        )
+        return out
+
+    def precopy(
+        self, store: str, key_ref: Mapping[str, str], *, options: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One live round on every rank, then their world image. ``stats``: the round over all ranks
+        (chunks and bytes summed, seconds of the slowest rank, as they run side by side)."""
+        rounds = self._each(
+            lambda r, c: c.call("precopy", store=store, key_ref=dict(key_ref), options=dict(options or {}))
+        )
+        world = self._compose(store, key_ref, [x["image"]["id"] for x in rounds])
+        stats = [x["stats"] for x in rounds]
+        total = RoundStats(
+            round=max(s["round"] for s in stats),
+            chunks_total=sum(s["chunks_total"] for s in stats),
+            chunks_dirty=sum(s["chunks_dirty"] for s in stats),
+            bytes_dirty=sum(s["bytes_dirty"] for s in stats),
+            seconds=max(s["seconds"] for s in stats),
+        )
+        return {"stats": total, "image": world["image"], "ranks": rounds, "compose_seconds": world["seconds"]}
+
+    def precopy_until(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        *,
+        max_rounds: int,
+        max_downtime_ms: float,
+        options: Mapping[str, Any] | None = None,
+        on_image: Callable[[str], None] | None = None,
+    ) -> Convergence:
+        """Rounds until the world's dirty set fits ``max_downtime_ms`` or stops shrinking;
+        ``on_image(world image id)`` after each (push it, pre-load the target)."""
+
+        def one() -> Round:
+            out = self.precopy(store, key_ref, options=options)
+            if on_image is not None:
+                on_image(out["image"]["id"])
+            return Round(stats=out["stats"], image=ImageRef(**out["image"]))
+
+        return converge(one, max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
+
+    def freeze(self, *, lease_s: float = DEFAULT_LEASE_S, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Park every rank after the same step: hold all, then freeze all at the highest step any
+        started. On any failure every rank is resumed and the error raised."""
+        t0 = time.perf_counter()
+        try:
+            held = self._each(lambda r, c: c.call("hold", lease_s=lease_s))
+            step = max(h["started"] for h in held)
+            frozen = self._each(lambda r, c: c.call("freeze", at_step=step, lease_s=lease_s, timeout_s=timeout_s))
+        except GpumigrateError:
+            self._resume_quietly()
+            raise
+        self.step = step
+        return {
+            "step": step,
+            "steps_before": [h["started"] for h in held],
+            "steps": [f["steps"] for f in frozen],
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def renew(self, lease_s: float | None = None) -> list[dict[str, Any]]:
+        args = {} if lease_s is None else {"lease_s": lease_s}
+        return self._each(lambda r, c: c.call("renew", **args), self._renewers)
+
+    @contextmanager
+    def keepalive(self, every_s: float = DEFAULT_LEASE_S / 3) -> Iterator[None]:
+        """Renew every rank's lease from the second connections while a long command runs."""
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.renew()
+                except GpumigrateError:
+                    pass  # the command in progress reports the real trouble
+
+        thread = threading.Thread(target=run, name="gm-world-renew", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def final(
+        self, store: str, key_ref: Mapping[str, str], *, options: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Every frozen rank's last dirty set, then the world image to restore."""
+        with self.keepalive():
+            finals = self._each(
+                lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=dict(options or {}))
+            )
+            world = self._compose(store, key_ref, [x["image"]["id"] for x in finals])
+        return {
+            "image": world["image"],
+            "step": self.step,
+            "ranks": finals,
+            "compose_seconds": world["seconds"],
+            "bytes_dirty": sum(x["stats"]["bytes_dirty"] for x in finals),
+        }
+
+    def _resume_quietly(self) -> None:
+        try:
+            self.resume()
+        except GpumigrateError:
+            pass  # each rank that could resume did; a lease resumes the rest
+
+    def resume(self) -> None:
+        """Resume every rank (rebuilding a torn-down group first), even if some fail; then raise the first failure."""
+        self._each(lambda r, c: c.resume())
+
+    def teardown(self) -> list[dict[str, Any]]:
+        """Destroy every rank's communicators (frozen world; before an in-place capture)."""
+        return self._each(lambda r, c: c.call("teardown"))
+
+    def rebuild(self) -> list[dict[str, Any]]:
+        """Build every rank's communicators again; all at once, as it is a rendezvous."""
+        return self._each(lambda r, c: c.call("rebuild"))
+
+    def advance(self, steps: int, *, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+        """Every frozen rank takes exactly ``steps`` more steps (together: they hold collectives),
+        then parks again; per rank ``{"steps", "losses": [[step, loss], ...]}``."""
+        with self.keepalive():
+            return self._each(lambda r, c: c.call("advance", steps=steps, timeout_s=timeout_s))
+
+    def metrics(self, since: int = 0) -> list[dict[str, Any]]:
+        return self._each(lambda r, c: c.call("metrics", since=since), self._renewers)
+
+    def zeroize(self) -> list[dict[str, Any]]:
+        return self._each(lambda r, c: c.call("zeroize"))
+
+    # ------------------------------------------------------------------ target side
+    def restore(
+        self,
+        store: str,
+        image_id: str,
+        key_ref: Mapping[str, str],
+        *,
+        policy: Mapping[str, str] | None = None,
+        ready: bool = True,
+    ) -> dict[str, Any]:
+        """Rank r of this (target) world loads rank r's part of world image ``image_id``, all at once.
+        ``device_map``: per rank, the devices it ran on at the source and runs on here."""
+        targets = self.ranks if self.ranks is not None else self.describe()
+        results = self._each(
+            lambda r, c: c.call(
+                "restore",
+                store=store,
+                image_id=image_id,
+                key_ref=dict(key_ref),
+                policy=dict(policy or {}),
+                ready=ready,
+                rank=r,
+            )
+        )
+        device_map = [
+            {
+                "rank": r,
+                "source": (res.get("world") or {}).get("devices"),
+                "target": targets[r].get("devices"),
+                "source_gpus": [g.get("uuid") for g in (res.get("world") or {}).get("gpus") or []],
+                "target_gpus": [g.get("uuid") for g in targets[r].get("gpus") or []],
+            }
+            for r, res in enumerate(results)
+        ]
+        return {
+            "image": image_id,
+            "ranks": results,
+            "device_map": device_map,
+            "bytes_loaded": sum(x["bytes_loaded"] for x in results),
+            "seconds": max(x["seconds"] for x in results),
+        }
+
+
+def canonical_uuid(text: str) -> str:
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi's and the driver's form) from any
+    spelling of a GPU UUID (torch prints it without the prefix)."""
+    digits = text.removeprefix("GPU-").replace("-", "").lower()
+    if len(digits) != 32 or not all(c in "0123456789abcdef" for c in digits):
+        raise InvalidInputError(f"{text!r} is not a GPU UUID (32 hex digits, optionally GPU- and dashes)")
+    return f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+
+
+def rank_gpu_pairs(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Old → new GPU UUID for the GPUs the ranks use: source rank r's i-th GPU goes to target rank r's i-th.
+
+    ``source`` and ``target``: per-rank descriptions in rank order (the world manifest's ``ranks``,
+    ``World.describe()``), each with ``gpus: [{"uuid": ...}, ...]``."""
+    if len(source) != len(target):
+        raise InvalidInputError(f"the source world has {len(source)} ranks, the target {len(target)}")
+    pairs: dict[str, str] = {}
+    for r, (src, dst) in enumerate(zip(source, target, strict=True)):
+        old = [canonical_uuid(g["uuid"]) for g in src.get("gpus") or []]
+        new = [canonical_uuid(g["uuid"]) for g in dst.get("gpus") or []]
+        if len(old) != len(new):
+            raise InvalidInputError(f"rank {r} uses {len(old)} GPU(s) on the source and {len(new)} on the target")
+        for a, b in zip(old, new, strict=True):
+            if pairs.setdefault(a, b) != b:
+                raise InvalidInputError(f"GPU {a} would go to both {pairs[a]} and {b}")
+    return pairs
+
+
+def gpu_pairs(used: Mapping[str, str], visible: Sequence[str]) -> list[tuple[str, str]]:
+    """The complete old → new pairing over every GPU in ``visible`` (the CUDA driver's ``gpuPairs``
+    must name every GPU it sees, none twice): the ranks' GPUs as ``used`` says, each remaining GPU
+    onto a remaining one in index order. UUIDs in the driver's form (``canonical_uuid``)."""
+    used = {canonical_uuid(a): canonical_uuid(b) for a, b in used.items()}
+    visible = [canonical_uuid(g) for g in visible]
+    seen = set(visible)
+    unknown = sorted((set(used) | set(used.values())) - seen)
+    if unknown:
+        raise InvalidInputError(
+            f"GPU(s) {', '.join(unknown)} are not among those the driver sees: {', '.join(visible)}"
+        )
+    taken = set(used.values())
+    if len(taken) != len(used):
+        raise InvalidInputError("two GPUs of the source would go onto one GPU of the target")
+    free_new = iter(g for g in visible if g not in taken)
+    return [(g, used[g]) if g in used else (g, next(free_new)) for g in visible]
