@@ -83,7 +83,13 @@ class FrontDoor:
             raise
         atomic_write_json(
             state_dir / FRONTDOOR,
-            {"admin_urls": [envoy.admin_url], "listener": envoy.url, "nodes": [node_id], "xds_port": plane.port},
+            {
+                "admin_urls": [envoy.admin_url],
+                "listener": envoy.url,
+                "probe_listener": envoy.probe_url,
+                "nodes": [node_id],
+                "xds_port": plane.port,
+            },
         )
         return cls(state_dir, plane, envoy)
 

@@ -121,7 +121,7 @@ def run_ramp(ctx: Any) -> dict[str, Any]:
         nodes=nodes,
         source=SOURCE,
         target=TARGET,
-        prober=_prober(ctx, door.get("listener")),
+        prober=_prober(ctx, door.get("probe_listener")),
         rollback_signal=m.rollback_requested,
         on_interval=on_interval,
     )

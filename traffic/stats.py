@@ -165,3 +165,146 @@ def _bucket_diff(old: list[tuple[float, int]], new: list[tuple[float, int]]) -> 
     if not old or len(old) != len(new):
         return list(new)
     return [(ub, max(0, n - o)) for (ub, n), (_, o) in zip(new, old, strict=True)]
+
+
+# -- what clients saw: the client listener's own counters (``http.ingress.*``) --------------------
+#
+# Probes go through their own listener (``http.probes.*``), so none of this counts them.
+INGRESS_PREFIX = "http.ingress."
+INGRESS_STATS = ("downstream_rq_total", "downstream_rq_completed", "downstream_rq_5xx", "downstream_rq_active")
+INGRESS_STATS += ("downstream_rq_time",)
+
+DOWNTIME_DEFINITION = (
+    "longest stretch of consecutive stats samples in which requests were waiting (arrived, or in flight "
+    "at the sample's start) and none was answered without a 5xx, counted only when the stretch held a "
+    "failure (a 5xx, or a request that ended unanswered); the samples on either side add the failed share of their answers "
+    "(where the outage began or ended inside them); within one sample of the truth at each end"
+)
+
+
+@dataclass
+class IngressCounters:
+    """One Envoy's client-listener counters at one moment."""
+
+    ts: float
+    total: int = 0  # requests that arrived
+    completed: int = 0  # requests answered (any status)
+    xx5: int = 0  # answered with a 5xx
+    active: int = 0  # in flight now (a gauge); arrived - answered - in flight = ended unanswered (reset)
+    buckets: list[tuple[float, int]] = field(default_factory=list)  # downstream_rq_time, cumulative
+
+
+def parse_ingress(stats_json: dict[str, Any], ts: float | None = None) -> IngressCounters:
+    """Pick ``http.ingress.*`` out of ``/stats?format=json&histogram_buckets=cumulative``."""
+    out = IngressCounters(ts if ts is not None else time.time())
+    for entry in stats_json.get("stats", []):
+        if "histograms" in entry:
+            hists = entry["histograms"]
+            for h in hists if isinstance(hists, list) else []:
+                if h.get("name") == INGRESS_PREFIX + "downstream_rq_time":
+                    out.buckets = [(float(b["upper_bound"]), int(b["cumulative"])) for b in h.get("buckets", [])]
+            continue
+        name, value = entry.get("name", ""), entry.get("value", 0)
+        if not name.startswith(INGRESS_PREFIX):
+            continue
+        key = name[len(INGRESS_PREFIX) :]
+        if key == "downstream_rq_total":
+            out.total = int(value)
+        elif key == "downstream_rq_completed":
+            out.completed = int(value)
+        elif key == "downstream_rq_5xx":
+            out.xx5 = int(value)
+        elif key == "downstream_rq_active":
+            out.active = int(value)
+    return out
+
+
+class ClientFigures:
+    """What one Envoy's clients saw over a span, from successive :class:`IngressCounters` samples.
+
+    Requests, failures (5xx answers, and requests that ended unanswered), p99 of every answer, and downtime as
+    :data:`DOWNTIME_DEFINITION` says. Why that definition: a window with requests waiting and no
+    good answer is what a client feels as an outage, but a workload whose normal answers take longer
+    than a sample (a long generation) has such windows on every quiet start; requiring a failure in
+    the stretch keeps slow-but-healthy service out of downtime (its cost shows in p99 instead),
+    while a hang still counts once its requests time out or are given up (504s, resets).
+    """
+
+    def __init__(self) -> None:
+        self.prev: IngressCounters | None = None
+        self.requests = self.answered = self.failures = 0
+        self.buckets: list[tuple[float, int]] = []
+        self.seconds = 0.0
+        self.longest_window_s = 0.0
+        self.downtime_s = 0.0
+        self._stretch_s = 0.0
+        self._stretch_failed = False
+        self._last_edge_s = 0.0  # the previous sample's failed share, in seconds: a stretch may begin there
+
+    def add(self, cur: IngressCounters) -> None:
+        prev, self.prev = self.prev, cur
+        if prev is None:
+            return
+        if cur.total < prev.total:  # Envoy restarted: its counters began again from zero
+            prev = IngressCounters(prev.ts)
+        dt = max(0.0, cur.ts - prev.ts)
+        arrived = max(0, cur.total - prev.total)
+        answered = max(0, cur.completed - prev.completed)
+        xx5 = max(0, cur.xx5 - prev.xx5)
+        # Envoy's reset counters also count streams closed after their answer; what never got one is this:
+        unanswered = max(0, (cur.total - cur.completed - cur.active) - (prev.total - prev.completed - prev.active))
+        failed = xx5 + unanswered
+        self.requests += arrived
+        self.answered += answered
+        self.failures += failed
+        self.seconds += dt
+        self.longest_window_s = max(self.longest_window_s, dt)
+        diff = _bucket_diff(prev.buckets, cur.buckets)
+        self.buckets = (
+            diff if not self.buckets else [(ub, n + d) for (ub, n), (_, d) in zip(self.buckets, diff, strict=False)]
+        )
+        good = answered - xx5
+        edge = dt * failed / (failed + good) if failed and good > 0 else 0.0
+        if (arrived > 0 or prev.active > 0) and good <= 0:
+            if self._stretch_s == 0.0:
+                self._stretch_s = self._last_edge_s
+            self._stretch_s += dt
+            self._stretch_failed = self._stretch_failed or failed > 0
+        elif self._stretch_s > 0.0:
+            self._stretch_s += edge
+            self._close_stretch()
+        self._last_edge_s = edge
+
+    def _close_stretch(self) -> None:
+        if self._stretch_failed:
+            self.downtime_s = max(self.downtime_s, self._stretch_s)
+        self._stretch_s, self._stretch_failed = 0.0, False
+
+    def downtime(self) -> float:
+        """Seconds, the stretch still open at the last sample included."""
+        open_s = self._stretch_s if self._stretch_failed else 0.0
+        return max(self.downtime_s, open_s)
+
+
+def client_figures(per_envoy: list[ClientFigures]) -> dict[str, Any]:
+    """The figures of a migration's traffic: sums over every Envoy; downtime is the worst Envoy's."""
+    buckets: list[tuple[float, int]] = []
+    for f in per_envoy:
+        buckets = (
+            list(f.buckets)
+            if not buckets
+            else [(ub, n + m) for (ub, n), (_, m) in zip(buckets, f.buckets, strict=False)]
+        )
+    p99 = percentile_from_buckets(buckets, 0.99)
+    return {
+        "source": "envoy",
+        "envoys": len(per_envoy),
+        "requests": sum(f.requests for f in per_envoy),
+        "answered": sum(f.answered for f in per_envoy),
+        "failures": sum(f.failures for f in per_envoy),
+        "p99_ms": None if p99 is None else round(p99, 2),
+        "downtime_ms": round(1000 * max((f.downtime() for f in per_envoy), default=0.0), 1),
+        "downtime_resolution_ms": round(1000 * max((f.longest_window_s for f in per_envoy), default=0.0), 1),
+        "downtime_definition": DOWNTIME_DEFINITION,
+        "seconds": round(max((f.seconds for f in per_envoy), default=0.0), 3),
+    }
