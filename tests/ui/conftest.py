@@ -1,0 +1,374 @@
+"""Browser tests: Debian's chromium, headless, driven by Playwright, against a real ``prefect server start``.
+
+One Prefect server (its own PREFECT_HOME, on loopback), the project's deployments (``prefect.yaml``),
+one process worker on the ``orchestrator`` queue and one browser serve the whole session: a server's
+first start applies its database migrations, tens of seconds. Each test gets a fresh browser context
+and its own screenshot folder, ``build/ui/<test>/``, listed at the end of pytest's output.
+
+Chromium comes from Debian (``/usr/bin/chromium``, installed by ``.ci/run`` when missing), never a
+browser downloaded by Playwright. Without it these tests skip, except in CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gpumigrate.traffic.envoy import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = REPO / "build" / "ui"
+POOL = "gpumigrate"
+# Without the background-networking flags chromium keeps dialling out, and this network refuses it.
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+_SHOT_DIRS: list[Path] = []
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+@dataclass
+class Proc:
+    """A process of the harness, in its own session, killed as a group; its output goes to ``log``."""
+
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str], log: Path, cwd: Path = REPO) -> Proc:
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return cls(proc, log)
+
+    def tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log.read_text(errors="replace")[-2000:]
+        return ""
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=wait)
+
+
+@dataclass
+class PrefectServer:
+    """``prefect server start`` on loopback, with the deployments and a worker per queue."""
+
+    url: str
+    home: Path
+    gm_home: Path
+    logs: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def api(self) -> str:
+        return self.url + "/api"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """What every process of this deployment sees: the server, its home, the repository, gpumigrate's home."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(
+            PREFECT_API_URL=self.api,
+            PREFECT_HOME=str(self.home),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            DO_NOT_TRACK="1",
+            GPUMIGRATE_REPO=str(REPO),
+            GPUMIGRATE_HOME=str(self.gm_home),
+        )
+        env.update(extra)
+        return env
+
+    def prefect(self, *args: str, timeout_s: float = 180) -> str:
+        """One ``prefect`` CLI command against this server; its output, or the test fails with it."""
+        r = subprocess.run(
+            [_bin("prefect"), "--no-prompt", *args],
+            env=self.env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if r.returncode != 0:
+            pytest.fail(f"prefect {' '.join(args)} exited {r.returncode}: {(r.stdout + r.stderr)[-2000:]}")
+        return r.stdout
+
+    def start_worker(self, queue: str, **env: str) -> Proc:
+        """A process worker on ``queue`` that polls every second (Prefect's default is 10 s)."""
+        w = Proc.start(
+            [_bin("prefect"), "worker", "start", "--pool", POOL, "--work-queue", queue],
+            self.env(PREFECT_WORKER_QUERY_SECONDS="1", **env),
+            self.logs / f"worker-{queue}.log",
+        )
+        self.procs.append(w)
+        return w
+
+    def flow_run(self, run_id: str) -> dict[str, Any]:
+        r = httpx.get(f"{self.api}/flow_runs/{run_id}", timeout=10)
+        r.raise_for_status()
+        return dict(r.json())
+
+    def deployment(self, name: str) -> dict[str, Any]:
+        r = httpx.get(f"{self.api}/deployments/name/{name}", timeout=10)
+        r.raise_for_status()
+        return dict(r.json())
+
+
+def _require_chromium() -> None:
+    if not os.access(CHROMIUM, os.X_OK):
+        msg = f"{CHROMIUM} is missing: apt-get install chromium (.ci/run installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> Iterator[PrefectServer]:
+    _require_chromium()
+    root = Path(tempfile.mkdtemp(prefix="gm-ui-"))
+    logs = ARTIFACTS / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    port = free_port()
+    server = PrefectServer(f"http://127.0.0.1:{port}", root / "prefect", root / "gmhome", logs)
+    server.gm_home.mkdir(parents=True)
+    proc = Proc.start(
+        [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        server.env(PREFECT_UI_API_URL=server.api),
+        logs / "server.log",
+    )
+    server.procs.append(proc)
+    try:
+        deadline = time.monotonic() + 240  # a fresh home migrates its database first
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(server.api + "/health", timeout=2).status_code == 200:
+                    break
+            if proc.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"prefect server did not start: {proc.tail()}")
+            time.sleep(0.5)
+        server.prefect("work-pool", "create", POOL, "--type", "process")
+        server.prefect("deploy", "--all")
+        server.start_worker("orchestrator")
+        yield server
+    finally:
+        for p in reversed(server.procs):
+            p.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def browser(prefect_server: PrefectServer) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def ui(browser: Any, prefect_server: PrefectServer, request: pytest.FixtureRequest) -> Iterator[PrefectUI]:
+    shots = ARTIFACTS / re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)
+    shutil.rmtree(shots, ignore_errors=True)
+    shots.mkdir(parents=True)
+    _SHOT_DIRS.append(shots)
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    driver = PrefectUI(page, prefect_server, shots)
+    try:
+        yield driver
+    finally:
+        with contextlib.suppress(Exception):
+            driver.shot("last")  # whatever the page showed when the test ended, pass or fail
+        context.close()
+
+
+class PrefectUI:
+    """What a person does in Prefect's UI, step by step, with a numbered screenshot wherever it helps."""
+
+    def __init__(self, page: Any, server: PrefectServer, shots: Path) -> None:
+        self.page = page
+        self.server = server
+        self.shots = shots
+        self._n = 0
+
+    def shot(self, name: str) -> Path:
+        self._n += 1
+        path = self.shots / f"{self._n:02d}-{name}.png"
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+    def custom_run(self, deployment: str, params: dict[str, str], *, run_name: str) -> str:
+        """Deployments → ``deployment`` → Run → Custom run; fill ``params`` (str fields); Submit → View run.
+
+        Returns the flow run's id, read from the run page the UI opened.
+        """
+        page = self.page
+        dep = self.server.deployment(deployment)
+        page.goto(f"{self.server.url}/deployments/deployment/{dep['id']}")
+        page.get_by_role("button", name="Run", exact=True).click()
+        page.get_by_text("Custom run").click()
+        name_box = page.locator("input[type=text]").first
+        name_box.fill(run_name)
+        for key, value in params.items():
+            prop = page.locator(
+                ".schema-form-property",
+                has=page.locator(".schema-form-property__label", has_text=re.compile(rf"^{re.escape(key)}\b")),
+            )
+            toggle = prop.get_by_role("button", name="str", exact=True)
+            if toggle.count():  # an optional field (str | None) shows a type toggle first
+                toggle.click()
+            prop.locator("textarea, input").first.fill(value)
+        self.shot(f"{deployment.replace('/', '-')}-custom-run")
+        page.get_by_role("button", name="Submit").click()
+        page.locator("#prefect-design-toast-app").get_by_role("button", name="View run").last.click()
+        page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
+        return str(page.url.rstrip("/").split("/")[-1])
+
+    def state_badge(self) -> str:
+        return str(self.page.locator(".state-badge").first.inner_text().strip())
+
+    def wait_for_final_state(self, run_id: str, *, timeout_s: float) -> str:
+        """Watch the run's page until Prefect's API says the run ended; screenshot every state shown."""
+        shown: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while True:
+            badge = self.state_badge()
+            if not shown or badge != shown[-1]:
+                shown.append(badge)
+                self.shot(f"state-{badge.lower()}")
+            state = self.server.flow_run(run_id)["state"]
+            if state["type"] in TERMINAL and badge == state["name"]:
+                return badge
+            if time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} shown as {shown}, API says {state['type']}/{state['name']}")
+            time.sleep(1.0)
+
+    def open_tab(self, name: str) -> None:
+        self.page.get_by_role("tab", name=name).or_(self.page.get_by_text(name, exact=True)).first.click()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _SHOT_DIRS:
+        terminalreporter.write_sep("-", "browser test screenshots")
+        for d in _SHOT_DIRS:
+            terminalreporter.write_line(f"{d} ({len(list(d.glob('*.png')))} screenshots)")
+
+
+# -- a source to migrate: the reference inference server on a local host behind a front door --------
+WORKLOAD = "tiny-lm"
+
+
+@dataclass
+class LocalSource:
+    provider: Any
+    host: Any
+    door: Any
+    key_file: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host.address}:{self.host.ports['service']}"
+
+    def plan(self, path: Path, *, target: str, manual_gate: bool = False, window_s: float = 300) -> Path:
+        """A local plan from this source to host ``target`` (the shape of examples/local-demo.yaml)."""
+        import yaml
+
+        from gpumigrate.flows.demo import golden_inputs
+
+        plan = {
+            "version": 1,
+            "workload": {
+                "name": WORKLOAD,
+                "kind": "inference",
+                "source_host": self.host.name,
+                "endpoint": self.endpoint,
+                "agent": f"{self.host.address}:{self.host.ports['agent']}",
+                "source_region": "local-a",
+            },
+            "target": {"provider": "local", "region": "local-b", "host": target},
+            "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+            "snapshot": {"precopy_rounds": 1},
+            "transfer": {"store": "file://store", "encryption_key": {"file": str(self.key_file)}, "parallelism": 2},
+            "parity": {"golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")), "atol": 1e-4, "rtol": 1e-3},
+            "traffic": {
+                "stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
+                "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
+                "analysis_interval_s": 0.5,
+                "rollback_window_s": window_s,
+                "manual_gate": manual_gate,
+            },
+        }
+        path.write_text(yaml.safe_dump(plan, sort_keys=False))
+        return path
+
+
+@pytest.fixture
+def local_source(prefect_server: PrefectServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalSource]:
+    """A source host serving the tiny model, and its front door, in the deployment's GPUMIGRATE_HOME
+    (the worker's flow runs find both there). Every host left at the end is terminated."""
+    from gpumigrate.atomic import atomic_write_bytes
+    from gpumigrate.flows.frontdoor import FrontDoor, default_dir
+    from gpumigrate.flows.wiring import wait_ready
+    from gpumigrate.infra import get_provider
+    from gpumigrate.interfaces import HostSpec
+    from gpumigrate.transfer import generate_key
+
+    monkeypatch.setenv("GPUMIGRATE_HOME", str(prefect_server.gm_home))
+    provider = get_provider("local")
+    key_file = prefect_server.gm_home / "image.key"
+    atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
+    door = None
+    try:
+        host = provider.wait_ready(provider.provision(HostSpec("ui-src", "local", "local-a"), migration_id="ui-tests"))
+        provider.spawn(
+            host,
+            [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address]
+            + ["--port", str(host.ports["service"]), "--agent-port", str(host.ports["agent"])]
+            + ["--seed", "0", "--size", "tiny", "--device", "cpu", "--name", "ui-src"],
+            name="workload",
+        )
+        wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
+        door = FrontDoor.start(
+            default_dir(WORKLOAD), source_host=host.address, source_port=host.ports["service"], node_id="ui-envoy"
+        )
+        yield LocalSource(provider, host, door, key_file)
+    finally:
+        if door is not None:
+            door.stop()
+        for h in provider.list_hosts():
+            provider.terminate(h)
