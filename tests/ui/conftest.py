@@ -134,6 +134,30 @@ class PrefectServer:
         self.procs.append(w)
         return w
 
+    def run_deployment(self, name: str, parameters: dict[str, Any]) -> str:
+        """A flow run of deployment ``name`` (``flow/deployment``) created through the API; its id."""
+        dep = self.deployment(name)
+        r = httpx.post(
+            f"{self.api}/deployments/{dep['id']}/create_flow_run", json={"parameters": parameters}, timeout=10
+        )
+        r.raise_for_status()
+        return str(r.json()["id"])
+
+    def wait_final(self, run_id: str, *, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while (run := self.flow_run(run_id))["state"]["type"] not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"flow run {run_id} still {run['state']['name']} after {timeout_s:.0f}s")
+            time.sleep(0.5)
+        return run
+
+    def artifact(self, key: str) -> dict[str, Any] | None:
+        """The latest artifact with ``key``, or None."""
+        r = httpx.post(f"{self.api}/artifacts/latest/filter", json={"artifacts": {"key": {"any_": [key]}}}, timeout=10)
+        r.raise_for_status()
+        found = r.json()
+        return dict(found[0]) if found else None
+
     def flow_run(self, run_id: str) -> dict[str, Any]:
         r = httpx.get(f"{self.api}/flow_runs/{run_id}", timeout=10)
         r.raise_for_status()
@@ -153,38 +177,66 @@ def _require_chromium() -> None:
         pytest.skip(msg)
 
 
-@pytest.fixture(scope="session")
-def prefect_server() -> Iterator[PrefectServer]:
-    _require_chromium()
-    root = Path(tempfile.mkdtemp(prefix="gm-ui-"))
-    logs = ARTIFACTS / "logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    logs.mkdir(parents=True)
+def start_server(root: Path, *, host: str = "127.0.0.1", logs: Path) -> PrefectServer:
+    """``prefect server start`` on ``host`` (its own PREFECT_HOME under ``root``) and the work pool.
+
+    The caller stops it with :func:`stop_server`, which also stops every worker started on it.
+    """
+    logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server = PrefectServer(f"http://127.0.0.1:{port}", root / "prefect", root / "gmhome", logs)
-    server.gm_home.mkdir(parents=True)
+    server = PrefectServer(f"http://{host}:{port}", root / "prefect", root / "gmhome", logs)
+    server.gm_home.mkdir(parents=True, exist_ok=True)
     proc = Proc.start(
-        [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [_bin("prefect"), "server", "start", "--host", host, "--port", str(port)],
         server.env(PREFECT_UI_API_URL=server.api),
         logs / "server.log",
     )
     server.procs.append(proc)
+    deadline = time.monotonic() + 240  # a fresh home migrates its database first
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.api + "/health", timeout=2).status_code == 200:
+                break
+        if proc.proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(server)
+            pytest.fail(f"prefect server did not start on {host}:{port}: {proc.tail()}")
+        time.sleep(0.5)
+    server.prefect("work-pool", "create", POOL, "--type", "process")
+    return server
+
+
+def stop_server(server: PrefectServer) -> None:
+    for p in reversed(server.procs):
+        p.stop()
+
+
+@dataclass(frozen=True)
+class ServerKit:
+    """For tests that need a server of their own (another listen address): start/stop and the logs' home."""
+
+    start: Any = start_server
+    stop: Any = stop_server
+    artifacts: Path = ARTIFACTS
+
+
+@pytest.fixture(scope="session")
+def server_kit() -> ServerKit:
+    return ServerKit()
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> Iterator[PrefectServer]:
+    """The session's server on loopback, the deployments of prefect.yaml, a worker on ``orchestrator``."""
+    _require_chromium()
+    root = Path(tempfile.mkdtemp(prefix="gm-ui-"))
+    shutil.rmtree(ARTIFACTS / "logs", ignore_errors=True)
+    server = start_server(root, logs=ARTIFACTS / "logs")
     try:
-        deadline = time.monotonic() + 240  # a fresh home migrates its database first
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(server.api + "/health", timeout=2).status_code == 200:
-                    break
-            if proc.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"prefect server did not start: {proc.tail()}")
-            time.sleep(0.5)
-        server.prefect("work-pool", "create", POOL, "--type", "process")
         server.prefect("deploy", "--all")
         server.start_worker("orchestrator")
         yield server
     finally:
-        for p in reversed(server.procs):
-            p.stop()
+        stop_server(server)
         shutil.rmtree(root, ignore_errors=True)
 
 
