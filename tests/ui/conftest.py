@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 import pytest
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from gpumigrate.traffic.envoy import free_port
 
@@ -151,6 +152,20 @@ class PrefectServer:
             time.sleep(0.5)
         return run
 
+    def newest_run(self, deployment_id: str, parameters: dict[str, Any]) -> str:
+        """The newest run of a deployment whose parameters include ``parameters``."""
+        body = {
+            "flow_runs": {"deployment_id": {"any_": [deployment_id]}},
+            "sort": "EXPECTED_START_TIME_DESC",
+            "limit": 20,
+        }
+        r = httpx.post(f"{self.api}/flow_runs/filter", json=body, timeout=10)
+        r.raise_for_status()
+        for run in r.json():
+            if all(run["parameters"].get(k) == v for k, v in parameters.items()):
+                return str(run["id"])
+        raise AssertionError(f"no run of deployment {deployment_id} with {parameters}")
+
     def artifact(self, key: str) -> dict[str, Any] | None:
         """The latest artifact with ``key``, or None."""
         r = httpx.post(f"{self.api}/artifacts/latest/filter", json={"artifacts": {"key": {"any_": [key]}}}, timeout=10)
@@ -259,6 +274,7 @@ def ui(browser: Any, prefect_server: PrefectServer, request: pytest.FixtureReque
     shots.mkdir(parents=True)
     _SHOT_DIRS.append(shots)
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.set_default_timeout(60_000)  # the UI shares two cores with the server, the worker and the workload
     page = context.new_page()
     driver = PrefectUI(page, prefect_server, shots)
     try:
@@ -307,9 +323,14 @@ class PrefectUI:
             prop.locator("textarea, input").first.fill(value)
         self.shot(f"{deployment.replace('/', '-')}-custom-run")
         page.get_by_role("button", name="Submit").click()
-        page.locator("#prefect-design-toast-app").get_by_role("button", name="View run").last.click()
-        page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
-        return str(page.url.rstrip("/").split("/")[-1])
+        try:  # the toast's "View run"; on a loaded machine the toast may be gone before it can be clicked
+            page.locator("#prefect-design-toast-app").get_by_role("button", name="View run").last.click(timeout=10_000)
+            page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
+            return str(page.url.rstrip("/").split("/")[-1])
+        except PlaywrightTimeout:
+            run_id = self.server.newest_run(dep["id"], params)
+            page.goto(f"{self.server.url}/runs/flow-run/{run_id}")
+            return run_id
 
     def state_badge(self) -> str:
         return str(self.page.locator(".state-badge").first.inner_text().strip())
@@ -341,84 +362,83 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{d} ({len(list(d.glob('*.png')))} screenshots)")
 
 
-# -- a source to migrate: the reference inference server on a local host behind a front door --------
-WORKLOAD = "tiny-lm"
+# -- a source to migrate: the example plan's workload on a local host, behind a front door --------
+EXAMPLE = REPO / "examples" / "local-demo.yaml"
 
 
 @dataclass
 class LocalSource:
-    provider: Any
+    """The source host (``host``), its front door (``door``: ``url``, ``envoy``) and the image key file."""
+
     host: Any
     door: Any
     key_file: Path
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://{self.host.address}:{self.host.ports['service']}"
-
     def plan(self, path: Path, *, target: str, manual_gate: bool = False, window_s: float = 300) -> Path:
-        """A local plan from this source to host ``target`` (the shape of examples/local-demo.yaml)."""
+        """``examples/local-demo.yaml`` pointed at this source and at host ``target``, with a short ramp."""
         import yaml
 
-        from gpumigrate.flows.demo import golden_inputs
-
-        plan = {
-            "version": 1,
-            "workload": {
-                "name": WORKLOAD,
-                "kind": "inference",
-                "source_host": self.host.name,
-                "endpoint": self.endpoint,
-                "agent": f"{self.host.address}:{self.host.ports['agent']}",
-                "source_region": "local-a",
-            },
-            "target": {"provider": "local", "region": "local-b", "host": target},
-            "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
-            "snapshot": {"precopy_rounds": 1},
-            "transfer": {"store": "file://store", "encryption_key": {"file": str(self.key_file)}, "parallelism": 2},
-            "parity": {"golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")), "atol": 1e-4, "rtol": 1e-3},
-            "traffic": {
-                "stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
-                "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
-                "analysis_interval_s": 0.5,
-                "rollback_window_s": window_s,
-                "manual_gate": manual_gate,
-            },
-        }
+        plan = yaml.safe_load(EXAMPLE.read_text())
+        wl = plan["workload"]
+        # Until the reference server reads GPUMIGRATE_AGENT_ADDR (integration wave), a target started from
+        # workload.launch has no agent; without a launch the flow starts the target its own way.
+        wl.pop("launch", None)
+        wl.update(
+            source_host=self.host.name, endpoint=self.endpoint, agent=f"{self.host.address}:{self.host.ports['agent']}"
+        )
+        plan["target"]["host"] = target
+        plan["transfer"].update(store=f"file://{path.parent / 'store'}", encryption_key={"file": str(self.key_file)})
+        plan["parity"]["golden_inputs"] = str(EXAMPLE.parent / plan["parity"]["golden_inputs"])
+        plan["traffic"].update(
+            stages=[{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
+            gates={"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
+            analysis_interval_s=0.5,
+            rollback_window_s=window_s,
+            manual_gate=manual_gate,
+        )
         path.write_text(yaml.safe_dump(plan, sort_keys=False))
         return path
 
 
 @pytest.fixture
 def local_source(prefect_server: PrefectServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalSource]:
-    """A source host serving the tiny model, and its front door, in the deployment's GPUMIGRATE_HOME
-    (the worker's flow runs find both there). Every host left at the end is terminated."""
+    """The example plan's workload (its own ``workload.launch``) on a local host, and its front door, in the
+    deployment's GPUMIGRATE_HOME, where the worker's flow runs find both. Every host left is terminated."""
     from gpumigrate.atomic import atomic_write_bytes
     from gpumigrate.flows.frontdoor import FrontDoor, default_dir
     from gpumigrate.flows.wiring import wait_ready
     from gpumigrate.infra import get_provider
     from gpumigrate.interfaces import HostSpec
+    from gpumigrate.launch import WorkloadLaunch
+    from gpumigrate.plan import load_plan
     from gpumigrate.transfer import generate_key
 
     monkeypatch.setenv("GPUMIGRATE_HOME", str(prefect_server.gm_home))
+    example = load_plan(EXAMPLE)
     provider = get_provider("local")
     key_file = prefect_server.gm_home / "image.key"
     atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
     door = None
     try:
         host = provider.wait_ready(provider.provision(HostSpec("ui-src", "local", "local-a"), migration_id="ui-tests"))
-        provider.spawn(
-            host,
-            [sys.executable, "-m", "gpumigrate.workloads.inference", "--host", host.address]
-            + ["--port", str(host.ports["service"]), "--agent-port", str(host.ports["agent"])]
-            + ["--seed", "0", "--size", "tiny", "--device", "cpu", "--name", "ui-src"],
-            name="workload",
+        launch = WorkloadLaunch.from_plan(example.workload, plan_dir=EXAMPLE.parent, await_restore=False).render(
+            host=host.address,
+            agent_port=host.ports["agent"],
+            service_port=host.ports["service"],
+            python=sys.executable,
+            name=host.name,
         )
-        wait_ready(f"http://{host.address}:{host.ports['service']}", timeout_s=120)
+        # The agent's port as a flag too: today's reference server does not read GPUMIGRATE_AGENT_ADDR yet.
+        provider.spawn(host, [*launch.argv, "--agent-port", str(host.ports["agent"])], env=launch.env, name="workload")
+        source = f"http://{host.address}:{host.ports['service']}"
+        wait_ready(source, timeout_s=120)
         door = FrontDoor.start(
-            default_dir(WORKLOAD), source_host=host.address, source_port=host.ports["service"], node_id="ui-envoy"
+            default_dir(example.workload.name),
+            source_host=host.address,
+            source_port=host.ports["service"],
+            node_id="ui-envoy",
         )
-        yield LocalSource(provider, host, door, key_file)
+        yield LocalSource(host, door, key_file)
     finally:
         if door is not None:
             door.stop()
