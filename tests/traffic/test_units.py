@@ -227,12 +227,14 @@ def test_live_view_renders_both_sides_and_the_gate() -> None:
                 }
             },
         },
+        "lease": {"holder": "migration m7", "age_s": 0.4, "length_s": 6.0},
     }
     console = Console(width=120, record=True)
     console.print(render(row))
     text = console.export_text()
     assert "source" in text and "target" in text and "75.00" in text and "0.0200" in text
     assert "gate fail" in text and "parity probes" in text and "target success rate 0.98" in text
+    assert "lease migration m7, renewed 0.4s ago (lapses at 6s)" in " ".join(text.split())  # the title wraps
 
 
 def test_stats_of_several_envoys_are_summed() -> None:
