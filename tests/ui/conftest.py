@@ -5,7 +5,7 @@ one process worker on the ``orchestrator`` queue and one browser serve the whole
 first start applies its database migrations, tens of seconds. Each test gets a fresh browser context
 and its own screenshot folder, ``build/ui/<test>/``, listed at the end of pytest's output.
 
-Chromium comes from Debian (``/usr/bin/chromium``, installed by ``.ci/run`` when missing), never a
+Chromium comes from Debian (``/usr/bin/chromium``, installed by ``make test`` when missing), never a
 browser downloaded by Playwright. Without it these tests skip, except in CI, where they fail.
 """
 
@@ -186,7 +186,7 @@ class PrefectServer:
 
 def _require_chromium() -> None:
     if not os.access(CHROMIUM, os.X_OK):
-        msg = f"{CHROMIUM} is missing: apt-get install chromium (.ci/run installs it)"
+        msg = f"{CHROMIUM} is missing: apt-get install chromium (make test installs it)"
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
