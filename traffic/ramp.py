@@ -161,15 +161,17 @@ class _FiguresSampler:
         self.every_s = every_s
         self.reads = 0
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the last sample (stop) may meet a read still running on the thread
         self._thread = threading.Thread(target=self._loop, daemon=True, name="ramp-figures")
 
     def sample(self) -> None:
-        for admin, fig in zip(self.admins, self.figures, strict=True):
-            try:
-                fig.add(parse_ingress(admin.ingress_stats(), ts=time.monotonic()))
-                self.reads += 1
-            except (TrafficError, ValueError):  # a missed read widens one window; the resolution says so
-                continue
+        with self._lock:
+            for admin, fig in zip(self.admins, self.figures, strict=True):
+                try:
+                    fig.add(parse_ingress(admin.ingress_stats(), ts=time.monotonic()))
+                    self.reads += 1
+                except (TrafficError, ValueError):  # a missed read widens one window; the resolution says so
+                    continue
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):

@@ -383,9 +383,9 @@ class LocalSource:
         # Until the reference server reads GPUMIGRATE_AGENT_ADDR (integration wave), a target started from
         # workload.launch has no agent; without a launch the flow starts the target its own way.
         wl.pop("launch", None)
-        wl.update(
-            source_host=self.host.name, endpoint=self.endpoint, agent=f"{self.host.address}:{self.host.ports['agent']}"
-        )
+        address, ports = self.host.address, self.host.ports
+        wl.update(source_host=self.host.name, endpoint=f"http://{address}:{ports['service']}")
+        wl.update(agent=f"{address}:{ports['agent']}")
         plan["target"]["host"] = target
         plan["transfer"].update(store=f"file://{path.parent / 'store'}", encryption_key={"file": str(self.key_file)})
         plan["parity"]["golden_inputs"] = str(EXAMPLE.parent / plan["parity"]["golden_inputs"])
