@@ -126,23 +126,17 @@ def _listener(name: str, host: str, port: int, manager: dict[str, Any]) -> dict[
     }
 
 
-def bootstrap(
-    *,
-    node_id: str,
-    listen_port: int,
-    admin_port: int,
-    xds_port: int,
-    probe_port: int,
-    listen_host: str = "127.0.0.1",
-    max_connection_s: float = 60.0,
-    drain_s: float = 2.0,
-) -> dict[str, Any]:
-    """The bootstrap config (Envoy JSON). Client requests are counted under ``http.ingress.*``, probes
-    under ``http.probes.*``, so a migration's figures never include its own probes."""
-    timing = {"max_connection_s": max_connection_s, "drain_s": drain_s}
+DRAIN_S = 2.0  # what a draining listener gives its open requests (also Envoy's --drain-time-s)
+
+
+def bootstrap(e: Envoy) -> dict[str, Any]:
+    """The bootstrap config (Envoy JSON) of one :class:`Envoy`: its ports, node and listen address.
+    Client requests are counted under ``http.ingress.*``, probes under ``http.probes.*``, so a
+    migration's figures never include its own probes."""
+    timing = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
     return {
-        "node": {"id": node_id, "cluster": "gpumigrate"},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "node": {"id": e.node_id, "cluster": "gpumigrate"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.admin_port}}},
         "stats_flush_interval": "0.5s",
         # Finer latency buckets than Envoy's default (…10, 25, 50…) so a windowed p99 read from
         # bucket diffs is within ~25% of the truth, enough for a 1.5x ratio gate.
@@ -171,8 +165,8 @@ def bootstrap(
         },
         "static_resources": {
             "listeners": [
-                _listener("ingress", listen_host, listen_port, _http_manager("ingress", res.ROUTE_NAME, **timing)),
-                _listener("probes", "127.0.0.1", probe_port, _http_manager("probes", res.PROBE_ROUTE_NAME, **timing)),
+                _listener("ingress", e.listen_host, e.listen_port, _http_manager("ingress", res.ROUTE_NAME, **timing)),
+                _listener("probes", "127.0.0.1", e.probe_port, _http_manager("probes", res.PROBE_ROUTE_NAME, **timing)),
             ],
             "clusters": [
                 {
@@ -187,7 +181,7 @@ def bootstrap(
                                     {
                                         "endpoint": {
                                             "address": {
-                                                "socket_address": {"address": "127.0.0.1", "port_value": xds_port}
+                                                "socket_address": {"address": "127.0.0.1", "port_value": e.xds_port}
                                             }
                                         }
                                     }
@@ -258,18 +252,7 @@ class Envoy:
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
-        atomic_write_json(
-            cfg,
-            bootstrap(
-                node_id=self.node_id,
-                listen_port=self.listen_port,
-                admin_port=self.admin_port,
-                xds_port=self.xds_port,
-                probe_port=self.probe_port,
-                listen_host=self.listen_host,
-                max_connection_s=self.max_connection_s,
-            ),
-        )
+        atomic_write_json(cfg, bootstrap(self))
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child; closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
@@ -284,7 +267,7 @@ class Envoy:
                 "--log-level",
                 "warn",
                 "--drain-time-s",
-                "2",
+                f"{DRAIN_S:g}",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
