@@ -11,7 +11,7 @@ version (= one RDS update) and waits for Envoy's ACK. Re-running against a state
 sends traffic to the target resumes at the first stage at or above the current weight.
 
 While it runs, the controller renews the traffic lease (``lease.json``) from its own loop; if it
-dies or hangs for ``lease_intervals`` intervals, the control plane sends everything back to the
+dies or hangs for ``lease_intervals`` intervals (``lease_min_s`` at least), the control plane sends everything back to the
 source by itself (:class:`~gpumigrate.traffic.xds.LeaseWatch`). A sampler thread reads the client
 listener's counters several times a second, so every ramp's result carries what clients saw
 (requests, failures, p99, downtime: :class:`~gpumigrate.traffic.stats.ClientFigures`).
@@ -57,8 +57,16 @@ class RampSettings:
     max_inconclusive: int = 20
     inconclusive_policy: Literal["rollback", "hold"] = "rollback"
     apply_timeout_s: float = 20.0
-    lease_intervals: int = 3  # renewals the control plane may miss before it returns traffic by itself
+    lease_intervals: int = 3  # intervals without a renewal before the control plane returns traffic by itself
+    # ... but never less than this: a live controller can block this long (an admin read times out at
+    # 5 s; the flow's per-interval callback calls Prefect's API) and must not lose a healthy split.
+    lease_min_s: float = 10.0
     figures_every_s: float = 0.25  # how often the client figures are sampled: the downtime's resolution
+
+    @property
+    def lease_s(self) -> float:
+        """How long the control plane waits for a renewal before it takes the split back."""
+        return max(self.lease_intervals * self.interval_s, self.lease_min_s, self.interval_s)
 
     @classmethod
     def from_plan(cls, traffic: Any, **extra: Any) -> RampSettings:
@@ -254,7 +262,7 @@ class RampController:
             self.store.renew_lease(
                 self.lease_holder,
                 interval_s=self.settings.interval_s,
-                intervals=self.settings.lease_intervals,
+                length_s=self.settings.lease_s,
                 seq=self._lease_seq,
             )
             self._renewed_at = now
@@ -303,6 +311,7 @@ class RampController:
         sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
         self.samples.append(sample)
         self._progress("running", sample)
+        self._renew()  # between the blocking steps of an interval too, not only while it sleeps
         if self.on_interval is not None:
             try:
                 self.on_interval(sample)

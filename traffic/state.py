@@ -92,21 +92,17 @@ class DesiredState:
 
 @dataclass(frozen=True)
 class Lease:
-    """The ramp's claim on a split: renewed every ``interval_s``; void after ``intervals`` missed renewals.
+    """The ramp's claim on a split: renewed at least every ``interval_s``; void after ``length_s`` without.
 
     Only the holder writes ``lease.json``; the control plane reads it and, once it has seen no new
-    ``seq`` for :attr:`length_s` by its own clock, sends everything back to the primary.
+    ``seq`` for ``length_s`` by its own clock, sends everything back to the primary.
     """
 
     holder: str
     interval_s: float
-    intervals: int
+    length_s: float
     seq: int
     renewed: float  # epoch seconds, for people reading the file; expiry is judged by the reader's clock
-
-    @property
-    def length_s(self) -> float:
-        return self.interval_s * self.intervals
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, **asdict(self)}
@@ -118,7 +114,7 @@ class Lease:
         return cls(
             holder=str(d["holder"]),
             interval_s=float(d["interval_s"]),
-            intervals=int(d["intervals"]),
+            length_s=float(d["length_s"]),
             seq=int(d["seq"]),
             renewed=float(d["renewed"]),
         )
@@ -207,11 +203,11 @@ class StateStore:
     def lease_path(self) -> Path:
         return self.dir / LEASE
 
-    def renew_lease(self, holder: str, *, interval_s: float, intervals: int, seq: int) -> Lease:
+    def renew_lease(self, holder: str, *, interval_s: float, length_s: float, seq: int) -> Lease:
         """Write the holder's renewal number ``seq`` (each renewal must change it)."""
-        if interval_s <= 0 or intervals < 1:
-            raise InvalidInputError(f"a lease needs interval_s > 0 and intervals >= 1, got {interval_s}, {intervals}")
-        lease = Lease(holder, interval_s, intervals, seq, time.time())
+        if not 0 < interval_s <= length_s:
+            raise InvalidInputError(f"a lease needs 0 < interval_s <= length_s, got {interval_s}, {length_s}")
+        lease = Lease(holder, interval_s, length_s, seq, time.time())
         atomic_write_json(self.lease_path, lease.to_json())
         return lease
 

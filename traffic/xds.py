@@ -100,7 +100,7 @@ class LeaseWatch:
     def _lapsed(self, lease: Lease, silent: float) -> bool:
         reason = (
             f"traffic lease of {lease.holder} lapsed: no renewal for {silent:.1f}s "
-            f"({lease.intervals} intervals of {lease.interval_s:g}s); traffic returned to the source"
+            f"(lease {lease.length_s:g}s); traffic returned to the source"
         )
         try:
             state = self.store.read()

@@ -2,7 +2,7 @@
 
 Run: ``python ramp_process.py STATE_DIR ADMIN_URL NODE INTERVAL_S LEASE_INTERVALS WEIGHT``. It takes
 the baseline, moves ``WEIGHT`` percent to the target and holds that stage for an hour, renewing the
-traffic lease, until it is killed.
+traffic lease (``LEASE_INTERVALS`` intervals long, no floor), until it is killed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def main() -> None:
         gates=GateSettings(min_requests=1, p99_slack_ms=1000),
         inconclusive_policy="hold",
         lease_intervals=int(intervals),
+        lease_min_s=0.0,
     )
     RampController(state_dir, [admin], settings, nodes=[node], lease_holder="test ramp").run()
 

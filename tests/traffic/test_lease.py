@@ -35,10 +35,10 @@ def _store(tmp_path: Path, target_weight: float) -> StateStore:
 def test_renewals_keep_the_split_and_a_lapse_returns_it(tmp_path: Path) -> None:
     store = _store(tmp_path, 25)
     watch = LeaseWatch(store)
-    store.renew_lease("ramp A", interval_s=1.0, intervals=3, seq=1)
+    store.renew_lease("ramp A", interval_s=1.0, length_s=3.0, seq=1)
     assert not watch.check(now=100.0)
     for seq, now in ((2, 102.5), (3, 105.0), (4, 107.5)):  # renewed within every 3 s: never lapses
-        store.renew_lease("ramp A", interval_s=1.0, intervals=3, seq=seq)
+        store.renew_lease("ramp A", interval_s=1.0, length_s=3.0, seq=seq)
         assert not watch.check(now=now)
     assert not watch.check(now=110.4)  # 2.9 s since seq 4 was first seen
     assert store.read().weights == {"source": 75.0, "target": 25.0}
@@ -48,7 +48,7 @@ def test_renewals_keep_the_split_and_a_lapse_returns_it(tmp_path: Path) -> None:
     assert state.rolled_back is not None
     assert state.rolled_back["trigger"] == "lease"
     assert state.rolled_back["actor"] == "gpumigrate-control-plane"
-    assert "ramp A" in state.rolled_back["reason"] and "3 intervals of 1s" in state.rolled_back["reason"]
+    assert "ramp A" in state.rolled_back["reason"] and "(lease 3s)" in state.rolled_back["reason"]
     assert state.rolled_back["lease"]["seq"] == 4
     assert store.lease() is None  # the lease ended with the rollback
     assert not watch.check(now=200.0)
@@ -58,7 +58,7 @@ def test_a_lapse_with_no_split_held_changes_no_weight(tmp_path: Path) -> None:
     store = _store(tmp_path, 0)
     version = store.version()
     watch = LeaseWatch(store)
-    store.renew_lease("ramp B", interval_s=0.5, intervals=2, seq=1)
+    store.renew_lease("ramp B", interval_s=0.5, length_s=1.0, seq=1)
     watch.check(now=0.0)
     assert watch.check(now=1.5)
     assert store.version() == version and store.read().rolled_back is None
@@ -68,7 +68,7 @@ def test_a_lapse_with_no_split_held_changes_no_weight(tmp_path: Path) -> None:
 def test_an_unreadable_lease_is_judged_by_the_last_renewal_seen(tmp_path: Path) -> None:
     store = _store(tmp_path, 50)
     watch = LeaseWatch(store)
-    store.renew_lease("ramp C", interval_s=1.0, intervals=2, seq=1)
+    store.renew_lease("ramp C", interval_s=1.0, length_s=2.0, seq=1)
     watch.check(now=0.0)
     store.lease_path.write_text("{not json")
     assert not watch.check(now=1.0)
@@ -79,7 +79,7 @@ def test_an_unreadable_lease_is_judged_by_the_last_renewal_seen(tmp_path: Path) 
 def test_killed_ramp_loses_its_split_within_the_lease(light_env_external: Any, tmp_path: Path) -> None:
     """A real control plane process and a real Envoy; the ramp runs in its own process and is SIGKILLed."""
     env = light_env_external
-    interval, intervals = 0.5, 3
+    interval, intervals = 1.0, 3  # and no floor: a 3 s lease
     load = LoadProcess(env.url, rps=50, seconds=60, body=BODY)
     ramp = subprocess.Popen(
         [sys.executable, str(HERE / "ramp_process.py"), str(env.state_dir), env.envoy.admin_url]
@@ -94,7 +94,7 @@ def test_killed_ramp_loses_its_split_within_the_lease(light_env_external: Any, t
             assert time.monotonic() < deadline, "the ramp never reached its 50% stage"
             assert ramp.poll() is None, f"the ramp exited with {ramp.returncode}"
             time.sleep(0.05)
-        time.sleep(3 * interval * intervals)  # held well past one lease length: renewals keep it
+        time.sleep(2 * interval * intervals)  # held well past one lease length: renewals keep it
         assert env.store.read().rolled_back is None
         assert env.envoy.admin.live_weights() == {"source": 5000, "target": 5000}
         _kill(ramp)

@@ -115,7 +115,7 @@ def test_control_plane_killed_mid_ramp_envoy_keeps_weights_and_ramp_resumes(traf
     finally:
         load.stop()
     report = load.wait(60)
-    assert seen.get("killed")
+    assert seen.get("killed"), (result.status, result.trigger, result.reason)
     assert seen["weights_while_down"] == {"source": 7500, "target": 2500}
     assert seen["served_while_down"] == 5
     assert result.status == "completed", result.reason
