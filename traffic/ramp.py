@@ -194,6 +194,9 @@ class _FiguresSampler:
         self._stop.set()
         self._thread.join(timeout=5)
         self.sample()
+        self.sample()  # confirms the last window's reading of requests that ended unanswered
+        for fig in self.figures:
+            fig.close()
         for admin in self.admins:
             admin.close()
         return client_figures(self.figures) if self.reads else None

@@ -219,6 +219,15 @@ def parse_ingress(stats_json: dict[str, Any], ts: float | None = None) -> Ingres
     return out
 
 
+@dataclass
+class _Window:
+    dt: float
+    xx5: int
+    good: int  # answers that were not a 5xx
+    waiting: bool  # requests arrived, or were in flight at the window's start
+    lost: int  # arrived - answered - in flight at the window's end (cumulative; a noisy reading)
+
+
 class ClientFigures:
     """What one Envoy's clients saw over a span, from successive :class:`IngressCounters` samples.
 
@@ -228,6 +237,12 @@ class ClientFigures:
     than a sample (a long generation) has such windows on every quiet start; requiring a failure in
     the stretch keeps slow-but-healthy service out of downtime (its cost shows in p99 instead),
     while a hang still counts once its requests time out or are given up (504s, resets).
+
+    Envoy's reset counters also count streams closed after their answer, so a request that ended
+    unanswered is read as arrived − answered − in flight. Envoy reads those counters one by one while
+    requests come and go, so one sample can be off by the few requests that moved during the read: an
+    increase counts only once the next sample confirms it, and each window is judged one sample late.
+    Call :meth:`close` after the last sample.
     """
 
     def __init__(self) -> None:
@@ -237,9 +252,11 @@ class ClientFigures:
         self.seconds = 0.0
         self.longest_window_s = 0.0
         self.downtime_s = 0.0
+        self._pending: _Window | None = None  # the last window, judged when the next sample confirms it
+        self._lost_high: int | None = None  # the highest confirmed reading of requests that ended unanswered
         self._stretch_s = 0.0
         self._stretch_failed = False
-        self._last_edge_s = 0.0  # the previous sample's failed share, in seconds: a stretch may begin there
+        self._last_edge_s = 0.0  # the previous window's failed share, in seconds: a stretch may begin there
 
     def add(self, cur: IngressCounters) -> None:
         prev, self.prev = self.prev, cur
@@ -247,28 +264,44 @@ class ClientFigures:
             return
         if cur.total < prev.total:  # Envoy restarted: its counters began again from zero
             prev = IngressCounters(prev.ts)
+            self.close()
+            self._lost_high = None
         dt = max(0.0, cur.ts - prev.ts)
-        arrived = max(0, cur.total - prev.total)
         answered = max(0, cur.completed - prev.completed)
         xx5 = max(0, cur.xx5 - prev.xx5)
-        # Envoy's reset counters also count streams closed after their answer; what never got one is this:
-        unanswered = max(0, (cur.total - cur.completed - cur.active) - (prev.total - prev.completed - prev.active))
-        failed = xx5 + unanswered
-        self.requests += arrived
+        self.requests += max(0, cur.total - prev.total)
         self.answered += answered
-        self.failures += failed
         self.seconds += dt
         self.longest_window_s = max(self.longest_window_s, dt)
         diff = _bucket_diff(prev.buckets, cur.buckets)
         self.buckets = (
             diff if not self.buckets else [(ub, n + d) for (ub, n), (_, d) in zip(self.buckets, diff, strict=False)]
         )
-        good = answered - xx5
-        edge = dt * failed / (failed + good) if failed and good > 0 else 0.0
-        if (arrived > 0 or prev.active > 0) and good <= 0:
+        window = _Window(
+            dt, xx5, answered - xx5, cur.total > prev.total or prev.active > 0, cur.total - cur.completed - cur.active
+        )
+        if self._lost_high is None:  # the span's first window: what ended unanswered before it is not its own
+            self._lost_high = min(prev.total - prev.completed - prev.active, window.lost)
+        if self._pending is not None:
+            confirmed = min(self._pending.lost, window.lost)
+            self._judge(self._pending, max(0, confirmed - self._lost_high))
+            self._lost_high = max(self._lost_high, confirmed)
+        self._pending = window
+
+    def close(self) -> None:
+        """Judge the last window (an unconfirmed rise of its unanswered reading is not counted)."""
+        if self._pending is not None:
+            self._judge(self._pending, 0)
+            self._pending = None
+
+    def _judge(self, w: _Window, unanswered: int) -> None:
+        failed = w.xx5 + unanswered
+        self.failures += failed
+        edge = w.dt * failed / (failed + w.good) if failed and w.good > 0 else 0.0
+        if w.waiting and w.good <= 0:
             if self._stretch_s == 0.0:
                 self._stretch_s = self._last_edge_s
-            self._stretch_s += dt
+            self._stretch_s += w.dt
             self._stretch_failed = self._stretch_failed or failed > 0
         elif self._stretch_s > 0.0:
             self._stretch_s += edge
@@ -281,7 +314,7 @@ class ClientFigures:
         self._stretch_s, self._stretch_failed = 0.0, False
 
     def downtime(self) -> float:
-        """Seconds, the stretch still open at the last sample included."""
+        """Seconds, the stretch still open at the last judged window included."""
         open_s = self._stretch_s if self._stretch_failed else 0.0
         return max(self.downtime_s, open_s)
 

@@ -21,6 +21,7 @@ def _run(samples: list[tuple[float, int, int, int, int]]) -> ClientFigures:
     fig = ClientFigures()
     for ts, total, completed, xx5, active in samples:
         fig.add(IngressCounters(ts, total, completed, xx5, active))
+    fig.close()
     return fig
 
 
@@ -59,6 +60,25 @@ def test_slow_answers_are_latency_not_downtime_and_a_hang_is_downtime_once_it_fa
     )
     assert hang.downtime() == pytest.approx(3.0)
     assert client_figures([hang])["failures"] == 20
+
+
+def test_a_reading_taken_while_requests_moved_is_not_a_failure() -> None:
+    # Envoy reads its counters one by one: a sample may catch a request arrived but not yet in flight
+    # (one more "unanswered"), or answered but still counted in flight (one fewer). Neither is a failure.
+    fig = _run(
+        [
+            (0.0, 0, 0, 0, 0),
+            (1.0, 100, 99, 0, 0),  # one request read as arrived, neither answered nor in flight
+            (2.0, 200, 200, 0, 0),
+            (3.0, 300, 300, 0, 1),  # one answer read as still in flight
+            (4.0, 400, 400, 0, 0),
+            (5.0, 501, 500, 0, 0),  # the last reading, unconfirmed
+        ]
+    )
+    assert fig.failures == 0 and fig.downtime() == 0.0
+    # A request that really ended unanswered stays in the reading, and is counted once.
+    lost = _run([(0.0, 0, 0, 0, 0), (1.0, 100, 99, 0, 0), (2.0, 200, 199, 0, 0), (3.0, 300, 299, 0, 0)])
+    assert lost.failures == 1
 
 
 def test_counters_that_restart_start_a_new_count_and_an_open_outage_counts_to_the_end() -> None:
