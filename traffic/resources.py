@@ -66,9 +66,13 @@ def endpoint_cluster(
     *,
     health_path: str = "/readyz",
     health_interval_s: float = 0.5,
+    health_timeout_s: float = 2.0,
     max_connection_s: float = 30.0,
 ) -> dict[str, Any]:
-    """The real upstream. Health: 2 failed checks (≈1 s) mark it down; 1 good check brings it back."""
+    """The real upstream. Health: 2 failed checks (≈1 s when refused) mark it down; 1 good check brings it
+    back. A check may take ``health_timeout_s``: a source busy snapshotting on a loaded host answers
+    /readyz late, and with one host and no panic routing, "late" read as "dead" is an outage of the
+    front door's own making. A dead host refuses at once, so this costs nothing there."""
     return {
         "name": name,
         "type": "STATIC",
@@ -85,7 +89,7 @@ def endpoint_cluster(
         },
         "health_checks": [
             {
-                "timeout": _duration(max(0.25, health_interval_s)),
+                "timeout": _duration(max(health_timeout_s, health_interval_s)),
                 "interval": _duration(health_interval_s),
                 "no_traffic_interval": _duration(health_interval_s),
                 "no_traffic_healthy_interval": _duration(health_interval_s),
