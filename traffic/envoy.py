@@ -373,7 +373,7 @@ class EnvoyAdmin:
         """The client listener's counters alone (``http.ingress.*``): a small read, taken several times a second."""
         names = "|".join(INGRESS_STATS)
         query = "/stats?format=json&histogram_buckets=cumulative&filter=" + quote(f"^http\\.ingress\\.({names})$")
-        return self._get(query).json()
+        return dict(self._get(query).json())
 
     def clusters(self) -> dict[str, Any]:
         return self._get("/clusters?format=json").json()

@@ -186,7 +186,7 @@ def route_config(
     ``failover=False`` splits over the endpoint clusters directly (a plain weighted split, as most
     canary tools do); it exists as the benchmark's baseline, to show what the failover buys.
     """
-    split = [
+    split: list[dict[str, Any]] = [
         {"name": failover_name(u) if failover else u, "weight": int(round(weights.get(u, 0.0) * WEIGHT_SCALE))}
         for u in upstreams
     ]

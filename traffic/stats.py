@@ -171,8 +171,13 @@ def _bucket_diff(old: list[tuple[float, int]], new: list[tuple[float, int]]) -> 
 #
 # Probes go through their own listener (``http.probes.*``), so none of this counts them.
 INGRESS_PREFIX = "http.ingress."
-INGRESS_STATS = ("downstream_rq_total", "downstream_rq_completed", "downstream_rq_5xx", "downstream_rq_active")
-INGRESS_STATS += ("downstream_rq_time",)
+INGRESS_STATS: tuple[str, ...] = (
+    "downstream_rq_total",
+    "downstream_rq_completed",
+    "downstream_rq_5xx",
+    "downstream_rq_active",
+    "downstream_rq_time",
+)
 
 DOWNTIME_DEFINITION = (
     "longest stretch of consecutive stats samples in which requests were waiting (arrived, or in flight "
