@@ -24,7 +24,12 @@ $(STAMP): pyproject.toml constraints.txt setup.py transfer/_huffplane.c
 demo: $(STAMP)
 	$(BIN)/gpumigrate demo
 
-test: $(STAMP) typecheck
+# The browser tests (tests/ui) drive Debian's chromium headless: installed only when it is missing.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
+
+test: $(STAMP) $(CHROMIUM) typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -ra tests

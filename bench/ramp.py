@@ -179,7 +179,7 @@ def controller(
     stack: Stack, stages: tuple[tuple[float, float], ...], args: argparse.Namespace, *, probes: bool = True, **kw: Any
 ) -> RampController:
     assert stack.envoy is not None
-    prober = Prober(stack.envoy.url, GOLDEN, Comparator(), every_s=args.interval) if probes else None
+    prober = Prober(stack.envoy.probe_url, GOLDEN, Comparator(), every_s=args.interval) if probes else None
     settings = RampSettings(
         stages=stages,
         interval_s=args.interval,

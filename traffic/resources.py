@@ -7,11 +7,22 @@ For every upstream ``X`` (``source``, ``target``) there are two clusters:
 
 * ``X``: the real endpoint, with active health checks on ``/readyz``, consecutive-5xx outlier
   detection and no panic routing (a dead single host must read as dead, not as "route anyway").
-  Parity probes reach it directly through a header-matched route (``x-gpumigrate-cluster: X``).
+  Parity probes reach it directly through a header-matched route (``x-gpumigrate-cluster: X``)
+  that exists only on the probe listener (below).
 * ``X_failover``: an aggregate cluster ``[X, every other upstream]``. The weighted split points at
   these, so a request whose attempt on ``X`` fails is retried on the next priority (the other
   side) instead of in the same cluster: a weighted split by itself is not failover (NOTES.md).
   Client traffic statistics therefore live under ``cluster.X_failover.*``.
+
+Two route configurations, one per listener of the bootstrap (:mod:`envoy`):
+
+* ``gpumigrate`` (the client listener): internal paths (``/admin`` and below, any case) answer 404
+  from Envoy itself, then the weighted split. It has no header routes, so no client header picks a
+  side; internal headers are stripped before the request reaches the workload.
+* ``gpumigrate-probes`` (a second listener, always on loopback): one route per upstream selected by
+  ``x-gpumigrate-cluster``, which tags its answer with ``x-gpumigrate-upstream`` so a prober can
+  tell that it reached the side it named; a request naming no side gets 404. A loopback caller can
+  reach the upstreams' own ports anyway, so this listener opens nothing that was closed.
 """
 
 from __future__ import annotations
@@ -19,7 +30,13 @@ from __future__ import annotations
 from typing import Any
 
 ROUTE_NAME = "gpumigrate"
-PROBE_HEADER = "x-gpumigrate-cluster"
+PROBE_ROUTE_NAME = "gpumigrate-probes"
+PROBE_HEADER = "x-gpumigrate-cluster"  # request: which side a probe asks for (probe listener only)
+SIDE_HEADER = "x-gpumigrate-upstream"  # response: which side answered a probe (probe listener only)
+INTERNAL_HEADERS = (PROBE_HEADER, SIDE_HEADER)
+# Paths a workload serves to its operators, never to clients (the reference server's /admin/fault).
+# Matched after Envoy normalised the path (dot segments, slashes, escaped slashes), in any case.
+INTERNAL_PATH_PREFIXES = ("/admin",)
 FAILOVER_SUFFIX = "_failover"
 WEIGHT_SCALE = 100  # percent → integer weight: 1% = 100, so 0.01% steps are exact
 
@@ -49,9 +66,13 @@ def endpoint_cluster(
     *,
     health_path: str = "/readyz",
     health_interval_s: float = 0.5,
+    health_timeout_s: float = 2.0,
     max_connection_s: float = 30.0,
 ) -> dict[str, Any]:
-    """The real upstream. Health: 2 failed checks (≈1 s) mark it down; 1 good check brings it back."""
+    """The real upstream. Health: 2 failed checks (≈1 s when refused) mark it down; 1 good check brings it
+    back. A check may take ``health_timeout_s``: a source busy snapshotting on a loaded host answers
+    /readyz late, and with one host and no panic routing, "late" read as "dead" is an outage of the
+    front door's own making. A dead host refuses at once, so this costs nothing there."""
     return {
         "name": name,
         "type": "STATIC",
@@ -68,7 +89,7 @@ def endpoint_cluster(
         },
         "health_checks": [
             {
-                "timeout": _duration(max(0.25, health_interval_s)),
+                "timeout": _duration(max(health_timeout_s, health_interval_s)),
                 "interval": _duration(health_interval_s),
                 "no_traffic_interval": _duration(health_interval_s),
                 "no_traffic_healthy_interval": _duration(health_interval_s),
@@ -146,27 +167,31 @@ def retry_policy(idempotent: bool) -> dict[str, Any]:
     }
 
 
+def _internal_path_routes() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": f"internal{prefix.replace('/', '-')}",
+            "match": {"path_separated_prefix": prefix, "case_sensitive": False},
+            "direct_response": {"status": 404, "body": {"inline_string": "not found\n"}},
+        }
+        for prefix in INTERNAL_PATH_PREFIXES
+    ]
+
+
 def route_config(
     upstreams: list[str], weights: dict[str, float], *, idempotent: bool, timeout_s: float = 30.0, failover: bool = True
 ) -> dict[str, Any]:
-    """One route configuration: probe routes by header, then the weighted split of client traffic.
+    """The client listener's routes: internal paths answer 404, everything else takes the weighted split.
 
     ``failover=False`` splits over the endpoint clusters directly (a plain weighted split, as most
     canary tools do); it exists as the benchmark's baseline, to show what the failover buys.
     """
-    routes: list[dict[str, Any]] = [
-        {
-            "name": f"probe-{u}",
-            "match": {"prefix": "/", "headers": [{"name": PROBE_HEADER, "string_match": {"exact": u}}]},
-            "route": {"cluster": u, "timeout": _duration(timeout_s)},
-        }
-        for u in upstreams
-    ]
-    split = [
+    split: list[dict[str, Any]] = [
         {"name": failover_name(u) if failover else u, "weight": int(round(weights.get(u, 0.0) * WEIGHT_SCALE))}
         for u in upstreams
     ]
     split = [c for c in split if c["weight"] > 0]
+    routes = _internal_path_routes()
     routes.append(
         {
             "name": "split",
@@ -178,7 +203,43 @@ def route_config(
             },
         }
     )
-    return {"name": ROUTE_NAME, "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}]}
+    return {
+        "name": ROUTE_NAME,
+        # A client cannot name a side, and cannot make its answer look like a probe's.
+        "request_headers_to_remove": list(INTERNAL_HEADERS),
+        "response_headers_to_remove": [SIDE_HEADER],
+        "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": routes}],
+    }
+
+
+def probe_route_config(upstreams: list[str], *, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The probe listener's routes: ``x-gpumigrate-cluster: X`` reaches ``X`` alone, and says so."""
+    routes: list[dict[str, Any]] = [
+        {
+            "name": f"probe-{u}",
+            "match": {"prefix": "/", "headers": [{"name": PROBE_HEADER, "string_match": {"exact": u}}]},
+            "route": {"cluster": u, "timeout": _duration(timeout_s)},
+            "response_headers_to_add": [
+                {"header": {"key": SIDE_HEADER, "value": u}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            ],
+        }
+        for u in upstreams
+    ]
+    routes.append(
+        {
+            "name": "no-side",
+            "match": {"prefix": "/"},
+            "direct_response": {
+                "status": 404,
+                "body": {"inline_string": f"probe listener: name an upstream in {PROBE_HEADER}\n"},
+            },
+        }
+    )
+    return {
+        "name": PROBE_ROUTE_NAME,
+        "request_headers_to_remove": [PROBE_HEADER],
+        "virtual_hosts": [{"name": "probes", "domains": ["*"], "routes": routes}],
+    }
 
 
 def clusters_for(upstreams: dict[str, tuple[str, int, str]]) -> dict[str, dict[str, Any]]:

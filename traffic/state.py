@@ -23,6 +23,7 @@ from gpumigrate.errors import InvalidInputError, TrafficError
 
 DESIRED = "desired.json"
 STATUS_DIR = "status"
+LEASE = "lease.json"
 FORMAT_VERSION = 1
 
 
@@ -68,6 +69,10 @@ class DesiredState:
             failover=bool(d.get("failover", True)),
         )
 
+    def holds_split(self) -> bool:
+        """True while any traffic goes somewhere other than the primary."""
+        return any(w > 0 for name, w in self.weights.items() if name != self.primary)
+
     def validate(self) -> None:
         if self.primary not in self.upstreams:
             raise InvalidInputError(f"primary upstream {self.primary!r} is not one of {sorted(self.upstreams)}")
@@ -83,6 +88,36 @@ class DesiredState:
         for u in self.upstreams.values():
             if not u.name.replace("-", "").replace("_", "").isalnum() or "." in u.name:
                 raise InvalidInputError(f"upstream name {u.name!r}: use letters, digits, '-' and '_'")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The ramp's claim on a split: renewed at least every ``interval_s``; void after ``length_s`` without.
+
+    Only the holder writes ``lease.json``; the control plane reads it and, once it has seen no new
+    ``seq`` for ``length_s`` by its own clock, sends everything back to the primary.
+    """
+
+    holder: str
+    interval_s: float
+    length_s: float
+    seq: int
+    renewed: float  # epoch seconds, for people reading the file; expiry is judged by the reader's clock
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Lease:
+        if d.get("format") != FORMAT_VERSION:
+            raise TrafficError(f"traffic lease format {d.get('format')!r} is not supported (expected {FORMAT_VERSION})")
+        return cls(
+            holder=str(d["holder"]),
+            interval_s=float(d["interval_s"]),
+            length_s=float(d["length_s"]),
+            seq=int(d["seq"]),
+            renewed=float(d["renewed"]),
+        )
 
 
 def split(primary: str, other: str, other_weight: float) -> dict[str, float]:
@@ -163,6 +198,41 @@ class StateStore:
 
         return self.update(change)
 
+    # -- the ramp's lease on a split (the control plane's dead man's switch) ------------
+    @property
+    def lease_path(self) -> Path:
+        return self.dir / LEASE
+
+    def renew_lease(self, holder: str, *, interval_s: float, length_s: float, seq: int) -> Lease:
+        """Write the holder's renewal number ``seq`` (each renewal must change it)."""
+        if not 0 < interval_s <= length_s:
+            raise InvalidInputError(f"a lease needs 0 < interval_s <= length_s, got {interval_s}, {length_s}")
+        lease = Lease(holder, interval_s, length_s, seq, time.time())
+        atomic_write_json(self.lease_path, lease.to_json())
+        return lease
+
+    def lease(self) -> Lease | None:
+        """The current lease, or None when no ramp holds one (an unreadable file counts as held: the
+        reader keeps the previous renewal it saw and judges expiry from that)."""
+        try:
+            return Lease.from_json(json.loads(self.lease_path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise TrafficError(f"traffic lease {self.lease_path} is unreadable: {exc}") from None
+
+    def release_lease(self, holder: str | None = None) -> None:
+        """End the lease (the ramp finished, or the control plane acted on its expiry). With ``holder``,
+        only that holder's lease is removed."""
+        if holder is not None:
+            try:
+                current = self.lease()
+            except TrafficError:
+                current = None
+            if current is not None and current.holder != holder:
+                return
+        self.lease_path.unlink(missing_ok=True)
+
     # -- per-Envoy status written by the control plane -------------------------------
     def write_status(self, node: str, status: dict[str, Any]) -> None:
         atomic_write_json(self.dir / STATUS_DIR / f"{_safe(node)}.json", status)
@@ -178,10 +248,15 @@ class StateStore:
                     continue  # being replaced right now; the next poll reads it
         return out
 
-    def wait_applied(self, version: int, nodes: list[str], *, timeout_s: float = 10.0) -> None:
-        """Block until every node ACKed ``version`` (or later). A NACK raises :class:`TrafficError`."""
+    def wait_applied(
+        self, version: int, nodes: list[str], *, timeout_s: float = 10.0, tick: Callable[[], None] | None = None
+    ) -> None:
+        """Block until every node ACKed ``version`` (or later). A NACK raises :class:`TrafficError`.
+        ``tick`` is called on every poll (the ramp renews its lease there while it waits)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            if tick is not None:
+                tick()
             st = self.statuses()
             pending = []
             for node in nodes:
@@ -204,8 +279,11 @@ class StateStore:
             time.sleep(0.02)
 
 
-def rollback_to_source(state_dir: str | Path, reason: str, *, actor: str | None = None) -> DesiredState:
-    """Send 100% of traffic to the primary (source) in one update. Works from any process; idempotent."""
+def rollback_to_source(state_dir: str | Path, reason: str, *, actor: str | None = None, **details: Any) -> DesiredState:
+    """Send 100% of traffic to the primary (source) in one update. Works from any process; idempotent.
+
+    ``details`` (e.g. ``trigger="lease"``) are kept in ``rolled_back`` beside the reason.
+    """
     from gpumigrate.settings import operator
 
     store = StateStore(state_dir)
@@ -213,7 +291,7 @@ def rollback_to_source(state_dir: str | Path, reason: str, *, actor: str | None 
     def change(s: DesiredState) -> None:
         s.weights = {name: (100.0 if name == s.primary else 0.0) for name in s.upstreams}
         if not s.rolled_back:
-            s.rolled_back = {"reason": reason, "actor": actor or operator(), "ts": time.time()}
+            s.rolled_back = {**details, "reason": reason, "actor": actor or operator(), "ts": time.time()}
 
     return store.update(change)
 

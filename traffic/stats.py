@@ -165,3 +165,184 @@ def _bucket_diff(old: list[tuple[float, int]], new: list[tuple[float, int]]) -> 
     if not old or len(old) != len(new):
         return list(new)
     return [(ub, max(0, n - o)) for (ub, n), (_, o) in zip(new, old, strict=True)]
+
+
+# -- what clients saw: the client listener's own counters (``http.ingress.*``) --------------------
+#
+# Probes go through their own listener (``http.probes.*``), so none of this counts them.
+INGRESS_PREFIX = "http.ingress."
+INGRESS_STATS: tuple[str, ...] = (
+    "downstream_rq_total",
+    "downstream_rq_completed",
+    "downstream_rq_5xx",
+    "downstream_rq_active",
+    "downstream_rq_time",
+)
+
+DOWNTIME_DEFINITION = (
+    "longest stretch of consecutive stats samples in which requests were waiting (arrived, or in flight "
+    "at the sample's start) and none was answered without a 5xx, counted only when the stretch held a "
+    "failure (a 5xx, or a request that ended unanswered); the samples on either side add the failed share of their answers "
+    "(where the outage began or ended inside them); within one sample of the truth at each end"
+)
+
+
+@dataclass
+class IngressCounters:
+    """One Envoy's client-listener counters at one moment."""
+
+    ts: float
+    total: int = 0  # requests that arrived
+    completed: int = 0  # requests answered (any status)
+    xx5: int = 0  # answered with a 5xx
+    active: int = 0  # in flight now (a gauge); arrived - answered - in flight = ended unanswered (reset)
+    buckets: list[tuple[float, int]] = field(default_factory=list)  # downstream_rq_time, cumulative
+
+
+def parse_ingress(stats_json: dict[str, Any], ts: float | None = None) -> IngressCounters:
+    """Pick ``http.ingress.*`` out of ``/stats?format=json&histogram_buckets=cumulative``."""
+    out = IngressCounters(ts if ts is not None else time.time())
+    for entry in stats_json.get("stats", []):
+        if "histograms" in entry:
+            hists = entry["histograms"]
+            for h in hists if isinstance(hists, list) else []:
+                if h.get("name") == INGRESS_PREFIX + "downstream_rq_time":
+                    out.buckets = [(float(b["upper_bound"]), int(b["cumulative"])) for b in h.get("buckets", [])]
+            continue
+        name, value = entry.get("name", ""), entry.get("value", 0)
+        if not name.startswith(INGRESS_PREFIX):
+            continue
+        key = name[len(INGRESS_PREFIX) :]
+        if key == "downstream_rq_total":
+            out.total = int(value)
+        elif key == "downstream_rq_completed":
+            out.completed = int(value)
+        elif key == "downstream_rq_5xx":
+            out.xx5 = int(value)
+        elif key == "downstream_rq_active":
+            out.active = int(value)
+    return out
+
+
+@dataclass
+class _Window:
+    dt: float
+    xx5: int
+    good: int  # answers that were not a 5xx
+    waiting: bool  # requests arrived, or were in flight at the window's start
+    lost: int  # arrived - answered - in flight at the window's end (cumulative; a noisy reading)
+
+
+class ClientFigures:
+    """What one Envoy's clients saw over a span, from successive :class:`IngressCounters` samples.
+
+    Requests, failures (5xx answers, and requests that ended unanswered), p99 of every answer, and downtime as
+    :data:`DOWNTIME_DEFINITION` says. Why that definition: a window with requests waiting and no
+    good answer is what a client feels as an outage, but a workload whose normal answers take longer
+    than a sample (a long generation) has such windows on every quiet start; requiring a failure in
+    the stretch keeps slow-but-healthy service out of downtime (its cost shows in p99 instead),
+    while a hang still counts once its requests time out or are given up (504s, resets).
+
+    Envoy's reset counters also count streams closed after their answer, so a request that ended
+    unanswered is read as arrived − answered − in flight. Envoy reads those counters one by one while
+    requests come and go, so one sample can be off by the few requests that moved during the read: an
+    increase counts only once the next sample confirms it, and each window is judged one sample late.
+    Call :meth:`close` after the last sample.
+    """
+
+    def __init__(self) -> None:
+        self.prev: IngressCounters | None = None
+        self.requests = self.answered = self.failures = 0
+        self.buckets: list[tuple[float, int]] = []
+        self.seconds = 0.0
+        self.longest_window_s = 0.0
+        self.downtime_s = 0.0
+        self._pending: _Window | None = None  # the last window, judged when the next sample confirms it
+        self._lost_high: int | None = None  # the highest confirmed reading of requests that ended unanswered
+        self._stretch_s = 0.0
+        self._stretch_failed = False
+        self._last_edge_s = 0.0  # the previous window's failed share, in seconds: a stretch may begin there
+
+    def add(self, cur: IngressCounters) -> None:
+        prev, self.prev = self.prev, cur
+        if prev is None:
+            return
+        if cur.total < prev.total:  # Envoy restarted: its counters began again from zero
+            prev = IngressCounters(prev.ts)
+            self.close()
+            self._lost_high = None
+        dt = max(0.0, cur.ts - prev.ts)
+        answered = max(0, cur.completed - prev.completed)
+        xx5 = max(0, cur.xx5 - prev.xx5)
+        self.requests += max(0, cur.total - prev.total)
+        self.answered += answered
+        self.seconds += dt
+        self.longest_window_s = max(self.longest_window_s, dt)
+        diff = _bucket_diff(prev.buckets, cur.buckets)
+        self.buckets = (
+            diff if not self.buckets else [(ub, n + d) for (ub, n), (_, d) in zip(self.buckets, diff, strict=False)]
+        )
+        window = _Window(
+            dt, xx5, answered - xx5, cur.total > prev.total or prev.active > 0, cur.total - cur.completed - cur.active
+        )
+        if self._lost_high is None:  # the span's first window: what ended unanswered before it is not its own
+            self._lost_high = min(prev.total - prev.completed - prev.active, window.lost)
+        if self._pending is not None:
+            confirmed = min(self._pending.lost, window.lost)
+            self._judge(self._pending, max(0, confirmed - self._lost_high))
+            self._lost_high = max(self._lost_high, confirmed)
+        self._pending = window
+
+    def close(self) -> None:
+        """Judge the last window (an unconfirmed rise of its unanswered reading is not counted)."""
+        if self._pending is not None:
+            self._judge(self._pending, 0)
+            self._pending = None
+
+    def _judge(self, w: _Window, unanswered: int) -> None:
+        failed = w.xx5 + unanswered
+        self.failures += failed
+        edge = w.dt * failed / (failed + w.good) if failed and w.good > 0 else 0.0
+        if w.waiting and w.good <= 0:
+            if self._stretch_s == 0.0:
+                self._stretch_s = self._last_edge_s
+            self._stretch_s += w.dt
+            self._stretch_failed = self._stretch_failed or failed > 0
+        elif self._stretch_s > 0.0:
+            self._stretch_s += edge
+            self._close_stretch()
+        self._last_edge_s = edge
+
+    def _close_stretch(self) -> None:
+        if self._stretch_failed:
+            self.downtime_s = max(self.downtime_s, self._stretch_s)
+        self._stretch_s, self._stretch_failed = 0.0, False
+
+    def downtime(self) -> float:
+        """Seconds, the stretch still open at the last judged window included."""
+        open_s = self._stretch_s if self._stretch_failed else 0.0
+        return max(self.downtime_s, open_s)
+
+
+def client_figures(per_envoy: list[ClientFigures]) -> dict[str, Any]:
+    """The figures of a migration's traffic: sums over every Envoy; downtime is the worst Envoy's."""
+    buckets: list[tuple[float, int]] = []
+    for f in per_envoy:
+        buckets = (
+            list(f.buckets)
+            if not buckets
+            else [(ub, n + m) for (ub, n), (_, m) in zip(buckets, f.buckets, strict=False)]
+        )
+    p99 = percentile_from_buckets(buckets, 0.99)
+    return {
+        "source": "envoy",
+        "envoys": len(per_envoy),
+        "requests": sum(f.requests for f in per_envoy),
+        "answered": sum(f.answered for f in per_envoy),
+        "failures": sum(f.failures for f in per_envoy),
+        "p99_ms": None if p99 is None else round(p99, 2),
+        "downtime_ms": round(1000 * max((f.downtime() for f in per_envoy), default=0.0), 1),
+        "downtime_resolution_ms": round(1000 * max((f.longest_window_s for f in per_envoy), default=0.0), 1),
+        "downtime_definition": DOWNTIME_DEFINITION,
+        "seconds": round(max((f.seconds for f in per_envoy), default=0.0), 3),
+    }

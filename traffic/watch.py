@@ -1,5 +1,6 @@
 """The side-by-side live view: per upstream weight, request rate, error rate, p99, health, plus the
-ramp's parity probes and gate verdict (from ``ramp.json`` in the state directory, when given).
+ramp's parity probes and gate verdict (from ``ramp.json`` in the state directory, when given) and
+the traffic lease: who holds the split and how long since their last renewal.
 
 Reads only Envoy's admin interface and the state directory, so it runs in any process next to a
 ramp: ``gpumigrate traffic watch --admin URL [--state-dir D] [--prometheus-port P]``.
@@ -15,9 +16,11 @@ from typing import Any
 
 from rich.table import Table
 
+from gpumigrate.errors import TrafficError
 from gpumigrate.traffic.envoy import EnvoyAdmin
 from gpumigrate.traffic.ramp import PROGRESS_FILE
 from gpumigrate.traffic.resources import FAILOVER_SUFFIX, WEIGHT_SCALE
+from gpumigrate.traffic.state import StateStore
 from gpumigrate.traffic.stats import StatsSnapshot, parse_stats, window
 
 _FAILOVER_RE = re.compile(r"^cluster\.([A-Za-z0-9_-]+)" + re.escape(FAILOVER_SUFFIX) + r"\.")
@@ -46,17 +49,28 @@ class Watcher:
         prev, self._prev = self._prev, snap
         clusters = {u: w.to_json() for u, w in window(prev, snap).items()} if prev else {}
         weights = {u: w / WEIGHT_SCALE for u, w in self.admin.live_weights().items()}
-        ramp = None
+        ramp = lease = None
         if self.state_dir is not None:
             try:
                 ramp = json.loads((self.state_dir / PROGRESS_FILE).read_text())
             except (FileNotFoundError, json.JSONDecodeError):
                 ramp = None
+            try:
+                held = StateStore(self.state_dir).lease()
+            except TrafficError:
+                held = None
+            if held is not None:  # the age by the wall clock: a view, not the control plane's judgement
+                lease = {
+                    "holder": held.holder,
+                    "age_s": round(time.time() - held.renewed, 1),
+                    "length_s": held.length_s,
+                }
         return {
             "ts": time.time(),
             "weights": {u: weights.get(u, 0.0) for u in self.upstreams},
             "clusters": clusters,
             "ramp": ramp,
+            "lease": lease,
         }
 
 
@@ -70,6 +84,9 @@ def render(row: dict[str, Any]) -> Table:
     verdict = analysis.get("verdict", "–")
     parity = next((m for m in analysis.get("measurements", []) if m.get("metric") == "parity"), None)
     title = f"traffic · ramp {ramp.get('status', 'not running')} · gate {verdict}"
+    lease = row.get("lease")
+    if lease:
+        title += f" · lease {lease['holder']}, renewed {lease['age_s']:g}s ago (lapses at {lease['length_s']:g}s)"
     t = Table(title=title, caption=(analysis.get("reason") or "")[:160])
     for col in ("cluster", "weight %", "req/s", "error rate", "p99 ms", "healthy"):
         t.add_column(col, justify="right" if col != "cluster" else "left")

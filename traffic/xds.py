@@ -8,6 +8,16 @@ only after Envoy ACKed the previous one. A NACK
 (``error_detail``) stops the sequence, Envoy keeps its last good config, and the rejection is
 written to ``status/<node>.json`` where :meth:`StateStore.wait_applied` raises it as an error.
 
+Two route configurations go out over RDS, one per listener: the client split and the probe routes
+(:mod:`resources`).
+
+The traffic lease (a dead man's switch): while a ramp holds a split, it renews ``lease.json`` every
+interval. The watcher notes when it last saw a new renewal, by its own monotonic clock (so the
+two processes' clocks never have to agree); after the lease's length without one, it sends 100%
+of traffic to the primary by itself, records why in ``desired.json`` (``rolled_back`` with
+``trigger: "lease"``) and in its log, and ends the lease. A control plane that starts while a lease
+exists gives it one full length from that moment.
+
 Run it in-process (:class:`ControlPlane`) or as its own process::
 
     python -m gpumigrate.traffic.xds --state-dir D --port P     # or: gpumigrate traffic serve
@@ -29,12 +39,13 @@ from typing import Any
 
 from gpumigrate.errors import TrafficError
 from gpumigrate.traffic import resources as res
-from gpumigrate.traffic.state import DesiredState, StateStore
+from gpumigrate.traffic.state import DesiredState, Lease, StateStore, rollback_to_source
 
 log = logging.getLogger("gpumigrate.traffic.xds")
 
 CDS, RDS = res.CLUSTER_TYPE, res.ROUTE_TYPE
 _WATCH_S = 0.03  # how often the state file is polled: bounds the time from a weight change to the push
+_LEASE_LOOK_S = 0.1  # how often the lease is read: what a lapse may take beyond the lease's own length
 
 
 @dataclass(frozen=True)
@@ -43,7 +54,7 @@ class Snapshot:
 
     version: int
     clusters: dict[str, dict[str, Any]]
-    route: dict[str, Any]
+    routes: dict[str, dict[str, Any]]  # route configuration name → resource
 
 
 def build_snapshot(state: DesiredState) -> Snapshot:
@@ -51,11 +62,65 @@ def build_snapshot(state: DesiredState) -> Snapshot:
     names = list(state.upstreams)
     # The primary goes first so that its probe route and failover order are stable.
     names.sort(key=lambda n: (n != state.primary, n))
+    client = res.route_config(names, state.weights, idempotent=state.idempotent, failover=state.failover)
+    probes = res.probe_route_config(names)
     return Snapshot(
         state.version,
         res.clusters_for({n: ups[n] for n in names}),
-        res.route_config(names, state.weights, idempotent=state.idempotent, failover=state.failover),
+        {client["name"]: client, probes["name"]: probes},
     )
+
+
+class LeaseWatch:
+    """Acts on a lapsed traffic lease: 100% to the primary, the reason in the state and the log."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.lease: Lease | None = None  # the last renewal seen
+        self.seen_at = 0.0  # monotonic seconds when it was first seen
+
+    def check(self, now: float | None = None) -> bool:
+        """One look at the lease; True when it had lapsed and was acted on."""
+        now = time.monotonic() if now is None else now
+        try:
+            lease = self.store.lease()
+        except TrafficError as exc:  # damaged: judge by the last renewal seen
+            log.warning("%s", exc)
+            lease = self.lease
+        if lease is None:
+            self.lease = None
+            return False
+        if self.lease is None or (lease.holder, lease.seq) != (self.lease.holder, self.lease.seq):
+            self.lease, self.seen_at = lease, now
+            return False
+        if now - self.seen_at < lease.length_s:
+            return False
+        return self._lapsed(lease, now - self.seen_at)
+
+    def _lapsed(self, lease: Lease, silent: float) -> bool:
+        reason = (
+            f"traffic lease of {lease.holder} lapsed: no renewal for {silent:.1f}s "
+            f"(lease {lease.length_s:g}s); traffic returned to the source"
+        )
+        try:
+            state = self.store.read()
+            if state.holds_split() and not state.rolled_back:
+                rolled = rollback_to_source(
+                    self.store.dir,
+                    reason,
+                    actor="gpumigrate-control-plane",
+                    trigger="lease",
+                    lease={**lease.to_json(), "silent_s": round(silent, 3)},
+                )
+                log.warning("%s (state version %d)", reason, rolled.version)
+            else:
+                log.info("traffic lease of %s lapsed with no split held; nothing to undo", lease.holder)
+            self.store.release_lease(lease.holder)
+        except (TrafficError, OSError) as exc:  # try again at the next look
+            log.error("cannot act on the lapsed traffic lease of %s: %s", lease.holder, exc)
+            return False
+        self.lease = None
+        return True
 
 
 class _Stream:
@@ -67,7 +132,7 @@ class _Stream:
         self.requests: queue.Queue[Any] = queue.Queue()
         self.node = ""
         self.subscribed: dict[str, list[str]] = {}
-        self.acked: dict[str, Any] = {CDS: None, RDS: None}  # resources Envoy runs now, per type
+        self.acked: dict[str, Any] = {CDS: None, RDS: None}  # resources Envoy runs now, per type (name → dict)
         self.acked_version: dict[str, str] = {}
         self.inflight: tuple[str, str, Any, int] | None = None  # (type, nonce, resources, state version)
         self.nacked_version = -1
@@ -155,8 +220,10 @@ class _Stream:
             current = cds or {}
             if cds is None or any(current.get(k) != v for k, v in snap.clusters.items()):
                 return CDS, {**current, **snap.clusters}, snap.version  # add/modify first, remove nothing
-        if RDS in self.subscribed and self.acked[RDS] != snap.route:
-            return RDS, snap.route, snap.version
+        if RDS in self.subscribed:
+            wanted = {n: r for n, r in snap.routes.items() if n in self.subscribed[RDS]}
+            if self.acked[RDS] != wanted:
+                return RDS, wanted, snap.version
         if CDS in self.subscribed and cds is not None and set(cds) - set(snap.clusters):
             # No route references these any more; requests already on them get drain_s to finish.
             if time.monotonic() - self.route_acked_at < self.plane.drain_s:
@@ -186,7 +253,7 @@ class _Stream:
 
 
 def _as_list(type_url: str, resources: Any) -> list[dict[str, Any]]:
-    return list(resources.values()) if type_url == CDS else [resources]
+    return list(resources.values())
 
 
 class ControlPlane:
@@ -202,6 +269,7 @@ class ControlPlane:
         self._lock = threading.Lock()
         self._server: Any = None
         self._watcher: threading.Thread | None = None
+        self.lease_watch = LeaseWatch(self.store)
 
     def snapshot(self) -> Snapshot | None:
         with self._lock:
@@ -220,7 +288,12 @@ class ControlPlane:
             self._snap = snap
 
     def _watch(self) -> None:
+        next_lease_look = 0.0
         while not self.stopping.wait(_WATCH_S):
+            now = time.monotonic()
+            if now >= next_lease_look:
+                next_lease_look = now + _LEASE_LOOK_S
+                self.lease_watch.check(now)
             self._refresh()
 
     def start(self) -> ControlPlane:

@@ -79,7 +79,7 @@ def _drive(ctx: RunContext) -> RampResult:
         nodes=door.nodes,
         source=frontdoor.SOURCE,
         target=frontdoor.TARGET,
-        prober=_prober(ctx, door.listener),
+        prober=_prober(ctx, door.probe_listener),
         rollback_signal=m.rollback_requested,
         on_interval=on_interval,
     )

@@ -105,7 +105,7 @@ def envoy(
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     e = Envoy(workdir, xds_port=xds_port, node_id=node_id, listen_port=listen_port, admin_port=admin_port).start()
-    console.print(f"envoy {node_id}: listener {e.url}, admin {e.admin_url}")
+    console.print(f"envoy {node_id}: listener {e.url}, probes {e.probe_url}, admin {e.admin_url}")
     try:
         while e.proc is not None and e.proc.poll() is None:
             time.sleep(0.5)

@@ -120,10 +120,13 @@ class TrafficEnv:
 
     def start_plane(self) -> None:
         """A new control plane process on the same port, reading the same state directory."""
-        self.plane_proc, _ = start_control_plane_process(self.state_dir, self.plane_port)
+        self.plane_proc, _ = start_control_plane_process(
+            self.state_dir, self.plane_port, log=self.state_dir.parent / "xds.log"
+        )
 
 
 def _env(tmp_path: Path, *, external_plane: bool, real: bool | None = None) -> Iterator[TrafficEnv]:
+    """Upstreams, a control plane and an Envoy. An external plane logs to ``<tmp_path>/xds.log``."""
     ups: dict[str, UpstreamProc] = {}
     plane = envoy = None
     env: TrafficEnv | None = None
@@ -140,7 +143,7 @@ def _env(tmp_path: Path, *, external_plane: bool, real: bool | None = None) -> I
         )
         proc = None
         if external_plane:
-            proc, port = start_control_plane_process(state_dir)
+            proc, port = start_control_plane_process(state_dir, log=tmp_path / "xds.log")
         else:
             plane = ControlPlane(state_dir).start()
             port = plane.port
@@ -172,6 +175,12 @@ def light_env(tmp_path: Path) -> Iterator[TrafficEnv]:
 
 
 @pytest.fixture
+def light_env_external(tmp_path: Path) -> Iterator[TrafficEnv]:
+    """Stand-in upstreams and the control plane as its own process (its log: ``tmp_path/xds.log``)."""
+    yield from _env(tmp_path, external_plane=True, real=False)
+
+
+@pytest.fixture
 def traffic_env_external(tmp_path: Path) -> Iterator[TrafficEnv]:
     """Like ``traffic_env`` with the control plane as its own process (killable, restartable)."""
     yield from _env(tmp_path, external_plane=True)
@@ -194,14 +203,17 @@ class TokensComparator:
         return ParityReport(passed=not failures, cases=len(source), max_abs_err=worst, failures=tuple(failures))
 
 
-def start_control_plane_process(state_dir: Path, port: int = 0) -> tuple[subprocess.Popen[bytes], int]:
-    """``python -m gpumigrate.traffic.xds`` as its own process; returns (process, port)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir), "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def start_control_plane_process(
+    state_dir: Path, port: int = 0, *, log: Path | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m gpumigrate.traffic.xds`` as its own process; returns (process, port). ``log``: its stderr."""
+    with open(log, "ab") if log else contextlib.nullcontext(subprocess.DEVNULL) as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir), "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
     line = proc.stdout.readline().decode() if proc.stdout else ""
     if not line.startswith("listening "):
         kill_group(proc)

@@ -44,6 +44,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         if self.path in ("/healthz", "/readyz"):
             self._send(200, {"ok": True})
+        elif self.path == "/v1/headers":  # what reached the workload, for the front door's header tests
+            self._send(200, {"host": self.server_name, "headers": {k.lower(): v for k, v in self.headers.items()}})
         else:
             self._send(404, {"error": "not found"})
 

@@ -26,7 +26,7 @@ def _controller(
     interval: float = INTERVAL,
     **kw: Any,
 ) -> RampController:
-    prober = Prober(env.envoy.url, golden, comparator, every_s=interval) if comparator else None
+    prober = Prober(env.envoy.probe_url, golden, comparator, every_s=interval) if comparator else None
     settings = RampSettings(
         stages=stages,
         interval_s=interval,
@@ -52,6 +52,7 @@ def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparato
         json.dumps(
             {
                 "stages": [s.to_json() for s in result.stages],
+                "figures": result.figures,
                 "load": {k: v for k, v in report.to_json().items() if k != "per_second"},
             }
         )
@@ -61,6 +62,14 @@ def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparato
     assert traffic_env.envoy.admin.live_weights() == {"target": 10000}
     assert report.total > 500
     assert report.failed == 0, report.errors
+    # Envoy's own figures for the ramp: what the clients saw over its span (never the probes).
+    fig = result.figures
+    assert fig is not None and fig["source"] == "envoy"
+    # Envoy saw only the load's requests (a saturated client sends late, so not all of them in the span).
+    assert 0 < fig["requests"] <= report.total
+    assert fig["failures"] == 0 and fig["downtime_ms"] == 0
+    assert fig["p99_ms"] is not None and fig["p99_ms"] > 0
+    assert result.final_weight == 100 and result.progress_pct == 100
 
 
 @pytest.mark.parametrize("fault", ["errors", "slow", "drift", "killed"])

@@ -151,7 +151,9 @@ def test_resources_split_and_failover_order(tmp_path: Path) -> None:
     assert set(snap.clusters) == {"source", "target", "source_failover", "target_failover"}
     order = snap.clusters["target_failover"]["cluster_type"]["typed_config"]["clusters"]
     assert order == ["target", "source"]  # a failed attempt on the target is retried on the source
-    split_route = snap.route["virtual_hosts"][0]["routes"][-1]["route"]
+    assert set(snap.routes) == {res.ROUTE_NAME, res.PROBE_ROUTE_NAME}
+    client = snap.routes[res.ROUTE_NAME]
+    split_route = client["virtual_hosts"][0]["routes"][-1]["route"]
     assert split_route["weighted_clusters"]["clusters"] == [
         {"name": "source_failover", "weight": 8750},
         {"name": "target_failover", "weight": 1250},
@@ -159,7 +161,11 @@ def test_resources_split_and_failover_order(tmp_path: Path) -> None:
     assert "5xx" in split_route["retry_policy"]["retry_on"]
     for c in snap.clusters.values():  # every resource is valid protobuf
         res.to_any(c, res.CLUSTER_TYPE)
-    res.to_any(snap.route, res.ROUTE_TYPE)
+    for route in snap.routes.values():
+        res.to_any(route, res.ROUTE_TYPE)
+    # No client route picks a side by header: only the probe listener's routes match on it.
+    assert not any("headers" in r["match"] for r in client["virtual_hosts"][0]["routes"])
+    assert all(r["match"].get("headers") for r in snap.routes[res.PROBE_ROUTE_NAME]["virtual_hosts"][0]["routes"][:-1])
     safe = res.route_config(["source"], {"source": 100}, idempotent=False)
     assert safe["virtual_hosts"][0]["routes"][-1]["route"]["retry_policy"]["retry_on"] == res.SAFE_RETRY_ON
 
@@ -221,12 +227,14 @@ def test_live_view_renders_both_sides_and_the_gate() -> None:
                 }
             },
         },
+        "lease": {"holder": "migration m7", "age_s": 0.4, "length_s": 6.0},
     }
     console = Console(width=120, record=True)
     console.print(render(row))
     text = console.export_text()
     assert "source" in text and "target" in text and "75.00" in text and "0.0200" in text
     assert "gate fail" in text and "parity probes" in text and "target success rate 0.98" in text
+    assert "lease migration m7, renewed 0.4s ago (lapses at 6s)" in " ".join(text.split())  # the title wraps
 
 
 def test_stats_of_several_envoys_are_summed() -> None:
