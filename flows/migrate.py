@@ -13,16 +13,10 @@ resumes. Two transactions carry the undo (:mod:`gpumigrate.flows.undo`):
 The manual gate (``plan.traffic.manual_gate``) pauses between them, never inside a transaction.
 Hooks are idempotent and never raise: a hook that raised would stop the hooks after it.
 
-The run's final state says what happened (``final_state``): Completed after a cut-over, and otherwise
-a state that is not COMPLETED, so that the UI and automations keyed on state types see it — Failed
-named ``RolledBack`` (the source serves, exit 3), Failed named ``Denied`` (nothing moved, exit 2),
-Failed, or Cancelled named ``RolledBack`` after Prefect's Cancel. The result contract (CLI exit codes,
-result JSON) rides in the state's data.
-
-A run started from a deployment (the UI) stays on its page after the cut-over, paused with a form
-(roll back, retire now, who is acting) for the whole rollback window: a click there puts 100% of the
-traffic back on the source from this very process (:mod:`gpumigrate.flows.run_page`). Prefect's
-Cancel means "roll back", wherever it lands: in a phase, at a pause, or in the window.
+The run's final state says how it ended (Completed only for a cut-over; RolledBack, Denied otherwise)
+and Prefect's Cancel means roll back (:mod:`gpumigrate.flows.flowrun`). A run started from a deployment
+stays paused on its page through the rollback window, with the rollback control there
+(:mod:`gpumigrate.flows.run_page`).
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from prefect import Task, flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.exceptions import TerminationSignal
-from prefect.states import Cancelled, Failed
 from prefect.transactions import Transaction, transaction
 
 from gpumigrate.errors import (
@@ -52,22 +45,13 @@ from gpumigrate.flows import flowrun, prefect_artifacts, run_page
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
-from gpumigrate.flows.report import build_result, merge_result, write_outputs
-from gpumigrate.flows.retire import retire_source
-from gpumigrate.flows.rollback import roll_back_here
-from gpumigrate.flows.run_page import Answer, GateDecision, WindowDecision
+from gpumigrate.flows.report import merge_result, write_outputs
 from gpumigrate.flows.undo import undo_all, undo_source, undo_traffic
 from gpumigrate.infra.launch import answers
 from gpumigrate.result import MigrationResult
-from gpumigrate.state import PHASES, Migration
+from gpumigrate.state import PHASES
 
 Phase = Callable[[RunContext], dict[str, Any]]
-
-
-class RunCancelled(RolledBackError):
-    """Prefect's Cancel reached the flow's process (a SIGTERM, raised as ``TerminationSignal``): roll back."""
-
-    trigger = "cancel"
 
 
 def still_valid(ctx: RunContext, name: str) -> bool:
@@ -96,11 +80,11 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     notify(m.id, f"phase.{name}.started", {})
     try:
         with m.running_phase(name) as result:
-            result.update(_cancel_means_rollback(phase, ctx))
-    except RunCancelled as exc:
+            result.update(flowrun.cancel_means_rollback(lambda: phase(ctx)))
+    except flowrun.RunCancelled as exc:
         # Not a failure of the phase but a decision: the undo then gives the Cancel as its reason.
         m.set_phase(name, "rolled_back", result={"error": str(exc)[:500]})
-        _record_cancel(m, exc.reason, where=name)
+        flowrun.record_cancel(m, exc.reason, where=name)
         notify(m.id, f"phase.{name}.failed", {"error": str(exc)[:300]})
         raise
     except BaseException as exc:
@@ -110,30 +94,6 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
         prefect_artifacts.anchor_audit(m)  # the chain's head beside the run, at the end of every phase
     notify(m.id, f"phase.{name}.completed", result)
     return result
-
-
-def _cancel_means_rollback(phase: Phase, ctx: RunContext) -> dict[str, Any]:
-    try:
-        return phase(ctx)
-    except TerminationSignal as exc:
-        raise RunCancelled(run_page.stop_reason()) from exc
-
-
-def _record_cancel(m: Migration, reason: str, *, where: str) -> None:
-    """The audit says what Cancel meant: a rollback request (the undo's reason), and where it landed."""
-    m.request_rollback(reason)
-    emit(m, "rollback.cancel", {"reason": reason[:300], "during": where})
-
-
-def _surviving_cancel(step: Callable[[], None]) -> None:
-    """Run an undo to its end even if Prefect's Cancel lands in it as a SIGTERM: its steps are idempotent,
-    so it runs again from the start (Prefect sends one SIGTERM, then waits before it kills)."""
-    for _ in range(3):
-        try:
-            step()
-            return
-        except TerminationSignal:
-            continue
 
 
 def _transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
@@ -167,7 +127,7 @@ def provision_task(ctx: RunContext) -> dict[str, Any]:
 
 @provision_task.on_rollback
 def _undo_provision(txn: Transaction) -> None:
-    _surviving_cancel(lambda: undo_all(_ctx(txn), reason=txn.get("reason", "migration failed")))
+    flowrun.surviving_cancel(lambda: undo_all(_ctx(txn), reason=txn.get("reason", "migration failed")))
 
 
 # Not retried: a retry after freeze would pre-copy a frozen workload. The undo resumes the source.
@@ -178,7 +138,7 @@ def snapshot_task(ctx: RunContext) -> dict[str, Any]:
 
 @snapshot_task.on_rollback
 def _undo_snapshot(txn: Transaction) -> None:
-    _surviving_cancel(lambda: undo_source(_ctx(txn)))
+    flowrun.surviving_cancel(lambda: undo_source(_ctx(txn)))
 
 
 # Resumable by design: only chunks missing at the destination move again.
@@ -205,7 +165,7 @@ def hold_target_task(ctx: RunContext) -> dict[str, Any]:
 
 @hold_target_task.on_rollback
 def _undo_hold_target(txn: Transaction) -> None:
-    _surviving_cancel(lambda: undo_all(_ctx(txn), reason=txn.get("reason", "ramp failed")))
+    flowrun.surviving_cancel(lambda: undo_all(_ctx(txn), reason=txn.get("reason", "ramp failed")))
 
 
 @task(name="ramp", **_task_opts())
@@ -215,119 +175,12 @@ def ramp_task(ctx: RunContext) -> dict[str, Any]:
 
 @ramp_task.on_rollback
 def _undo_ramp(txn: Transaction) -> None:
-    _surviving_cancel(lambda: undo_traffic(_ctx(txn), reason=txn.get("reason", "ramp failed")))
+    flowrun.surviving_cancel(lambda: undo_traffic(_ctx(txn), reason=txn.get("reason", "ramp failed")))
 
 
 @task(name="finalize", **_task_opts(retries=1, retry_delay_seconds=1))
 def finalize_task(ctx: RunContext) -> dict[str, Any]:
     return run_phase(ctx, "finalize", finalize.run)
-
-
-GATE_TEXT = (
-    "The target is restored and answers like the source; no traffic has moved. **proceed** starts the ramp; "
-    "**roll back** tears the target down (the source never stopped serving). Cancel also rolls back."
-)
-WINDOW_TEXT = (
-    "The target serves all traffic; the source is kept warm until the rollback window ends, then retired. "
-    "**roll back** puts 100% of traffic back on the source at once and tears the target down; **retire now** "
-    "ends the window early. Cancel also rolls back."
-)
-
-
-def _decided(
-    answer: Answer[Any], *, default: str, on_deadline: tuple[str, str | None, str, str]
-) -> tuple[str, str | None, str, str]:
-    """(action, actor, reason, trigger) from however the wait on the run page ended."""
-    if answer.how == "form" and answer.decision is not None:
-        d = answer.decision
-        return str(d.action), str(d.acting_as).strip() or None, str(d.reason).strip() or default, "manual"
-    if answer.how == "request" and answer.request:
-        req = answer.request
-        return "roll back", req.get("actor"), str(req.get("reason") or default), "manual"
-    if answer.how == "cancel":
-        return "roll back", None, run_page.stop_reason(), "cancel"
-    return on_deadline
-
-
-def manual_gate(ctx: RunContext, *, timeout_s: int = 3600) -> None:
-    """Pause before any traffic moves; the operator resumes with proceed or roll back (or Cancel)."""
-    m = ctx.migration
-    emit(m, "traffic.gate.waiting", {"timeout_s": timeout_s})
-    m.update(status="paused")
-    try:
-        answer: Answer[GateDecision] = run_page.wait_for_decision(
-            GateDecision,
-            key=f"gate-{m.id}",
-            deadline=time.time() + timeout_s,
-            request=m.rollback_requested,
-            what="the manual gate",
-            description=GATE_TEXT,
-        )
-    except TerminationSignal:
-        answer = Answer("cancel")
-    m.update(status="running")
-    timeout: tuple[str, str | None, str, str] = (
-        "roll back",
-        None,
-        f"nobody answered the manual gate within {timeout_s}s",
-        "gate-timeout",
-    )
-    action, actor, reason, trigger = _decided(answer, default="rolled back at the manual gate", on_deadline=timeout)
-    emit(m, "traffic.gate.decided", {"action": action, "reason": reason[:300], "via": answer.how}, actor=actor)
-    if action != "roll back":
-        return
-    if answer.how == "cancel":
-        _record_cancel(m, reason, where="the manual gate")
-    elif answer.how != "request":
-        m.request_rollback(reason, actor=actor)
-    merge_result(m, rollback={"trigger": trigger, "actor": actor})
-    _surviving_cancel(lambda: undo_all(ctx, reason=reason))
-    raise RunCancelled(reason) if answer.how == "cancel" else RolledBackError(reason)
-
-
-def hold_rollback_window(ctx: RunContext) -> MigrationResult:
-    """After the cut-over: paused on the run's page until the rollback window ends (then the source is
-    retired, as ``finalize`` does without a window), or until someone rolls back or retires now."""
-    m = ctx.migration
-    deadline = ctx.runtime.rollback_deadline or time.time()
-    try:
-        answer: Answer[WindowDecision] = run_page.wait_for_decision(
-            WindowDecision,
-            key=f"window-{m.id}",
-            deadline=deadline,
-            request=m.rollback_requested,
-            what="the rollback window",
-            description=WINDOW_TEXT,
-        )
-    except TerminationSignal:
-        answer = Answer("cancel")
-    window_over: tuple[str, str | None, str, str] = ("retire", None, "the rollback window ended", "window")
-    action, actor, reason, trigger = _decided(
-        answer, default="rolled back in the rollback window", on_deadline=window_over
-    )
-    emit(m, "rollback.window.decided", {"action": action, "reason": reason[:300], "via": answer.how}, actor=actor)
-    if action == "roll back":
-        # Every client back on the source first, in one update; the records and the rest of the undo after.
-        _surviving_cancel(lambda: undo_traffic(ctx, reason=reason))
-        if answer.how == "cancel":
-            _record_cancel(m, reason, where="the rollback window")
-        elif answer.how != "request":
-            m.request_rollback(reason, actor=actor)
-        out: list[MigrationResult] = []
-        _surviving_cancel(
-            lambda: out.append(roll_back_here(ctx, reason=reason, actor=actor, trigger=trigger, after="completed"))
-        )
-        m.update(window_hold=None)
-        result = out[0] if out else build_result(m)
-    else:
-        m.update(window_hold=None)
-        try:
-            retire_source(m.id, force=answer.how == "form", actor=actor)
-        except GpumigrateError as exc:  # the cut-over stands; the source waits for `gpumigrate retire`
-            emit(m, "source.retire_failed", {"error": str(exc)[:300]})
-        result = write_outputs(m, status="completed", error=None)
-    prefect_artifacts.publish(m, result)
-    return result
 
 
 def _run_name() -> str:
@@ -359,22 +212,7 @@ def migrate_flow(
     else:
         raise InvalidInputError("give migration_id (an existing migration) or plan_path (a new one)")
     hold = flowrun.from_deployment() if hold_rollback_window is None else hold_rollback_window
-    return final_state(run_flow(ctx, gate_timeout_s=gate_timeout_s, hold_window=hold))
-
-
-def final_state(result: MigrationResult) -> Any:
-    """The flow run's final state: Completed only for a cut-over; the result contract as its data."""
-    data = result.model_dump(mode="json")
-    if result.status == "completed":
-        return data
-    if result.status == "rolled_back":
-        message = f"rolled back: {result.rollback.reason or result.error or 'requested'}"[:500]
-        if result.rollback.trigger == "cancel":
-            return Cancelled(name="RolledBack", message=message, data=data)
-        return Failed(name="RolledBack", message=message, data=data)
-    if result.status == "denied":
-        return Failed(name="Denied", message=(result.error or "denied by policy")[:500], data=data)
-    return Failed(message=(result.error or "failed")[:500], data=data)
+    return flowrun.final_state(run_flow(ctx, gate_timeout_s=gate_timeout_s, hold_window=hold))
 
 
 def run_flow(ctx: RunContext, *, gate_timeout_s: int, hold_window: bool = False) -> MigrationResult:
@@ -390,24 +228,21 @@ def run_flow(ctx: RunContext, *, gate_timeout_s: int, hold_window: bool = False)
         merge_result(m, rollback={"triggered": False})
     hold = status == "completed" and hold_window and not ctx.runtime.source_retired
     m.update(
-        status=status, seconds=round(time.monotonic() - started, 3), window_hold=_hold_record(ctx) if hold else None
+        status=status,
+        seconds=round(time.monotonic() - started, 3),
+        window_hold=run_page.hold_record(ctx) if hold else None,
     )
     emit(m, f"migration.{status}", {"error": (error or "")[:500]} if status != "completed" else {})
     result = write_outputs(m, status=status, error=error)
     prefect_artifacts.publish(m, result)
     if hold:
-        result = hold_rollback_window(ctx)
+        result = run_page.hold_rollback_window(ctx)
     prefect_artifacts.anchor_audit(m)
     try:
         get_run_logger().info("migration %s %s", m.id, result.status)
     except Exception:
         pass
     return result
-
-
-def _hold_record(ctx: RunContext) -> dict[str, Any]:
-    """``window_hold`` in the state record: which run waits on its page, until when (the rollback path reads it)."""
-    return {"flow_run_id": flowrun.run_id(), "until": ctx.runtime.rollback_deadline}
 
 
 def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | None]:
@@ -423,7 +258,7 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
             restore_task(ctx)
             parity_task(ctx)
         if ctx.plan.traffic.manual_gate and m.phase("ramp").get("status") != "completed":
-            manual_gate(ctx, timeout_s=gate_timeout_s)
+            run_page.manual_gate(ctx, timeout_s=gate_timeout_s)
         with transaction() as txn:
             txn.set("ctx", ctx)
             hold_target_task(ctx)
@@ -434,7 +269,9 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
     except (RolledBackError, ParityError) as exc:
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
         detect = exc.seconds_to_detect if isinstance(exc, RolledBackError) else None
-        trigger = "cancel" if isinstance(exc, RunCancelled) else "parity" if isinstance(exc, ParityError) else None
+        trigger = (
+            "cancel" if isinstance(exc, flowrun.RunCancelled) else "parity" if isinstance(exc, ParityError) else None
+        )
         requested = m.rollback_requested() or {}
         merge_result(
             m,
@@ -448,9 +285,9 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
         )
         return "rolled_back", str(exc)
     except TerminationSignal:  # Prefect's Cancel landed outside a phase (between tasks): it still means roll back
-        reason = run_page.stop_reason()
-        _record_cancel(m, reason, where="between phases")
-        _surviving_cancel(lambda: undo_all(ctx, reason=reason))
+        reason = flowrun.stop_reason()
+        flowrun.record_cancel(m, reason, where="between phases")
+        flowrun.surviving_cancel(lambda: undo_all(ctx, reason=reason))
         merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": "cancel"})
         return "rolled_back", f"rolled back: {reason}"
     except GpumigrateError as exc:
