@@ -351,6 +351,51 @@ class PrefectUI:
                 raise AssertionError(f"run {run_id} shown as {shown}, API says {state['type']}/{state['name']}")
             time.sleep(1.0)
 
+    def wait_for_state(self, run_id: str, name: str, *, timeout_s: float) -> None:
+        """Until the API says the run's state is ``name`` and its page shows it (a screenshot then)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.server.flow_run(run_id)["state"]
+            if state["name"] == name:
+                self.page.reload()
+                self.page.locator(".state-badge", has_text=name).first.wait_for()
+                self.shot(f"state-{name.lower()}")
+                return
+            if state["type"] in TERMINAL or time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} is {state['type']}/{state['name']}, never {name}")
+            time.sleep(1.0)
+
+    def resume(self, fields: dict[str, str]) -> float:
+        """The run page's **Resume**: fill the form's text ``fields`` (by their titles), Submit.
+
+        Returns ``time.monotonic()`` at the click on Submit."""
+        page = self.page
+        page.get_by_role("button", name="Resume").first.click()
+        modal = page.locator(".p-modal__card", has_text="Resume Flow Run")
+        modal.wait_for()
+        for title, value in fields.items():
+            prop = modal.locator(
+                ".schema-form-property",
+                has=page.locator(".schema-form-property__label", has_text=re.compile(rf"^{re.escape(title)}\b")),
+            )
+            prop.locator("textarea, input").first.fill(value)
+        self.shot("resume-form")
+        submit = modal.get_by_role("button", name="Submit")
+        clicked = time.monotonic()
+        submit.click()
+        return clicked
+
+    def image_sizes(self, artifact_key: str) -> list[int]:
+        """The natural widths of the images on the artifact's page, as the browser decoded them (0: broken)."""
+        found = self.server.artifact(artifact_key)
+        assert found is not None, f"no artifact {artifact_key}"
+        self.page.goto(f"{self.server.url}/artifacts/artifact/{found['id']}")
+        img = self.page.locator("img").first
+        img.wait_for()
+        self.page.wait_for_function("() => [...document.images].every(i => i.complete)")
+        self.shot(f"artifact-{artifact_key}")
+        return [int(w) for w in self.page.locator("img").evaluate_all("els => els.map(e => e.naturalWidth)")]
+
     def open_tab(self, name: str) -> None:
         self.page.get_by_role("tab", name=name).or_(self.page.get_by_text(name, exact=True)).first.click()
 
