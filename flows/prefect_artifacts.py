@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 from uuid import UUID
 
+from gpumigrate.audit import AuditLog
 from gpumigrate.result import MigrationResult
 from gpumigrate.state import Migration
 
@@ -114,16 +115,21 @@ def _cell(v: Any) -> str:
 
 
 def anchor_audit(m: Migration) -> None:
-    """The audit chain's head as a Prefect artifact (gpumigrate/AUDIT.md): outside the state directory,
-    beside this run. Called at the end of every phase and when the run ends."""
+    """The migration's audit chain head as a Prefect artifact (gpumigrate/AUDIT.md): outside the state
+    directory, beside this run. Called at the end of every phase and when the run ends."""
+    anchor_log(m.audit)
+
+
+def anchor_log(log: AuditLog) -> None:
+    """Publish ``log``'s verified head as a Prefect artifact (a migration's log, the cost-move log)."""
     if not _in_run():
         return
     try:
         from gpumigrate.audit_anchor_prefect import PrefectArtifactAnchor
 
-        m.audit.anchor_to(PrefectArtifactAnchor())
+        log.anchor_to(PrefectArtifactAnchor())
     except Exception:
-        _log.warning("could not anchor the audit head of %s in Prefect", m.id, exc_info=True)
+        _log.warning("could not anchor the audit head of %s in Prefect", log.name, exc_info=True)
 
 
 class Progress:
