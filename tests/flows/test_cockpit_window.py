@@ -8,6 +8,9 @@ The source, its front door and the plan come from test_migrate.py's harness (thi
 from __future__ import annotations
 
 import importlib.util
+import json
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -123,6 +126,62 @@ def test_cancel_at_the_manual_gate_means_roll_back(source: Source, prefect_api: 
     assert not harness.serves(target) and harness.serves(source.door.url)
     names = [r["event"] for r in harness.events(source.home, mid)]
     assert "rollback.cancel" in names and "rollback.target_torn_down" in names and "traffic.stage" not in names
+
+
+def test_sigterm_mid_ramp_rolls_back_and_the_source_keeps_serving(
+    source: Source, prefect_api: str, cli_cmd: list[str], tmp_path: Path
+) -> None:
+    """What Prefect's Cancel does to a worker's flow process (SIGTERM), here to the CLI's: roll back, exit 3."""
+    import yaml
+
+    from gpumigrate.traffic.state import StateStore
+
+    plan = harness.write_plan(source, tmp_path / "plan.yaml", target="cockpit-tgt-sigterm")
+    data = yaml.safe_load(plan.read_text())
+    data["traffic"]["stages"] = [{"weight": 25, "hold_s": 60}, {"weight": 100, "hold_s": 1}]
+    plan.write_text(yaml.safe_dump(data))
+    mid = "cockpit-sigterm"
+    lp = LoadProcess(source.door.url + "/v1/generate", rps=30, seconds=120, keep_records=True)
+    proc = subprocess.Popen(
+        [*cli_cmd, "migrate", str(plan), "--id", mid, "--json"],
+        env=harness.cli_env(prefect_api, source.home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not any(r["event"] == "traffic.stage" for r in _records(source.home, mid)):
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read()[-2000:] if proc.stderr else ""
+            )
+            time.sleep(0.1)
+        target = harness.state(source.home, mid)["runtime"]["target_endpoint"]
+        stopped = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        lp.stop()
+        report = lp.wait(timeout_s=60)
+    assert proc.returncode == 3, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["status"] == "rolled_back" and result["rollback"]["trigger"] == "cancel", result["rollback"]
+    assert harness.state(source.home, mid)["status"] == "rolled_back"
+    assert StateStore(source.door.state_dir).read().weights["source"] == 100.0
+    assert not harness.serves(target) and harness.serves(source.door.url)
+    names = [r["event"] for r in _records(source.home, mid)]
+    assert "rollback.cancel" in names and "rollback.target_torn_down" in names
+    failed, total = report.count_between(stopped - (report.started_at or 0), float("inf"))
+    assert total > 0 and failed == 0, (failed, total, report.errors)
+
+
+def _records(home: Path, mid: str) -> list[dict[str, Any]]:
+    try:
+        return harness.events(home, mid)
+    except FileNotFoundError:
+        return []
 
 
 def test_the_window_ends_unanswered_then_the_run_retires_the_source(
