@@ -244,7 +244,8 @@ def run_flow(ctx: RunContext, *, gate_timeout_s: int) -> MigrationResult:
             ramp_task(ctx)
         finalize_task(ctx)
     except PolicyDeniedError as exc:
-        status, error = ("denied" if m.phase("provision").get("status") == "pending" else "rolled_back"), str(exc)
+        # Denied while nothing was frozen or moved (a zone-less placement's launches are undone): exit 2.
+        status, error = ("denied" if m.phase("snapshot").get("status") == "pending" else "rolled_back"), str(exc)
     except (RolledBackError, ParityError) as exc:
         status, error = "rolled_back", str(exc)
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
