@@ -218,6 +218,7 @@ def check_landed(
         chunks_total=len(objects),
         chunks_skipped=len(objects) - len(missing),
         bytes_logical=reader.ref.bytes_image,
+        bytes_landed=sum(have[cid] for cid in objects if cid in have),
         seconds=time.monotonic() - t0,
     )
     if missing:

@@ -44,11 +44,13 @@ def run(ctx: RunContext) -> dict[str, Any]:
         where = rt.target_store or dst if rt.receiver_stopped else target_store.control_url(dst)
     landed = check_landed(where, image_id, key=key)
     target_store.stop_target_receiver(ctx)
-    figures = _figures(stats or landed, sent=stats is not None)
+    figures = {**_figures(stats or landed, sent=stats is not None), "bytes_landed": landed.bytes_landed}
     emit(m, "image.verified", {"image_id": image_id, "store": redact_url(dst), "read_back": False, **figures})
     if stats is not None:
         sent = (m.read().get("result", {}).get("bytes", {}).get("sent") or 0) + stats.bytes_sent
         merge_result(m, bytes={"sent": sent})
+    else:  # the source's agent wrote the image there: what crossed is what landed
+        merge_result(m, bytes={"sent": landed.bytes_landed})
     return {"image_id": image_id, "pushed": pushed, **figures}
 
 

@@ -175,6 +175,7 @@ def test_migration_over_a_receiver_the_flow_starts_on_the_target(
     verified = found["image.verified"]
     assert verified["read_back"] is False and verified["bytes_sent"] == 0 and "image.transferred" not in found
     assert verified["chunks_total"] == verified["chunks_skipped"] > 0  # every chunk landed verified
+    assert result["bytes"]["sent"] == verified["bytes_landed"] > 0  # what crossed the link is what landed
     assert found["transfer.receiver.stopped"]["state"] == "stopped"
     # The target restored from the receiver's store on its own host.
     runtime = json.loads((source.home / "migrations" / mid / "state.json").read_text())["runtime"]
