@@ -365,3 +365,25 @@ def test_migrate_to_gcp_completes_every_phase(
     assert found["transfer.bucket.ready"]["region"].upper() == "EUROPE-WEST4"
     assert gcs.created["gm-gcp-e2e"]["location"].upper() == "EUROPE-WEST4"
     assert nothing_running(cloud) and gce.state.instances == {} and gce.state.firewalls == {}
+
+
+def test_a_confidential_plan_whose_key_is_held_in_a_forbidden_region_is_denied(
+    source: Source, cloud: Cloud, aws_env: str, cli_cmd: list[str], prefect_api: str, tmp_path: Path
+) -> None:
+    """The image key's secret lives in Virginia (asked of Secrets Manager); the data may stay in the EU only."""
+    seed_aws(aws_env, "eu-central-1", source.keys, secret_region="us-east-1")
+    sm = boto3.client("secretsmanager", region_name="us-east-1", endpoint_url=aws_env)
+    arn = sm.describe_secret(SecretId=IMAGE_SECRET)["ARN"]
+    target = aws_target()
+    target["bootstrap"]["image_key_secret"] = arn
+    plan = write_plan(source, tmp_path / "plan.yaml", target=target, store="s3://gm-aws-key/x", allowed=["EU"])
+    data = yaml.safe_load(plan.read_text())
+    data["data"]["classification"] = "confidential"
+    plan.write_text(yaml.safe_dump(data))
+    out = run_cli(source, cli_cmd, prefect_api, "migrate", str(plan), "--id", "cloud-key", "--json")
+    result = result_of(out)
+    assert out.returncode == 2 and result["status"] == "denied", out.stderr[-3000:]
+    assert "key" in result["error"] and "us-east-1" in result["error"]
+    denied = [e["data"] for e in events(source.home, "cloud-key") if e["event"] == "residency.deny"]
+    assert denied and denied[0]["point"] == "key"
+    assert cloud.ec2 is not None and cloud.ec2.zones_asked == []  # nothing was launched
