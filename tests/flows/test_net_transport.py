@@ -10,6 +10,7 @@ from the receiver's store, and the receiver is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -221,3 +222,80 @@ def test_a_plan_pinning_the_wrong_certificate_is_refused_before_anything_moves(
 
 def read_chunks(state: Path) -> int:
     return sum(1 for p in state.rglob("*") if p.is_file() and "chunks" in p.parts)
+
+
+def link_tx_bytes(host: Any) -> int:
+    """Bytes sent into ``host``'s namespace over its veth link (the root side's transmit counter)."""
+    return int(Path(f"/sys/class/net/gmh{host.meta['netns'][3:]}/statistics/tx_bytes").read_text())
+
+
+def test_a_migration_killed_while_the_agent_writes_resumes_without_sending_it_again(
+    source: Source, prefect_api: str, cli_cmd: list[str], tmp_path: Path
+) -> None:
+    """SIGKILL the orchestrator while the source's agent writes over a slow link to the receiver on the
+    target; `--resume` finishes with the receiver still running there, and the chunks it holds do not
+    cross the link again: all the bytes that entered the target's namespace stay well under two images."""
+    import signal
+    import time
+
+    from gpumigrate.infra.local import LocalProvider
+    from gpumigrate.interfaces import HostSpec
+
+    slow = LocalProvider(netns=True, rate="2mbit", attached=False)
+    target = slow.wait_ready(slow.provision(HostSpec("net-tgt-slow", "local", "local-b")))
+    plan = write_plan(source, tmp_path / "plan.yaml", target=target.name, store="stream://target?connections=2")
+    mid = "net-resume"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(source.home)}
+    before = link_tx_bytes(target)
+    proc = subprocess.Popen(
+        [*cli_cmd, "migrate", str(plan), "--id", mid],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    state_file = source.home / "migrations" / mid / "state.json"
+    arrived = 0
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                st = json.loads(state_file.read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                st = {}
+            store = (st.get("runtime", {}).get("target_store") or "").removeprefix("file://")
+            if st.get("phases", {}).get("snapshot", {}).get("status") == "running" and store:
+                arrived = sum(1 for p in Path(store).rglob("*") if p.is_file() and "chunks" in p.parts)
+                if arrived >= 3:
+                    break
+            time.sleep(0.05)
+        assert proc.poll() is None and arrived >= 3, f"not interrupted mid-write: {proc.stderr.read()[-2000:]!r}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+    from gpumigrate.traffic.loadgen import LoadProcess
+
+    lp = LoadProcess(source.door.url + "/v1/generate", rps=20, seconds=300)
+    try:
+        out = subprocess.run(
+            [*cli_cmd, "migrate", str(plan), "--id", mid, "--resume", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    finally:
+        lp.stop()
+        report = lp.wait(timeout_s=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "completed", (result["error"], out.stderr[-2000:])
+    assert report.failed == 0, report.errors
+    found = events(source.home, mid)
+    assert [e["event"] for e in found].count("transfer.receiver.started") == 1  # the same receiver, resumed to
+    verified = next(e["data"] for e in found if e["event"] == "image.verified")
+    crossed = link_tx_bytes(target) - before
+    assert verified["bytes_landed"] < crossed < 1.6 * verified["bytes_landed"], (crossed, verified)
+    slow.terminate(target)
