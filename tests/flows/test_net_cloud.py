@@ -270,7 +270,7 @@ def completes_then_rolls_back(src: Source, cli_cmd: list[str], prefect_api: str,
     result = result_of(out)
     assert out.returncode == 0 and result["status"] == "completed", (result.get("error"), out.stderr[-3000:])
     assert all(p["status"] == "completed" for p in result["phases"].values())
-    assert report.failed == 0 and report.ok > 0  # the clients never noticed
+    assert report.failed == 0 and report.ok > 0, report.errors  # the clients never noticed
     found = {e["event"]: e["data"] for e in events(src.home, mid)}
     assert found["image.verified"]["read_back"] is False and "image.transferred" not in found  # no forwarding
     back = run_cli(src, cli_cmd, prefect_api, "rollback", mid, "--json", timeout=180)
