@@ -143,7 +143,7 @@ def migrate(
     finally:
         lp.stop()
         report = lp.wait(timeout_s=60)
-    assert report.failed == 0  # the clients never noticed
+    assert report.failed == 0, report.errors  # the clients never noticed
     return out
 
 
