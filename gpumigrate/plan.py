@@ -531,6 +531,12 @@ class Plan(_Model):
                 "target.bootstrap.image_key_secret is needed: the target must read the image key "
                 "(transfer.encryption_key) from a secrets manager to restore the image"
             )
+        if _ON_TARGET_RE.match(self.transfer.store) and self.target.provider != "local":
+            raise ValueError(
+                f"transfer.store {self.transfer.store} starts a receiver on the target, which gpumigrate does on "
+                f"local hosts only: for a {self.target.provider} target use a bucket in its region (s3://, gs://) "
+                "or a receiver you run there (stream://HOST:PORT?fingerprint=sha256:HEX)"
+            )
         return self
 
 

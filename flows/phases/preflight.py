@@ -89,20 +89,15 @@ def _scalars(facts: dict[str, Any]) -> dict[str, Fact]:
 def check_transport(ctx: RunContext) -> None:
     """The plan's transport works from here, before anything moves: NIXL loads for nixl:// (its missing
     package is named; stream:// never needs it), a receiver the flow starts needs a host the flow can
-    start it on, and a receiver the operator runs presents the pinned certificate (a denial otherwise)."""
+    start it on (the plan says so), and a receiver the operator runs presents the pinned certificate (a
+    denial otherwise)."""
     url = ctx.store_url()
     if not target_store.is_receiver(url):
         return
     if urlsplit(url).scheme == "nixl":
         load_nixl()  # the local hosts' interpreter is this one; a remote receiver says so in its HELLO
     if target_store.started_by_flow(url):
-        if ctx.plan.target.provider != "local":
-            raise InvalidInputError(
-                f"transfer.store {url} starts a receiver on the target, which gpumigrate does on local hosts only: "
-                f"for a {ctx.plan.target.provider} target use a bucket in its region (s3://, gs://) or a receiver "
-                "you run there (stream://HOST:PORT?fingerprint=sha256:HEX)"
-            )
-        return
+        return  # on a local target (the plan refuses one on a cloud target); started at provision
     store = target_store.receiver_store(ctx, url)
     emit(ctx.migration, "transfer.receiver.checked", {"url": redact_url(url), "store": store})
 

@@ -317,3 +317,38 @@ def test_a_migration_killed_while_the_agent_writes_resumes_without_sending_it_ag
     crossed = link_tx_bytes(target) - before
     assert verified["bytes_landed"] < crossed < 1.6 * verified["bytes_landed"], (crossed, verified)
     slow.terminate(target)
+
+
+def test_a_receiver_on_a_cloud_target_is_refused_with_what_to_use_instead(
+    prefect_api: str, cli_cmd: list[str], tmp_path: Path, gm_home: Path
+) -> None:
+    """stream://target asks the flow to start a receiver on the target, which it does on local hosts only."""
+    plan = {
+        "version": 1,
+        "workload": {
+            "name": WORKLOAD,
+            "kind": "inference",
+            "source_host": "src",
+            "endpoint": "http://127.0.0.1:9",
+            "agent": "127.0.0.1:9",
+            "launch": {"argv": ["{python}", "-m", "svc", "--port", "{service_port}"]},
+        },
+        "target": {"provider": "aws", "region": "eu-central-1", "zone": "eu-central-1a", "instance_type": "g5.xlarge"},
+        "data": {"classification": "internal", "allowed_jurisdictions": ["EU"]},
+        "transfer": {"store": "stream://target"},
+        "parity": {"golden_inputs": "golden.jsonl"},
+    }
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(gm_home)}
+    out = subprocess.run(
+        [*cli_cmd, "migrate", str(path), "--id", "net-cloud-receiver", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-3000:]  # refused with the plan, before a migration exists
+    said = " ".join((out.stdout + out.stderr).split())
+    assert "local hosts only" in said and "s3://" in said and "fingerprint=sha256:HEX" in said, said
+    assert "Traceback" not in out.stderr and not (gm_home / "migrations" / "net-cloud-receiver").exists()
