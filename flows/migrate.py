@@ -265,7 +265,8 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
             ramp_task(ctx)
         finalize_task(ctx)
     except PolicyDeniedError as exc:
-        return ("denied" if m.phase("provision").get("status") == "pending" else "rolled_back"), str(exc)
+        # Denied while nothing was frozen or moved (a placement that found no zone undid its launches): exit 2.
+        return ("denied" if m.phase("snapshot").get("status") == "pending" else "rolled_back"), str(exc)
     except (RolledBackError, ParityError) as exc:
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
         detect = exc.seconds_to_detect if isinstance(exc, RolledBackError) else None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
+from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.state import PHASES, Migration
@@ -82,12 +83,14 @@ def undo_source(ctx: RunContext) -> None:
 
 
 def undo_target(ctx: RunContext, *, reason: str) -> None:
-    """What a restore started on the target stops, then the target host is torn down."""
+    """The receiver the flow started there and what a restore started on the target stop, then the target
+    host is torn down."""
     m = ctx.migration
     reason = failure_reason(m, reason)
     rt = quietly("runtime", lambda: ctx.runtime)
     host = rt.target_host if rt is not None and not rt.target_torn_down else None
     if host is not None:
+        quietly("receiver", lambda: target_store.stop_target_receiver(ctx))
         backend = quietly("backend", ctx.backend)
         if backend is not None:
             quietly("discard", backend.discard)

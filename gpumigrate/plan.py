@@ -377,11 +377,17 @@ _STORE_RE = re.compile(
     rf"|(stream|nixl)://[A-Za-z0-9_.\-\[\]:]+:\d{{1,5}}(\?{_RECEIVER_OPTION}(&{_RECEIVER_OPTION})*)?)$"
 )
 
+# A receiver the flow starts on the target itself (flows/target_store.py): stream://target or nixl://target,
+# with the sender's options but no fingerprint (the receiver makes a fresh certificate, which the flow pins).
+_ON_TARGET_OPTION = r"(connections=\d{1,2}|transports=[a-z0-9_]+(,[a-z0-9_]+)*|slots=\d{1,2}|inline=[01])"
+_ON_TARGET_RE = re.compile(rf"^(stream|nixl)://target(\?{_ON_TARGET_OPTION}(&{_ON_TARGET_OPTION})*)?$")
+
 
 class Transfer(_Model):
     store: str = Field(
         description="file:///path, s3://bucket/prefix, gs://bucket/prefix, or a receiver: "
-        "stream://host:port or nixl://host:port, optionally ?fingerprint=sha256:<hex>"
+        "stream://host:port or nixl://host:port, optionally ?fingerprint=sha256:<hex>; "
+        "stream://target or nixl://target: a receiver the flow starts on the target"
     )
     compression: Literal["auto", "none", "zstd", "byteplane"] = Field(
         default="auto",
@@ -394,10 +400,11 @@ class Transfer(_Model):
     @field_validator("store")
     @classmethod
     def _store(cls, v: str) -> str:
-        if not _STORE_RE.match(v):
+        if not (_STORE_RE.match(v) or _ON_TARGET_RE.match(v)):
             raise ValueError(
                 "must be file:///path, s3://bucket/prefix, gs://bucket/prefix, stream://host:port or "
-                "nixl://host:port (a receiver's URL may add ?fingerprint=sha256:HEX with 64 hex digits)"
+                "nixl://host:port (a receiver's URL may add ?fingerprint=sha256:HEX with 64 hex digits), or "
+                "stream://target / nixl://target (a receiver the flow starts on the target)"
             )
         return v
 
@@ -523,6 +530,12 @@ class Plan(_Model):
             raise ValueError(
                 "target.bootstrap.image_key_secret is needed: the target must read the image key "
                 "(transfer.encryption_key) from a secrets manager to restore the image"
+            )
+        if _ON_TARGET_RE.match(self.transfer.store) and self.target.provider != "local":
+            raise ValueError(
+                f"transfer.store {self.transfer.store} starts a receiver on the target, which gpumigrate does on "
+                f"local hosts only: for a {self.target.provider} target use a bucket in its region (s3://, gs://) "
+                "or a receiver you run there (stream://HOST:PORT?fingerprint=sha256:HEX)"
             )
         return self
 

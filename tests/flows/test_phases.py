@@ -177,6 +177,9 @@ class World:
         return next(r["data"] for r in reversed(self.ctx.migration.audit.records()) if r["event"] == event)
 
 
+LAUNCH = {"argv": ["{python}", "-m", "svc", "--port", "{service_port}"]}
+
+
 def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
     return {
         "version": 1,
@@ -186,6 +189,7 @@ def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
             "source_host": "src-host",
             "endpoint": source.url,
             "agent": "127.0.0.1:7070",
+            "launch": LAUNCH,
             **workload,
         },
         "target": {"provider": "local", "region": "local-b", "host": "tgt"},
@@ -212,7 +216,7 @@ def make_world(tmp_path: Path, doc: dict[str, Any], target: Workload, **backend:
     def host_actions(host: str, action: str, params: Any) -> dict[str, Any]:
         raise AssertionError("the fake backend never dispatches host actions")
 
-    siblings = Siblings(provider=lambda name, attached: provider, backend=make_backend, host_actions=host_actions)
+    siblings = Siblings(provider=lambda plan, attached: provider, backend=make_backend, host_actions=host_actions)
     ctx = RunContext.create(path, migration_id="m-unit", resume=False)
     return World(replace(ctx, siblings=siblings), provider, fake, setups)
 
@@ -284,17 +288,11 @@ def test_provision_starts_the_plans_launch_awaiting_the_restore(
     assert rt.target_store == "file:///nonexistent/host/store"  # the target's own disk
 
 
-def test_provision_without_a_launch_starts_the_reference_server_like_the_source(
-    world: WorldMaker, source: Workload
-) -> None:
-    """Transitional (plans without workload.launch): the source's model shape, from its /v1/info."""
-    w = world()
-    w.ctx.update(source_facts={"seed": 7, "size": "tiny", "dtype": "float32", "device": "cpu"})
-    provision.run(w.ctx)
-    (started,) = w.provider.launches
-    assert started.argv[2] == "gpumigrate.workloads.inference" and "--seed" in started.argv
-    assert started.argv[started.argv.index("--seed") + 1] == "7"
-    assert started.contract_env[AWAIT_RESTORE_ENV] == "1"
+def test_provision_without_a_launch_says_what_the_plan_lacks(world: WorldMaker, source: Workload) -> None:
+    w = world(plan_doc(source, launch=None))
+    with pytest.raises(InvalidInputError, match="workload.launch is needed"):
+        provision.run(w.ctx)
+    assert w.provider.calls == []  # refused before anything was launched
 
 
 def test_provision_refuses_a_target_that_is_the_source_itself(world: WorldMaker, source: Workload) -> None:
