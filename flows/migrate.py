@@ -291,6 +291,12 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
         flowrun.surviving_cancel(lambda: undo_all(ctx, reason=reason))
         merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": "cancel"})
         return "rolled_back", f"rolled back: {reason}"
+    except InvalidInputError as exc:
+        # Bad input found by preflight (a transport that cannot load, a receiver's certificate, a key
+        # that cannot be read) is the plan's fault and nothing was launched: exit 2, like a denial.
+        if m.phase("provision").get("status") == "pending":
+            return "denied", str(exc)
+        return "failed", str(exc)
     except GpumigrateError as exc:
         return "failed", str(exc)
     except Exception as exc:  # a library bug must still leave a result and a safe source
