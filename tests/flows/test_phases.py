@@ -186,6 +186,7 @@ def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
             "source_host": "src-host",
             "endpoint": source.url,
             "agent": "127.0.0.1:7070",
+            "launch": {"argv": ["{python}", "serve.py", "--port", "{service_port}"]},
             **workload,
         },
         "target": {"provider": "local", "region": "local-b", "host": "tgt"},
@@ -282,19 +283,6 @@ def test_provision_starts_the_plans_launch_awaiting_the_restore(
     assert rt.target_endpoint == target.url == out["endpoint"] and rt.target_agent == "127.0.0.1:1"
     assert rt.target_host is not None and rt.target_host.name == "tgt"
     assert rt.target_store == "file:///nonexistent/host/store"  # the target's own disk
-
-
-def test_provision_without_a_launch_starts_the_reference_server_like_the_source(
-    world: WorldMaker, source: Workload
-) -> None:
-    """Transitional (plans without workload.launch): the source's model shape, from its /v1/info."""
-    w = world()
-    w.ctx.update(source_facts={"seed": 7, "size": "tiny", "dtype": "float32", "device": "cpu"})
-    provision.run(w.ctx)
-    (started,) = w.provider.launches
-    assert started.argv[2] == "gpumigrate.workloads.inference" and "--seed" in started.argv
-    assert started.argv[started.argv.index("--seed") + 1] == "7"
-    assert started.contract_env[AWAIT_RESTORE_ENV] == "1"
 
 
 def test_provision_refuses_a_target_that_is_the_source_itself(world: WorldMaker, source: Workload) -> None:
