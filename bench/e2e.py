@@ -4,8 +4,11 @@
                         [--runs shm:auto,disk:auto,shm:cpu] [--root DIR] [--out FILE]
 
 Source: the reference inference server (``--params-mb``, ``--device``, bf16, ``--mutable-mb``: state
-that every request changes) with its embedded agent. Target: the same server started awaiting a
-restore (``GPUMIGRATE_AWAIT_RESTORE=1``, ``--await-restore``). Everything moves through the real
+that every request changes) with its embedded agent. Target: the same server awaiting a restore. Both
+start the way a migration starts a workload: a ``WorkloadLaunch`` (argv with placeholders, the env
+contract: ``GPUMIGRATE_AWAIT_RESTORE=1`` for the target) handed to the one launcher,
+``LocalProvider.bootstrap``, on a local host of its own (supervised processes; ``GPUMIGRATE_HOME``
+defaults to a directory under ``--root``). Everything moves through the real
 agent control channel and the transfer engine into a ``file://`` store (tmpfs and a disk directory),
 the way the migrate flow runs its snapshot, transfer and restore phases with a pre-loaded target:
 
@@ -30,11 +33,11 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,12 @@ from typing import Any
 import httpx
 from benchlib import gbps, pinned_d2h_GBps
 
+from gpumigrate import control
+from gpumigrate.infra.launch import service_url
+from gpumigrate.infra.local import LocalProvider
+from gpumigrate.interfaces import Host, HostSpec
+from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
+from gpumigrate.settings import state_root
 from gpumigrate.snapshot.client import AgentClient
 
 KEY_ENV = "GM_E2E_IMAGE_KEY"
@@ -52,40 +61,20 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --------------------------------------------------------------------------- the two processes
 @dataclass
 class Workload:
-    """One started workload: its process, HTTP address and agent client. The migrate flow's launcher
-    (``workload.launch`` of the plan) takes this role in the product; here the reference server is
-    started directly so the benchmark runs beside that work."""
+    """A workload started by the one launcher (``LocalProvider.bootstrap`` from a ``WorkloadLaunch``) on
+    a local host, as a migration starts its target: its host, HTTP address and agent client."""
 
-    name: str
-    proc: subprocess.Popen[str]
+    host: Host
     url: str
     agent: AgentClient
-    started: float
-    log_path: Path
-    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120))
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120, trust_env=False))
 
-    def wait_listening(self, timeout_s: float) -> float:
-        """Seconds from start until both the HTTP server and the agent answer."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                self.http.get(f"{self.url}/healthz")
-                self.agent.call("ping")
-                return time.perf_counter() - self.started
-            except Exception:
-                time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not start in {timeout_s} s: {self.tail()}")
+    @property
+    def pid(self) -> int:
+        return int(self.host.meta["workload"]["pid"])
 
     def info(self) -> dict[str, Any]:
         return dict(self.http.get(f"{self.url}/v1/info").json())
@@ -98,82 +87,72 @@ class Workload:
     def ready(self) -> bool:
         return self.http.get(f"{self.url}/readyz").status_code == 200
 
-    def tail(self) -> str:
-        try:
-            return self.log_path.read_text()[-2000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
+    def close(self) -> None:
         self.agent.close()
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
 
 
-def launch(name: str, args: argparse.Namespace, *, await_restore: bool, env: dict[str, str], logs: Path) -> Workload:
-    port, agent_port = free_port(), free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "gpumigrate.workloads.inference",
-        "--port",
-        str(port),
-        "--agent-port",
-        str(agent_port),
-        "--params-mb",
-        str(args.params_mb),
-        "--device",
-        args.device,
-        "--dtype",
-        "bfloat16",
-        "--mutable-mb",
-        str(args.mutable_mb),
-        "--threads",
-        "2",
-        "--name",
-        name,
-    ]
-    child_env = {**os.environ, **env}
+def workload_launch(args: argparse.Namespace, env: dict[str, str], *, await_restore: bool) -> WorkloadLaunch:
+    """The reference server as a plan's ``workload.launch`` would name it, placeholders and all."""
+    argv = ("{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}")
+    model = ("--params-mb", str(args.params_mb), "--device", args.device, "--dtype", "bfloat16")
+    more = ("--mutable-mb", str(args.mutable_mb), "--threads", "2", "--name", "{name}")
+    contract = {"GPUMIGRATE_HOME": str(state_root())}
     if await_restore:
-        argv.append("--await-restore")
-        child_env["GPUMIGRATE_AWAIT_RESTORE"] = "1"
-    log_path = logs / f"{name}.log"
-    out = log_path.open("w")
-    started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=child_env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    out.close()
-    return Workload(name, proc, f"http://127.0.0.1:{port}", AgentClient(f"127.0.0.1:{agent_port}"), started, log_path)
+        contract[AWAIT_RESTORE_ENV] = "1"
+    return WorkloadLaunch(
+        argv=(*argv, *model, *more), env=env, contract_env=contract, ready_timeout_s=args.start_timeout
+    )
+
+
+def provision(provider: LocalProvider, name: str) -> Host:
+    host = provider.provision(HostSpec(name=name, provider="local", region="local"), migration_id="e2e")
+    return provider.wait_ready(host, timeout_s=60)
+
+
+def bootstrap(provider: LocalProvider, host: Host, launch: WorkloadLaunch) -> Workload:
+    """Start the workload through the launcher; return once it serves its health path and its agent answers."""
+    host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
+    agent = AgentClient(f"{host.address}:{host.ports['agent']}")
+    deadline = time.monotonic() + launch.ready_timeout_s
+    while True:
+        try:
+            agent.call("ping")
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return Workload(host, service_url(host), agent)
 
 
 # --------------------------------------------------------------------------- one migration
-def migrate(args: argparse.Namespace, store_dir: Path, codec: str, logs: Path) -> dict[str, Any]:
+def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, Any]:
     """Source → image in ``store_dir`` → pre-loaded target → stop-and-copy → ready, timed and checked."""
     shutil.rmtree(store_dir, ignore_errors=True)
     store = f"file://{store_dir}"
-    env = {
-        KEY_ENV: args.key,
-        "GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb),
-        "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1",
-    }
-    key_ref = {"env": KEY_ENV}
+    env = {"GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb), "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
+    key_ref = {"env": KEY_ENV}  # the key itself is in this process's environment, inherited by the hosts
     options = {"compression": "auto", "parallelism": args.workers}
-    source = launch("source", args, await_restore=False, env=env, logs=logs)
+    provider = LocalProvider()
+    hosts = [provision(provider, "e2e-source"), provision(provider, "e2e-target")]
+    source: Workload | None = None
     target: Workload | None = None
     out: dict[str, Any] = {"store": store, "codec": codec}
     try:
-        out["source_start_s"] = round(source.wait_listening(args.start_timeout), 2)
-        source.generate()  # warm: the first request compiles/allocates what later ones reuse
-        t_migration = time.perf_counter()
-        target = launch("target", args, await_restore=True, env=env, logs=logs)
         t0 = time.perf_counter()
-        round1 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
-        capture_s = time.perf_counter() - t0
+        source = bootstrap(provider, hosts[0], workload_launch(args, env, await_restore=False))
+        out["source_start_s"] = round(time.perf_counter() - t0, 2)
+        source.generate()  # warm: the first request compiles/allocates what later ones reuse
+        # The target starts (through the launcher, as the provision phase starts it) while round 1 runs.
+        t_migration = time.perf_counter()
+        with ThreadPoolExecutor(1) as starter:
+            starting = starter.submit(bootstrap, provider, hosts[1], workload_launch(args, env, await_restore=True))
+            t0 = time.perf_counter()
+            round1 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
+            capture_s = time.perf_counter() - t0
+            target = starting.result()
+        out["target_start_s"] = round(time.perf_counter() - t_migration, 2)
         image_bytes = int(round1["image"]["bytes_image"])
         out["capture"] = {
             "bytes": image_bytes,
@@ -184,9 +163,8 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, logs: Path) -
             "agent_seconds": round(float(round1["stats"]["seconds"]), 3),
             "includes": "pre-copy round 1 of the live source (all chunks): fingerprint, stage, device BLAKE3, codec "
             "(GPU planes where nvCOMP is present, else the CPU byte-plane coder), AES-256-GCM, file:// store writes, "
-            "signed manifest; timed at the orchestrator around the agent call",
+            "signed manifest; timed at the orchestrator around the agent call, while the target starts",
         }
-        out["target_start_s"] = round(target.wait_listening(args.start_timeout), 2)
         t0 = time.perf_counter()
         pre1 = target.agent.call("restore", store=store, image_id=round1["image"]["id"], key_ref=key_ref, ready=False)
         restore_s = time.perf_counter() - t0
@@ -232,13 +210,16 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, logs: Path) -
         out["same_answer"] = source.generate()["tokens"] == target.generate()["tokens"]
         out["image_files_bytes"] = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
         if args.device.startswith("cuda") and args.driver and codec == "auto" and "shm" in str(store_dir):
-            target.stop()
+            target.close()
+            provider.terminate(hosts[1])  # its GPU memory is free for the driver's copy
             target = None
-            out["driver_checkpoint_of_source"] = driver_checkpoint(source.proc.pid, image_bytes)
+            out["driver_checkpoint_of_source"] = driver_checkpoint(source.pid, image_bytes)
     finally:
         for w in (target, source):
             if w is not None:
-                w.stop()
+                w.close()
+        for host in hosts:
+            provider.terminate(host)
     return out
 
 
@@ -405,12 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     args.workers = args.workers or min(64, os.cpu_count() or 2)
     from gpumigrate import transfer
 
-    args.key = transfer.generate_key()
+    os.environ[KEY_ENV] = transfer.generate_key()  # the hosts' supervisors inherit it; the agents resolve it
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="gm-e2e-"))
     root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("GPUMIGRATE_HOME", str(root / "home"))  # the local hosts, their logs, the control key
+    control.load_key(None, create=True)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() and not args.smoke else root
-    logs = root / "logs"
-    logs.mkdir(exist_ok=True)
     out: dict[str, Any] = {
         "bench": "e2e",
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
@@ -430,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             base = shm / f"gm-e2e-{os.getpid()}" if where == "shm" else root / "disk"
             log(f"migration {spec} ...")
             try:
-                out["runs"][spec] = migrate(args, base / "store", codec, logs)
+                out["runs"][spec] = migrate(args, base / "store", codec)
             except Exception as exc:
                 out["runs"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:

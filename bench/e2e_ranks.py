@@ -40,11 +40,13 @@ from typing import Any
 import torch
 
 from gpumigrate.snapshot.world import World
+from gpumigrate.transfer.keys import generate_key
 from gpumigrate.workloads.worlds import LocalWorld, start_world
 
 DP = "gpumigrate.workloads.dp_training"
 TP = "gpumigrate.workloads.tp_inference"
-NO_KEY: dict[str, str] = {}
+# Images are written signed and sealed, as a migration writes them: the key by reference.
+IMAGE_KEY: dict[str, str] = {"env": "GPUMIGRATE_BENCH_IMAGE_KEY"}
 PARITY_STEPS = 3
 
 
@@ -127,15 +129,15 @@ class Bench:
         # One live round pre-loaded into the target: it warms both sides' pipelines (pinned rings,
         # streams), as a migration's pre-copy does. The job then steps on, rewriting all its state,
         # so the final round below captures, and the restore loads, every byte again.
-        live = src.precopy(url, NO_KEY, options=self.options)
-        dst.restore(url, live["image"]["id"], NO_KEY, ready=False)
+        live = src.precopy(url, IMAGE_KEY, options=self.options)
+        dst.restore(url, live["image"]["id"], IMAGE_KEY, ready=False)
         src_local.wait_steps(max(m["steps"] for m in src.metrics()) + 1, timeout_s=900)
         t0 = time.perf_counter()
         frozen = src.freeze(lease_s=600, timeout_s=600)
         t1 = time.perf_counter()
-        final = src.final(url, NO_KEY, options=self.options)
+        final = src.final(url, IMAGE_KEY, options=self.options)
         t2 = time.perf_counter()
-        restored = dst.restore(url, final["image"]["id"], NO_KEY)
+        restored = dst.restore(url, final["image"]["id"], IMAGE_KEY)
         t3 = time.perf_counter()
         per_rank = [x["stats"]["bytes_dirty"] for x in final["ranks"]]
         out: dict[str, Any] = {
@@ -191,8 +193,8 @@ class Bench:
         url = self.store()
         rounds = []
         for _ in range(2):
-            pre = src.precopy(url, NO_KEY, options=self.options)
-            loaded = dst.restore(url, pre["image"]["id"], NO_KEY, ready=False)
+            pre = src.precopy(url, IMAGE_KEY, options=self.options)
+            loaded = dst.restore(url, pre["image"]["id"], IMAGE_KEY, ready=False)
             rounds.append(
                 {
                     "bytes_dirty": pre["stats"].bytes_dirty,
@@ -203,9 +205,9 @@ class Bench:
         t0 = time.perf_counter()
         src.freeze(lease_s=600, timeout_s=600)
         t1 = time.perf_counter()
-        final = src.final(url, NO_KEY, options=self.options)
+        final = src.final(url, IMAGE_KEY, options=self.options)
         t2 = time.perf_counter()
-        restored = dst.restore(url, final["image"]["id"], NO_KEY)
+        restored = dst.restore(url, final["image"]["id"], IMAGE_KEY)
         t3 = time.perf_counter()
         src.resume()
         out = {
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"note: {torch.cuda.device_count()} GPU(s) for {args.ranks} ranks: ranks share GPUs")
     home = Path(tempfile.mkdtemp(prefix="gm-e2e-ranks-"))
     os.environ["GPUMIGRATE_HOME"] = str(home)  # the control key the worlds and the orchestrator share
+    os.environ.setdefault(IMAGE_KEY["env"], generate_key())  # ranks inherit it when they start
     args.store = args.store or tempfile.mkdtemp(
         prefix="gm-e2e-ranks-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None
     )

@@ -22,6 +22,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.api_core import exceptions as gexc
@@ -112,8 +113,9 @@ class GcpProvider(GceCapacity):
             ) from None
         return creds, project or found
 
-    def _client(self, cls: type[T]) -> T:
-        key = cls.__name__
+    def _client(self, cls: Callable[..., T]) -> T:
+        """One client of each class (``compute_v1.InstancesClient``, ...), made with this provider's credentials."""
+        key = getattr(cls, "__name__", repr(cls))
         if key not in self._clients:
             opts = ClientOptions(api_endpoint=self.api_endpoint) if self.api_endpoint else None
             self._clients[key] = cls(credentials=self._credentials, client_options=opts)

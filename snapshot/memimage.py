@@ -70,7 +70,9 @@ class MemoryStore:
             return off
 
     def view(self, off: int, n: int) -> memoryview:
-        return memoryview(self._arena_np[off : off + n])  # type: ignore[index]
+        if self._arena_np is None:
+            raise SnapshotError("this in-memory store was made without an arena: nothing was placed in one")
+        return self._arena_np[off : off + n].data
 
     def data(self, chunk_id: str) -> memoryview | bytes | None:
         loc = self.placed.get(chunk_id)

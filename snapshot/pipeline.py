@@ -148,7 +148,7 @@ class Pipeline:
                     event.synchronize()
                 if not error:
                     job = jobs[i]
-                    ids[i] = writer.put_chunk(job.region, job.index, memoryview(self.ring.host[slot].numpy())[:n])
+                    ids[i] = writer.put_chunk(job.region, job.index, self.ring.host[slot].numpy().data[:n])
             except BaseException as exc:  # reported once, after the pool drains
                 error.append(exc)
             finally:
@@ -226,12 +226,12 @@ class Pipeline:
             n = job.data.numel()
             if not job.data.is_cuda:
                 # CPU destination: read straight into the tensor's memory.
-                got = reader.read_chunk_into(job.region, job.index, memoryview(job.data.numpy()))
+                got = reader.read_chunk_into(job.region, job.index, job.data.numpy().data)
                 _check_len(job, got, n)
                 return got
             slot = self.ring.free.get()
             try:
-                got = reader.read_chunk_into(job.region, job.index, memoryview(self.ring.host[slot].numpy())[:n])
+                got = reader.read_chunk_into(job.region, job.index, self.ring.host[slot].numpy().data[:n])
                 _check_len(job, got, n)
                 stream = streams[i % len(streams)]
                 with torch.cuda.stream(stream):

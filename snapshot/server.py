@@ -114,6 +114,11 @@ def _compose(agent: Agent, args: Mapping[str, Any]) -> dict[str, Any]:
     return agent.compose_world(str(args["store"]), key_ref_arg(args.get("key_ref")), images, ranks, step=step)
 
 
+def _resume(agent: Agent) -> dict[str, Any]:
+    agent.resume()
+    return {"frozen": False}
+
+
 def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
     agent = server.agent
     handlers: dict[str, Callable[[], Any]] = {
@@ -141,7 +146,7 @@ def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
             args.get("parent"),
             options=writer_options_arg(args.get("options")),
         ),
-        "resume": lambda: (agent.resume(), {"frozen": False})[1],
+        "resume": lambda: _resume(agent),
         "restore": lambda: agent.restore_from(
             str(args["store"]),
             str(args["image_id"]),
@@ -245,7 +250,7 @@ class AgentServer(socketserver.ThreadingTCPServer):
 
     @property
     def address(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = self.socket.getsockname()[:2]  # where it listens (an IP and a port: no bytes)
         return f"{host}:{port}"
 
     def start(self) -> AgentServer:

@@ -225,7 +225,9 @@ def rng_items(prefix: str = "rng", *, cuda_devices: list[int] | None = None) -> 
     return items
 
 
-def _np_state_to_json(state: tuple[Any, ...]) -> list[Any]:
+def _np_state_to_json(state: dict[str, Any] | tuple[Any, ...]) -> list[Any]:
+    if isinstance(state, dict):  # only for a bit generator other than MT19937, which np.random's own never is
+        raise SnapshotError(f"numpy's global random state uses {state.get('bit_generator')}: only MT19937 is tracked")
     name, keys, pos, has_gauss, cached = state
     return [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
 

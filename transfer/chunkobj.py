@@ -81,7 +81,7 @@ class Sealer:
         raw_len: int,
         payload: memoryview | bytes,
         base: str | None = None,
-        out: bytearray | None = None,
+        out: bytearray | memoryview | None = None,
         *,
         in_place: bool = False,
     ) -> bytearray | memoryview:

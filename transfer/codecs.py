@@ -76,7 +76,7 @@ def check_mode(mode: str) -> str:
 
 def _sample(data: memoryview | np.ndarray) -> np.ndarray:
     """Up to SAMPLE_BYTES of ``data``: all of it when small, else four slices spread over it."""
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
+    view = data if isinstance(data, memoryview) else data.data.cast("B")
     n = len(view)
     if n <= SAMPLE_BYTES * 2:
         return np.frombuffer(view, dtype=np.uint8)
@@ -91,7 +91,8 @@ def _worth_compressing(data: memoryview | np.ndarray, compress: Callable[[Any], 
     sample = _sample(data)
     if len(sample) == 0:
         return False
-    return len((compress or _compressor().compress)(sample)) <= len(sample) * (1.0 - MIN_GAIN)
+    packed = compress(sample) if compress is not None else _compressor().compress(sample.data)
+    return len(packed) <= len(sample) * (1.0 - MIN_GAIN)
 
 
 # Where a Huffman code nears its floor of one bit per byte (long runs, a near-constant plane such as
@@ -102,7 +103,7 @@ HUFF_FLOOR = 0.2
 def _zstd_plane(plane: np.ndarray) -> bytes | memoryview:
     """zstd for one plane: with the huff coder about, zstd is only picked for runs, so with its match
     finder (level 1); without it, as the pure literal coder (planezstd.py says why)."""
-    return _compressor().compress(plane) if planehuff.AVAILABLE else compress_plane(plane)
+    return _compressor().compress(plane.data) if planehuff.AVAILABLE else compress_plane(plane)
 
 
 def _plane_verdict(plane: np.ndarray) -> int:
@@ -256,16 +257,21 @@ def _decode_byteplane(payload: memoryview, raw_len: int, out: memoryview) -> Non
         codec, length = _PLANE_HEADER.unpack_from(payload, 1 + j * _PLANE_HEADER.size)
         body = payload[offset : offset + length]
         offset += length
+        plane: np.ndarray
         if codec == PLANE_HUFF:
             plane = planehuff.scratch(k * n)[j * n : (j + 1) * n]
             planehuff.decode_into(body, plane)
         elif codec == PLANE_GPU:
             plane = gpucodec.decode_plane_to_host(body, n)
+        elif codec == ZSTD:
+            plane = np.frombuffer(_decompressor().decompress(body, max_output_size=n), dtype=np.uint8)
+        elif codec == NONE:
+            plane = np.frombuffer(body, dtype=np.uint8)
         else:
-            plane = _decompressor().decompress(body, max_output_size=n) if codec == ZSTD else body
-        if codec not in (NONE, ZSTD, PLANE_HUFF, PLANE_GPU) or len(plane) != n:
-            raise IntegrityError("byte-plane payload is malformed (plane codec or length)")
-        planes.append(np.frombuffer(plane, dtype=np.uint8))
+            raise IntegrityError(f"byte-plane payload names plane codec {codec}, which this reader does not know")
+        if len(plane) != n:
+            raise IntegrityError("byte-plane payload is malformed (a plane's decoded length)")
+        planes.append(plane)
     if planehuff.AVAILABLE:
         planehuff.merge(planes, out)  # one pass, all planes
     elif k == 2:

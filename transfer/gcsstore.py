@@ -11,7 +11,7 @@ from typing import Any
 
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
-from gpumigrate.transfer.stores import BucketStore, chunk_key, split_url
+from gpumigrate.transfer.stores import BucketStore, chunk_key, query_param, split_url
 
 
 class GcsStore(BucketStore):
@@ -23,7 +23,7 @@ class GcsStore(BucketStore):
             raise InvalidInputError(f"GCS URL {url!r} names no bucket (gs://bucket/prefix)")
         self.url = url
         self.prefix = path.strip("/")
-        endpoint = endpoint_url or (query.get("endpoint") or [None])[0] or os.environ.get("GPUMIGRATE_GCS_ENDPOINT")
+        endpoint = endpoint_url or query_param(query, "endpoint") or os.environ.get("GPUMIGRATE_GCS_ENDPOINT")
         try:
             if endpoint:
                 from google.auth.credentials import AnonymousCredentials

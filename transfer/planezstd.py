@@ -100,7 +100,7 @@ USES_LITERAL_MODE = _self_test()
 def compress_plane(plane: np.ndarray) -> bytes | memoryview:
     """One zstd frame holding ``plane`` (a contiguous uint8 array); valid until this thread's next call."""
     if not USES_LITERAL_MODE:
-        return _fallback().compress(plane)
+        return _fallback().compress(plane.data)
     cctx = getattr(_local, "cctx", None)
     if cctx is None:
         cctx = _local.cctx = _new_cctx()

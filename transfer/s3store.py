@@ -12,7 +12,7 @@ from typing import Any
 
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.transfer.chunkobj import HEADER_SIZE
-from gpumigrate.transfer.stores import BucketStore, chunk_key, split_url
+from gpumigrate.transfer.stores import BucketStore, chunk_key, query_param, split_url
 
 MIN_PART = 5 << 20  # S3's smallest multipart part (except the last)
 DEFAULT_MULTIPART_THRESHOLD = 16 << 20
@@ -46,8 +46,8 @@ class S3Store(BucketStore):
         self.url = url
         self.bucket = bucket
         self.prefix = path.strip("/")
-        endpoint = endpoint_url or (query.get("endpoint") or [None])[0] or os.environ.get("AWS_ENDPOINT_URL")
-        threshold = int((query.get("multipart_threshold") or [multipart_threshold])[0])
+        endpoint = endpoint_url or query_param(query, "endpoint") or os.environ.get("AWS_ENDPOINT_URL")
+        threshold = int(query_param(query, "multipart_threshold") or multipart_threshold)
         self._client = boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint,

@@ -388,6 +388,12 @@ def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
     return parts.scheme, parts.netloc, parts.path, parse_qs(parts.query)
 
 
+def query_param(query: dict[str, list[str]], name: str) -> str | None:
+    """The first value of ``name`` in a parsed URL query (:func:`split_url`), or None."""
+    values = query.get(name)
+    return values[0] if values else None
+
+
 def file_root(url: str) -> Path:
     rest = url[len("file://") :].split("?", 1)[0]
     if not rest:
@@ -407,7 +413,7 @@ def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 
     """
     scheme = split_url(url)[0]
     if scheme == "file":
-        query_sync = (split_url(url)[3].get("sync") or [None])[0]
+        query_sync = query_param(split_url(url)[3], "sync")
         return FileStore(file_root(url), url, sync=sync or query_sync or "chunk")
     if scheme == "s3":
         from gpumigrate.transfer.s3store import S3Store

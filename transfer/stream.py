@@ -34,7 +34,7 @@ from gpumigrate.errors import (
     NotFoundError,
     TransferError,
 )
-from gpumigrate.transfer.stores import Store, split_url
+from gpumigrate.transfer.stores import Store, query_param, split_url
 
 MAGIC = b"GMS2"
 REQUEST = struct.Struct(">4sB32sQ")
@@ -164,9 +164,9 @@ class StreamStore(Store):
         self.host, self.port = parse_listen(netloc)
         if self.host == "0.0.0.0" or not self.port:
             raise InvalidInputError(f"receiver URL {url!r} names no host or port")
-        pinned = (query.get("fingerprint") or [None])[0]
+        pinned = query_param(query, "fingerprint")
         self.fingerprint = parse_fingerprint(pinned) if pinned else None
-        self.max_connections = max(1, int((query.get("connections") or [connections])[0]))
+        self.max_connections = max(1, int(query_param(query, "connections") or connections))
         self.window_bytes = max(1, window_bytes)
         self.control_key = control_key if control_key is not None else control.load_key()
         self.receiver_info: dict[str, Any] = {}

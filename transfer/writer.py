@@ -196,7 +196,7 @@ class StoreImageWriter:
             parent_entry = self._parent_objects.get(parent_cid or "")
             if parent_cid and parent_cid != chunk_id and parent_entry and not parent_entry[2]:
                 base_plain = self._parent_reader.read_object(parent_cid)
-                payload_src = memoryview(codecs.xor_with_base(view, base_plain))
+                payload_src = codecs.xor_with_base(view, base_plain).data
                 base_id = parent_cid
         # One buffer per chunk, asked for at whole-chunk size so every buffer in the pool fits any
         # chunk: the encoder writes its payload at HEADER_SIZE, where the sealer encrypts it in place

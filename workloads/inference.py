@@ -151,9 +151,9 @@ class InferenceApp:
                 "ready": st.ready,
                 "weights_digest": st.weights_digest(),
                 "n_params": sum(p.numel() for p in st.model.parameters()),
-                **{k: st.meta[k] for k in ("seed", "size", "dtype", "device", "params_mb") if k in st.meta},
             }
         )
+        facts.update({k: st.meta[k] for k in ("seed", "size", "dtype", "device", "params_mb") if k in st.meta})
         mutable = st.mutable
         if mutable is not None:
             from gpumigrate.workloads.model import weights_digest
@@ -220,7 +220,7 @@ def start_in_thread(
     app = InferenceApp(state, workers=workers, faults=faults)
     sock = bind_socket(host, port)
     server = uvicorn.Server(_uvicorn_config(app.app))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # not the main thread
+    # uvicorn installs signal handlers only on the main thread: this server's thread leaves them alone.
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn")
     thread.start()
     deadline = time.monotonic() + 10

@@ -117,6 +117,10 @@ class TinyLM(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
 
+    def layers(self) -> list[Block]:
+        """The blocks as :class:`Block` objects (iterating the ModuleList gives plain Modules)."""
+        return [b for b in self.blocks if isinstance(b, Block)]
+
     def forward(self, ids: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         return self.forward_cached(ids, None, last_only=last_only)[0]
 
@@ -137,7 +141,7 @@ class TinyLM(nn.Module):
         return self.lm_head(x), new_cache
 
 
-def _init_parameters(model: nn.Module, seed: int, device: torch.device) -> None:
+def _init_parameters(model: TinyLM, seed: int, device: torch.device) -> None:
     """Deterministic init in state-dict order from one generator on ``device``."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -203,7 +207,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def weights_digest(model: nn.Module | dict[str, torch.Tensor]) -> str:
@@ -246,7 +250,7 @@ def _decode_weights(model: TinyLM) -> tuple[Any, ...]:
     layers = tuple(
         (b.ln1.weight, b.ln1.bias, b.attn_qkv.weight, b.attn_qkv.bias, b.attn_out.weight, b.attn_out.bias,
          b.ln2.weight, b.ln2.bias, b.mlp_in.weight, b.mlp_in.bias, b.mlp_out.weight, b.mlp_out.bias)
-        for b in model.blocks
+        for b in model.layers()
     )  # fmt: skip
     cached = (
         model.tok_emb.weight,

@@ -21,6 +21,7 @@ import torch
 from gpumigrate.agent import Handle
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.snapshot.stepgate import SafePointGate
+from gpumigrate.workloads.model import TinyLM
 
 FAULT_KINDS = ("none", "errors", "slow", "drift", "crash")
 
@@ -55,7 +56,7 @@ class ServingState:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: TinyLM,
         *,
         name: str,
         model_id: str,
