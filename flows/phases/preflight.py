@@ -11,9 +11,9 @@ from gpumigrate.environment import EnvironmentReport, collect_facts, compare
 from gpumigrate.errors import PolicyDeniedError, TrafficError
 from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.facts import workload_facts
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.residency import validate_plan_residency
-from gpumigrate.parity.environment import fetch_info
 from gpumigrate.traffic import frontdoor
 
 
@@ -27,7 +27,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
     emit(
         m, "infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "instance_type": spec.instance_type}
     )
-    source = fetch_info(plan.workload.endpoint) if plan.workload.endpoint else {}
+    wl = plan.workload
+    source = workload_facts(wl.endpoint, wl.agent, side="source") if wl.endpoint or wl.agent else {}
     ctx.update(source_facts=_scalars(source))
     report = _host_environment(ctx, source)
     record: dict[str, Any] = (
