@@ -31,7 +31,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gpumigrate.environment import compare
-from gpumigrate.errors import GpumigrateError, InvalidInputError, ParityError, SnapshotError
+from gpumigrate.errors import GpumigrateError, InvalidInputError, ParityError, PolicyDeniedError, SnapshotError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.facts import workload_facts
@@ -54,30 +54,36 @@ POLL_S = 0.01
 
 # ----------------------------------------------------------------------------- the plan's training rules
 def check_plan(plan: Plan) -> None:
-    """What a training plan must (not) say, beyond what the plan's schema checks. InvalidInputError (exit 2)."""
+    """What a training plan must (not) say for this flow, beyond what the plan's schema checks (which other
+    tools share: ``gpumigrate snapshot`` moves a job of several ranks). A refusal is a PolicyDeniedError:
+    exit 2, status denied, nothing provisioned."""
     wl = plan.workload
     if plan.snapshot.backend != "agent":
-        raise InvalidInputError(
+        raise _refused(
             f"snapshot.backend {plan.snapshot.backend}: a training job moves with the agent backend only (its "
             "freeze at a step boundary and the parity steps are agent commands); set snapshot.backend: agent"
         )
     if not wl.agent:
-        raise InvalidInputError("workload.agent: a training job needs its agent's address, such as 127.0.0.1:7070")
+        raise _refused("workload.agent: a training job needs its agent's address, such as 127.0.0.1:7070")
     if wl.ranks != 1:
-        raise InvalidInputError(
+        raise _refused(
             f"workload.ranks {wl.ranks}: the migrate flow moves single-process training jobs; a job of several "
             "ranks moves with `gpumigrate snapshot` (snapshot/PROTOCOL.md, 'Ranks')"
         )
     if "traffic" in plan.model_fields_set:
-        raise InvalidInputError(
+        raise _refused(
             "traffic: a training job has no clients to shift, so no ramp, gates or manual gate; remove the "
             "traffic section (the cut-over is the target's next steps matching the source's: parity.training)"
         )
     if plan.parity.golden_inputs is not None or plan.parity.request is not None:
-        raise InvalidInputError(
+        raise _refused(
             "parity.golden_inputs / parity.request: these ask a service; a training job's parity is "
             "parity.training (steps, atol, rtol): remove them"
         )
+
+
+def _refused(message: str) -> PolicyDeniedError:
+    return PolicyDeniedError("the migrate flow's rules for training", message)
 
 
 # ----------------------------------------------------------------------------- the freeze lease

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpumigrate.flows.context import Fact, RunContext
+from gpumigrate.flows.undo import undo_target
 from gpumigrate.infra import provision_host, spec_from_plan
 from gpumigrate.infra.launch import serves_http, service_url
 from gpumigrate.interfaces import Host
@@ -33,7 +34,11 @@ def run(ctx: RunContext) -> dict[str, Any]:
     host = provider.wait_ready(host, timeout_s=HOST_READY_TIMEOUT_S)
     ctx.update(target_host=host, target_torn_down=False)  # from here on, an undo tears it down
     if launch is not None:
-        host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
+        try:
+            host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
+        except BaseException:  # a failed task's own undo hook never runs: tear its host down here
+            undo_target(ctx, reason="the workload did not start on the target")
+            raise
         endpoint = service_url(host) if serves_http(launch) else None
         agent: str | None = f"{host.address}:{host.ports['agent']}"
     else:
