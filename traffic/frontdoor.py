@@ -357,6 +357,34 @@ def start_detached(
         time.sleep(0.05)
 
 
+def source_healthy(state_dir: Path) -> bool:
+    """Whether every Envoy of the door has passed a health check of the source (it routes clients to it)."""
+    from gpumigrate.traffic.envoy import EnvoyAdmin
+
+    for url in read(state_dir).admin_urls:
+        admin = EnvoyAdmin(url, timeout_s=2.0)
+        try:
+            statuses = admin.clusters().get("cluster_statuses", [])
+        except (TrafficError, OSError, ValueError):
+            return False
+        finally:
+            admin.close()
+        hosts = [h for c in statuses if c.get("name") == SOURCE for h in c.get("host_statuses", [])]
+        if not hosts or any(h.get("health_status", {}).get("failed_active_health_check") for h in hosts):
+            return False
+    return True
+
+
+def wait_source_healthy(state_dir: Path, timeout_s: float) -> bool:
+    """Wait until :func:`source_healthy` (False after ``timeout_s``): until then Envoy answers clients 503."""
+    deadline = time.monotonic() + timeout_s
+    while not source_healthy(state_dir):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _tail(state_dir: Path, lines: int = 15) -> str:
     with contextlib.suppress(OSError):
         return "\n".join((state_dir / LOG).read_text(errors="replace").splitlines()[-lines:])

@@ -27,6 +27,7 @@ WORKLOAD = typer.Option(
     "--workload",
     help="The plan's workload.name. Without it: the door any plan whose workload.endpoint is its source uses.",
 )
+HEALTHY_TIMEOUT_S = 30.0  # how long `up` waits for Envoy to route to the source
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*")
 
@@ -69,7 +70,7 @@ def up(
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
     """Start the front door for SOURCE, detached; idempotent for the same source."""
-    from gpumigrate.traffic.frontdoor import start_detached
+    from gpumigrate.traffic.frontdoor import start_detached, wait_source_healthy
 
     host, port = _source(source)
     if not _PATH.fullmatch(health_path):
@@ -79,15 +80,23 @@ def up(
         state_dir, source_host=host, source_port=port, health_path=health_path, listen=listen,
         node_id=f"frontdoor-{workload or 'default'}",
     )  # fmt: skip
+    healthy = wait_source_healthy(state_dir, HEALTHY_TIMEOUT_S)  # Envoy answers clients 503 until then
     verb = "up" if started else "already up"
     console.print(
         f"front door {verb} for {esc(door.source or source)}: clients call [bold]{esc(door.listener or '')}[/]; "
         f"state in {esc(str(state_dir))}; stop it with `{_down_command(workload)}`",
         soft_wrap=True,
     )
+    if not healthy:
+        console.print(
+            f"[yellow]the source does not pass Envoy's health check (GET {esc(health_path)} answering 200) yet:"
+            f" clients get 503 until it does[/]",
+            soft_wrap=True,
+        )
     if json_out:
         emit_json({"state_dir": str(state_dir), "started": started, "source": door.source, "listener": door.listener,
-                   "admin_urls": door.admin_urls, "processes": door.processes})  # fmt: skip
+                   "admin_urls": door.admin_urls, "processes": door.processes,
+                   "source_healthy": healthy})  # fmt: skip
 
 
 @app.command("status")

@@ -51,6 +51,7 @@ def test_up_outlives_the_command_then_status_and_down_find_it(door: Any, service
     code, up, err = door("up", "--source", service, "--workload", "svc", "--listen", "127.0.0.1:0")
     assert code == 0, err
     assert up["started"] is True and up["state_dir"] == str(gm_home / "traffic" / "svc")
+    assert up["source_healthy"] is True  # `up` returns once Envoy routes to the source
     assert f"clients call {up['listener']}" in err and "gpumigrate frontdoor down --workload svc" in err
     # The command has exited; the door serves: Envoy's listener reaches the source.
     deadline = time.monotonic() + 30
