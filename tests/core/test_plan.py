@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -197,12 +198,14 @@ def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
     assert "no such file" in info.value.problems[0][1]
 
 
-def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str], gm_home: Path) -> None:
-    ok = subprocess.run([*cli_cmd, "plan", "validate", *map(str, EXAMPLES)], capture_output=True, text=True)
+def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str]) -> None:
+    # its own state root: validation records policy decisions in <home>/audit/policy.jsonl
+    env = {**os.environ, "GPUMIGRATE_HOME": str(tmp_path / "home")}
+    ok = subprocess.run([*cli_cmd, "plan", "validate", *map(str, EXAMPLES)], capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(_set(BASE, "traffic.stages.0.weight", 150)))
-    out = subprocess.run([*cli_cmd, "plan", "validate", str(bad), "--json"], capture_output=True, text=True)
+    out = subprocess.run([*cli_cmd, "plan", "validate", str(bad), "--json"], capture_output=True, text=True, env=env)
     assert out.returncode == 2
     assert "traffic.stages[0].weight" in out.stderr
     assert "Traceback" not in out.stderr
