@@ -1,6 +1,7 @@
-"""Bad input to `gpumigrate migrate` for a user's own workload: each a clear message naming what is wrong and what
-is allowed, the documented exit code, no traceback, and nothing harmed: the source (a user's service embedding
-gpumigrate.agent, tests/agent/kv_service.py) keeps serving, never frozen, and no target is left running.
+"""A user's own service (tests/agent/kv_service.py: a small torch model behind Starlette embedding gpumigrate.agent,
+not the reference server) through `gpumigrate migrate`: migrated under load with 0 failed requests and exact
+parity; and bad input, each a clear message naming what is wrong and what is allowed, the documented exit code, no
+traceback, and nothing harmed: the source keeps serving, never frozen, and no target is left running.
 """
 
 from __future__ import annotations
@@ -143,6 +144,36 @@ def _door_up(src: Source, cli_cmd: list[str]) -> None:
         cli_cmd, src.env, "frontdoor", "up", "--source", src.endpoint, "--workload", "kv", "--listen", "127.0.0.1:0"
     )
     assert up.returncode == 0, up.stderr
+
+
+def test_a_service_outside_the_package_migrates_under_load_with_exact_parity(
+    source: Source, cli_cmd: list[str], tmp_path: Path
+) -> None:
+    from gpumigrate.traffic.frontdoor import read
+    from gpumigrate.traffic.loadgen import LoadProcess
+    from gpumigrate.traffic.state import StateStore
+
+    _door_up(source, cli_cmd)
+    door = source.home / "traffic" / "kv"
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["parity"]["atol"] = doc["parity"]["rtol"] = 0  # the same floats, bit for bit
+        doc["traffic"] = {
+            "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
+            "gates": {"min_requests": 3, "max_p99_ratio": 4.0},
+            "analysis_interval_s": 0.5,
+        }
+
+    load = LoadProcess(str(read(door).listener) + "/v1/predict", rps=20, seconds=240, body={"x": X})
+    try:
+        code, result, err = _migrate(source, cli_cmd, _plan(source, tmp_path / "plan.yaml", edit), "kv-1")
+    finally:
+        load.stop()
+        report = load.wait(timeout_s=120)
+    assert code == 0 and result["status"] == "completed", err[-3000:]
+    assert result["parity"] == {"passed": True, "cases": 3, "max_abs_err": 0.0}
+    assert report.failed == 0 and report.ok > 20, report.errors
+    assert StateStore(door).read().weights == {"source": 0.0, "target": 100.0}
 
 
 def test_without_a_front_door_exit_2_says_how_to_start_it_before_anything_is_provisioned(
