@@ -140,6 +140,13 @@ def keep_frozen(ctx: RunContext) -> None:
             _KEEPERS[ctx.migration.id] = LeaseKeeper(address, ctx.plan.snapshot.freeze_lease_s).start()
 
 
+def renewals(ctx: RunContext) -> int:
+    """How often this process renewed the source's freeze lease so far (for the record)."""
+    with _KEEPERS_LOCK:
+        keeper = _KEEPERS.get(ctx.migration.id)
+    return keeper.renewals if keeper is not None else 0
+
+
 def release(ctx: RunContext) -> dict[str, Any]:
     """Stop renewing (the source then stays frozen until its lease runs out, unless told otherwise)."""
     with _KEEPERS_LOCK:
@@ -300,7 +307,7 @@ def parity(ctx: RunContext) -> dict[str, Any]:
         out_dir=m.artifacts / "parity",
     )
     record = {**res.to_dict(), "steps": steps, "source": [source[s] for s in steps],
-              "target": [target.get(s) for s in steps]}  # fmt: skip
+              "target": [target.get(s) for s in steps], "lease_renewals": renewals(ctx)}  # fmt: skip
     emit(m, "parity.training", record)
     merge_result(m, parity=res.summary())
     if not res.passed:
