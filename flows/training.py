@@ -320,20 +320,20 @@ def no_ramp(ctx: RunContext) -> dict[str, Any]:
 
 
 def finalize(ctx: RunContext) -> dict[str, Any]:
-    """The job trains on the target: the source's memory is zeroized and it stays parked (never resumed)."""
+    """The job trains on the target: the source is parked (never resumed), then its memory zeroized."""
     m = ctx.migration
-    kept = release(ctx)
-    record = ctx.backend().retire()
-    emit(m, "source.zeroized", record)
     with AgentClient(ctx.need(ctx.plan.workload.agent, "the source agent")) as client:
-        client.renew(MAX_LEASE_S)  # parked for as long as a lease goes: the user stops the process
-    ctx.update(source_zeroized=True, source_retired=True, rollback_deadline=time.time())
+        # First: parked for as long as a lease goes, so that no failure below lets it train beside the target.
+        client.renew(MAX_LEASE_S)
+    kept = release(ctx)
     emit(
         m,
         "source.parked",
         {"lease_renewals": kept.get("renewals"), "parked_s": MAX_LEASE_S,
          "note": "the job trains on the target now; stop the source process"},
     )  # fmt: skip
+    emit(m, "source.zeroized", ctx.backend().retire())
+    ctx.update(source_zeroized=True, source_retired=True, rollback_deadline=time.time())
     return {"source": "zeroized", "parked_s": MAX_LEASE_S}
 
 

@@ -52,6 +52,10 @@ LOG = "frontdoor.log"
 SOURCE, TARGET = "source", "target"  # the upstream names a migration uses
 ANY_WORKLOAD = "default"  # the door `frontdoor up` starts without --workload: any plan whose endpoint it fronts
 DEFAULT_LISTEN = "127.0.0.1:10000"
+# The detached door health-checks the source's liveness path, not its readiness path: a source's readiness
+# path answers 503 while a migration freezes it (agent/asgi.py), and Envoy, with the source its only healthy
+# upstream and no panic routing, would then answer 503 to clients that the frozen safe point only holds.
+DEFAULT_HEALTH_PATH = "/healthz"
 log = logging.getLogger("gpumigrate.traffic.frontdoor")
 
 
@@ -85,9 +89,9 @@ def _same_hostport(a: object, b: object) -> bool:
     return _hostport(a) is not None and _hostport(a) == _hostport(b)
 
 
-def up_command(source_url: str, workload: str, health_path: str = "/readyz") -> str:
+def up_command(source_url: str, workload: str, health_path: str = DEFAULT_HEALTH_PATH) -> str:
     """The command that starts the front door a migration of ``workload`` needs (preflight says it)."""
-    extra = f" --health-path {health_path}" if health_path != "/readyz" else ""
+    extra = f" --health-path {health_path}" if health_path != DEFAULT_HEALTH_PATH else ""
     return f"gpumigrate frontdoor up --source {source_url} --workload {workload}{extra}"
 
 
@@ -309,7 +313,7 @@ def start_detached(
     *,
     source_host: str,
     source_port: int,
-    health_path: str = "/readyz",
+    health_path: str = DEFAULT_HEALTH_PATH,
     listen: str = DEFAULT_LISTEN,
     node_id: str = "gpumigrate-envoy",
     timeout_s: float = 60.0,
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m gpumigrate.traffic.frontdoor", description=serve.__doc__)
     ap.add_argument("--state-dir", required=True, type=Path)
     ap.add_argument("--source", required=True, help="host:port of the source service")
-    ap.add_argument("--health-path", default="/readyz")
+    ap.add_argument("--health-path", default=DEFAULT_HEALTH_PATH)
     ap.add_argument("--listen", default=DEFAULT_LISTEN)
     ap.add_argument("--node-id", default="gpumigrate-envoy")
     args = ap.parse_args(argv)

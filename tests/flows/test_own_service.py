@@ -176,6 +176,36 @@ def test_a_service_outside_the_package_migrates_under_load_with_exact_parity(
     assert StateStore(door).read().weights == {"source": 0.0, "target": 100.0}
 
 
+def test_the_front_door_keeps_a_frozen_source_and_its_clients_wait(source: Source, cli_cmd: list[str]) -> None:
+    """A freeze turns the source's readiness path to 503; the door checks liveness, so Envoy keeps routing to
+    it and a client's request is held at the safe point until the resume, never refused."""
+    import threading
+
+    from gpumigrate.snapshot.client import AgentClient
+    from gpumigrate.traffic.frontdoor import read, source_healthy
+
+    _door_up(source, cli_cmd)
+    door = source.home / "traffic" / "kv"
+    listener = str(read(door).listener)
+    answers: list[httpx.Response] = []
+    with AgentClient(source.agent, timeout_s=30) as agent:
+        agent.freeze(lease_s=30)
+        try:
+            assert httpx.get(source.endpoint + "/readyz", timeout=5).status_code == 503
+            time.sleep(1.5)  # three of Envoy's health checks (every 0.5 s) while frozen
+            assert source_healthy(door)
+            client = threading.Thread(
+                target=lambda: answers.append(httpx.post(listener + "/v1/predict", json={"x": X}, timeout=30))
+            )
+            client.start()
+            time.sleep(0.5)
+            assert answers == []  # held at the safe point
+        finally:
+            agent.resume()
+    client.join(timeout=30)
+    assert [a.status_code for a in answers] == [200]
+
+
 def test_without_a_front_door_exit_2_says_how_to_start_it_before_anything_is_provisioned(
     source: Source, cli_cmd: list[str], tmp_path: Path
 ) -> None:
