@@ -20,6 +20,11 @@ class Requests(BaseModel):
     failed: int | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
+    measured_by: str | None = Field(
+        default=None,
+        description="Where the request figures (and downtime_ms) come from: 'envoy' (every client request through "
+        "the front door during the ramp, from Envoy's own stats) or the load generator that made them.",
+    )
 
 
 class Bytes(BaseModel):
@@ -38,6 +43,12 @@ class RollbackSummary(BaseModel):
     triggered: bool | None = None
     reason: str | None = None
     seconds_to_detect: float | None = None
+    trigger: str | None = Field(
+        default=None,
+        description="What rolled it back: gate, inconclusive, manual (a request, the run page's form), cancel "
+        "(Prefect's Cancel), lease (the control plane, when the ramp stopped renewing), external, error, parity.",
+    )
+    actor: str | None = Field(default=None, description="Who asked for it, as they said (the form's 'acting as').")
 
 
 class MigrationResult(BaseModel):

@@ -181,6 +181,11 @@ def wait_paused(flow_run_id: str, timeout_s: float = 60) -> None:
     raise AssertionError("the flow run never paused")
 
 
+def final(state: Any) -> dict[str, Any]:
+    """The result contract a migrate run ended with, and its final state as (type, name)."""
+    return {**state.result(raise_on_failure=False), "state": (state.type.value, state.name)}
+
+
 def serves(url: str) -> bool:
     try:
         return (
@@ -316,7 +321,9 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
     plan = write_plan(source, tmp_path / "plan.yaml", target="flows-tgt-gate", manual_gate=True)
     mid = RunContext.create(plan, migration_id="flows-gate", resume=False).migration.id
     out: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid, gate_timeout_s=120)))
+    runner = threading.Thread(
+        target=lambda: out.update(final(migrate_flow(migration_id=mid, gate_timeout_s=120, return_state=True)))
+    )
     runner.start()
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and state(source.home, mid).get("status") not in (
@@ -331,10 +338,13 @@ def test_manual_gate_resumed_with_roll_back(source: Source, prefect_api: str, tm
     target = st["runtime"]["target_endpoint"]
     assert serves(target)  # restored and verified, waiting for the operator
     wait_paused(st["flow_run_id"])
-    resume_flow_run(st["flow_run_id"], run_input={"action": "roll back", "reason": "change freeze"})
+    resume_flow_run(
+        st["flow_run_id"], run_input={"action": "roll back", "acting_as": "sre-ana", "reason": "change freeze"}
+    )
     runner.join(timeout=120)
     assert not runner.is_alive()
     assert out["status"] == "rolled_back" and "change freeze" in out["error"], out
+    assert out["state"] == ("FAILED", "RolledBack") and out["rollback"]["actor"] == "sre-ana"
     assert not serves(target) and serves(source.door.url)
     names = [e["event"] for e in events(source.home, mid)]
     assert "traffic.gate.waiting" in names and "traffic.gate.decided" in names
@@ -355,7 +365,7 @@ def test_rollback_during_the_ramp_acts_within_an_interval(source: Source, prefec
     mid = RunContext.create(plan_path, migration_id="flows-ramp-rb", resume=False).migration.id
     out: dict[str, Any] = {}
     lp = load(source)
-    runner = threading.Thread(target=lambda: out.update(migrate_flow(migration_id=mid)))
+    runner = threading.Thread(target=lambda: out.update(final(migrate_flow(migration_id=mid, return_state=True))))
     runner.start()
     try:
         deadline = time.monotonic() + 150
@@ -369,6 +379,7 @@ def test_rollback_during_the_ramp_acts_within_an_interval(source: Source, prefec
         report = lp.wait(timeout_s=60)
     assert outcome["status"] == "rolled_back" and outcome["how"].startswith("requested"), outcome
     assert out["status"] == "rolled_back" and "pager says stop" in out["rollback"]["reason"]
+    assert out["state"] == ("FAILED", "RolledBack")
     names = [e["event"] for e in events(source.home, mid)]
     assert "rollback.manual" in names and "rollback.target_torn_down" in names
     from gpumigrate.traffic.state import StateStore
