@@ -52,10 +52,10 @@ LOG = "frontdoor.log"
 SOURCE, TARGET = "source", "target"  # the upstream names a migration uses
 ANY_WORKLOAD = "default"  # the door `frontdoor up` starts without --workload: any plan whose endpoint it fronts
 DEFAULT_LISTEN = "127.0.0.1:10000"
-# The detached door health-checks the source's liveness path, not its readiness path: a source's readiness
-# path answers 503 while a migration freezes it (agent/asgi.py), and Envoy, with the source its only healthy
-# upstream and no panic routing, would then answer 503 to clients that the frozen safe point only holds.
-DEFAULT_HEALTH_PATH = "/healthz"
+# The detached door health-checks the source's readiness path (workload.ready_path). The SDK's answers 200
+# while a migration freezes the source (it holds requests and serves them on resume: agent/asgi.py); were it
+# 503 then, Envoy (the source its one upstream, no panic routing) would refuse the clients the safe point holds.
+DEFAULT_HEALTH_PATH = "/readyz"
 log = logging.getLogger("gpumigrate.traffic.frontdoor")
 
 

@@ -57,7 +57,7 @@ def _front_door(ctx: RunContext) -> None:
     wl = ctx.plan.workload
     endpoint = ctx.need(wl.endpoint, "the source endpoint")
     state_dir = ctx.traffic_dir()
-    start = frontdoor.up_command(endpoint, wl.name, wl.health_path)
+    start = frontdoor.up_command(endpoint, wl.name, wl.ready_path)
     try:
         door = frontdoor.check(state_dir)
     except TrafficError as exc:

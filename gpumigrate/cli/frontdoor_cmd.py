@@ -65,10 +65,10 @@ def up(
     workload: str | None = WORKLOAD,
     listen: str = typer.Option("127.0.0.1:10000", "--listen", help="HOST:PORT of the client listener (0: any port)."),
     health_path: str = typer.Option(
-        "/healthz",
+        "/readyz",
         "--health-path",
-        help="The path Envoy health-checks on the source: its liveness path (workload.health_path), which keeps "
-        "answering while a migration freezes it.",
+        help="The path Envoy health-checks on the source: its readiness path (workload.ready_path), 200 while it "
+        "serves or holds requests.",
     ),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -77,7 +77,7 @@ def up(
 
     host, port = _source(source)
     if not _PATH.fullmatch(health_path):
-        raise InvalidInputError(f"--health-path must be an HTTP path such as /healthz, got {health_path!r}")
+        raise InvalidInputError(f"--health-path must be an HTTP path such as /readyz, got {health_path!r}")
     state_dir = _state_dir(workload)
     door, started = start_detached(
         state_dir, source_host=host, source_port=port, health_path=health_path, listen=listen,
