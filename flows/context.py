@@ -25,7 +25,7 @@ from gpumigrate.interfaces import Host, HostActions, ImageRef, Provider, Snapsho
 from gpumigrate.plan import Plan, load_plan, resolve_relative
 from gpumigrate.snapshot.backends import Setup, snapshot_backend
 from gpumigrate.state import Migration, new_migration_id
-from gpumigrate.traffic.frontdoor import default_dir
+from gpumigrate.traffic.frontdoor import find_dir
 
 T = TypeVar("T")
 Fact = str | int | float | bool | None
@@ -193,9 +193,10 @@ class RunContext:
         return endpoint
 
     def traffic_dir(self) -> Path:
-        """The front door's control-plane state: the run's own (the demo's), else the workload's default."""
+        """The front door's control-plane state: the run's own (the demo's), else the workload's (or the door
+        `gpumigrate frontdoor up` started without --workload, when it fronts this plan's endpoint)."""
         explicit = self.runtime.traffic_state_dir
-        return Path(explicit) if explicit else default_dir(self.plan.workload.name)
+        return Path(explicit) if explicit else find_dir(self.plan.workload.name, self.plan.workload.endpoint)
 
     def backend(self) -> SnapshotBackend:
         """The plan's snapshot backend, set up with what is known now (the target once provisioned)."""

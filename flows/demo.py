@@ -89,6 +89,15 @@ def demo_plan(*, source: Host, target_host: str, store: Path, key_file: Path, go
         },
         "parity": {
             "golden_inputs": str(golden),
+            "request": {  # as examples/local-demo.yaml asks the reference server
+                "method": "POST",
+                "path": "/v1/generate",
+                "compare": [
+                    {"field": "tokens", "kind": "exact"},
+                    {"field": "text", "kind": "exact"},
+                    {"field": "logprobs", "kind": "numeric"},
+                ],
+            },
             "atol": 1e-4,
             "rtol": 1e-3,
             "environment": {"torch": "must_match", "weights_digest": "must_match", "driver": "may_differ"},

@@ -41,7 +41,7 @@ from gpumigrate.errors import (
     PolicyDeniedError,
     RolledBackError,
 )
-from gpumigrate.flows import flowrun, prefect_artifacts, run_page
+from gpumigrate.flows import flowrun, prefect_artifacts, run_page, training
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
@@ -74,6 +74,7 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     if done.get("status") in ("completed", "skipped") and still_valid(ctx, name):
         notify(m.id, f"phase.{name}.skipped", done.get("result") or {})
         return dict(done.get("result") or {})
+    phase = training.phase_for(ctx, name, phase)  # kind: training has phases of its own (flows/training.py)
     requested = m.rollback_requested()
     if requested and name != "finalize":
         raise RolledBackError(f"rollback requested by {requested.get('actor')}: {requested.get('reason')}")

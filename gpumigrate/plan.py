@@ -143,7 +143,9 @@ class Workload(_Model):
         default=None, description="Machine type the source runs on (for the cost model); default: the target's type."
     )
     launch: Launch | None = Field(
-        default=None, description="How the workload starts on a target (required with snapshot.backend agent)."
+        default=None,
+        description="How the workload starts on a target (required with snapshot.backend agent: the flow starts "
+        "the target's workload only this way).",
     )
     health_path: str = Field(default="/healthz", description="Answers 200 while the process lives.")
     ready_path: str = Field(default="/readyz", description="Answers 200 once the workload serves (after a restore).")
@@ -363,6 +365,11 @@ class Snapshot(_Model):
     backend: Literal["agent", "cuda-driver", "criu"] = "agent"
     precopy_rounds: Annotated[int, Field(ge=0, le=50)] = 3
     max_downtime_ms: Annotated[int, Field(gt=0, le=600_000)] = 500
+    freeze_lease_s: Annotated[float, Field(gt=0, le=86_400)] = Field(
+        default=60,
+        description="The freeze is a lease: a frozen source resumes by itself unless the orchestrator renews it "
+        "within this many seconds (the flow renews it while it works on the frozen source).",
+    )
 
 
 # Receivers (stream://, nixl://) take options after "?": the certificate pinned as
@@ -521,6 +528,19 @@ class Plan(_Model):
 
     @model_validator(mode="after")
     def _cross(self) -> Plan:
+        # Messages of rules that span sections start with the field they ask for: parse_plan reports
+        # them under that path.
+        if self.snapshot.backend == "agent" and self.workload.launch is None:
+            raise ValueError(
+                "workload.launch: required with snapshot.backend agent: how gpumigrate starts the workload on the "
+                "target (argv, env, cwd; see examples/byo/plan.yaml for a service, examples/train/plan.yaml for "
+                "a training loop)"
+            )
+        if self.parity.golden_inputs is not None and self.parity.request is None:
+            raise ValueError(
+                "parity.request: required with parity.golden_inputs: the method and path each golden input is "
+                "sent to, the request body, and which fields of the answer are compared (see examples/byo/plan.yaml)"
+            )
         if self.snapshot.backend == "cuda-driver" and self.target.provider != "local":
             raise ValueError(
                 "snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts"
@@ -552,6 +572,9 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return path or "(plan)"
 
 
+_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+): (.+)$", re.DOTALL)
+
+
 def parse_plan(data: object, source: str = "<plan>") -> Plan:
     """Validate already-parsed YAML/JSON data. Raises :class:`PlanError` with field paths."""
     if not isinstance(data, dict):
@@ -564,11 +587,14 @@ def parse_plan(data: object, source: str = "<plan>") -> Plan:
         problems = []
         for err in exc.errors(include_url=False):
             msg = err["msg"].removeprefix("Value error, ")
+            loc = _loc(err["loc"])
             if err["type"] == "extra_forbidden":
                 msg = "unknown field (check the spelling; see examples/ for the allowed fields)"
             elif err["type"] == "missing":
                 msg = "required field is missing"
-            problems.append((_loc(err["loc"]), msg))
+            elif loc == "(plan)" and (named := _NAMED_FIELD.match(msg)):
+                loc, msg = named.group(1), named.group(2)
+            problems.append((loc, msg))
         raise PlanError(source, problems) from None
 
 

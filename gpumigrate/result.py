@@ -56,7 +56,15 @@ class MigrationResult(BaseModel):
     status: Literal["completed", "rolled_back", "denied", "failed"]
     phases: dict[str, PhaseResult] = Field(default_factory=dict)
     requests: Requests = Field(default_factory=Requests)
-    downtime_ms: float | None = None
+    downtime_ms: float | None = Field(
+        default=None,
+        description="Inference: the longest stretch in which no client request succeeded (measured by a load "
+        "generator through the front door; null when none ran).",
+    )
+    pause_ms: float | None = Field(
+        default=None,
+        description="Training: from the source's freeze to the target's first completed step after its restore.",
+    )
     bytes: Bytes = Field(default_factory=Bytes)
     parity: ParitySummary = Field(default_factory=ParitySummary)
     rollback: RollbackSummary = Field(default_factory=RollbackSummary)

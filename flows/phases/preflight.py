@@ -12,10 +12,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from gpumigrate.environment import EnvironmentReport, collect_facts, compare
-from gpumigrate.errors import InvalidInputError
+from gpumigrate.errors import PolicyDeniedError, TrafficError
 from gpumigrate.flows import target_store
-from gpumigrate.flows.context import Fact, RunContext
+from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.facts import workload_facts
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.placement import check_zones
 from gpumigrate.infra.residency import (
@@ -26,26 +27,24 @@ from gpumigrate.infra.residency import (
     validate_plan_residency,
 )
 from gpumigrate.interfaces import HostSpec, Provider
-from gpumigrate.parity.environment import fetch_info
 from gpumigrate.parity.urls import redact_url
+from gpumigrate.traffic import frontdoor
 from gpumigrate.transfer.nixl import load_nixl
 from gpumigrate.transfer.push import ensure_bucket, store_region
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
-    if plan.workload.kind != "inference":
-        raise InvalidInputError(
-            "the migrate flow moves inference workloads today: a training job moves with "
-            "`gpumigrate snapshot` (precopy, freeze, final, restore) between its --await-restore target and the source"
-        )
     decisions = validate_plan_residency(plan, record=m.record)
+    if plan.workload.kind == "inference":
+        _front_door(ctx)
     check_transport(ctx)
     spec = spec_from_plan(plan, migration_id=m.id)
     provider = ctx.provider()
     zones = check_capacity(ctx, provider, spec)
     decisions += check_store_and_keys(ctx, provider)
-    source = fetch_info(plan.workload.endpoint) if plan.workload.endpoint else {}
+    wl = plan.workload
+    source = workload_facts(wl.endpoint, wl.agent, side="source") if wl.endpoint or wl.agent else {}
     ctx.update(source_facts=_scalars(source))
     report = _host_environment(ctx, source)
     record: dict[str, Any] = (
@@ -67,6 +66,26 @@ def run(ctx: RunContext) -> dict[str, Any]:
         "environment": "match" if report is not None else "deferred",
         "source_weights_digest": str(source.get("weights_digest", ""))[:64] or None,
     }
+
+
+def _front_door(ctx: RunContext) -> None:
+    """An inference migration shifts its clients through the front door: it must be up, and front this
+    plan's endpoint, before anything is provisioned (exit 2 naming the command that starts it)."""
+    wl = ctx.plan.workload
+    endpoint = ctx.need(wl.endpoint, "the source endpoint")
+    state_dir = ctx.traffic_dir()
+    start = frontdoor.up_command(endpoint, wl.name, wl.ready_path)
+    try:
+        door = frontdoor.check(state_dir)
+    except TrafficError as exc:
+        raise PolicyDeniedError(
+            "front-door", f"no front door is up for workload {wl.name} ({exc}): start it with `{start}`"
+        ) from None
+    if door.source and not same_endpoint(door.source, endpoint):
+        raise PolicyDeniedError(
+            "front-door", f"the front door in {state_dir} fronts {door.source}, not this plan's endpoint {endpoint}"
+        )
+    emit(ctx.migration, "traffic.frontdoor.checked", {"state_dir": str(state_dir), "listener": door.listener})
 
 
 def _host_environment(ctx: RunContext, source: dict[str, Any]) -> EnvironmentReport | None:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.undo import undo_target
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.launch import serves_http, service_url
 from gpumigrate.infra.placement import place
@@ -46,7 +47,11 @@ def run(ctx: RunContext) -> dict[str, Any]:
     host = provider.wait_ready(host, timeout_s=HOST_READY_TIMEOUT_S)
     if launch is not None:
         boot = plan.target.bootstrap
-        host = provider.bootstrap(host, launch, timeout_s=boot.timeout_s if boot else launch.ready_timeout_s)
+        try:
+            host = provider.bootstrap(host, launch, timeout_s=boot.timeout_s if boot else launch.ready_timeout_s)
+        except BaseException:  # a failed task's own undo hook never runs: tear its host down here
+            undo_target(ctx, reason="the workload did not start on the target")
+            raise
         endpoint = service_url(host) if serves_http(launch) else None
         agent: str | None = f"{host.address}:{host.ports['agent']}"
     else:

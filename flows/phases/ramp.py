@@ -23,6 +23,7 @@ from gpumigrate.flows.report import Sample, merge_result, ramp_chart
 from gpumigrate.interfaces import OutputComparator, ParityReport
 from gpumigrate.parity.comparator import ToleranceComparator
 from gpumigrate.parity.output import load_golden
+from gpumigrate.parity.request import build_requests, comparator_for
 from gpumigrate.traffic import frontdoor
 from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.ramp import RampController, RampResult, RampSettings
@@ -162,6 +163,15 @@ def _prober(ctx: RunContext, listener: str | None) -> Prober | None:
     golden = ctx.golden_inputs()
     if golden is None or not listener:
         return None
-    inputs = [c.request for c in load_golden(golden)][:PROBE_CASES]
-    comparator = ProbeComparator(ToleranceComparator(atol=ctx.plan.parity.atol, rtol=ctx.plan.parity.rtol))
-    return Prober(listener, inputs, comparator, every_s=ctx.plan.traffic.analysis_interval_s)
+    cases = load_golden(golden)[:PROBE_CASES]
+    parity, every_s = ctx.plan.parity, ctx.plan.traffic.analysis_interval_s
+    if parity.request is None:  # TRANSITIONAL: a plan without parity.request is asked as the reference server
+        comparator = ProbeComparator(ToleranceComparator(atol=parity.atol, rtol=parity.rtol))
+        return Prober(listener, [c.request for c in cases], comparator, every_s=every_s)
+    if parity.request.method != "POST" or parity.request.headers:
+        # The prober POSTs JSON bodies; other requests are checked by the parity phase only.
+        emit(ctx.migration, "traffic.probes.skipped", {"reason": "live probes send POST requests without headers"})
+        return None
+    queries = build_requests(cases, parity.request)
+    comparator = ProbeComparator(comparator_for(parity.request, atol=parity.atol, rtol=parity.rtol))
+    return Prober(listener, [q.body for q in queries], comparator, path=parity.request.path, every_s=every_s)

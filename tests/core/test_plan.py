@@ -94,6 +94,10 @@ BAD_PLANS = [
     ("parity-bad-method", "parity.request.method", "DELETE", "parity.request.method"),
     ("training-steps", "parity.training", {"steps": 0}, "parity.training.steps"),
     ("control-key-inline", "workload.control_key", {"value": "00"}, "workload.control_key.value"),
+    ("agent-backend-without-launch", "workload.launch", _DELETE, "workload.launch"),
+    ("golden-inputs-without-request", "parity.request", _DELETE, "parity.request"),
+    ("freeze-lease-zero", "snapshot.freeze_lease_s", 0, "snapshot.freeze_lease_s"),
+    ("freeze-lease-over-a-day", "snapshot.freeze_lease_s", 86_401, "snapshot.freeze_lease_s"),
 ]
 
 
@@ -139,6 +143,18 @@ def test_bad_plan_names_field(base: dict, case: str, path: str, value: object, f
         parse_plan(_set(base, path, value), case)
     fields = [f for f, _ in info.value.problems]
     assert field in fields, f"{case}: expected {field} in {fields}"
+
+
+def test_the_workload_contract_is_required_and_says_where_to_look() -> None:
+    """The flow starts a workload only from its launch and asks it only through parity.request."""
+    for dotted, field in (("workload.launch", "workload.launch"), ("parity.request", "parity.request")):
+        with pytest.raises(PlanError) as info:
+            parse_plan(_set(BASE, dotted, _DELETE), "plan")
+        [(where, message)] = info.value.problems
+        assert where == field and "examples/" in message, (where, message)
+    # Host-level backends restore the process itself: no launch. No golden inputs: no request.
+    assert parse_plan(_set(_set(BASE, "workload.launch", _DELETE), "snapshot.backend", "criu"), "plan")
+    assert parse_plan(_set(_set(BASE, "parity.request", _DELETE), "parity.golden_inputs", _DELETE), "plan")
 
 
 def test_cloud_target_fields_and_defaults() -> None:

@@ -459,9 +459,6 @@ class LocalSource:
 
         plan = yaml.safe_load(EXAMPLE.read_text())
         wl = plan["workload"]
-        # Until the reference server reads GPUMIGRATE_AGENT_ADDR (integration wave), a target started from
-        # workload.launch has no agent; without a launch the flow starts the target its own way.
-        wl.pop("launch", None)
         address, ports = self.host.address, self.host.ports
         wl.update(source_host=self.host.name, endpoint=f"http://{address}:{ports['service']}")
         wl.update(agent=f"{address}:{ports['agent']}")
