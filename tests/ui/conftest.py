@@ -156,19 +156,24 @@ class PrefectServer:
             time.sleep(0.5)
         return run
 
-    def newest_run(self, deployment_id: str, parameters: dict[str, Any]) -> str:
-        """The newest run of a deployment whose parameters include ``parameters``."""
+    def newest_run(self, deployment_id: str, parameters: dict[str, Any], *, wait_s: float = 30.0) -> str:
+        """The newest run of a deployment whose parameters include ``parameters`` (a just-submitted
+        form's run may take a few seconds to appear on a loaded machine: look for ``wait_s``)."""
         body = {
             "flow_runs": {"deployment_id": {"any_": [deployment_id]}},
             "sort": "EXPECTED_START_TIME_DESC",
             "limit": 20,
         }
-        r = httpx.post(f"{self.api}/flow_runs/filter", json=body, timeout=10)
-        r.raise_for_status()
-        for run in r.json():
-            if all(run["parameters"].get(k) == v for k, v in parameters.items()):
-                return str(run["id"])
-        raise AssertionError(f"no run of deployment {deployment_id} with {parameters}")
+        deadline = time.monotonic() + wait_s
+        while True:
+            r = httpx.post(f"{self.api}/flow_runs/filter", json=body, timeout=10)
+            r.raise_for_status()
+            for run in r.json():
+                if all(run["parameters"].get(k) == v for k, v in parameters.items()):
+                    return str(run["id"])
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no run of deployment {deployment_id} with {parameters}")
+            time.sleep(0.5)
 
     def artifact(self, key: str) -> dict[str, Any] | None:
         """The latest artifact with ``key``, or None."""
@@ -358,7 +363,7 @@ class PrefectUI:
         self.shot(f"{deployment.replace('/', '-')}-custom-run")
         page.get_by_role("button", name="Submit").click()
         try:  # the toast's "View run"; on a loaded machine the toast may be gone before it can be clicked
-            page.locator("#prefect-design-toast-app").get_by_role("button", name="View run").last.click(timeout=10_000)
+            page.locator("#prefect-design-toast-app").get_by_role("button", name="View run").last.click(timeout=20_000)
             page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
             return str(page.url.rstrip("/").split("/")[-1])
         except PlaywrightTimeout:
