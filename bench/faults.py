@@ -153,8 +153,8 @@ class Stage:
 def start_stage(work: Path, n: int) -> Stage:
     from gpumigrate.atomic import atomic_write_json
     from gpumigrate.flows.demo import ARGV, READY_TIMEOUT_S
-    from gpumigrate.infra import get_provider
     from gpumigrate.infra.launch import service_url, wait_http
+    from gpumigrate.infra.local import LocalProvider
     from gpumigrate.interfaces import HostSpec
     from gpumigrate.launch import WorkloadLaunch
     from gpumigrate.parity.environment import fetch_info
@@ -162,7 +162,7 @@ def start_stage(work: Path, n: int) -> Stage:
     from gpumigrate.traffic.envoy import Envoy
     from gpumigrate.traffic.state import DesiredState, StateStore, Upstream
 
-    provider = get_provider("local")
+    provider = LocalProvider()  # attached: the source host dies with the driver, whatever ends it
     host = provider.provision(HostSpec(name=f"fm-src-{n}", provider="local", region="local-a"))
     host = provider.wait_ready(host, timeout_s=60)
     launch = WorkloadLaunch(argv=tuple(ARGV), ready_timeout_s=READY_TIMEOUT_S)
@@ -472,9 +472,9 @@ def probe(cell: Cell, stage: Stage, mid: str) -> None:
 
 
 def _terminate_targets(mid: str) -> None:
-    from gpumigrate.infra import get_provider
+    from gpumigrate.infra.local import LocalProvider
 
-    provider = get_provider("local")
+    provider = LocalProvider()
     with contextlib.suppress(Exception):
         for host in provider.list_hosts():
             if host.name.startswith(f"fm-tgt-{mid[-6:]}"):
@@ -514,6 +514,7 @@ def orchestrate(a: argparse.Namespace) -> int:
         if fired[0] or a.victim == "none":
             return
         fired[0] = True
+        pid: int | None
         if a.victim == "orchestrator":
             pid = os.getpid()
         elif a.victim == "target":
