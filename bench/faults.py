@@ -460,15 +460,22 @@ def probe(cell: Cell, stage: Stage, mid: str) -> None:
         cell.source_harmed = None  # the fault itself killed it: the question is whether anything else broke
     else:
         cell.source_harmed = not cut_over and not (cell.source_serves and cell.source_digest_same)
+    cell.recovery = describe(cell)
+
+
+def describe(cell: Cell) -> str:
+    """The recovery column: how the episode ended, from the cell's recorded probes."""
     how = []
     if cell.flow_status in ("rolled_back", "completed", "denied", "failed"):
         how.append(f"flow ended {cell.flow_status}")
     if cell.source_serves_again_s is not None:
         how.append(f"source served again {cell.source_serves_again_s}s after the kill")
     how += cell.recovery_steps
-    if not cell.door_serves:
-        how.append("front door down: clients get no answer (manual restart)")
-    cell.recovery = "; ".join(how)
+    if cell.door_live is None:
+        how.append("Envoy down: clients get no answer until it is restarted (manual)")
+    elif not cell.door_serves:
+        how.append("the side Envoy sends clients to does not answer: clients fail")
+    return "; ".join(how)
 
 
 def _terminate_targets(mid: str) -> None:
@@ -634,10 +641,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="VICTIM:PHASE[,VICTIM:PHASE...] (default: every cell)")
     ap.add_argument("--out", default=str(REPO / "build" / "faults"))
     ap.add_argument("--json", action="store_true", help="print the results JSON as the last stdout line")
+    ap.add_argument("--render", action="store_true", help="only write OUT/faults.md again from OUT/faults.json")
     a = ap.parse_args(argv)
     if a.cmd == "orchestrate":
         return orchestrate(a)
     out = Path(a.out).resolve()
+    if a.render:
+        from gpumigrate.atomic import atomic_write_bytes as write
+
+        doc = json.loads((out / "faults.json").read_text())
+        done = [Cell(**c) for c in doc["cells"]]
+        for c in done:
+            c.recovery = describe(c) if not c.skipped else c.recovery
+        write(out / "faults.md", markdown(done, float(doc["seconds"])).encode())
+        return 0
     _env_defaults(out)
     work = out / "run" / "cells"
     work.mkdir(parents=True, exist_ok=True)
