@@ -1,9 +1,11 @@
 """An ASGI middleware for a service with the agent attached: health, readiness, and held requests.
 
 ``GET <health_path>`` answers 200 while the process lives; ``GET <ready_path>`` answers 503 with
-the reason while the process is unready (awaiting its restore) or frozen (being migrated), 200
-otherwise, so a load balancer, Envoy or gpumigrate's own checks stop sending to it in time. A
-request held at a frozen safe point longer than its timeout gets a 503 instead of a 500.
+the reason while the process cannot serve (awaiting its restore, zeroized), so a load balancer,
+Envoy or gpumigrate's own checks stop sending to it in time, and 200 otherwise: ``{"status":
+"held", "reason": "frozen"}`` while a migration's freeze holds requests (they are served on resume;
+see ``SafePointGate.readiness``). A request held at a frozen safe point longer than its timeout gets
+a 503 instead of a 500.
 
 With Starlette or FastAPI: ``app.add_middleware(ReadinessMiddleware)``; any other ASGI app:
 ``app = ReadinessMiddleware(app)``. Without ``handle`` it reads the handle attached in this process
@@ -58,11 +60,10 @@ class ReadinessMiddleware:
             return
         if path == self.ready_path:
             handle = self.handle or current()
-            reason = "agent not attached" if handle is None else handle.reason()
-            if reason is None:
-                await _json(send, 200, {"status": "ready"})
+            if handle is None:
+                await _json(send, 503, {"status": "not ready", "reason": "agent not attached"})
             else:
-                await _json(send, 503, {"status": "not ready", "reason": reason})
+                await _json(send, *handle.gate.readiness())
             return
         started = False
 

@@ -25,7 +25,7 @@ from gpumigrate.interfaces import Host, HostActions, ImageRef, Provider, Snapsho
 from gpumigrate.plan import Plan, load_plan, resolve_relative
 from gpumigrate.snapshot.backends import Setup, snapshot_backend
 from gpumigrate.state import Migration, new_migration_id
-from gpumigrate.traffic.frontdoor import default_dir
+from gpumigrate.traffic.frontdoor import find_dir
 
 T = TypeVar("T")
 Fact = str | int | float | bool | None
@@ -77,12 +77,21 @@ class Runtime(BaseModel):
     source_zeroized: bool = False
     source_retired: bool = False
 
+    # -- where the image lands (provision sets them; the snapshot writes, the transfer checks, the undo stops) --
+    # image_store is where the source's agent writes its pre-copy rounds and final image: where the target
+    # reads them (its own store, the bucket) or the receiver that lands them there. None: the plan's store.
+    image_store: str | None = None
+    # receiver_dir is the state directory of the receiver the flow started on the target (stream://target,
+    # nixl://target); receiver_stopped is set once it was stopped (after the transfer, or by an undo).
+    receiver_dir: str | None = None
+    receiver_stopped: bool = False
+
 
 @dataclass(frozen=True)
 class Siblings:
     """The sibling objects the phases drive through the core's Protocols; tests hand in fakes."""
 
-    provider: Callable[[str, bool], Provider]  # (provider name, attached) -> Provider
+    provider: Callable[[Plan, bool], Provider]  # (plan, attached) -> the provider of the plan's target
     backend: Callable[[str, Setup], SnapshotBackend]  # (plan.snapshot.backend, setup) -> SnapshotBackend
     host_actions: HostActions
 
@@ -91,8 +100,9 @@ class Siblings:
         from gpumigrate.flows.host_actions import dispatch
         from gpumigrate.infra import get_provider, provider_options
 
-        def provider(name: str, attached: bool) -> Provider:
-            return get_provider(name, **provider_options(name, attached=attached))
+        def provider(plan: Plan, attached: bool) -> Provider:
+            name = plan.target.provider
+            return get_provider(name, **provider_options(name, attached=attached, plan=plan))
 
         return cls(provider=provider, backend=snapshot_backend, host_actions=dispatch)
 
@@ -167,7 +177,7 @@ class RunContext:
 
     # -- what the siblings get ------------------------------------------------------------------
     def provider(self) -> Provider:
-        return self.siblings.provider(self.plan.target.provider, self.runtime.target_attached)
+        return self.siblings.provider(self.plan, self.runtime.target_attached)
 
     def target_host(self) -> Host:
         return self.need(self.runtime.target_host, "the target host")
@@ -183,17 +193,19 @@ class RunContext:
         return endpoint
 
     def traffic_dir(self) -> Path:
-        """The front door's control-plane state: the run's own (the demo's), else the workload's default."""
+        """The front door's control-plane state: the run's own (the demo's), else the workload's (or the door
+        `gpumigrate frontdoor up` started without --workload, when it fronts this plan's endpoint)."""
         explicit = self.runtime.traffic_state_dir
-        return Path(explicit) if explicit else default_dir(self.plan.workload.name)
+        return Path(explicit) if explicit else find_dir(self.plan.workload.name, self.plan.workload.endpoint)
 
     def backend(self) -> SnapshotBackend:
         """The plan's snapshot backend, set up with what is known now (the target once provisioned)."""
         plan, rt = self.plan, self.runtime
         host = rt.target_host
         pid = rt.source_facts.get("pid")
+        store = rt.image_store or self.store_url()  # the source writes where the target reads
         setup = Setup(
-            store=self.store_url(),
+            store=store,
             key_ref=self.key_ref() or {},
             writer_options={"compression": plan.transfer.compression, "parallelism": plan.transfer.parallelism},
             policy=dict(plan.parity.environment),
@@ -202,7 +214,7 @@ class RunContext:
             source_pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
             checked=rt.backend_facts,
             source_dir=str(self.migration.dir / "criu-dump"),
-            parent=rt.image.id if rt.image else None,
+            parent=rt.image.id if rt.image and rt.image.store == store else None,  # a parent where it writes
             target_host=host.name if host else None,
             target_agent=rt.target_agent,
             target_store=rt.target_store,

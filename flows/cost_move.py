@@ -21,7 +21,7 @@ from prefect import flow
 from gpumigrate.atomic import atomic_write_bytes
 from gpumigrate.audit import AuditLog
 from gpumigrate.errors import ResidencyError
-from gpumigrate.flows import prefect_env
+from gpumigrate.flows import flowrun, prefect_artifacts
 from gpumigrate.plan import Plan, load_plan, parse_plan
 from gpumigrate.settings import state_root
 
@@ -108,7 +108,9 @@ def cost_move_flow(
     plan_path: str, image_bytes: int | None = None, deployment: str = MIGRATE_DEPLOYMENT, trigger: Trigger | None = None
 ) -> dict[str, Any]:
     """Evaluate the cost model for ``plan_path``; trigger the migrate deployment only when it pays."""
-    prefect_env.configure()  # a worker imported this module: no analytics, whatever its environment says
-    return decide_and_trigger(
+    flowrun.begin()  # a worker imported this module: Prefect's settings and the audit's actor
+    out = decide_and_trigger(
         plan_path, trigger=trigger or trigger_deployment, image_bytes=image_bytes, deployment=deployment
     )
+    prefect_artifacts.anchor_log(cost_log())  # the decisions' chain head outside the state directory
+    return out

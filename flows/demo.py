@@ -89,6 +89,15 @@ def demo_plan(*, source: Host, target_host: str, store: Path, key_file: Path, go
         },
         "parity": {
             "golden_inputs": str(golden),
+            "request": {  # as examples/local-demo.yaml asks the reference server
+                "method": "POST",
+                "path": "/v1/generate",
+                "compare": [
+                    {"field": "tokens", "kind": "exact"},
+                    {"field": "text", "kind": "exact"},
+                    {"field": "logprobs", "kind": "numeric"},
+                ],
+            },
             "atol": 1e-4,
             "rtol": 1e-3,
             "environment": {"torch": "must_match", "weights_digest": "must_match", "driver": "may_differ"},
@@ -208,7 +217,13 @@ def run_demo(*, fault: str | None = None, watch: Watch | None = None) -> Migrati
         )
         merge_result(
             m,
-            requests={"total": report.total, "failed": report.failed, "p50_ms": report.p50_ms, "p99_ms": report.p99_ms},
+            requests={
+                "total": report.total,
+                "failed": report.failed,
+                "p50_ms": report.p50_ms,
+                "p99_ms": report.p99_ms,
+                "measured_by": "the demo's load generator, over the whole migration",
+            },
             downtime_ms=report.downtime_ms,
         )
         return write_outputs(m, status=result.status, error=result.error)

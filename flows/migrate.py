@@ -12,6 +12,11 @@ resumes. Two transactions carry the undo (:mod:`gpumigrate.flows.undo`):
 
 The manual gate (``plan.traffic.manual_gate``) pauses between them, never inside a transaction.
 Hooks are idempotent and never raise: a hook that raised would stop the hooks after it.
+
+The run's final state says how it ended (Completed only for a cut-over; RolledBack, Denied otherwise)
+and Prefect's Cancel means roll back (:mod:`gpumigrate.flows.flowrun`). A run started from a deployment
+stays paused on its page through the rollback window, with the rollback control there
+(:mod:`gpumigrate.flows.run_page`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefect import Task, flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import State, TaskRun
-from prefect.flow_runs import pause_flow_run
+from prefect.exceptions import TerminationSignal
 from prefect.transactions import Transaction, transaction
-from pydantic import BaseModel
 
 from gpumigrate.errors import (
     DecryptionError,
@@ -37,7 +41,7 @@ from gpumigrate.errors import (
     PolicyDeniedError,
     RolledBackError,
 )
-from gpumigrate.flows import prefect_artifacts, prefect_env
+from gpumigrate.flows import flowrun, prefect_artifacts, run_page, training
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
@@ -70,16 +74,25 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     if done.get("status") in ("completed", "skipped") and still_valid(ctx, name):
         notify(m.id, f"phase.{name}.skipped", done.get("result") or {})
         return dict(done.get("result") or {})
+    phase = training.phase_for(ctx, name, phase)  # kind: training has phases of its own (flows/training.py)
     requested = m.rollback_requested()
     if requested and name != "finalize":
         raise RolledBackError(f"rollback requested by {requested.get('actor')}: {requested.get('reason')}")
     notify(m.id, f"phase.{name}.started", {})
     try:
         with m.running_phase(name) as result:
-            result.update(phase(ctx))
+            result.update(flowrun.cancel_means_rollback(lambda: phase(ctx)))
+    except flowrun.RunCancelled as exc:
+        # Not a failure of the phase but a decision: the undo then gives the Cancel as its reason.
+        m.set_phase(name, "rolled_back", result={"error": str(exc)[:500]})
+        flowrun.record_cancel(m, exc.reason, where=name)
+        notify(m.id, f"phase.{name}.failed", {"error": str(exc)[:300]})
+        raise
     except BaseException as exc:
         notify(m.id, f"phase.{name}.failed", {"error": str(exc)[:300]})
         raise
+    finally:
+        prefect_artifacts.anchor_audit(m)  # the chain's head beside the run, at the end of every phase
     notify(m.id, f"phase.{name}.completed", result)
     return result
 
@@ -115,7 +128,7 @@ def provision_task(ctx: RunContext) -> dict[str, Any]:
 
 @provision_task.on_rollback
 def _undo_provision(txn: Transaction) -> None:
-    undo_all(_ctx(txn), reason=txn.get("reason", "migration failed"))
+    flowrun.surviving_cancel(lambda: undo_all(_ctx(txn), reason=txn.get("reason", "migration failed")))
 
 
 # Not retried: a retry after freeze would pre-copy a frozen workload. The undo resumes the source.
@@ -126,7 +139,7 @@ def snapshot_task(ctx: RunContext) -> dict[str, Any]:
 
 @snapshot_task.on_rollback
 def _undo_snapshot(txn: Transaction) -> None:
-    undo_source(_ctx(txn))
+    flowrun.surviving_cancel(lambda: undo_source(_ctx(txn)))
 
 
 # Resumable by design: only chunks missing at the destination move again.
@@ -153,7 +166,7 @@ def hold_target_task(ctx: RunContext) -> dict[str, Any]:
 
 @hold_target_task.on_rollback
 def _undo_hold_target(txn: Transaction) -> None:
-    undo_all(_ctx(txn), reason=txn.get("reason", "ramp failed"))
+    flowrun.surviving_cancel(lambda: undo_all(_ctx(txn), reason=txn.get("reason", "ramp failed")))
 
 
 @task(name="ramp", **_task_opts())
@@ -163,30 +176,12 @@ def ramp_task(ctx: RunContext) -> dict[str, Any]:
 
 @ramp_task.on_rollback
 def _undo_ramp(txn: Transaction) -> None:
-    undo_traffic(_ctx(txn), reason=txn.get("reason", "ramp failed"))
+    flowrun.surviving_cancel(lambda: undo_traffic(_ctx(txn), reason=txn.get("reason", "ramp failed")))
 
 
 @task(name="finalize", **_task_opts(retries=1, retry_delay_seconds=1))
 def finalize_task(ctx: RunContext) -> dict[str, Any]:
     return run_phase(ctx, "finalize", finalize.run)
-
-
-class GateDecision(BaseModel):
-    """What the operator chooses at the manual gate (the form behind Resume in the Prefect UI)."""
-
-    action: Literal["proceed", "roll back"] = "proceed"
-    reason: str = ""
-
-
-def manual_gate(ctx: RunContext, *, timeout_s: int = 3600) -> GateDecision:
-    """Pause before any traffic moves; the operator resumes with proceed or roll back."""
-    m = ctx.migration
-    emit(m, "traffic.gate.waiting", {"timeout_s": timeout_s})
-    m.update(status="paused")
-    decision = pause_flow_run(wait_for_input=GateDecision, timeout=timeout_s, poll_interval=1, key=f"gate-{m.id}")
-    m.update(status="running")
-    emit(m, "traffic.gate.decided", {"action": decision.action, "reason": decision.reason[:300]})
-    return decision
 
 
 def _run_name() -> str:
@@ -198,31 +193,62 @@ def _run_name() -> str:
 
 @flow(name="migrate", flow_run_name=_run_name, log_prints=False, persist_result=False)
 def migrate_flow(
-    migration_id: str | None = None, plan_path: str | None = None, gate_timeout_s: int = 3600
-) -> dict[str, Any]:
-    """Move one workload as its plan says. Returns the result contract (gpumigrate.result).
+    migration_id: str | None = None,
+    plan_path: str | None = None,
+    gate_timeout_s: int = 3600,
+    hold_rollback_window: bool | None = None,
+) -> Any:
+    """Move one workload as its plan says. The run's final state says how it ended; its data is the result
+    contract (gpumigrate.result).
 
     From the CLI: ``migration_id`` of a created migration. From the deployment (UI, cost-move):
-    ``plan_path`` (and optionally an id: an existing id resumes).
+    ``plan_path`` (and optionally an id: an existing id resumes). ``hold_rollback_window``: stay paused on
+    the run's page through the plan's rollback window (default: when started from a deployment).
     """
-    prefect_env.configure()  # a worker imported this module: no analytics, whatever its environment says
+    flowrun.begin()  # a worker imported this module: Prefect's settings, and who the audit's actor is
     if plan_path:
         ctx = RunContext.create(plan_path, migration_id=migration_id, resume=None)
     elif migration_id:
         ctx = RunContext.load(migration_id)
     else:
         raise InvalidInputError("give migration_id (an existing migration) or plan_path (a new one)")
-    return run_flow(ctx, gate_timeout_s=gate_timeout_s).model_dump(mode="json")
+    hold = flowrun.from_deployment() if hold_rollback_window is None else hold_rollback_window
+    return flowrun.final_state(run_flow(ctx, gate_timeout_s=gate_timeout_s, hold_window=hold))
 
 
-def run_flow(ctx: RunContext, *, gate_timeout_s: int) -> MigrationResult:
-    """The phases in order inside their two transactions; whatever happens, a result and a safe source."""
+def run_flow(ctx: RunContext, *, gate_timeout_s: int, hold_window: bool = False) -> MigrationResult:
+    """The phases in order inside their two transactions; whatever happens, a result and a safe source.
+    With ``hold_window``, a cut-over then waits on the run's page through the rollback window."""
     m = ctx.migration
-    m.update(status="running", flow_run_id=_flow_run_id())
+    m.update(status="running", flow_run_id=flowrun.run_id(), window_hold=None)
     # Who runs this migration: the rollback path asks whether this process still acts on requests.
     ctx.update(flow_pid=os.getpid(), flow_host=os.uname().nodename)
     started = time.monotonic()
-    status, error = "completed", None
+    status, error = _run_phases(ctx, gate_timeout_s=gate_timeout_s)
+    if status == "completed":
+        merge_result(m, rollback={"triggered": False})
+    hold = status == "completed" and hold_window and not ctx.runtime.source_retired
+    m.update(
+        status=status,
+        seconds=round(time.monotonic() - started, 3),
+        window_hold=run_page.hold_record(ctx) if hold else None,
+    )
+    emit(m, f"migration.{status}", {"error": (error or "")[:500]} if status != "completed" else {})
+    result = write_outputs(m, status=status, error=error)
+    prefect_artifacts.publish(m, result)
+    if hold:
+        result = run_page.hold_rollback_window(ctx)
+    prefect_artifacts.anchor_audit(m)
+    try:
+        get_run_logger().info("migration %s %s", m.id, result.status)
+    except Exception:
+        pass
+    return result
+
+
+def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | None]:
+    """(status, error) once the phases ran as far as they could; every failure leaves the source serving."""
+    m = ctx.migration
     try:
         preflight_task(ctx)
         with transaction() as txn:
@@ -233,42 +259,49 @@ def run_flow(ctx: RunContext, *, gate_timeout_s: int) -> MigrationResult:
             restore_task(ctx)
             parity_task(ctx)
         if ctx.plan.traffic.manual_gate and m.phase("ramp").get("status") != "completed":
-            decision = manual_gate(ctx, timeout_s=gate_timeout_s)
-            if decision.action == "roll back":
-                m.request_rollback(decision.reason or "rolled back at the manual gate")
-                undo_all(ctx, reason="rolled back at the manual gate")
-                raise RolledBackError(decision.reason or "rolled back at the manual gate")
+            run_page.manual_gate(ctx, timeout_s=gate_timeout_s)
         with transaction() as txn:
             txn.set("ctx", ctx)
             hold_target_task(ctx)
             ramp_task(ctx)
         finalize_task(ctx)
     except PolicyDeniedError as exc:
-        status, error = ("denied" if m.phase("provision").get("status") == "pending" else "rolled_back"), str(exc)
+        # Denied while nothing was frozen or moved (a placement that found no zone undid its launches): exit 2.
+        return ("denied" if m.phase("snapshot").get("status") == "pending" else "rolled_back"), str(exc)
     except (RolledBackError, ParityError) as exc:
-        status, error = "rolled_back", str(exc)
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
         detect = exc.seconds_to_detect if isinstance(exc, RolledBackError) else None
-        merge_result(m, rollback={"triggered": True, "reason": reason[:300], "seconds_to_detect": detect})
+        trigger = (
+            "cancel" if isinstance(exc, flowrun.RunCancelled) else "parity" if isinstance(exc, ParityError) else None
+        )
+        requested = m.rollback_requested() or {}
+        merge_result(
+            m,
+            rollback={
+                "triggered": True,
+                "reason": reason[:300],
+                "seconds_to_detect": detect,
+                "trigger": trigger,
+                "actor": requested.get("actor") if trigger != "cancel" else None,
+            },
+        )
+        return "rolled_back", str(exc)
+    except TerminationSignal:  # Prefect's Cancel landed outside a phase (between tasks): it still means roll back
+        reason = flowrun.stop_reason()
+        flowrun.record_cancel(m, reason, where="between phases")
+        flowrun.surviving_cancel(lambda: undo_all(ctx, reason=reason))
+        merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": "cancel"})
+        return "rolled_back", f"rolled back: {reason}"
+    except InvalidInputError as exc:
+        # Bad input found by preflight (a transport that cannot load, a receiver's certificate, a key
+        # that cannot be read) is the plan's fault and nothing was launched: exit 2, like a denial.
+        if m.phase("provision").get("status") == "pending":
+            return "denied", str(exc)
+        return "failed", str(exc)
     except GpumigrateError as exc:
-        status, error = "failed", str(exc)
+        return "failed", str(exc)
     except Exception as exc:  # a library bug must still leave a result and a safe source
-        status, error = "failed", f"unexpected {type(exc).__name__}: {exc}"
+        error = f"unexpected {type(exc).__name__}: {exc}"
         undo_all(ctx, reason=error)
-    if status == "completed":
-        merge_result(m, rollback={"triggered": False})
-    m.update(status=status, seconds=round(time.monotonic() - started, 3))
-    emit(m, f"migration.{status}", {"error": (error or "")[:500]} if status != "completed" else {})
-    result = write_outputs(m, status=status, error=error)
-    prefect_artifacts.publish(m, result)
-    try:
-        get_run_logger().info("migration %s %s", m.id, status)
-    except Exception:
-        pass
-    return result
-
-
-def _flow_run_id() -> str | None:
-    from prefect.runtime import flow_run
-
-    return str(flow_run.id) if flow_run.id else None
+        return "failed", error
+    return "completed", None

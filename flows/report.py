@@ -7,6 +7,7 @@ publishes the same content as Prefect artifacts when running inside a flow.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 from pathlib import Path
 from typing import Any, Literal
@@ -66,6 +67,17 @@ def ramp_chart(samples: list[Sample], path: Path, *, title: str = "") -> Path | 
     return path
 
 
+def chart_data_uri(chart: str | Path | None) -> str | None:
+    """The chart as a ``data:`` URI (PNG, base64): it displays wherever the markdown is shown, the Prefect
+    UI included, with no file or URL that the reader's browser would have to reach. None without a chart."""
+    if not chart:
+        return None
+    try:
+        return "data:image/png;base64," + base64.b64encode(Path(chart).read_bytes()).decode("ascii")
+    except OSError:
+        return None
+
+
 def build_result(migration: Migration, *, status: str | None = None, error: str | None = None) -> MigrationResult:
     """The JSON contract from the state record. Fields that no phase reached stay null."""
     state = migration.read()
@@ -82,6 +94,7 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
         },
         requests=Requests(**res.get("requests", {})),
         downtime_ms=res.get("downtime_ms"),
+        pause_ms=res.get("pause_ms"),
         bytes=Bytes(**res.get("bytes", {})),
         parity=ParitySummary(**res.get("parity", {})),
         rollback=RollbackSummary(**res.get("rollback", {})),
@@ -138,7 +151,9 @@ def phase_rows(migration: Migration) -> list[dict[str, Any]]:
     return rows
 
 
-def summary_markdown(migration: Migration, result: MigrationResult) -> str:
+def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src: str | None = None) -> str:
+    """The human report. ``chart_src``: how the chart is referenced (default: its file name, beside
+    ``report.md``; the Prefect artifact draws it from a data URI)."""
     state = migration.read()
     created = dt.datetime.fromtimestamp(state.get("created", 0), dt.UTC).isoformat(timespec="seconds")
     lines = [
@@ -157,16 +172,53 @@ def summary_markdown(migration: Migration, result: MigrationResult) -> str:
         "",
         f"- requests: {_fmt(rq.total)} total, {_fmt(rq.failed)} failed, p50 {_fmt(rq.p50_ms)} ms, p99 {_fmt(rq.p99_ms)} ms",
         f"- downtime: {_fmt(result.downtime_ms)} ms",
+        *([f"- training pause (freeze → target's first step): {_fmt(result.pause_ms)} ms"] if result.pause_ms else []),
         f"- bytes: image {_fmt(by.image)}, sent {_fmt(by.sent)}, stored {_fmt(by.stored)}",
         f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
         f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}, detected in {_fmt(rb.seconds_to_detect)} s",
     ]
+    lines += _provenance(result)
+    lines += _window(migration.id, state, result.status)
     if result.error:
         lines += ["", f"**Error:** {result.error}"]
     if result.chart:
-        lines += ["", "## Ramp", "", f"![traffic ramp]({Path(result.chart).resolve().as_uri()})"]
+        lines += ["", "## Ramp", "", f"![traffic ramp]({chart_src or Path(result.chart).name})"]
     lines += ["", f"Audit: `gpumigrate audit {migration.id}`.", ""]
     return "\n".join(lines)
+
+
+def _provenance(result: MigrationResult) -> list[str]:
+    """What the figures above include, and who rolled back (the form's 'acting as', Cancel, the lease)."""
+    out = []
+    if result.requests.measured_by == "envoy":
+        out.append(
+            "- requests and downtime: every client request through the front door during the ramp, "
+            "from Envoy's own stats"
+        )
+    elif result.requests.measured_by:
+        out.append(f"- requests and downtime measured by: {result.requests.measured_by}")
+    rb = result.rollback
+    if rb.triggered and (rb.trigger or rb.actor):
+        out.append(f"- rolled back by: {_fmt(rb.trigger)}{f' ({rb.actor})' if rb.actor else ''}")
+    return out
+
+
+def _window(migration_id: str, state: dict[str, Any], status: str) -> list[str]:
+    """Where the rollback window stands after a cut-over: the source warm until when, or retired."""
+    runtime = state.get("runtime") or {}
+    deadline = runtime.get("rollback_deadline")
+    if status != "completed" or deadline is None:
+        return []
+    if runtime.get("source_retired") or runtime.get("source_zeroized"):
+        return ["", "The source is retired (its state zeroized and verified): the cut-over is final."]
+    until = dt.datetime.fromtimestamp(float(deadline), dt.UTC).isoformat(timespec="seconds")
+    page = "**Resume → roll back** on the migration's run page, " if state.get("window_hold") else ""
+    return [
+        "",
+        f"**The source is kept warm until {until}.** Until then {page}the `rollback` deployment or "
+        f"`gpumigrate rollback {migration_id}` puts all traffic back on it; after it, "
+        f"{'the run retires the source' if page else f'`gpumigrate retire {migration_id}` retires it'}.",
+    ]
 
 
 def write_report(migration: Migration, result: MigrationResult) -> Path:

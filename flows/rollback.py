@@ -1,9 +1,14 @@
 """The rollback button: one path for ``gpumigrate rollback``, the ``rollback`` deployment and the gate.
 
 While the migrate flow runs, a rollback is a request (``Migration.request_rollback``) that the ramp
-controller polls every analysis interval; the flow's transaction hooks then undo in order. After the
-flow ended, inside the rollback window, this module does the undo itself: traffic back to the
-source in one update, then the target torn down, then the source's agent resumed.
+controller polls every analysis interval, and that a flow paused on its run page (the manual gate,
+or the rollback window after the cut-over) sees within a fraction of a second; the form behind
+Resume is answered too, for a flow on another host. The flow then undoes in order. When no flow
+acts on the migration any more (it ended, or its process died), this module does the undo itself:
+traffic back to the source in one update, then the target torn down, then the source's agent resumed.
+
+A run of the ``rollback`` deployment publishes what it did (an artifact and log lines in its own run)
+and brings the migration's summary up to date, on the migration's own run page too.
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from uuid import UUID
 from prefect import flow
 
 from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError
-from gpumigrate.flows import prefect_env
+from gpumigrate.flows import flowrun, prefect_artifacts
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
-from gpumigrate.flows.report import merge_result, write_outputs
+from gpumigrate.flows.report import build_result, merge_result, write_outputs
 from gpumigrate.flows.undo import undo_all
+from gpumigrate.result import MigrationResult
 
 
 def _flow_alive(ctx: RunContext) -> bool | None:
@@ -37,16 +43,30 @@ def _flow_alive(ctx: RunContext) -> bool | None:
     return True
 
 
-def _answer_gate(flow_run_id: str | None, reason: str) -> None:
-    """A flow paused at the manual gate only listens to its Resume form: answer it with "roll back"."""
+def _answer_pause(flow_run_id: str | None, reason: str, actor: str | None) -> None:
+    """Answer the form of a flow paused on its run page (the gate, the rollback window) with "roll back":
+    a flow on another host may not see this host's request file."""
     if not flow_run_id:
         return
     try:
         from prefect.flow_runs import resume_flow_run
 
-        resume_flow_run(UUID(flow_run_id), run_input={"action": "roll back", "reason": reason[:300]})
+        from gpumigrate.settings import identity
+
+        answer = {"action": "roll back", "acting_as": (actor or identity().name)[:200], "reason": reason[:300]}
+        resume_flow_run(UUID(flow_run_id), run_input=answer)
     except Exception:  # not paused any more, or another API: the request file still stands
         pass
+
+
+def roll_back_here(ctx: RunContext, *, reason: str, actor: str | None, trigger: str, after: str) -> MigrationResult:
+    """Undo in this process, in order (traffic first), and record the outcome: status, result, audit, report."""
+    m = ctx.migration
+    undo_all(ctx, reason=reason)
+    m.update(status="rolled_back")
+    merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": trigger, "actor": actor})
+    emit(m, "rollback.completed", {"reason": reason[:300], "after": after, "trigger": trigger}, actor=actor)
+    return write_outputs(m, status="rolled_back", error=f"rolled back: {reason}")
 
 
 def rollback_migration(
@@ -79,16 +99,17 @@ def rollback_migration(
             )
     m.request_rollback(reason, actor=actor)
     alive = _flow_alive(ctx)
-    if status in ("running", "paused") and alive is not False:
-        if status == "paused":
-            _answer_gate(m.read().get("flow_run_id"), reason)
+    holding = status == "completed" and bool(m.read().get("window_hold"))  # paused on its page, in the window
+    if (status in ("running", "paused") or holding) and alive is not False:
+        if status == "paused" or holding:
+            _answer_pause(m.read().get("flow_run_id"), reason, actor)
         # The running flow acts on the request within one analysis interval and undoes in order.
         limit = wait_s if wait_s is not None else max(15.0, 5 * plan.traffic.analysis_interval_s)
         deadline_t = time.monotonic() + limit
-        while time.monotonic() < deadline_t and m.read().get("status") in ("running", "paused"):
+        while time.monotonic() < deadline_t and _still_acting(m.read()):
             time.sleep(0.1)
         final = m.read().get("status")
-        if final not in ("running", "paused") or alive:
+        if not _still_acting(m.read()) or alive:
             how = "requested; the running flow rolled back" if final == "rolled_back" else f"requested; flow is {final}"
             return {
                 "migration_id": m.id,
@@ -98,11 +119,7 @@ def rollback_migration(
             }
         # Its flow ran on another host and did not act within the wait: treat it as gone.
     # No flow is acting on it (it ended, or its process died): undo here, in the same order.
-    undo_all(ctx, reason=reason)
-    m.update(status="rolled_back")
-    merge_result(m, rollback={"triggered": True, "reason": reason[:300]})
-    emit(m, "rollback.completed", {"reason": reason[:300], "after": status}, actor=actor)
-    write_outputs(m, status="rolled_back", error=f"rolled back: {reason}")
+    roll_back_here(ctx, reason=reason, actor=actor, trigger="manual", after=str(status))
     return {
         "migration_id": m.id,
         "status": "rolled_back",
@@ -111,8 +128,24 @@ def rollback_migration(
     }
 
 
+def _still_acting(state: dict[str, Any]) -> bool:
+    """The flow has not finished acting on the request yet: still running, paused, or holding the window."""
+    return state.get("status") in ("running", "paused") or (
+        state.get("status") == "completed" and bool(state.get("window_hold"))
+    )
+
+
 @flow(name="rollback", flow_run_name="rollback-{migration_id}", persist_result=False)
-def rollback_flow(migration_id: str, reason: str = "rollback requested from the Prefect UI") -> dict[str, Any]:
-    """The rollback button: traffic to the source, the target torn down. Same path as the CLI."""
-    prefect_env.configure()  # a worker imported this module: no analytics, whatever its environment says
-    return rollback_migration(migration_id, reason=reason)
+def rollback_flow(
+    migration_id: str, reason: str = "rollback requested from the Prefect UI", acting_as: str = ""
+) -> dict[str, Any]:
+    """The rollback button: traffic to the source, the target torn down. Same path as the CLI.
+
+    ``acting_as``: who is pressing it (the audit records it beside the identity this process has)."""
+    flowrun.begin()  # a worker imported this module: Prefect's settings and the audit's actor
+    outcome = rollback_migration(migration_id, reason=reason, actor=acting_as.strip()[:200] or None)
+    m = RunContext.load(migration_id).migration
+    prefect_artifacts.publish_action(m, "rollback", {**outcome, "reason": reason, "acting_as": acting_as or None})
+    prefect_artifacts.publish(m, build_result(m))
+    prefect_artifacts.anchor_audit(m)
+    return outcome

@@ -6,11 +6,16 @@ PREFECT_HOME, :mod:`gpumigrate.flows.prefect_env`, configured by the entry point
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 from gpumigrate.errors import GpumigrateError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.report import write_outputs
 from gpumigrate.flows.undo import undo_all
 from gpumigrate.result import MigrationResult
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import State
 
 
 def run_migration(migration_id: str) -> MigrationResult:
@@ -22,7 +27,11 @@ def run_migration(migration_id: str) -> MigrationResult:
     from gpumigrate.flows.migrate import migrate_flow
 
     try:
-        out = migrate_flow(migration_id=migration_id)
+        # The run's state says how it ended (a rollback is not Completed); the result contract is its data.
+        state = cast("State[Any]", migrate_flow(migration_id=migration_id, return_state=True))
+        out = state.result(raise_on_failure=False)
+        if isinstance(out, BaseException):
+            raise out
     except GpumigrateError:
         raise
     except Exception as exc:

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
+from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.state import PHASES, Migration
+from gpumigrate.traffic import frontdoor
 from gpumigrate.traffic.frontdoor import traffic_to_source
+from gpumigrate.traffic.state import StateStore
 
 _log = logging.getLogger("gpumigrate.flows")
 T = TypeVar("T")
@@ -57,8 +60,18 @@ def undo_traffic(ctx: RunContext, *, reason: str) -> None:
     reason = failure_reason(m, reason)
     weights = quietly("traffic", lambda: traffic_to_source(ctx.traffic_dir(), reason))
     if weights:
+        # Every Envoy runs it before the target goes: a target torn down first fails the clients still sent to it.
+        quietly("applied", lambda: _applied_everywhere(ctx))
         quietly("record", lambda: emit(m, "traffic.rolled_back", {"reason": reason[:300], "weights": weights}))
         quietly("state", lambda: m.set_phase("ramp", "rolled_back"))
+
+
+def _applied_everywhere(ctx: RunContext, timeout_s: float = 10) -> None:
+    """Block until every Envoy of the front door runs the current desired state (at most ``timeout_s``)."""
+    nodes = frontdoor.read(ctx.traffic_dir()).nodes
+    if nodes:
+        store = StateStore(ctx.traffic_dir())
+        store.wait_applied(store.read().version, nodes, timeout_s=timeout_s)
 
 
 def undo_source(ctx: RunContext) -> None:
@@ -70,12 +83,14 @@ def undo_source(ctx: RunContext) -> None:
 
 
 def undo_target(ctx: RunContext, *, reason: str) -> None:
-    """What a restore started on the target stops, then the target host is torn down."""
+    """The receiver the flow started there and what a restore started on the target stop, then the target
+    host is torn down."""
     m = ctx.migration
     reason = failure_reason(m, reason)
     rt = quietly("runtime", lambda: ctx.runtime)
     host = rt.target_host if rt is not None and not rt.target_torn_down else None
     if host is not None:
+        quietly("receiver", lambda: target_store.stop_target_receiver(ctx))
         backend = quietly("backend", ctx.backend)
         if backend is not None:
             quietly("discard", backend.discard)

@@ -143,7 +143,9 @@ class Workload(_Model):
         default=None, description="Machine type the source runs on (for the cost model); default: the target's type."
     )
     launch: Launch | None = Field(
-        default=None, description="How the workload starts on a target (required with snapshot.backend agent)."
+        default=None,
+        description="How the workload starts on a target (required with snapshot.backend agent: the flow starts "
+        "the target's workload only this way).",
     )
     health_path: str = Field(default="/healthz", description="Answers 200 while the process lives.")
     ready_path: str = Field(default="/readyz", description="Answers 200 once the workload serves (after a restore).")
@@ -363,6 +365,11 @@ class Snapshot(_Model):
     backend: Literal["agent", "cuda-driver", "criu"] = "agent"
     precopy_rounds: Annotated[int, Field(ge=0, le=50)] = 3
     max_downtime_ms: Annotated[int, Field(gt=0, le=600_000)] = 500
+    freeze_lease_s: Annotated[float, Field(gt=0, le=86_400)] = Field(
+        default=60,
+        description="The freeze is a lease: a frozen source resumes by itself unless the orchestrator renews it "
+        "within this many seconds (the flow renews it while it works on the frozen source).",
+    )
 
 
 # Receivers (stream://, nixl://) take options after "?": the certificate pinned as
@@ -377,11 +384,17 @@ _STORE_RE = re.compile(
     rf"|(stream|nixl)://[A-Za-z0-9_.\-\[\]:]+:\d{{1,5}}(\?{_RECEIVER_OPTION}(&{_RECEIVER_OPTION})*)?)$"
 )
 
+# A receiver the flow starts on the target itself (flows/target_store.py): stream://target or nixl://target,
+# with the sender's options but no fingerprint (the receiver makes a fresh certificate, which the flow pins).
+_ON_TARGET_OPTION = r"(connections=\d{1,2}|transports=[a-z0-9_]+(,[a-z0-9_]+)*|slots=\d{1,2}|inline=[01])"
+_ON_TARGET_RE = re.compile(rf"^(stream|nixl)://target(\?{_ON_TARGET_OPTION}(&{_ON_TARGET_OPTION})*)?$")
+
 
 class Transfer(_Model):
     store: str = Field(
         description="file:///path, s3://bucket/prefix, gs://bucket/prefix, or a receiver: "
-        "stream://host:port or nixl://host:port, optionally ?fingerprint=sha256:<hex>"
+        "stream://host:port or nixl://host:port, optionally ?fingerprint=sha256:<hex>; "
+        "stream://target or nixl://target: a receiver the flow starts on the target"
     )
     compression: Literal["auto", "none", "zstd", "byteplane"] = Field(
         default="auto",
@@ -394,10 +407,11 @@ class Transfer(_Model):
     @field_validator("store")
     @classmethod
     def _store(cls, v: str) -> str:
-        if not _STORE_RE.match(v):
+        if not (_STORE_RE.match(v) or _ON_TARGET_RE.match(v)):
             raise ValueError(
                 "must be file:///path, s3://bucket/prefix, gs://bucket/prefix, stream://host:port or "
-                "nixl://host:port (a receiver's URL may add ?fingerprint=sha256:HEX with 64 hex digits)"
+                "nixl://host:port (a receiver's URL may add ?fingerprint=sha256:HEX with 64 hex digits), or "
+                "stream://target / nixl://target (a receiver the flow starts on the target)"
             )
         return v
 
@@ -514,6 +528,19 @@ class Plan(_Model):
 
     @model_validator(mode="after")
     def _cross(self) -> Plan:
+        # Messages of rules that span sections start with the field they ask for: parse_plan reports
+        # them under that path.
+        if self.snapshot.backend == "agent" and self.workload.launch is None:
+            raise ValueError(
+                "workload.launch: required with snapshot.backend agent: how gpumigrate starts the workload on the "
+                "target (argv, env, cwd; see examples/byo/plan.yaml for a service, examples/train/plan.yaml for "
+                "a training loop)"
+            )
+        if self.parity.golden_inputs is not None and self.parity.request is None:
+            raise ValueError(
+                "parity.request: required with parity.golden_inputs: the method and path each golden input is "
+                "sent to, the request body, and which fields of the answer are compared (see examples/byo/plan.yaml)"
+            )
         if self.snapshot.backend == "cuda-driver" and self.target.provider != "local":
             raise ValueError(
                 "snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts"
@@ -523,6 +550,12 @@ class Plan(_Model):
             raise ValueError(
                 "target.bootstrap.image_key_secret is needed: the target must read the image key "
                 "(transfer.encryption_key) from a secrets manager to restore the image"
+            )
+        if _ON_TARGET_RE.match(self.transfer.store) and self.target.provider != "local":
+            raise ValueError(
+                f"transfer.store {self.transfer.store} starts a receiver on the target, which gpumigrate does on "
+                f"local hosts only: for a {self.target.provider} target use a bucket in its region (s3://, gs://) "
+                "or a receiver you run there (stream://HOST:PORT?fingerprint=sha256:HEX)"
             )
         return self
 
@@ -539,6 +572,9 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return path or "(plan)"
 
 
+_NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+): (.+)$", re.DOTALL)
+
+
 def parse_plan(data: object, source: str = "<plan>") -> Plan:
     """Validate already-parsed YAML/JSON data. Raises :class:`PlanError` with field paths."""
     if not isinstance(data, dict):
@@ -551,11 +587,14 @@ def parse_plan(data: object, source: str = "<plan>") -> Plan:
         problems = []
         for err in exc.errors(include_url=False):
             msg = err["msg"].removeprefix("Value error, ")
+            loc = _loc(err["loc"])
             if err["type"] == "extra_forbidden":
                 msg = "unknown field (check the spelling; see examples/ for the allowed fields)"
             elif err["type"] == "missing":
                 msg = "required field is missing"
-            problems.append((_loc(err["loc"]), msg))
+            elif loc == "(plan)" and (named := _NAMED_FIELD.match(msg)):
+                loc, msg = named.group(1), named.group(2)
+            problems.append((loc, msg))
         raise PlanError(source, problems) from None
 
 

@@ -20,6 +20,11 @@ class Requests(BaseModel):
     failed: int | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
+    measured_by: str | None = Field(
+        default=None,
+        description="Where the request figures (and downtime_ms) come from: 'envoy' (every client request through "
+        "the front door during the ramp, from Envoy's own stats) or the load generator that made them.",
+    )
 
 
 class Bytes(BaseModel):
@@ -38,6 +43,12 @@ class RollbackSummary(BaseModel):
     triggered: bool | None = None
     reason: str | None = None
     seconds_to_detect: float | None = None
+    trigger: str | None = Field(
+        default=None,
+        description="What rolled it back: gate, inconclusive, manual (a request, the run page's form), cancel "
+        "(Prefect's Cancel), lease (the control plane, when the ramp stopped renewing), external, error, parity.",
+    )
+    actor: str | None = Field(default=None, description="Who asked for it, as they said (the form's 'acting as').")
 
 
 class MigrationResult(BaseModel):
@@ -45,7 +56,15 @@ class MigrationResult(BaseModel):
     status: Literal["completed", "rolled_back", "denied", "failed"]
     phases: dict[str, PhaseResult] = Field(default_factory=dict)
     requests: Requests = Field(default_factory=Requests)
-    downtime_ms: float | None = None
+    downtime_ms: float | None = Field(
+        default=None,
+        description="Inference: the longest stretch in which no client request succeeded (measured by a load "
+        "generator through the front door; null when none ran).",
+    )
+    pause_ms: float | None = Field(
+        default=None,
+        description="Training: from the source's freeze to the target's first completed step after its restore.",
+    )
     bytes: Bytes = Field(default_factory=Bytes)
     parity: ParitySummary = Field(default_factory=ParitySummary)
     rollback: RollbackSummary = Field(default_factory=RollbackSummary)

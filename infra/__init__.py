@@ -1,15 +1,17 @@
 """gpumigrate.infra — providers (local, AWS, GCP), capacity and quota, residency, pricing and cost.
 
 The registry resolves a provider name to its class lazily, so importing this package pulls in
-neither boto3 nor google-cloud-compute. :func:`provision_host` is the one call the flows make to
-get a target: residency of the region first, then capacity and quota, then the launch — so a
-denial provisions nothing.
+neither boto3 nor google-cloud-compute. A target is launched by :func:`gpumigrate.infra.placement.place`
+(the flows' one call; :func:`provision_host` is it without fallback zones): residency of the region
+first, then capacity and quota, then the launch — so a denial provisions nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
@@ -39,14 +41,20 @@ def get_provider(name: str, **options: Any) -> Provider:
     return cls(**options)
 
 
-def provider_options(name: str, *, attached: bool = False) -> dict[str, Any]:
+def provider_options(name: str, *, attached: bool = False, plan: Plan | None = None) -> dict[str, Any]:
     """The options every caller (migrate, capacity, cost) builds a provider with: never secrets.
 
     aws: ``AWS_ENDPOINT_URL`` (boto3 reads it too). gcp: ``GPUMIGRATE_GCP_ENDPOINT`` (a Compute Engine
     API endpoint) and ``GOOGLE_CLOUD_PROJECT``. Credentials stay with the standard chains. local:
     ``attached``: an attached host dies with the process that provisioned it (the demo's target); a
-    migration's target is detached by default, because after the cut-over it IS the service.
+    migration's target is detached by default, because after the cut-over it IS the service. With
+    ``plan``, a cloud provider also gets the plan's target network and bootstrap (what a launch that
+    boots the workload needs: :func:`gpumigrate.infra.bootstrap.cloud_options`).
     """
+    if plan is not None and name in ("aws", "gcp"):
+        from gpumigrate.infra.bootstrap import cloud_options
+
+        return {**provider_options(name, attached=attached), **cloud_options(plan)}
     if name == "aws" and os.environ.get("AWS_ENDPOINT_URL"):
         return {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]}
     if name == "gcp":
@@ -91,23 +99,51 @@ def provision_host(
     allowed_jurisdictions: list[str] | tuple[str, ...],
     record: Any = None,
 ) -> Host:
-    """Residency (exit 2), then capacity/quota (exit 2), then launch. Nothing is launched on a denial."""
-    from gpumigrate.infra.residency import check_region
+    """:func:`~gpumigrate.infra.placement.place` in the spec's own zone only (no fallback zones)."""
+    from gpumigrate.infra.placement import place
 
-    check_region(spec.provider, spec.region, allowed_jurisdictions, point="provision", record=record)
-    provider.check_capacity(spec)
-    if record is not None:
-        record(
-            "infra.capacity.ok",
-            {"provider": spec.provider, "region": spec.region, "zone": spec.zone, "instance_type": spec.instance_type},
+    return place(provider, spec, migration_id=migration_id, allowed_jurisdictions=allowed_jurisdictions, record=record)
+
+
+@dataclass(frozen=True)
+class HostProcess:
+    """A process started on a host beside its workload (a receiver): its pid, its log, and whether it ended."""
+
+    pid: int
+    log: str
+    returncode: Callable[[], int | None]  # its exit status once it ended, None while it runs
+
+
+def start_on_host(
+    provider: Provider, host: Host, argv: Sequence[str], *, env: Mapping[str, str], name: str
+) -> HostProcess:
+    """Run ``argv`` on ``host`` beside its workload. Local hosts only: a cloud target runs what its boot
+    script starts and nothing else (no remote shell is opened to it), so there this is refused."""
+    from gpumigrate.infra.local import LocalProvider
+
+    if not isinstance(provider, LocalProvider):
+        raise InvalidInputError(
+            f"gpumigrate starts processes on local hosts only; host {host.name} is a {host.provider} machine"
         )
-    host = provider.provision(spec, migration_id=migration_id)
-    if record is not None:
-        record(
-            "infra.provisioned",
-            {"provider": host.provider, "region": host.region, "host": host.name, "instance_id": host.instance_id},
-        )
-    return host
+    started = provider.spawn(host, argv, env=env, name=name)
+    pid = int(started["pid"])
+
+    def returncode() -> int | None:
+        mine = [c for c in provider.processes(host) if c.get("pid") == pid]
+        if not mine:
+            return -1  # the supervisor no longer knows it: gone
+        code = mine[0].get("returncode")
+        return None if code is None else int(code)
+
+    return HostProcess(pid, str(started["log"]), returncode)
 
 
-__all__ = ["PROVIDERS", "get_provider", "provider_options", "provision_host", "spec_from_plan"]
+__all__ = [
+    "PROVIDERS",
+    "HostProcess",
+    "get_provider",
+    "provider_options",
+    "provision_host",
+    "spec_from_plan",
+    "start_on_host",
+]

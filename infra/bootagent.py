@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,9 @@ import httpx
 import gpumigrate
 from gpumigrate.control import KEY_FILE_ENV
 from gpumigrate.infra.bootstrap import FORMAT, MARKER, ORCHESTRATOR_ONLY_ENV
+from gpumigrate.infra.launch import is_up
 from gpumigrate.infra.network import own_address
+from gpumigrate.interfaces import Host
 from gpumigrate.launch import WorkloadLaunch
 
 SECRET_MANAGER = "https://secretmanager.googleapis.com"
@@ -110,18 +111,6 @@ def place_keys(config: dict[str, Any], boot_dir: Path) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------- the workload
-def _up(address: str, ports: dict[str, int], health_path: str) -> bool:
-    """The workload is up: its health path answers 200 when it serves HTTP, else its agent takes connections."""
-    try:
-        if "service" in ports:
-            with httpx.Client(timeout=2, trust_env=False) as client:
-                return client.get(f"http://{address}:{ports['service']}{health_path}").status_code == 200
-        with socket.create_connection((address, ports["agent"]), timeout=2):
-            return True
-    except (httpx.HTTPError, OSError):
-        return False
-
-
 def _inherited_env() -> dict[str, str]:
     """The boot environment minus any control key or state root it carries: the workload uses the ones
     placed here (a key in the environment would win over the key file, CONTROL.md)."""
@@ -162,7 +151,8 @@ def run(config: dict[str, Any], boot_dir: Path) -> int:
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
     mark("started", pid=proc.pid, address=address, ports=ports)
     start = time.monotonic()
-    while not _up(address, ports, launch.health_path):
+    here = Host(name=config["name"], provider=config["provider"], region=config["region"], address=address, ports=ports)
+    while not is_up(here, launch):
         rc = proc.poll()
         if rc is not None:
             raise BootFailed("launch", "the workload exited before it was up", rc)

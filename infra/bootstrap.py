@@ -11,17 +11,15 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 import gpumigrate
 from gpumigrate.errors import GpumigrateError, InvalidInputError, ProviderError
+from gpumigrate.infra.launch import is_up, netloc
 from gpumigrate.interfaces import Host
 from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.plan import TargetBootstrap, TargetNetwork
@@ -175,25 +173,6 @@ def markers(console: str) -> list[dict[str, Any]]:
     return found
 
 
-def _serves(host: Host, health_path: str, timeout_s: float = 2.0) -> bool:
-    """From here: the health endpoint answers 200 (a workload that serves HTTP) and the agent port takes
-    a connection."""
-    try:
-        if "service" in host.ports:
-            with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-                url = f"http://{_netloc(host.address, host.ports['service'])}{health_path}"
-                if client.get(url).status_code != 200:
-                    return False
-        with socket.create_connection((host.address, host.ports["agent"]), timeout=timeout_s):
-            return True
-    except (httpx.HTTPError, OSError):
-        return False
-
-
-def _netloc(address: str, port: int) -> str:
-    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-
-
 def _failure(events: list[dict[str, Any]]) -> str | None:
     for ev in events:
         if ev["event"] == "failed":
@@ -239,15 +218,15 @@ def await_boot(
         current = state()
         if current != running:
             raise BootError(f"{what} failed: the instance is {current}", console=text)
-        if _serves(host, launch.health_path):
+        if is_up(host, launch, with_agent=True):
             started = next((e for e in events if e["event"] == "agent"), {})
             meta = {**host.meta, "boot_seconds": round(time.monotonic() - start, 1), "version": started.get("version")}
             return replace(host, meta=meta)
         if time.monotonic() >= deadline:
             where = (
-                f"http://{_netloc(host.address, host.ports['service'])}{launch.health_path}"
+                f"http://{netloc(host.address, host.ports['service'])}{launch.health_path}"
                 if "service" in host.ports
-                else f"the agent port {_netloc(host.address, host.ports['agent'])}"
+                else f"the agent port {netloc(host.address, host.ports['agent'])}"
             )
             if any(e["event"] == "ready" for e in events):
                 why = (

@@ -2,10 +2,11 @@
 
 A provider's ``bootstrap`` (local: spawn under the host's supervisor; cloud: the boot script started
 at launch) renders the launch for its host with :func:`render_for` and waits with
-:func:`wait_until_up`: until the launch's health path answers 200 on the host's service port or,
-for a workload that is given no service port (a training job serves no HTTP), until its agent
-address accepts connections. A process that exits first fails at once, with its last output lines.
-The flows, the demo, the tests and the benchmarks all start workloads this way.
+:func:`wait_until_up`. The readiness rule, :func:`is_up`, is this module's alone (the cloud boot
+agent on the machine and the orchestrator's boot wait call it too): the launch's health path answers
+200 on the host's service port or, for a workload that is given no service port (a training job
+serves no HTTP), its agent address accepts connections. A process that exits first fails at once,
+with its last output lines. The flows, the demo, the tests and the benchmarks all start workloads this way.
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ def serves_http(launch: WorkloadLaunch) -> bool:
     return any("{service_port}" in part for part in (*launch.argv, *launch.env.values()))
 
 
+def netloc(address: str, port: int) -> str:
+    """``address:port``, with an IPv6 address in brackets."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def service_url(host: Host) -> str:
     port = host.ports.get("service")
     if port is None:
         raise ProviderError(f"host {host.name} reports no 'service' port")
-    return f"http://{host.address}:{port}"
+    return f"http://{netloc(host.address, port)}"
 
 
 def answers(url: str, *, path: str = "/healthz", timeout_s: float = 2.0) -> bool:
@@ -70,11 +76,17 @@ def accepts(host: str, port: int, *, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def is_up(host: Host, launch: WorkloadLaunch) -> bool:
-    """The workload on ``host`` lives: its health path answers, or (no HTTP) its agent accepts connections."""
+def is_up(host: Host, launch: WorkloadLaunch, *, with_agent: bool = False) -> bool:
+    """The workload on ``host`` lives: its health path answers, or (no HTTP) its agent accepts connections.
+
+    ``with_agent``: its agent port must accept connections as well (what the orchestrator needs of a
+    cloud target, checked from where it stands)."""
+    agent = host.ports.get("agent") or 0
     if serves_http(launch):
-        return answers(service_url(host), path=launch.health_path)
-    return accepts(host.address, host.ports.get("agent") or 0)
+        if not answers(service_url(host), path=launch.health_path):
+            return False
+        return not with_agent or accepts(host.address, agent)
+    return accepts(host.address, agent)
 
 
 def wait_until_up(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpumigrate.errors import InvalidInputError
+from gpumigrate.infra.launch import serves_http
 
 # A documentation address (RFC 5737): connecting a UDP socket to it sends nothing.
 _PROBE_V4 = "192.0.2.1"
@@ -33,12 +34,6 @@ class PortRule:
 
     def v6(self) -> list[str]:
         return [c for c in self.cidrs if ipaddress.ip_network(c).version == 6]
-
-
-def serves_http(launch: Any) -> bool:
-    """A workload serves HTTP when its launch is told a service port (``{service_port}`` in argv or env);
-    a training job that is not is reached through its agent only."""
-    return any("{service_port}" in part for part in (*launch.argv, *launch.env.values()))
 
 
 def ports(network: Any, launch: Any) -> dict[str, int]:

@@ -91,6 +91,21 @@ class SafePointGate:
             return "awaiting restore"
         return None
 
+    def readiness(self) -> tuple[int, dict[str, str]]:
+        """The readiness answer (HTTP status, body) for a load balancer.
+
+        A frozen process still takes requests: it holds them at the safe point and serves them on
+        resume, so a freeze reads as ready ("held"). Read as unready, a freeze longer than the
+        balancer's check interval would turn a pause of a single upstream (the source during its
+        final round) into a burst of "no healthy upstream" errors. Only a process that cannot serve
+        (awaiting its restore, zeroized) answers 503.
+        """
+        if not self._ready:
+            return 503, {"status": "not ready", "reason": "awaiting restore"}
+        if self._frozen:
+            return 200, {"status": "held", "reason": "frozen"}
+        return 200, {"status": "ready"}
+
     # ------------------------------------------------------------------ the workload's side
     def _admissible(self) -> bool:
         return self._ready and (not self._frozen or self._budget > 0)

@@ -5,24 +5,41 @@ control plane's state so that a migration finds it (format below). :func:`add_ta
 target beside the source at weight 0 before a ramp; :func:`traffic_to_source` sends everything back
 to the source in one state update (the first undo step of a rollback).
 
+A front door a user starts (``gpumigrate frontdoor up``) is detached: :func:`start_detached` starts
+one process, ``python -m gpumigrate.traffic.frontdoor`` (:func:`serve`), in its own session, which runs
+the control plane (so the traffic lease is watched even when the orchestrator dies) and Envoy as its
+child, starts Envoy again if it dies, and on SIGTERM stops both and removes ``frontdoor.json``;
+:func:`door_status` and :func:`stop_detached` find it again from the state directory.
+
 ``<state dir>/frontdoor.json`` (format 1): ``{"admin_urls": [Envoy admin URLs], "listener":
-"http://host:port", "probe_listener": "http://127.0.0.1:port", "nodes": [Envoy node ids], "xds_port": int}``
-(``probe_listener``: parity probes only, each request naming its side). ``GPUMIGRATE_ENVOY_ADMIN``
-(comma-separated) overrides ``admin_urls``; ``GPUMIGRATE_TRAFFIC_DIR`` overrides the directory
-(default ``<state root>/traffic/<workload>``).
+"http://host:port", "probe_listener": "http://127.0.0.1:port", "nodes": [Envoy node ids], "xds_port": int,
+"source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid}}``
+(``probe_listener``: parity probes only, each request naming its side; ``processes``: the detached
+door's process and its Envoy, each recognised by its command line naming this state directory, so a
+reused pid is never signalled). ``GPUMIGRATE_ENVOY_ADMIN`` (comma-separated) overrides ``admin_urls``;
+``GPUMIGRATE_TRAFFIC_DIR`` overrides the directory (default ``<state root>/traffic/<workload>``).
+The process's own log is ``<state dir>/frontdoor.log``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import logging
 import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpumigrate.atomic import atomic_write_json
-from gpumigrate.errors import TrafficError
+from gpumigrate.errors import InvalidInputError, TrafficError
 from gpumigrate.settings import state_root
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, rollback_to_source
 
@@ -31,11 +48,51 @@ if TYPE_CHECKING:  # Envoy's and the control plane's modules pull in gRPC: impor
     from gpumigrate.traffic.xds import ControlPlane
 
 FRONTDOOR = "frontdoor.json"
+LOG = "frontdoor.log"
 SOURCE, TARGET = "source", "target"  # the upstream names a migration uses
+ANY_WORKLOAD = "default"  # the door `frontdoor up` starts without --workload: any plan whose endpoint it fronts
+DEFAULT_LISTEN = "127.0.0.1:10000"
+# The detached door health-checks the source's readiness path (workload.ready_path). The SDK's answers 200
+# while a migration freezes the source (it holds requests and serves them on resume: agent/asgi.py); were it
+# 503 then, Envoy (the source its one upstream, no panic routing) would refuse the clients the safe point holds.
+DEFAULT_HEALTH_PATH = "/readyz"
+log = logging.getLogger("gpumigrate.traffic.frontdoor")
 
 
 def default_dir(workload: str) -> Path:
     return Path(os.environ.get("GPUMIGRATE_TRAFFIC_DIR") or state_root() / "traffic" / workload)
+
+
+def find_dir(workload: str, source_url: str | None) -> Path:
+    """The workload's front door directory; when it holds no door, the one started without ``--workload``
+    if that one fronts ``source_url`` (host and port alike)."""
+    own = default_dir(workload)
+    if (own / FRONTDOOR).exists() or not source_url:
+        return own
+    shared = default_dir(ANY_WORKLOAD)
+    with contextlib.suppress(OSError, ValueError):
+        if _same_hostport(json.loads((shared / FRONTDOOR).read_text()).get("source"), source_url):
+            return shared
+    return own
+
+
+def _hostport(url: object) -> tuple[str, int] | None:
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return None
+    parts = urlsplit(url)
+    return (parts.hostname or "", parts.port or 80) if parts.hostname else None
+
+
+def _same_hostport(a: object, b: object) -> bool:
+    return _hostport(a) is not None and _hostport(a) == _hostport(b)
+
+
+def up_command(source_url: str, workload: str, health_path: str = DEFAULT_HEALTH_PATH) -> str:
+    """The command that starts the front door a migration of ``workload`` needs (preflight says it)."""
+    extra = f" --health-path {health_path}" if health_path != DEFAULT_HEALTH_PATH else ""
+    return f"gpumigrate frontdoor up --source {source_url} --workload {workload}{extra}"
 
 
 @dataclass(frozen=True)
@@ -47,6 +104,8 @@ class DoorInfo:
     probe_listener: str | None = None  # loopback only: parity probes, each request naming its side
     nodes: list[str] = field(default_factory=list)
     xds_port: int | None = None
+    source: str | None = None  # the source it fronts (http://host:port)
+    processes: dict[str, int] = field(default_factory=dict)  # a detached door's: {"frontdoor", "envoy"} -> pid
 
 
 def read(state_dir: Path) -> DoorInfo:
@@ -58,10 +117,10 @@ def read(state_dir: Path) -> DoorInfo:
     admin = [u.strip() for u in admin_env.split(",") if u.strip()] if admin_env else info.get("admin_urls")
     if not isinstance(admin, list) or not admin:
         raise TrafficError(
-            f"no front door for this workload in {state_dir}: start Envoy and the control plane there "
-            f"(`gpumigrate demo` shows how) or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR"
+            f"no front door in {state_dir}: start one with `gpumigrate frontdoor up --source URL --workload NAME` "
+            f"(or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR to an Envoy of your own)"
         )
-    nodes = info.get("nodes")
+    nodes, procs = info.get("nodes"), info.get("processes")
     listener, xds_port, probe = info.get("listener"), info.get("xds_port"), info.get("probe_listener")
     return DoorInfo(
         admin_urls=[str(u) for u in admin],
@@ -69,7 +128,24 @@ def read(state_dir: Path) -> DoorInfo:
         probe_listener=str(probe) if probe else None,
         nodes=[str(n) for n in nodes] if isinstance(nodes, list) else [],
         xds_port=int(xds_port) if isinstance(xds_port, int) else None,
+        source=str(info["source"]) if info.get("source") else None,
+        processes={str(k): v for k, v in procs.items() if isinstance(v, int)} if isinstance(procs, dict) else {},
     )
+
+
+def check(state_dir: Path) -> DoorInfo:
+    """The front door of ``state_dir``, answering: its ``frontdoor.json`` and every Envoy's admin LIVE."""
+    from gpumigrate.traffic.envoy import EnvoyAdmin
+
+    door = read(state_dir)
+    for url in door.admin_urls:
+        admin = EnvoyAdmin(url, timeout_s=2.0)
+        try:
+            if not admin.live():
+                raise TrafficError(f"the front door in {state_dir} is not answering (Envoy admin {url} is not LIVE)")
+        finally:
+            admin.close()
+    return door
 
 
 @dataclass
@@ -77,6 +153,7 @@ class FrontDoor:
     state_dir: Path
     plane: ControlPlane
     envoy: Envoy
+    detached: bool = False
 
     @property
     def url(self) -> str:
@@ -95,31 +172,50 @@ class FrontDoor:
         source_port: int,
         node_id: str = "gpumigrate-envoy",
         workdir: Path | None = None,
+        health_path: str = "/readyz",
+        listen_host: str = "127.0.0.1",
+        listen_port: int | None = None,
+        detached: bool = False,
     ) -> FrontDoor:
+        """Control plane (in this process) and Envoy for a source. ``detached``: this process is the
+        door's own (:func:`serve`), and ``frontdoor.json`` names it and its Envoy for ``frontdoor down``."""
         from gpumigrate.traffic.envoy import Envoy
         from gpumigrate.traffic.xds import ControlPlane
 
         state_dir.mkdir(parents=True, exist_ok=True)
-        StateStore(state_dir).init(
-            DesiredState(upstreams={SOURCE: Upstream(SOURCE, source_host, source_port)}, weights={SOURCE: 100.0})
-        )
+        source = Upstream(SOURCE, source_host, source_port, health_path=health_path)
+        StateStore(state_dir).init(DesiredState(upstreams={SOURCE: source}, weights={SOURCE: 100.0}))
         plane = ControlPlane(state_dir).start()
         try:
-            envoy = Envoy(workdir or state_dir / "envoy", xds_port=plane.port, node_id=node_id).start()
+            envoy = Envoy(
+                workdir or state_dir / "envoy",
+                xds_port=plane.port,
+                node_id=node_id,
+                listen_host=listen_host,
+                listen_port=listen_port,
+            ).start()
         except BaseException:
             plane.stop()
             raise
-        atomic_write_json(
-            state_dir / FRONTDOOR,
-            {
-                "admin_urls": [envoy.admin_url],
-                "listener": envoy.url,
-                "probe_listener": envoy.probe_url,
-                "nodes": [node_id],
-                "xds_port": plane.port,
-            },
-        )
-        return cls(state_dir, plane, envoy)
+        door = cls(state_dir, plane, envoy, detached=detached)
+        door.write_info()
+        return door
+
+    def write_info(self) -> None:
+        """``frontdoor.json`` (again after Envoy was restarted: its pid changed)."""
+        source = StateStore(self.state_dir).read().upstreams[SOURCE]
+        host = f"[{source.host}]" if ":" in source.host else source.host
+        info: dict[str, Any] = {
+            "admin_urls": [self.envoy.admin_url],
+            "listener": self.envoy.url,
+            "probe_listener": self.envoy.probe_url,
+            "nodes": [self.envoy.node_id],
+            "xds_port": self.plane.port,
+            "source": f"http://{host}:{source.port}",
+        }
+        if self.detached and self.envoy.proc is not None:
+            info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid}
+        atomic_write_json(self.state_dir / FRONTDOOR, info)
 
     def stop(self) -> None:
         for part in (self.envoy, self.plane):
@@ -157,3 +253,236 @@ def traffic_to_source(state_dir: Path, reason: str) -> dict[str, float] | None:
     if all(w == 0 for name, w in before.weights.items() if name != before.primary):
         return None
     return dict(rollback_to_source(state_dir, reason).weights)
+
+
+# ----------------------------------------------------------------------------- the detached front door
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) where Envoy's client listener binds; port 0 picks a free one."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidInputError(f"--listen must be HOST:PORT such as {DEFAULT_LISTEN}, got {text!r}")
+    return host, int(port)
+
+
+def _ours(pid: int | None, state_dir: Path) -> bool:
+    """Whether ``pid`` runs and is this door's: its command line names the state directory (a reused pid does not)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read()
+        with open(f"/proc/{pid}/stat") as fh:
+            zombie = fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+    return not zombie and str(state_dir.resolve()).encode() in argv
+
+
+def _stop_process(pid: int, state_dir: Path, *, group: bool, grace_s: float) -> bool:
+    """SIGTERM (its process group when ``group``), SIGKILL after ``grace_s``; only a process that is ours."""
+    if not _ours(pid, state_dir):
+        return False
+    send = os.killpg if group else os.kill
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            send(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while _ours(pid, state_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _ours(pid, state_dir):
+            return True
+    return not _ours(pid, state_dir)
+
+
+def _port_free(host: str, port: int) -> bool:
+    if port == 0:
+        return True
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Envoy binds: a TIME_WAIT does not count
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def start_detached(
+    state_dir: Path,
+    *,
+    source_host: str,
+    source_port: int,
+    health_path: str = DEFAULT_HEALTH_PATH,
+    listen: str = DEFAULT_LISTEN,
+    node_id: str = "gpumigrate-envoy",
+    timeout_s: float = 60.0,
+) -> tuple[DoorInfo, bool]:
+    """Start the detached front door of ``state_dir`` (it outlives this process); ``(door, started)``.
+
+    A door already up there for the same source is returned as is (``started`` False); one for another
+    source is refused (exit 2), as is a listen address in use. Fails with the door's log when it does not
+    come up; nothing is left running then.
+    """
+    listen_host, listen_port = parse_listen(listen)
+    state_dir = state_dir.resolve()
+    wanted = f"http://{f'[{source_host}]' if ':' in source_host else source_host}:{source_port}"
+    running = _running(state_dir)
+    if running is not None:
+        if _same_hostport(running.source, wanted):
+            return running, False
+        which = "" if state_dir.name == ANY_WORKLOAD else f" --workload {state_dir.name}"
+        raise InvalidInputError(
+            f"a front door is up in {state_dir} for source {running.source}: stop it first "
+            f"(`gpumigrate frontdoor down{which}`) to front {wanted}"
+        )
+    stop_detached(state_dir)  # what a door that died left behind (its Envoy, its frontdoor.json)
+    if not _port_free(listen_host, listen_port):
+        raise InvalidInputError(f"cannot listen on {listen}: the address is in use (choose another with --listen)")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "gpumigrate.traffic.frontdoor", "--state-dir", str(state_dir),
+            "--source", f"{source_host}:{source_port}", "--health-path", health_path, "--listen", listen,
+            "--node-id", node_id]  # fmt: skip
+    with open(state_dir / LOG, "ab") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(TrafficError):
+            door = read(state_dir)
+            if door.processes.get("frontdoor") == proc.pid:
+                return door, True
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                _stop_process(proc.pid, state_dir, group=False, grace_s=5)
+            proc.wait(timeout=30)
+            raise TrafficError(f"the front door did not come up; its log ({state_dir / LOG}):\n{_tail(state_dir)}")
+        time.sleep(0.05)
+
+
+def source_healthy(state_dir: Path) -> bool:
+    """Whether every Envoy of the door has passed a health check of the source (it routes clients to it)."""
+    from gpumigrate.traffic.envoy import EnvoyAdmin
+
+    for url in read(state_dir).admin_urls:
+        admin = EnvoyAdmin(url, timeout_s=2.0)
+        try:
+            statuses = admin.clusters().get("cluster_statuses", [])
+        except (TrafficError, OSError, ValueError):
+            return False
+        finally:
+            admin.close()
+        hosts = [h for c in statuses if c.get("name") == SOURCE for h in c.get("host_statuses", [])]
+        if not hosts or any(h.get("health_status", {}).get("failed_active_health_check") for h in hosts):
+            return False
+    return True
+
+
+def wait_source_healthy(state_dir: Path, timeout_s: float) -> bool:
+    """Wait until :func:`source_healthy` (False after ``timeout_s``): until then Envoy answers clients 503."""
+    deadline = time.monotonic() + timeout_s
+    while not source_healthy(state_dir):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _tail(state_dir: Path, lines: int = 15) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join((state_dir / LOG).read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def _running(state_dir: Path) -> DoorInfo | None:
+    """The detached door of ``state_dir`` whose own process still runs, or None."""
+    try:
+        door = read(state_dir)
+    except TrafficError:
+        return None
+    return door if _ours(door.processes.get("frontdoor"), state_dir) else None
+
+
+def door_status(state_dir: Path) -> dict[str, Any]:
+    """What is up in ``state_dir``: the door's processes, whether Envoy answers, the weights and the lease."""
+    try:
+        door = read(state_dir)
+    except TrafficError:
+        return {"state_dir": str(state_dir), "up": False}
+    try:
+        check(state_dir)
+        live = True
+    except TrafficError:
+        live = False
+    store = StateStore(state_dir)
+    desired = store.read() if store.exists() else None
+    lease = None
+    with contextlib.suppress(TrafficError):
+        lease = store.lease()
+    return {
+        "state_dir": str(state_dir),
+        "up": live,
+        "source": door.source,
+        "listener": door.listener,
+        "admin_urls": door.admin_urls,
+        "processes": {name: {"pid": pid, "running": _ours(pid, state_dir)} for name, pid in door.processes.items()},
+        "weights": desired.weights if desired else None,
+        "rolled_back": desired.rolled_back if desired else None,
+        "lease": lease.to_json() if lease is not None else None,
+    }
+
+
+def stop_detached(state_dir: Path) -> list[str]:
+    """Stop the detached door of ``state_dir`` (its process first: it stops Envoy and removes
+    ``frontdoor.json``; then whatever it could not). Returns what was stopped. Idempotent."""
+    state_dir = state_dir.resolve()
+    try:
+        door = read(state_dir)
+    except TrafficError:
+        return []
+    stopped = [name for name in ("frontdoor", "envoy") if _stop_process(
+        door.processes.get(name, 0), state_dir, group=name == "envoy", grace_s=10)]  # fmt: skip
+    if door.processes:  # a door started by a process of its own (not a demo's or a test's in-process one)
+        (state_dir / FRONTDOOR).unlink(missing_ok=True)
+    return stopped
+
+
+def serve(state_dir: Path, *, source: str, health_path: str, listen: str, node_id: str) -> None:
+    """The detached door's process: the control plane here, Envoy as a child started again if it dies."""
+    source_host, source_port = parse_listen(source)
+    listen_host, listen_port = parse_listen(listen)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    door = FrontDoor.start(state_dir, source_host=source_host, source_port=source_port, node_id=node_id,
+                           health_path=health_path, listen_host=listen_host, listen_port=listen_port or None,
+                           detached=True)  # fmt: skip
+    log.info("front door up: listener %s, source %s, control plane on port %d", door.url, source, door.plane.port)
+    try:
+        while not done.wait(1.0):
+            try:
+                if door.envoy.ensure_running():
+                    log.warning("envoy had exited: started again")
+                    door.write_info()
+            except TrafficError as exc:  # keep the control plane (and its lease watch) up; try again
+                log.error("envoy could not be started again: %s", exc)
+    finally:
+        door.stop()
+        log.info("front door stopped")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m gpumigrate.traffic.frontdoor", description=serve.__doc__)
+    ap.add_argument("--state-dir", required=True, type=Path)
+    ap.add_argument("--source", required=True, help="host:port of the source service")
+    ap.add_argument("--health-path", default=DEFAULT_HEALTH_PATH)
+    ap.add_argument("--listen", default=DEFAULT_LISTEN)
+    ap.add_argument("--node-id", default="gpumigrate-envoy")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    serve(args.state_dir, source=args.source, health_path=args.health_path, listen=args.listen, node_id=args.node_id)
+
+
+if __name__ == "__main__":
+    main()

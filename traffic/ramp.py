@@ -62,6 +62,9 @@ class RampSettings:
     # 5 s; the flow's per-interval callback calls Prefect's API) and must not lose a healthy split.
     lease_min_s: float = 10.0
     figures_every_s: float = 0.25  # how often the client figures are sampled: the downtime's resolution
+    # How long the first stage waits for every Envoy to see the target pass a health check (at least
+    # three intervals): a restored target is ready already, so this is Envoy's check cadence plus load.
+    target_healthy_wait_s: float = 15.0
 
     @property
     def lease_s(self) -> float:
@@ -449,6 +452,29 @@ class RampController:
                 None,
             )
 
+    def _await_target_healthy(self) -> None:
+        """Move no weight before every Envoy has seen the target pass a health check.
+
+        The endpoint clusters route with no panic threshold (a dead host reads as dead), so a request
+        weighted to a target that Envoy has not yet checked gets "no healthy upstream" (503): under
+        load the first check can trail the restore by a second or more, and those 503s landed on
+        clients at the first stage. ``healthy`` is None where Envoy reports no membership (nothing to
+        wait for); a target that never passes is a failed ramp, rolled back before any client sees it.
+        """
+        give_up = self._now() + max(self.settings.target_healthy_wait_s, 3 * self.settings.interval_s)
+        while True:
+            self._check_signals()
+            healthy = self._snapshot().clusters.get(self.target)
+            if healthy is None or healthy.healthy is None or healthy.healthy >= 1:
+                return
+            if self._now() >= give_up:
+                raise _RolledBack(
+                    "the target never passed Envoy's health check; no traffic was moved to it",
+                    "target_unhealthy",
+                    None,
+                )
+            self._sleep_to(self._now() + 0.1)
+
     def run(self) -> RampResult:
         self._t0 = time.monotonic()
         state = self.store.read()
@@ -469,6 +495,7 @@ class RampController:
                 raise _RolledBack(f"already rolled back: {state.rolled_back.get('reason')}", *_outside(state))
             if self._weight <= 0:
                 self._baseline()
+                self._await_target_healthy()
             for i, (weight, hold) in enumerate(self.settings.stages):
                 if weight < self._weight:
                     continue  # resumed: stages already behind us

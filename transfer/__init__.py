@@ -13,7 +13,9 @@ Importing this package is cheap: the public names load their modules on first us
 - a receiver on a host: ``receiver_argv(state_dir, ReceiverOptions(...), key_ref=)`` (the command to run there), ``start_receiver``
   (detached here), ``read_receiver_info(state_dir) -> ReceiverInfo`` (``.url`` pinned, ``.store``),
   ``stop_receiver(state_dir)``
-- ``store_region(store_url) -> str | None``
+- ``check_landed(store_url, image_id, *, key) -> TransferStats``: an image where a writer put it, checked
+  from its signed manifest and the store's listing, no payload read back
+- ``store_region(store_url) -> str | None``, ``ensure_bucket(store_url, location) -> str | None``
 - ``ProgressCallback = Callable[[bytes_done, bytes_total], None]``
 """
 
@@ -31,6 +33,8 @@ _EXPORTS = {
     "push": "push",
     "verify": "push",
     "store_region": "push",
+    "ensure_bucket": "push",
+    "check_landed": "push",
     "serve_stream": "receiver",
     "Receiver": "receiver",
     "receiver_argv": "receiver_host",

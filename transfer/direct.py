@@ -336,6 +336,9 @@ class DirectStoreImageReader(StoreImageReader):
         pool = _pool()
         futures: list[Future[int]] = []
         devices: set[Any] = set()
+        # The copies run on side streams: they must start after whatever the caller's stream still has
+        # queued for the destinations (a zero fill of a fresh tensor would otherwise land on top of them).
+        producers: dict[Any, Any] = {}
         for chunk in chunks:
             if chunk.data.numel() != self.chunk_length(chunk.region, chunk.index):
                 raise IntegrityError(
@@ -344,7 +347,9 @@ class DirectStoreImageReader(StoreImageReader):
                 )
             if chunk.data.is_cuda:
                 devices.add(chunk.data.device)
-                futures.append(pool.submit(self._load_device, chunk))
+                if chunk.data.device not in producers:
+                    producers[chunk.data.device] = torch.cuda.current_stream(chunk.data.device).record_event()
+                futures.append(pool.submit(self._load_device, chunk, producers[chunk.data.device]))
             else:
                 futures.append(pool.submit(self._load_host, chunk))
         try:
@@ -362,7 +367,7 @@ class DirectStoreImageReader(StoreImageReader):
     def _load_host(self, chunk: TensorChunk) -> int:
         return self.read_chunk_into(chunk.region, chunk.index, memoryview(chunk.data.numpy()))
 
-    def _load_device(self, chunk: TensorChunk) -> int:
+    def _load_device(self, chunk: TensorChunk, after: Any) -> int:
         import torch
 
         n = chunk.data.numel()
@@ -384,6 +389,7 @@ class DirectStoreImageReader(StoreImageReader):
             if hdr.raw_len != n:
                 raise IntegrityError(f"chunk {chunk_id[:16]}{where} records {hdr.raw_len} bytes, the manifest says {n}")
             stream = _STREAMS.get(chunk.data.device, "copy")
+            stream.wait_event(after)
             with torch.cuda.stream(stream):
                 if hdr.codec == codecs.NONE:
                     if len(payload) != n:

@@ -55,6 +55,7 @@ class TransferStats:
     chunks_resent_invalid: int = 0
     bytes_logical: int = 0
     bytes_sent: int = 0
+    bytes_landed: int = 0  # check_landed: the stored size of the image's objects found where it was checked
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 

@@ -23,7 +23,7 @@ from gpumigrate.transfer.api import _store
 from gpumigrate.transfer.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
 from gpumigrate.transfer.reader import StoreImageReader
-from gpumigrate.transfer.stores import Store, resolve_image_id
+from gpumigrate.transfer.stores import BucketStore, Store, resolve_image_id, split_url
 
 
 class _Scratch(threading.local):
@@ -195,6 +195,53 @@ def verify(
     return stats
 
 
+def check_landed(
+    store_url: str | Store, image_id: str, *, key: bytes | None, endpoint_url: str | None = None
+) -> TransferStats:
+    """Check an image where a writer put it, without reading a payload back: its signed manifest (id, key
+    id, signature) and every object it names listed at the manifest's size. Each object is authenticated
+    where it is checked anyway: a receiver verified it before listing it (push's path), and the reader
+    that restores it checks its AES-GCM tag and BLAKE3 before using it. Raises IntegrityError naming
+    what is missing; ``chunks_skipped`` counts the objects found."""
+    t0 = time.monotonic()
+    store = _store(store_url, endpoint_url)
+    try:
+        image_id = resolve_image_id(store, image_id)
+        reader = StoreImageReader(store, image_id, Sealer(key))
+        objects = reader.objects
+        have = store.list_chunks()
+    finally:
+        store.close()
+    missing = [cid for cid, entry in objects.items() if have.get(cid) != int(entry[0])]
+    stats = TransferStats(
+        image_id=image_id,
+        chunks_total=len(objects),
+        chunks_skipped=len(objects) - len(missing),
+        bytes_logical=reader.ref.bytes_image,
+        bytes_landed=sum(have[cid] for cid in objects if cid in have),
+        seconds=time.monotonic() - t0,
+    )
+    if missing:
+        shown = ", ".join(cid[:16] for cid in missing[:5])
+        raise IntegrityError(
+            f"image {image_id[:16]} in {store.url}: {len(missing)} of its {len(objects)} chunks are missing or "
+            f"of the wrong size ({shown}{', …' if len(missing) > 5 else ''})",
+            hint="the writer did not finish: write the image again (only the missing chunks move)",
+        )
+    return stats
+
+
 def store_region(store_url: str, *, endpoint_url: str | None = None) -> str | None:
     """The cloud region a store's bucket lives in (S3 location, GCS location), None for file/stream."""
-    return _store(store_url, endpoint_url).region()
+    with _store(store_url, endpoint_url) as store:
+        return store.region()
+
+
+def ensure_bucket(store_url: str, location: str, *, endpoint_url: str | None = None) -> str | None:
+    """The region of the bucket a store URL names, the bucket created (private) in ``location`` when it does
+    not exist; None for a store that is no bucket (file://, a receiver). An existing bucket is left where it
+    is: the caller checks that location before any byte moves."""
+    if split_url(store_url)[0] not in ("s3", "gs"):
+        return None
+    with _store(store_url, endpoint_url) as store:
+        return store.ensure_bucket(location) if isinstance(store, BucketStore) else None

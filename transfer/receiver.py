@@ -357,6 +357,8 @@ class Receiver:
                 "encrypted": self.sealer.encrypted,
                 "nixl": self.landing is not None,
                 "server": f"sha256:{self.fingerprint}",
+                # where the images land on this host: what the target verifies and restores from
+                "store": self.store.url,
             }
             return OK, json.dumps(control.sign_reply(self.control_key, CHANNEL, nonce, reply)).encode()
         try:

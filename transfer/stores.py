@@ -139,6 +139,10 @@ class BucketStore(Store):
     def _list(self, rel_prefix: str) -> dict[str, int]:
         raise NotImplementedError
 
+    def ensure_bucket(self, location: str) -> str:
+        """The bucket's region, creating the bucket (private) in ``location`` when it does not exist."""
+        raise NotImplementedError
+
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
         self._put(chunk_key(chunk_id), blob, f"chunk {chunk_id[:16]}")
 

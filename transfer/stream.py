@@ -496,6 +496,13 @@ class StreamStore(Store):
         status, body = self._call(FLUSH, NO_ID)
         self._check(status, body, "flush")
 
+    def hello(self) -> dict[str, Any]:
+        """Connect and authenticate now (a pinned certificate is checked before anything is sent); returns
+        what the receiver answered to HELLO (its version, key, NIXL, and the store images land in)."""
+        if not self.receiver_info:
+            self._locked_conn().lock.release()
+        return dict(self.receiver_info)
+
     def shutdown_receiver(self) -> None:
         """Ask the receiver to stop (after it flushed its store); an authenticated request like any other."""
         status, body = self._call(SHUTDOWN, NO_ID, what="shutdown")

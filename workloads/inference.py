@@ -131,10 +131,8 @@ class InferenceApp:
 
     async def readyz(self, request: Request) -> Response:
         st = self.state
-        if st.ready:
-            return JSONResponse({"status": "ready", "host": st.name})
-        reason = st.reason()
-        return JSONResponse({"status": "not ready", "reason": reason, "host": st.name}, status_code=503)
+        status, body = st.safe_point.readiness()  # a freeze holds requests: it reads as ready ("held")
+        return JSONResponse({**body, "host": st.name}, status_code=status)
 
     async def info(self, request: Request) -> Response:
         # Not the request pool: its threads may all be parked at a frozen safe point during a migration.

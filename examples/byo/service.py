@@ -38,6 +38,8 @@ async def embeddings(request: Request) -> JSONResponse:  # POST {"text": "..."} 
 
 
 app = Starlette(routes=[Route("/v1/embeddings", embeddings, methods=["POST"])])
-app.add_middleware(gm.ReadinessMiddleware)  # /healthz, and /readyz: 503 while frozen or awaiting restore
+app.add_middleware(
+    gm.ReadinessMiddleware
+)  # /healthz, and /readyz: 503 while awaiting a restore (a freeze holds requests: "held", 200)
 if __name__ == "__main__":
     uvicorn.run(app, host=os.environ.get("HOST", "127.0.0.1"), port=int(os.environ.get("PORT", "8000")))

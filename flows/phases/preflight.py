@@ -1,35 +1,50 @@
-"""Preflight: may and can this migration run? Residency, capacity, environment, the snapshot backend.
+"""Preflight: may and can this migration run? Residency, the transport, capacity, the image store and the
+data's classification, environment, the snapshot backend.
 
-Everything here only reads and decides: a denial (exit 2) leaves nothing provisioned, frozen or moved.
+Everything here reads and decides (the one write: an image bucket that does not exist yet is created,
+private, in the target's region, so that its real location can be checked): a denial (exit 2) leaves
+nothing provisioned, frozen or moved.
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from gpumigrate.environment import EnvironmentReport, collect_facts, compare
-from gpumigrate.errors import InvalidInputError
-from gpumigrate.flows.context import Fact, RunContext
+from gpumigrate.errors import PolicyDeniedError, TrafficError
+from gpumigrate.flows import target_store
+from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.facts import workload_facts
 from gpumigrate.infra import spec_from_plan
-from gpumigrate.infra.residency import validate_plan_residency
-from gpumigrate.parity.environment import fetch_info
+from gpumigrate.infra.placement import check_zones
+from gpumigrate.infra.residency import (
+    ResidencyDecision,
+    check_classification,
+    check_store_location,
+    key_locations,
+    validate_plan_residency,
+)
+from gpumigrate.interfaces import HostSpec, Provider
+from gpumigrate.parity.urls import redact_url
+from gpumigrate.traffic import frontdoor
+from gpumigrate.transfer.nixl import load_nixl
+from gpumigrate.transfer.push import ensure_bucket, store_region
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
-    if plan.workload.kind != "inference":
-        raise InvalidInputError(
-            "the migrate flow moves inference workloads today: a training job moves with "
-            "`gpumigrate snapshot` (precopy, freeze, final, restore) between its --await-restore target and the source"
-        )
     decisions = validate_plan_residency(plan, record=m.record)
+    if plan.workload.kind == "inference":
+        _front_door(ctx)
+    check_transport(ctx)
     spec = spec_from_plan(plan, migration_id=m.id)
-    ctx.provider().check_capacity(spec)
-    emit(
-        m, "infra.capacity.ok", {"provider": spec.provider, "region": spec.region, "instance_type": spec.instance_type}
-    )
-    source = fetch_info(plan.workload.endpoint) if plan.workload.endpoint else {}
+    provider = ctx.provider()
+    zones = check_capacity(ctx, provider, spec)
+    decisions += check_store_and_keys(ctx, provider)
+    wl = plan.workload
+    source = workload_facts(wl.endpoint, wl.agent, side="source") if wl.endpoint or wl.agent else {}
     ctx.update(source_facts=_scalars(source))
     report = _host_environment(ctx, source)
     record: dict[str, Any] = (
@@ -47,9 +62,30 @@ def run(ctx: RunContext) -> dict[str, Any]:
         "residency": "allow",
         "decisions": len(decisions),
         "target_host": spec.name,
+        "zones": [z for z in zones if z],
         "environment": "match" if report is not None else "deferred",
         "source_weights_digest": str(source.get("weights_digest", ""))[:64] or None,
     }
+
+
+def _front_door(ctx: RunContext) -> None:
+    """An inference migration shifts its clients through the front door: it must be up, and front this
+    plan's endpoint, before anything is provisioned (exit 2 naming the command that starts it)."""
+    wl = ctx.plan.workload
+    endpoint = ctx.need(wl.endpoint, "the source endpoint")
+    state_dir = ctx.traffic_dir()
+    start = frontdoor.up_command(endpoint, wl.name, wl.ready_path)
+    try:
+        door = frontdoor.check(state_dir)
+    except TrafficError as exc:
+        raise PolicyDeniedError(
+            "front-door", f"no front door is up for workload {wl.name} ({exc}): start it with `{start}`"
+        ) from None
+    if door.source and not same_endpoint(door.source, endpoint):
+        raise PolicyDeniedError(
+            "front-door", f"the front door in {state_dir} fronts {door.source}, not this plan's endpoint {endpoint}"
+        )
+    emit(ctx.migration, "traffic.frontdoor.checked", {"state_dir": str(state_dir), "listener": door.listener})
 
 
 def _host_environment(ctx: RunContext, source: dict[str, Any]) -> EnvironmentReport | None:
@@ -66,3 +102,64 @@ def _host_environment(ctx: RunContext, source: dict[str, Any]) -> EnvironmentRep
 def _scalars(facts: dict[str, Any]) -> dict[str, Fact]:
     """The facts a runtime record keeps (identity, versions): scalars only, never nested structures."""
     return {k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool, type(None)))}
+
+
+# ----------------------------------------------------------------------------- where and how the bytes go
+def check_transport(ctx: RunContext) -> None:
+    """The plan's transport works from here, before anything moves: NIXL loads for nixl:// (its missing
+    package is named; stream:// never needs it), a receiver the flow starts needs a host the flow can
+    start it on (the plan says so), and a receiver the operator runs presents the pinned certificate (a
+    denial otherwise)."""
+    url = ctx.store_url()
+    if not target_store.is_receiver(url):
+        return
+    if urlsplit(url).scheme == "nixl":
+        load_nixl()  # the local hosts' interpreter is this one; a remote receiver says so in its HELLO
+    if target_store.started_by_flow(url):
+        return  # on a local target (the plan refuses one on a cloud target); started at provision
+    store = target_store.receiver_store(ctx, url)
+    emit(ctx.migration, "transfer.receiver.checked", {"url": redact_url(url), "store": store})
+
+
+def check_capacity(ctx: RunContext, provider: Provider, spec: HostSpec) -> list[str | None]:
+    """The zones that can take the target: the plan's, then its fallback zones of the same region (a
+    forbidden region's never). Launches nothing; exit 2 naming the zones when none can."""
+    plan = ctx.plan
+    zones: list[str | None] = check_zones(
+        provider,
+        spec,
+        allowed_jurisdictions=plan.data.allowed_jurisdictions,
+        fallback_zones=plan.target.fallback_zones,
+        record=ctx.migration.record,
+    )
+    emit(
+        ctx.migration,
+        "infra.capacity.ok",
+        {"provider": spec.provider, "region": spec.region, "instance_type": spec.instance_type, "zones": zones},
+    )
+    return zones
+
+
+def check_store_and_keys(ctx: RunContext, provider: Provider) -> list[ResidencyDecision]:
+    """The image bucket exists in the target's region (created there when missing) and is where its cloud
+    says, inside the allowed jurisdictions; the data's classification holds, wherever its key is held."""
+    plan, record = ctx.plan, ctx.migration.record
+    url = ctx.store_url()
+    found = ensure_bucket(url, plan.target.region)
+    if found is not None:
+        emit(ctx.migration, "transfer.bucket.ready", {"store": redact_url(url), "region": found})
+    decisions = [
+        check_store_location(
+            url,
+            plan.data.allowed_jurisdictions,
+            locate=store_region,
+            plan_region=plan.transfer.store_region,
+            target_provider=plan.target.provider,
+            target_region=plan.target.region,
+            record=record,
+        )
+    ]
+    held = key_locations(plan, provider)
+    if held:
+        decisions += check_classification(plan, key_locations=held, record=record)
+    return decisions

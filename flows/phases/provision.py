@@ -1,22 +1,30 @@
-"""Provision: launch (or find) the target host, start the workload there awaiting its state.
+"""Provision: launch (or find) the target host, start the workload there awaiting its state, and decide
+where the image lands (flows/target_store.py): a receiver on the target is started here, before the
+snapshot writes to it.
 
-The workload starts through the one launcher, ``Provider.bootstrap`` (infra/launch.py), from the
-plan's ``workload.launch`` with gpumigrate's side of the contract in its environment (agent address,
-await-restore, the state root and the control key's reference). A backend whose restore brings the
-process up itself (CRIU) needs no launch: the target then serves on the source's port, at its own address.
+The host is placed by :func:`gpumigrate.infra.placement.place`: the plan's zone, then its fallback zones
+of the same region, never a region residency forbids. The workload starts through the one launcher,
+``Provider.bootstrap`` (infra/launch.py; a cloud target boots it from its user data or startup script,
+infra/BOOT.md), from the plan's ``workload.launch`` with gpumigrate's side of the contract in its
+environment (agent address, await-restore, the state root and the control key's reference). A backend
+whose restore brings the process up itself (CRIU) needs no launch: the target then serves on the
+source's port, at its own address. From the moment a host exists, an undo terminates it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpumigrate.flows.context import Fact, RunContext
-from gpumigrate.infra import provision_host, spec_from_plan
+from gpumigrate.errors import InvalidInputError
+from gpumigrate.flows import target_store
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.undo import undo_target
+from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.launch import serves_http, service_url
+from gpumigrate.infra.placement import place
 from gpumigrate.interfaces import Host
-from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
+from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.settings import state_root
 
 HOST_READY_TIMEOUT_S = 300
@@ -27,52 +35,57 @@ def run(ctx: RunContext) -> dict[str, Any]:
     launch = target_launch(ctx) if ctx.backend().needs_launch else None
     provider = ctx.provider()
     spec = spec_from_plan(plan, migration_id=m.id, launch=launch)
-    host = provision_host(
-        provider, spec, migration_id=m.id, allowed_jurisdictions=plan.data.allowed_jurisdictions, record=m.record
+    host = place(
+        provider,
+        spec,
+        migration_id=m.id,
+        allowed_jurisdictions=plan.data.allowed_jurisdictions,
+        fallback_zones=plan.target.fallback_zones,
+        record=m.record,
     )
+    ctx.update(target_host=host, target_torn_down=False, receiver_dir=None, receiver_stopped=False)  # undo from here
     host = provider.wait_ready(host, timeout_s=HOST_READY_TIMEOUT_S)
-    ctx.update(target_host=host, target_torn_down=False)  # from here on, an undo tears it down
     if launch is not None:
-        host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
+        boot = plan.target.bootstrap
+        try:
+            host = provider.bootstrap(host, launch, timeout_s=boot.timeout_s if boot else launch.ready_timeout_s)
+        except BaseException:  # a failed task's own undo hook never runs: tear its host down here
+            undo_target(ctx, reason="the workload did not start on the target")
+            raise
         endpoint = service_url(host) if serves_http(launch) else None
         agent: str | None = f"{host.address}:{host.ports['agent']}"
     else:
         endpoint, agent = _restored_endpoint(host, plan.workload.endpoint), None
-    ctx.update(
-        target_host=host,
-        target_endpoint=endpoint,
-        target_agent=agent,
-        target_store=target_store_url(host, ctx.store_url()),  # the transfer phase pushes the image there
-    )
+    ctx.update(target_host=host, target_endpoint=endpoint, target_agent=agent)
     if endpoint is not None:
         ctx.target_endpoint()  # two real endpoints, or a refusal before anything is frozen
-    return {"host": host.name, "provider": host.provider, "region": host.region, "endpoint": endpoint, "agent": agent}
+    lands = target_store.landing(ctx, provider, host)
+    ctx.update(image_store=lands.write, target_store=lands.read, receiver_dir=lands.receiver_dir)
+    target_store.check_landing(ctx, host, lands)  # before any byte moves there
+    return {
+        "host": host.name,
+        "provider": host.provider,
+        "region": host.region,
+        "zone": host.zone,
+        "endpoint": endpoint,
+        "agent": agent,
+        "receiver": lands.receiver_dir is not None,
+    }
 
 
 def target_launch(ctx: RunContext) -> WorkloadLaunch:
     """How the workload starts on the target, awaiting the restore, with gpumigrate's env contract."""
     plan = ctx.plan
+    if plan.workload.launch is None:
+        raise InvalidInputError(
+            "workload.launch is needed to start the workload on the target: the command that starts it "
+            "(argv with {host}, {service_port}, ...), as the README's plan reference shows"
+        )
     contract = {"GPUMIGRATE_HOME": str(state_root())}
     key = plan.workload.control_key
     if key is not None and key.file:  # an env reference is the target's own variable: never copied here
         contract["GPUMIGRATE_CONTROL_KEY_FILE"] = str(ctx.resolve(key.file))
-    if plan.workload.launch is not None:
-        return WorkloadLaunch.from_plan(plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract)
-    return _reference_server(ctx.runtime.source_facts, {**contract, AWAIT_RESTORE_ENV: "1"})
-
-
-def _reference_server(source: dict[str, Fact], contract: dict[str, str]) -> WorkloadLaunch:
-    """TRANSITIONAL, for plans without ``workload.launch`` (the integration wave makes it required and
-    deletes this): the reference inference server, allocating the source's model shape to restore into."""
-    model = ["--seed", str(source.get("seed", 0)), "--dtype", str(source.get("dtype", "float32"))]
-    model += ["--device", str(source.get("device") or "cpu")]
-    model += (
-        ["--params-mb", str(source["params_mb"])]
-        if source.get("params_mb")
-        else ["--size", str(source.get("size") or "tiny")]
-    )
-    argv = ("{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}")
-    return WorkloadLaunch(argv=(*argv, "--name", "{name}", *model), contract_env=contract)
+    return WorkloadLaunch.from_plan(plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract)
 
 
 def _restored_endpoint(host: Host, source_endpoint: str | None) -> str | None:
@@ -81,10 +94,3 @@ def _restored_endpoint(host: Host, source_endpoint: str | None) -> str | None:
         return None
     parts = urlsplit(source_endpoint)
     return f"{parts.scheme}://{host.address}:{parts.port or 80}"
-
-
-def target_store_url(host: Host, plan_store: str) -> str:
-    """Where the target reads the image: its own disk for local hosts, else the plan's shared store."""
-    if host.provider == "local" and host.workdir and plan_store.startswith("file://"):
-        return "file://" + str(Path(host.workdir) / "store")
-    return plan_store

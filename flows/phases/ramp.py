@@ -3,7 +3,10 @@
 The decision of each interval is the traffic library's ramp controller (stages, gates, rollback on
 a failed gate or a rollback request); this phase hands it what it needs from the migration — the
 front door, the plan's stages and gates, parity probes judged by the parity library's comparator
-(traffic never imports parity), the rollback signal — and records what it decided.
+(traffic never imports parity), the rollback signal, who holds the traffic lease — and records what
+it decided: the outcome and its trigger (a lease the control plane took back included), and what the
+clients saw through the front door (requests, failures, p99, downtime: Envoy's own stats), for every
+migration, whatever made the traffic.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from gpumigrate.flows.report import Sample, merge_result, ramp_chart
 from gpumigrate.interfaces import OutputComparator, ParityReport
 from gpumigrate.parity.comparator import ToleranceComparator
 from gpumigrate.parity.output import load_golden
+from gpumigrate.parity.request import build_requests, comparator_for
 from gpumigrate.traffic import frontdoor
 from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.ramp import RampController, RampResult, RampSettings
@@ -32,6 +36,7 @@ SAMPLES_KEPT = 2000
 def run(ctx: RunContext) -> dict[str, Any]:
     m = ctx.migration
     result = _drive(ctx)
+    record_figures(ctx, result.figures)
     samples = [flatten(s.to_json()) for s in result.samples]
     if result.status != "completed":  # the chart shows the weight falling back to the source
         samples.append(
@@ -46,6 +51,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         detail = {"reason": reason[:300], "trigger": result.trigger, "seconds_to_detect": result.seconds_to_detect}
         emit(m, "traffic.rolled_back", {**detail, "applied_s": result.rollback_applied_s})
         emit(m, f"rollback.{'manual' if result.trigger == 'manual' else 'automatic'}", detail)
+        merge_result(m, rollback={"trigger": result.trigger})
         raise RolledBackError(reason, seconds_to_detect=result.seconds_to_detect)
     emit(m, "traffic.cutover", {"weight": 100})
     return {"stages": len(result.stages), "intervals": len(samples)}
@@ -59,7 +65,7 @@ def _drive(ctx: RunContext) -> RampResult:
     target = urlsplit(endpoint)
     frontdoor.add_target(state_dir, target.hostname or "127.0.0.1", target.port or 80, nodes=door.nodes)
     emit(m, "traffic.target_added", {"upstream": frontdoor.TARGET, "endpoint": endpoint, "weight": 0})
-    progress = Progress(f"traffic ramp of {m.id}")
+    progress = Progress(f"traffic ramp of {m.id}: share of the plan's stages passed")
     stages = [s.weight for s in plan.traffic.stages]
     last_weight = [0.0]
 
@@ -82,10 +88,37 @@ def _drive(ctx: RunContext) -> RampResult:
         prober=_prober(ctx, door.probe_listener),
         rollback_signal=m.rollback_requested,
         on_interval=on_interval,
+        lease_holder=lease_holder(ctx),
     )
     result = controller.run()
-    progress.update(100.0, force=True)
+    progress.update(result.progress_pct, force=True)  # the truth: 100 only when every stage passed
     return result
+
+
+def lease_holder(ctx: RunContext) -> str:
+    """Who holds the traffic lease while this ramp runs: what ``traffic status`` and the control plane's
+    log name when the lease lapses (the migration, its flow run, the process)."""
+    rt = ctx.runtime
+    run = ctx.migration.read().get("flow_run_id")
+    return f"migration {ctx.migration.id} (flow run {run or '-'}, pid {rt.flow_pid or '-'} on {rt.flow_host or '-'})"
+
+
+def record_figures(ctx: RunContext, figures: Mapping[str, Any] | None) -> None:
+    """What clients saw during the ramp, from Envoy's stats, into the result (requests, downtime) and the audit."""
+    if not figures:
+        return
+    m = ctx.migration
+    emit(m, "traffic.figures", {k: v for k, v in figures.items() if isinstance(v, (str, int, float, type(None)))})
+    merge_result(
+        m,
+        requests={
+            "total": figures.get("requests"),
+            "failed": figures.get("failures"),
+            "p99_ms": figures.get("p99_ms"),
+            "measured_by": "envoy",
+        },
+        downtime_ms=figures.get("downtime_ms"),
+    )
 
 
 def flatten(sample: Mapping[str, Any]) -> Sample:
@@ -130,6 +163,15 @@ def _prober(ctx: RunContext, listener: str | None) -> Prober | None:
     golden = ctx.golden_inputs()
     if golden is None or not listener:
         return None
-    inputs = [c.request for c in load_golden(golden)][:PROBE_CASES]
-    comparator = ProbeComparator(ToleranceComparator(atol=ctx.plan.parity.atol, rtol=ctx.plan.parity.rtol))
-    return Prober(listener, inputs, comparator, every_s=ctx.plan.traffic.analysis_interval_s)
+    cases = load_golden(golden)[:PROBE_CASES]
+    parity, every_s = ctx.plan.parity, ctx.plan.traffic.analysis_interval_s
+    if parity.request is None:  # TRANSITIONAL: a plan without parity.request is asked as the reference server
+        comparator = ProbeComparator(ToleranceComparator(atol=parity.atol, rtol=parity.rtol))
+        return Prober(listener, [c.request for c in cases], comparator, every_s=every_s)
+    if parity.request.method != "POST" or parity.request.headers:
+        # The prober POSTs JSON bodies; other requests are checked by the parity phase only.
+        emit(ctx.migration, "traffic.probes.skipped", {"reason": "live probes send POST requests without headers"})
+        return None
+    queries = build_requests(cases, parity.request)
+    comparator = ProbeComparator(comparator_for(parity.request, atol=parity.atol, rtol=parity.rtol))
+    return Prober(listener, [q.body for q in queries], comparator, path=parity.request.path, every_s=every_s)

@@ -17,6 +17,7 @@ import typer
 from gpumigrate.cli import (
     cost_cmd,
     demo_cmd,
+    frontdoor_cmd,
     hosts_cmd,
     image_cmd,
     migration_cmd,
@@ -47,6 +48,7 @@ app.add_typer(image_cmd.app, name="image")
 app.add_typer(parity_cmd.app, name="parity")
 cost_cmd.register(app)
 app.add_typer(traffic_cmd.app, name="traffic")
+app.add_typer(frontdoor_cmd.app, name="frontdoor")
 app.add_typer(snapshot_cmd.app, name="snapshot")
 
 

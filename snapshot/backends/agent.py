@@ -45,9 +45,8 @@ class AgentBackend:
         return done
 
     def freeze(self, lease_s: float | None = None) -> None:
-        # The lease (issue: a frozen source resumes by itself) travels once the agent's protocol carries it.
-        with self._client("source") as client:
-            client.freeze()
+        with self._client("source") as client:  # unless renewed within lease_s, it resumes by itself
+            client.freeze(lease_s)
 
     def final(self) -> ImageRef:
         with self._client("source") as client:

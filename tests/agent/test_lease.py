@@ -67,7 +67,7 @@ def test_source_serves_again_within_the_lease_after_the_orchestrator_is_killed(s
         text=True,
     )
     assert orchestrator.stdout is not None and orchestrator.stdout.readline().strip() == "frozen"
-    assert httpx.get(src.url + "/readyz").json()["reason"] == "frozen"
+    assert httpx.get(src.url + "/readyz").json()["status"] == "held"
     results: list[int] = []
     held = threading.Thread(
         target=lambda: results.append(
@@ -80,6 +80,6 @@ def test_source_serves_again_within_the_lease_after_the_orchestrator_is_killed(s
     killed = time.monotonic()
     held.join(30)
     assert results == [200] and time.monotonic() - killed < 10  # within the 3 s lease (plus start-up slack)
-    assert httpx.get(src.url + "/readyz").status_code == 200
+    assert httpx.get(src.url + "/readyz").json()["status"] == "ready"  # no longer frozen
     with src.client() as c:
         assert c.info().lease_expiries == 1

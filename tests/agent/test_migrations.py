@@ -98,7 +98,7 @@ def test_a_service_outside_the_package_migrates_under_load(spawn, store) -> None
     with Load(src.url, "/v1/predict", body) as load:
         load.wait_for(50)
         precopy_and_freeze(src, dst, *store)
-        assert httpx.get(src.url + "/readyz").json()["reason"] == "frozen"
+        assert httpx.get(src.url + "/readyz").json()["status"] == "held"
         at_freeze = httpx.get(src.url + "/v1/state").json()  # not a safe point: answers while frozen
         time.sleep(0.5)
         assert httpx.get(src.url + "/v1/state").json() == at_freeze  # nothing moves while frozen

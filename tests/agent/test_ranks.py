@@ -182,8 +182,9 @@ def test_one_rank_is_never_frozen_alone(ranks: list[Rank]) -> None:
 
 
 def test_a_failed_group_freeze_resumes_every_rank(ranks: list[Rank]) -> None:
+    addresses = [ranks[0].server.address, ranks[1].server.address]
     ranks[1].server.stop()  # rank 1's agent is gone
-    with World([ranks[0].server.address, ranks[1].server.address], timeout_s=10) as world:
+    with World(addresses, timeout_s=10) as world:
         with pytest.raises(SnapshotError, match="rank 1 .*cannot reach the snapshot agent"):
             world.freeze(lease_s=30)
     assert not ranks[0].agent.frozen and not ranks[0].agent.held and not ranks[0].gate.frozen

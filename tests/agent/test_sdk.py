@@ -198,7 +198,8 @@ def test_the_middleware_answers_readiness_and_turns_held_too_long_into_503(monke
     assert client.get("/readyz").json() == {"status": "ready"} and client.post("/v1/answer").json() == {"answer": 42}
     with AgentClient(handle.address) as c:
         c.call("freeze")
-        assert client.get("/readyz").json() == {"status": "not ready", "reason": "frozen"}
+        ready = client.get("/readyz")  # a freeze holds requests: ready to a balancer, with the reason
+        assert ready.status_code == 200 and ready.json() == {"status": "held", "reason": "frozen"}
         assert client.get("/healthz").status_code == 200  # alive while frozen
         r = client.post("/v1/answer")
         assert r.status_code == 503 and "frozen" in r.json()["error"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -93,6 +94,10 @@ BAD_PLANS = [
     ("parity-bad-method", "parity.request.method", "DELETE", "parity.request.method"),
     ("training-steps", "parity.training", {"steps": 0}, "parity.training.steps"),
     ("control-key-inline", "workload.control_key", {"value": "00"}, "workload.control_key.value"),
+    ("agent-backend-without-launch", "workload.launch", _DELETE, "workload.launch"),
+    ("golden-inputs-without-request", "parity.request", _DELETE, "parity.request"),
+    ("freeze-lease-zero", "snapshot.freeze_lease_s", 0, "snapshot.freeze_lease_s"),
+    ("freeze-lease-over-a-day", "snapshot.freeze_lease_s", 86_401, "snapshot.freeze_lease_s"),
 ]
 
 
@@ -140,6 +145,18 @@ def test_bad_plan_names_field(base: dict, case: str, path: str, value: object, f
     assert field in fields, f"{case}: expected {field} in {fields}"
 
 
+def test_the_workload_contract_is_required_and_says_where_to_look() -> None:
+    """The flow starts a workload only from its launch and asks it only through parity.request."""
+    for dotted, field in (("workload.launch", "workload.launch"), ("parity.request", "parity.request")):
+        with pytest.raises(PlanError) as info:
+            parse_plan(_set(BASE, dotted, _DELETE), "plan")
+        [(where, message)] = info.value.problems
+        assert where == field and "examples/" in message, (where, message)
+    # Host-level backends restore the process itself: no launch. No golden inputs: no request.
+    assert parse_plan(_set(_set(BASE, "workload.launch", _DELETE), "snapshot.backend", "criu"), "plan")
+    assert parse_plan(_set(_set(BASE, "parity.request", _DELETE), "parity.golden_inputs", _DELETE), "plan")
+
+
 def test_cloud_target_fields_and_defaults() -> None:
     plan = parse_plan(AWS, "aws")
     assert plan.target.fallback_zones == ["eu-central-1b", "eu-central-1c"]
@@ -182,11 +199,13 @@ def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
 
 
 def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str]) -> None:
-    ok = subprocess.run([*cli_cmd, "plan", "validate", *map(str, EXAMPLES)], capture_output=True, text=True)
+    # its own state root: validation records policy decisions in <home>/audit/policy.jsonl
+    env = {**os.environ, "GPUMIGRATE_HOME": str(tmp_path / "home")}
+    ok = subprocess.run([*cli_cmd, "plan", "validate", *map(str, EXAMPLES)], capture_output=True, text=True, env=env)
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(_set(BASE, "traffic.stages.0.weight", 150)))
-    out = subprocess.run([*cli_cmd, "plan", "validate", str(bad), "--json"], capture_output=True, text=True)
+    out = subprocess.run([*cli_cmd, "plan", "validate", str(bad), "--json"], capture_output=True, text=True, env=env)
     assert out.returncode == 2
     assert "traffic.stages[0].weight" in out.stderr
     assert "Traceback" not in out.stderr

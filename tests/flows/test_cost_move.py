@@ -21,6 +21,7 @@ def _plan(tmp_path: Path, **cost: Any) -> Path:
             "source_provider": "aws",
             "source_region": "eu-central-1",
             "source_instance_type": "p4d.24xlarge",
+            "launch": {"argv": ["{python}", "train.py"]},
         },
         "target": {
             "provider": "aws",

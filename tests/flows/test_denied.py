@@ -20,6 +20,7 @@ def test_migrate_denied_by_residency_moves_nothing(
             "source_host": "local-a",
             "endpoint": "http://127.0.0.1:9",
             "agent": "127.0.0.1:9",
+            "launch": {"argv": ["{python}", "serve.py", "--port", "{service_port}"]},
         },
         "target": {"provider": "local", "region": "local-b", "host": "never-started"},
         "data": {"classification": "restricted", "allowed_jurisdictions": ["EU"]},

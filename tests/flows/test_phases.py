@@ -19,14 +19,16 @@ from typing import Any
 import pytest
 import yaml
 
+from gpumigrate.atomic import atomic_write_json
 from gpumigrate.environment import collect_facts
-from gpumigrate.errors import InvalidInputError, ResidencyError, SnapshotError
+from gpumigrate.errors import InvalidInputError, PolicyDeniedError, ResidencyError, SnapshotError
 from gpumigrate.flows.context import RunContext, Siblings
 from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
 from gpumigrate.flows.undo import undo_all, undo_source
 from gpumigrate.interfaces import Host, HostSpec, ImageRef, Jurisdiction, Restored, Round, RoundStats
 from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
 from gpumigrate.snapshot.backends import Setup, snapshot_backend
+from gpumigrate.traffic.frontdoor import FRONTDOOR
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream
 
 FACTS = collect_facts(with_torch=False)
@@ -34,15 +36,16 @@ FACTS = collect_facts(with_torch=False)
 
 # ----------------------------------------------------------------------------- a workload over HTTP
 class Workload:
-    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info."""
+    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info; and /ready
+    as an Envoy admin does (the front door the source's plan names points its admin URL here)."""
 
     def __init__(self, info: dict[str, Any]) -> None:
         info_body = json.dumps(info).encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-                body = info_body if self.path == "/v1/info" else b"{}"
-                self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info") else 404)
+                body = {"/v1/info": info_body, "/ready": b"LIVE"}.get(self.path, b"{}")
+                self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info", "/ready") else 404)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -177,6 +180,9 @@ class World:
         return next(r["data"] for r in reversed(self.ctx.migration.audit.records()) if r["event"] == event)
 
 
+LAUNCH = {"argv": ["{python}", "-m", "svc", "--port", "{service_port}"]}
+
+
 def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
     return {
         "version": 1,
@@ -186,6 +192,7 @@ def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
             "source_host": "src-host",
             "endpoint": source.url,
             "agent": "127.0.0.1:7070",
+            "launch": LAUNCH,
             **workload,
         },
         "target": {"provider": "local", "region": "local-b", "host": "tgt"},
@@ -212,8 +219,12 @@ def make_world(tmp_path: Path, doc: dict[str, Any], target: Workload, **backend:
     def host_actions(host: str, action: str, params: Any) -> dict[str, Any]:
         raise AssertionError("the fake backend never dispatches host actions")
 
-    siblings = Siblings(provider=lambda name, attached: provider, backend=make_backend, host_actions=host_actions)
-    ctx = RunContext.create(path, migration_id="m-unit", resume=False)
+    siblings = Siblings(provider=lambda plan, attached: provider, backend=make_backend, host_actions=host_actions)
+    door = tmp_path / "traffic"  # the source's front door, its Envoy admin stood in by the source itself
+    atomic_write_json(
+        door / FRONTDOOR, {"admin_urls": [doc["workload"]["endpoint"]], "source": doc["workload"]["endpoint"]}
+    )
+    ctx = RunContext.create(path, migration_id="m-unit", resume=False, traffic_state_dir=str(door))
     return World(replace(ctx, siblings=siblings), provider, fake, setups)
 
 
@@ -252,6 +263,27 @@ def test_preflight_denied_by_residency_touches_nothing(world: WorldMaker, source
     assert w.provider.calls == [] and w.backend.steps == []
 
 
+def test_preflight_without_a_front_door_says_how_to_start_it_and_touches_nothing(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    w = world()
+    (tmp_path / "traffic" / FRONTDOOR).unlink()
+    with pytest.raises(PolicyDeniedError) as info:
+        preflight.run(w.ctx)
+    assert info.value.exit_code == 2
+    assert f"`gpumigrate frontdoor up --source {source.url} --workload svc`" in str(info.value)
+    assert w.provider.calls == [] and w.backend.steps == []
+
+
+def test_preflight_refuses_a_front_door_of_another_service(world: WorldMaker, tmp_path: Path) -> None:
+    w = world()
+    door = json.loads((tmp_path / "traffic" / FRONTDOOR).read_text())
+    atomic_write_json(tmp_path / "traffic" / FRONTDOOR, {**door, "source": "http://127.0.0.1:1"})
+    with pytest.raises(PolicyDeniedError, match="fronts http://127.0.0.1:1, not this plan's endpoint"):
+        preflight.run(w.ctx)
+    assert w.provider.calls == []
+
+
 def test_preflight_refuses_the_cuda_driver_backend_before_anything_moves(world: WorldMaker, source: Workload) -> None:
     """cuda-driver resumes the source in place: parity and the ramp would compare the source with itself."""
     doc = plan_doc(source)
@@ -282,19 +314,6 @@ def test_provision_starts_the_plans_launch_awaiting_the_restore(
     assert rt.target_endpoint == target.url == out["endpoint"] and rt.target_agent == "127.0.0.1:1"
     assert rt.target_host is not None and rt.target_host.name == "tgt"
     assert rt.target_store == "file:///nonexistent/host/store"  # the target's own disk
-
-
-def test_provision_without_a_launch_starts_the_reference_server_like_the_source(
-    world: WorldMaker, source: Workload
-) -> None:
-    """Transitional (plans without workload.launch): the source's model shape, from its /v1/info."""
-    w = world()
-    w.ctx.update(source_facts={"seed": 7, "size": "tiny", "dtype": "float32", "device": "cpu"})
-    provision.run(w.ctx)
-    (started,) = w.provider.launches
-    assert started.argv[2] == "gpumigrate.workloads.inference" and "--seed" in started.argv
-    assert started.argv[started.argv.index("--seed") + 1] == "7"
-    assert started.contract_env[AWAIT_RESTORE_ENV] == "1"
 
 
 def test_provision_refuses_a_target_that_is_the_source_itself(world: WorldMaker, source: Workload) -> None:

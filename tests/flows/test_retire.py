@@ -38,6 +38,7 @@ def cut_over(gm_home: Path, workload_launch: Callable[..., Any]) -> Iterator[dic
                 "source_host": "retire-src",
                 "endpoint": url,
                 "agent": f"{host.address}:{host.ports['agent']}",
+                "launch": {"argv": ["{python}", "-m", "gpumigrate.workloads.inference", "--port", "{service_port}"]},
             },
             "target": {"provider": "local", "region": "local-b", "host": "retire-tgt"},
             "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},

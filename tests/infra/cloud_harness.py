@@ -103,6 +103,9 @@ class CloudHarness:
         self.local = LocalProvider(netns=True)
         self.booted: dict[str, Booted] = {}
         self.exhausted_zones: set[str] = set()  # launches there are refused for want of capacity
+        # More loopback services a machine reaches, by the environment variable that names them (a
+        # storage endpoint, say): each gets its own relay on the machine's link, as the cloud API does.
+        self.relayed: dict[str, str] = {}
         self.lock = threading.Lock()
 
     def boot(self, key: str, script: str, *, endpoint: str, env: Callable[[str], dict[str, str]]) -> str:
@@ -113,15 +116,20 @@ class CloudHarness:
         host = self.local.provision(HostSpec(name=name, provider="local", region="local"))
         link_ip = host.address.rsplit(".", 1)[0] + ".1"  # the root-side end of the host's veth (LOCAL.md)
         parts = urlsplit(endpoint)
-        relay = Relay(link_ip, (str(parts.hostname), int(parts.port or 80)))
+        relays = [Relay(link_ip, (str(parts.hostname), int(parts.port or 80)))]
+        extra: dict[str, str] = {}
+        for name_env, url in self.relayed.items():
+            where = urlsplit(url)
+            relays.append(Relay(link_ip, (str(where.hostname), int(where.port or 80))))
+            extra[name_env] = f"http://{relays[-1].address}"
         workdir = Path(str(host.workdir))
         user_data = workdir / "user-data"
         user_data.write_text(script)
         user_data.chmod(0o700)
-        boot_env = {**env(f"http://{relay.address}"), "GPUMIGRATE_BOOT_DIR": str(workdir / "boot")}
+        boot_env = {**env(f"http://{relays[0].address}"), **extra, "GPUMIGRATE_BOOT_DIR": str(workdir / "boot")}
         started = self.local.spawn(host, ["/bin/sh", str(user_data)], env=boot_env, name="user-data")
         with self.lock:
-            self.booted[key] = Booted(key, host, Path(started["log"]), [relay])
+            self.booted[key] = Booted(key, host, Path(started["log"]), relays)
         return host.address
 
     def console(self, key: str) -> str | None:
@@ -286,9 +294,9 @@ class Cloud:
         return left
 
 
-@pytest.fixture
-def cloud(moto_url: str, aws_env: str, gce: Any, gm_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
-    """moto's EC2 and the fake GCE, both booting their instances; the test fails if anything is left running."""
+def booting_cloud(moto_url: str, gce: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
+    """moto's EC2 and the fake GCE, both booting their instances; fails if anything is left running
+    (the body of the ``cloud`` fixture, for test modules outside this folder)."""
     harness = CloudHarness()
     state = Cloud(harness, Ec2Boot(harness, moto_url, monkeypatch), GceBoot(harness, gce))
     try:
@@ -297,6 +305,12 @@ def cloud(moto_url: str, aws_env: str, gce: Any, gm_home: Path, monkeypatch: pyt
     finally:
         harness.close()
     assert not left, f"left running after the test: {left}"
+
+
+@pytest.fixture
+def cloud(moto_url: str, aws_env: str, gce: Any, gm_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cloud]:
+    """moto's EC2 and the fake GCE, both booting their instances; the test fails if anything is left running."""
+    yield from booting_cloud(moto_url, gce, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- what a target account holds
@@ -366,11 +380,16 @@ class BucketGcs(_gcs_fake_class()):  # type: ignore[misc]
         super().__init__(buckets)
 
 
-@pytest.fixture
-def gcs() -> Iterator[BucketGcs]:
+def bucket_gcs() -> Iterator[BucketGcs]:
     """A GCS endpoint holding one bucket in the US multi-region (``gm-us-bucket``)."""
     server = BucketGcs({"gm-us-bucket": "US"})
     try:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def gcs() -> Iterator[BucketGcs]:
+    """A GCS endpoint holding one bucket in the US multi-region (``gm-us-bucket``)."""
+    yield from bucket_gcs()

@@ -28,6 +28,7 @@ def plan_data(**over: Any) -> dict[str, Any]:
             "source_provider": "aws",
             "source_region": "eu-central-1",
             "source_instance_type": "p4d.24xlarge",
+            "launch": {"argv": ["{python}", "train.py"]},
         },
         "target": {
             "provider": "aws",

@@ -17,7 +17,7 @@ import typer
 
 REPO = Path(__file__).resolve().parents[2]
 RUNBOOKS = sorted((REPO / "runbooks").glob("*.md"))
-REQUIRED = {"migrate", "rollback", "audit", "residency-denial", "target-degraded", "scheduled-moves"}
+REQUIRED = {"migrate", "rollback", "audit", "residency-denial", "target-degraded", "scheduled-moves", "prefect-ui"}
 _BLOCK = re.compile(r"```sh\n(.*?)```", re.S)
 
 

@@ -130,14 +130,15 @@ def test_rolled_back_migration_keeps_source_serving(servers, key_env, store_url,
     t.start()
     time.sleep(0.5)
     assert "r" not in held
-    assert httpx.get(src.url + "/readyz", timeout=5).status_code == 503
+    frozen = httpx.get(src.url + "/readyz", timeout=5)  # held, not refused: the front door keeps sending
+    assert frozen.status_code == 200 and frozen.json()["status"] == "held"
     final = _cli(cli_cmd, "final", "--agent", src.agent, "--store", store_url, "--key-env", key_env["env"])
     assert final["stats"]["chunks_dirty"] == 0  # nothing changed since pre-copy: weights are read-only here
     _cli(cli_cmd, "resume", "--agent", src.agent)  # the migration is rolled back
     t.join(30)
     assert held["r"].status_code == 200 and held["r"].json()["tokens"] == before["tokens"]
     assert src.generate().json()["tokens"] == before["tokens"]
-    assert httpx.get(src.url + "/readyz", timeout=5).status_code == 200
+    assert httpx.get(src.url + "/readyz", timeout=5).json()["status"] == "ready"
 
 
 def test_completed_migration_target_answers_like_source_then_source_is_zeroized(

@@ -198,6 +198,31 @@ def test_rerun_resumes_at_the_current_weight(light_env: Any) -> None:
     assert report.failed == 0
 
 
+def test_no_weight_moves_to_a_target_envoy_never_saw_healthy(light_env: Any) -> None:
+    # The target is gone before the ramp: Envoy's checks never pass, and with no panic routing any
+    # weight on it would be a 503 for clients. The ramp waits, then rolls back with nothing moved.
+    env = light_env
+    env.upstreams["target"].kill()
+    settings = RampSettings(
+        stages=((5, 0.5), (100, 0.5)),
+        interval_s=0.25,
+        baseline_intervals=1,
+        gates=GateSettings(min_requests=3, p99_slack_ms=150),
+        target_healthy_wait_s=1.0,
+    )
+    ctl = RampController(env.state_dir, [env.envoy.admin_url], settings, nodes=[env.envoy.node_id])
+    load = LoadProcess(env.url, rps=40, seconds=30, body=BODY)
+    try:
+        result = ctl.run()
+    finally:
+        load.stop()
+    report = load.wait(60)
+    assert result.status == "rolled_back" and result.trigger == "target_unhealthy", result.reason
+    assert result.stages == []  # no stage began
+    assert env.envoy.admin.live_weights() == {"source": 10000}
+    assert report.failed == 0  # every request went to the source
+
+
 def test_a_ramp_whose_envoy_died_rolls_back_by_policy_instead_of_holding_forever(light_env: Any) -> None:
     # Envoy SIGKILLed mid-stage: every later interval is unreadable. Those intervals count toward the
     # inconclusive policy like any other, so the ramp ends (and releases the split) instead of renewing

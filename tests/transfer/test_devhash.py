@@ -64,8 +64,11 @@ def test_kernels_match_the_blake3_package(leaves: int, count: int) -> None:
 
 
 @pytest.mark.gpu
-def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flipped_byte(tmp_path: Path) -> None:
+def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flipped_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dev = torch.device("cuda")
+    monkeypatch.setenv("GPUMIGRATE_ALLOW_UNSIGNED_IMAGES", "1")  # unsigned on purpose, read for this test only
     if not devhash.available(dev):
         pytest.skip("Triton is not importable here")
     src = {"a": torch.randn(3 << 20, device=dev), "odd": torch.randn(777, device=dev)}  # odd: CPU-hashed tail

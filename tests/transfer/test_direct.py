@@ -243,8 +243,12 @@ def test_device_direct_path_matches_the_plain_one(tmp_path: Path, monkeypatch: p
 
 
 @pytest.mark.gpu
-def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(tmp_path: Path) -> None:
+def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dev = _cuda()
+    # unencrypted, so the test can hash chunk bodies on disk: unsigned images are read for this test only
+    monkeypatch.setenv("GPUMIGRATE_ALLOW_UNSIGNED_IMAGES", "1")
     url = f"file://{tmp_path / 's'}"
     w = {"a": torch.randn(5 << 20, device=dev).to(torch.bfloat16), "odd": torch.randn(777, device=dev)}
     src = Agent()

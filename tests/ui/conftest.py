@@ -1,7 +1,9 @@
 """Browser tests: Debian's chromium, headless, driven by Playwright, against a real ``prefect server start``.
 
 One Prefect server (its own PREFECT_HOME, on loopback), the project's deployments (``prefect.yaml``),
-one process worker on the ``orchestrator`` queue and one browser serve the whole session: a server's
+one process worker on the ``orchestrator`` queue and one browser serve the whole session. The work
+pool, the deployments and the worker are set up by the ``prefect`` commands of the runbook's "Set up"
+section (runbooks/prefect-ui.md), run as written: a runbook that stops working fails here: a server's
 first start applies its database migrations, tens of seconds. Each test gets a fresh browser context
 and its own screenshot folder, ``build/ui/<test>/``, listed at the end of pytest's output.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,6 +36,7 @@ from gpumigrate.traffic.envoy import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
+RUNBOOK = REPO / "runbooks" / "prefect-ui.md"
 ARTIFACTS = REPO / "build" / "ui"
 POOL = "gpumigrate"
 # Without the background-networking flags chromium keeps dialling out, and this network refuses it.
@@ -192,7 +196,24 @@ def _require_chromium() -> None:
         pytest.skip(msg)
 
 
-def start_server(root: Path, *, host: str = "127.0.0.1", logs: Path) -> PrefectServer:
+def runbook_setup(path: Path = RUNBOOK) -> list[tuple[dict[str, str], list[str]]]:
+    """The ``prefect`` commands of the runbook's "Set up" section, in order: (``VAR=value`` prefixes, argv)."""
+    text = path.read_text()
+    setup = text[text.index("## Set up") : text.index("\n## ", text.index("## Set up") + 1)]
+    out = []
+    for block in re.findall(r"```sh\n(.*?)```", setup, re.S):
+        for line in block.splitlines():
+            argv = shlex.split(line) if line.strip() and not line.lstrip().startswith("#") else []
+            env = {}
+            while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+                name, value = argv.pop(0).split("=", 1)
+                env[name] = value
+            if argv and argv[0] == "prefect":
+                out.append((env, argv))
+    return out
+
+
+def start_server(root: Path, *, host: str = "127.0.0.1", logs: Path, create_pool: bool = True) -> PrefectServer:
     """``prefect server start`` on ``host`` (its own PREFECT_HOME under ``root``) and the work pool.
 
     The caller stops it with :func:`stop_server`, which also stops every worker started on it.
@@ -216,7 +237,8 @@ def start_server(root: Path, *, host: str = "127.0.0.1", logs: Path) -> PrefectS
             stop_server(server)
             pytest.fail(f"prefect server did not start on {host}:{port}: {proc.tail()}")
         time.sleep(0.5)
-    server.prefect("work-pool", "create", POOL, "--type", "process")
+    if create_pool:
+        server.prefect("work-pool", "create", POOL, "--type", "process")
     return server
 
 
@@ -241,14 +263,26 @@ def server_kit() -> ServerKit:
 
 @pytest.fixture(scope="session")
 def prefect_server() -> Iterator[PrefectServer]:
-    """The session's server on loopback, the deployments of prefect.yaml, a worker on ``orchestrator``."""
+    """The session's server on loopback, then the runbook's set-up: the work pool, the deployments of
+    prefect.yaml, a worker on ``orchestrator``."""
     _require_chromium()
     root = Path(tempfile.mkdtemp(prefix="gm-ui-"))
     shutil.rmtree(ARTIFACTS / "logs", ignore_errors=True)
-    server = start_server(root, logs=ARTIFACTS / "logs")
+    server = start_server(root, logs=ARTIFACTS / "logs", create_pool=False)
     try:
-        server.prefect("deploy", "--all")
-        server.start_worker("orchestrator")
+        steps = runbook_setup()
+        assert [a[1:3] for _, a in steps] == [
+            ["server", "start"],
+            ["work-pool", "create"],
+            ["deploy", "--all"],
+            ["worker", "start"],
+        ], f"the runbook's set-up changed: {steps}"
+        for env, argv in steps[1:]:  # the server is this one: the runbook's command on a free port
+            if argv[1:3] == ["worker", "start"]:
+                log = server.logs / "worker-orchestrator.log"
+                server.procs.append(Proc.start([_bin("prefect"), *argv[1:]], server.env(**env), log))
+            else:
+                server.prefect(*argv[1:])
         yield server
     finally:
         stop_server(server)
@@ -351,6 +385,51 @@ class PrefectUI:
                 raise AssertionError(f"run {run_id} shown as {shown}, API says {state['type']}/{state['name']}")
             time.sleep(1.0)
 
+    def wait_for_state(self, run_id: str, name: str, *, timeout_s: float) -> None:
+        """Until the API says the run's state is ``name`` and its page shows it (a screenshot then)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.server.flow_run(run_id)["state"]
+            if state["name"] == name:
+                self.page.reload()
+                self.page.locator(".state-badge", has_text=name).first.wait_for()
+                self.shot(f"state-{name.lower()}")
+                return
+            if state["type"] in TERMINAL or time.monotonic() > deadline:
+                raise AssertionError(f"run {run_id} is {state['type']}/{state['name']}, never {name}")
+            time.sleep(1.0)
+
+    def resume(self, fields: dict[str, str]) -> float:
+        """The run page's **Resume**: fill the form's text ``fields`` (by their titles), Submit.
+
+        Returns ``time.monotonic()`` at the click on Submit."""
+        page = self.page
+        page.get_by_role("button", name="Resume").first.click()
+        modal = page.locator(".p-modal__card", has_text="Resume Flow Run")
+        modal.wait_for()
+        for title, value in fields.items():
+            prop = modal.locator(
+                ".schema-form-property",
+                has=page.locator(".schema-form-property__label", has_text=re.compile(rf"^{re.escape(title)}\b")),
+            )
+            prop.locator("textarea, input").first.fill(value)
+        self.shot("resume-form")
+        submit = modal.get_by_role("button", name="Submit")
+        clicked = time.monotonic()
+        submit.click()
+        return clicked
+
+    def image_sizes(self, artifact_key: str) -> list[int]:
+        """The natural widths of the images on the artifact's page, as the browser decoded them (0: broken)."""
+        found = self.server.artifact(artifact_key)
+        assert found is not None, f"no artifact {artifact_key}"
+        self.page.goto(f"{self.server.url}/artifacts/artifact/{found['latest_id']}")
+        img = self.page.locator("img").first
+        img.wait_for()
+        self.page.wait_for_function("() => [...document.images].every(i => i.complete)")
+        self.shot(f"artifact-{artifact_key}")
+        return [int(w) for w in self.page.locator("img").evaluate_all("els => els.map(e => e.naturalWidth)")]
+
     def open_tab(self, name: str) -> None:
         self.page.get_by_role("tab", name=name).or_(self.page.get_by_text(name, exact=True)).first.click()
 
@@ -380,9 +459,6 @@ class LocalSource:
 
         plan = yaml.safe_load(EXAMPLE.read_text())
         wl = plan["workload"]
-        # Until the reference server reads GPUMIGRATE_AGENT_ADDR (integration wave), a target started from
-        # workload.launch has no agent; without a launch the flow starts the target its own way.
-        wl.pop("launch", None)
         address, ports = self.host.address, self.host.ports
         wl.update(source_host=self.host.name, endpoint=f"http://{address}:{ports['service']}")
         wl.update(agent=f"{address}:{ports['agent']}")

@@ -32,7 +32,7 @@ def _gen(url: str, prompt: str) -> httpx.Response:
 def test_freeze_holds_requests_until_resume(running) -> None:
     sp = running.state.safe_point
     sp.freeze(timeout_s=5)
-    assert httpx.get(f"{running.url}/readyz").json()["reason"] == "frozen"
+    assert httpx.get(f"{running.url}/readyz").json()["status"] == "held"
     assert httpx.get(f"{running.url}/healthz").status_code == 200  # the event loop still answers
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(_gen, running.url, f"p{i}") for i in range(4)]
@@ -45,7 +45,7 @@ def test_freeze_holds_requests_until_resume(running) -> None:
         sp.resume()
         codes = [f.result(timeout=30).status_code for f in futures]
     assert codes == [200, 200, 200, 200]
-    assert httpx.get(f"{running.url}/readyz").status_code == 200
+    assert httpx.get(f"{running.url}/readyz").json()["status"] == "ready"
 
 
 def test_freeze_waits_for_in_flight_request(running) -> None:

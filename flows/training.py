@@ -1,0 +1,354 @@
+"""A training job through the migrate flow (``workload.kind: training``): the phases that differ from a service's.
+
+The flow's phase order and transactions stay those of ``flows/migrate.py``; :func:`phase_for` swaps in
+the training version of a phase where it differs:
+
+* preflight: the plan's training rules first (:func:`check_plan`: exit 2, nothing provisioned), then
+  the common checks;
+* snapshot: pre-copy rounds while it trains, each round pushed to the target's store and pre-loaded
+  into the target (which stays unready), so the final round moves only the dirty set; then freeze at a
+  step boundary under ``snapshot.freeze_lease_s``, which a :class:`LeaseKeeper` renews while the flow
+  works on the frozen source (if this process dies, the source resumes by itself); then the final round.
+  The source stays frozen (two copies of one job must never both train);
+* restore: the target loads the final image and trains on; ``result.pause_ms`` is the time from the
+  freeze to the target's first completed step after it;
+* parity: environment facts through both agents, then the source takes N more steps (``advance``) and
+  gives the losses the target must report for the same steps (``parity/training.py``);
+* ramp: none (no clients to shift);
+* finalize: the source's memory is zeroized and it stays parked at its safe point (``source.parked``):
+  the job now trains on the target; the user stops the source process.
+
+A failure before the cut-over rolls back as for a service: the target is torn down, the source resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from gpumigrate.environment import compare
+from gpumigrate.errors import GpumigrateError, InvalidInputError, ParityError, PolicyDeniedError, SnapshotError
+from gpumigrate.flows.context import RunContext
+from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.facts import workload_facts
+from gpumigrate.flows.phases import preflight as common_preflight
+from gpumigrate.flows.phases import transfer
+from gpumigrate.flows.report import merge_result
+from gpumigrate.flows.undo import undo_source
+from gpumigrate.interfaces import ImageRef, Round, SnapshotBackend
+from gpumigrate.parity.training import training_parity
+from gpumigrate.plan import Plan
+from gpumigrate.snapshot.client import AgentClient, StepLosses
+from gpumigrate.snapshot.lease import MAX_LEASE_S
+from gpumigrate.snapshot.precopy import converge
+
+Phase = Callable[[RunContext], dict[str, Any]]
+_log = logging.getLogger("gpumigrate.flows.training")
+STEPS_TIMEOUT_S = 600.0  # for the target's steps to show up (its first after the restore, the parity steps)
+POLL_S = 0.01
+
+
+# ----------------------------------------------------------------------------- the plan's training rules
+def check_plan(plan: Plan) -> None:
+    """What a training plan must (not) say for this flow, beyond what the plan's schema checks (which other
+    tools share: ``gpumigrate snapshot`` moves a job of several ranks). A refusal is a PolicyDeniedError:
+    exit 2, status denied, nothing provisioned."""
+    wl = plan.workload
+    if plan.snapshot.backend != "agent":
+        raise _refused(
+            f"snapshot.backend {plan.snapshot.backend}: a training job moves with the agent backend only (its "
+            "freeze at a step boundary and the parity steps are agent commands); set snapshot.backend: agent"
+        )
+    if not wl.agent:
+        raise _refused("workload.agent: a training job needs its agent's address, such as 127.0.0.1:7070")
+    if wl.ranks != 1:
+        raise _refused(
+            f"workload.ranks {wl.ranks}: the migrate flow moves single-process training jobs; a job of several "
+            "ranks moves with `gpumigrate snapshot` (snapshot/PROTOCOL.md, 'Ranks')"
+        )
+    if "traffic" in plan.model_fields_set:
+        raise _refused(
+            "traffic: a training job has no clients to shift, so no ramp, gates or manual gate; remove the "
+            "traffic section (the cut-over is the target's next steps matching the source's: parity.training)"
+        )
+    if plan.parity.golden_inputs is not None or plan.parity.request is not None:
+        raise _refused(
+            "parity.golden_inputs / parity.request: these ask a service; a training job's parity is "
+            "parity.training (steps, atol, rtol): remove them"
+        )
+
+
+def _refused(message: str) -> PolicyDeniedError:
+    return PolicyDeniedError("the migrate flow's rules for training", message)
+
+
+# ----------------------------------------------------------------------------- the freeze lease
+class LeaseKeeper:
+    """Renews a frozen source's lease from its own connection every third of the lease, until stopped or
+    refused (the source is no longer frozen: an undo resumed it, or the lease ran out)."""
+
+    def __init__(self, address: str, lease_s: float) -> None:
+        self.address, self.lease_s = address, lease_s
+        self.renewals = 0
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="freeze-lease")
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        every = max(0.05, self.lease_s / 3)
+        with AgentClient(self.address, timeout_s=max(5.0, every)) as client:
+            while not self._stop.wait(every):
+                try:
+                    if not client.renew(self.lease_s):
+                        self.error = "the source is no longer frozen"
+                        return
+                    self.renewals += 1
+                except GpumigrateError as exc:
+                    self.error = str(exc)
+                    _log.warning("freeze lease of %s not renewed: %s", self.address, exc)
+                    return
+
+
+_KEEPERS: dict[str, LeaseKeeper] = {}
+_KEEPERS_LOCK = threading.Lock()
+
+
+def keep_frozen(ctx: RunContext) -> None:
+    """Keep the source's freeze alive while this process works on it (started again after a --resume)."""
+    if not ctx.runtime.source_frozen:
+        return
+    with _KEEPERS_LOCK:
+        keeper = _KEEPERS.get(ctx.migration.id)
+        if keeper is None or not keeper.alive():
+            address = ctx.need(ctx.plan.workload.agent, "the source agent")
+            _KEEPERS[ctx.migration.id] = LeaseKeeper(address, ctx.plan.snapshot.freeze_lease_s).start()
+
+
+def renewals(ctx: RunContext) -> int:
+    """How often this process renewed the source's freeze lease so far (for the record)."""
+    with _KEEPERS_LOCK:
+        keeper = _KEEPERS.get(ctx.migration.id)
+    return keeper.renewals if keeper is not None else 0
+
+
+def release(ctx: RunContext) -> dict[str, Any]:
+    """Stop renewing (the source then stays frozen until its lease runs out, unless told otherwise)."""
+    with _KEEPERS_LOCK:
+        keeper = _KEEPERS.pop(ctx.migration.id, None)
+    if keeper is None:
+        return {}
+    keeper.stop()
+    return {"renewals": keeper.renewals, "error": keeper.error}
+
+
+# ----------------------------------------------------------------------------- the phases
+def preflight(ctx: RunContext) -> dict[str, Any]:
+    check_plan(ctx.plan)
+    return common_preflight.run(ctx)
+
+
+def snapshot(ctx: RunContext) -> dict[str, Any]:
+    m, plan = ctx.migration, ctx.plan
+    backend = ctx.backend()
+    preloaded: list[str] = []
+
+    def one_round() -> Round:
+        done = backend.precopy()
+        notify(m.id, "snapshot.precopy", {**asdict(done.stats), "image_id": done.image.id})
+        _preload(ctx, backend, done.image)
+        preloaded.append(done.image.id)
+        return done
+
+    conv = converge(one_round, max_rounds=plan.snapshot.precopy_rounds, max_downtime_ms=plan.snapshot.max_downtime_ms)
+    frozen_at, t_freeze = time.time(), time.monotonic()
+    backend.freeze(plan.snapshot.freeze_lease_s)
+    ctx.update(source_frozen=True)
+    try:
+        keep_frozen(ctx)
+        with AgentClient(ctx.need(plan.workload.agent, "the source agent")) as client:
+            step = client.metrics().steps  # the step boundary it froze at
+        image = backend.final()
+        if image is None:  # check_plan admits the agent backend only, which always commits an image
+            raise SnapshotError("the source's agent committed no final image")
+    except BaseException:
+        release(ctx)
+        undo_source(ctx)
+        raise
+    ctx.update(image=image)
+    emit(
+        m,
+        "image.committed",
+        {
+            "backend": backend.name,
+            "image_id": image.id,
+            "bytes_image": image.bytes_image,
+            "bytes_sent": image.bytes_sent,
+            "precopy_rounds": len(conv.rounds),
+            "converged": conv.reason,
+            "preloaded": len(preloaded),
+            "freeze_step": step,
+            "freeze_lease_s": plan.snapshot.freeze_lease_s,
+        },
+    )
+    merge_result(m, bytes={"image": image.bytes_image, "stored": image.bytes_stored})
+    return {
+        "image_id": image.id,
+        "precopy_rounds": len(conv.rounds),
+        "preloaded": len(preloaded),
+        "freeze_step": step,
+        "frozen_at": frozen_at,
+        "frozen_ms": round((time.monotonic() - t_freeze) * 1000, 1),
+        "bytes_image": image.bytes_image,
+    }
+
+
+def _preload(ctx: RunContext, backend: SnapshotBackend, image: ImageRef) -> None:
+    """One pre-copy round into the target: pushed where it reads (residency checked), then loaded unready."""
+    ctx.update(image=image)
+    transfer.run(ctx)
+    backend.preload(image)
+    emit(ctx.migration, "image.preloaded", {"image_id": image.id, "host": ctx.target_host().name})
+
+
+def _cut(ctx: RunContext) -> tuple[int, float]:
+    """The step the source froze at and when (epoch seconds), from the snapshot phase's record."""
+    done = ctx.migration.phase("snapshot").get("result") or {}
+    if "freeze_step" not in done or "frozen_at" not in done:
+        raise InvalidInputError(f"migration {ctx.migration.id}: the snapshot phase has not recorded its freeze")
+    return int(done["freeze_step"]), float(done["frozen_at"])
+
+
+def _target_steps(address: str, since: int, count: int, timeout_s: float = STEPS_TIMEOUT_S) -> StepLosses:
+    """Poll the target's agent until it reported ``count`` losses after step ``since``."""
+    deadline = time.monotonic() + timeout_s
+    with AgentClient(address, timeout_s=30) as client:
+        while True:
+            seen = client.metrics(since=since)
+            if len(seen.losses) >= count:
+                return seen
+            if time.monotonic() > deadline:
+                raise SnapshotError(
+                    f"the target's agent at {address} reported {len(seen.losses)} of {count} steps after step "
+                    f"{since} within {timeout_s:g} s: is the training loop running (safe_point, step.report)?"
+                )
+            time.sleep(POLL_S)
+
+
+def restore(ctx: RunContext) -> dict[str, Any]:
+    m = ctx.migration
+    keep_frozen(ctx)
+    image = ctx.need(ctx.runtime.image, "the final image")
+    backend = ctx.backend()
+    restored = backend.restore(image)
+    step, frozen_at = _cut(ctx)
+    target = ctx.need(ctx.runtime.target_agent, "the target agent")
+    _target_steps(target, since=step, count=1)
+    pause_ms = round((time.time() - frozen_at) * 1000, 1)
+    merge_result(m, pause_ms=pause_ms)
+    emit(
+        m,
+        "image.restored",
+        {
+            "backend": backend.name,
+            "image_id": restored.image_id,
+            "host": ctx.target_host().name,
+            "bytes_loaded": restored.bytes_loaded,
+            "chunks_loaded": restored.chunks_loaded,
+            "chunks_skipped": restored.chunks_skipped,
+            "seconds": round(restored.seconds, 3),
+        },
+    )
+    emit(m, "training.resumed", {"on": "target", "after_step": step, "pause_ms": pause_ms})
+    return {"image_id": image.id, "ready": True, "pause_ms": pause_ms, "chunks_loaded": restored.chunks_loaded}
+
+
+def parity(ctx: RunContext) -> dict[str, Any]:
+    m, plan = ctx.migration, ctx.plan
+    keep_frozen(ctx)
+    source_agent = ctx.need(plan.workload.agent, "the source agent")
+    target_agent = ctx.need(ctx.runtime.target_agent, "the target agent")
+    env = compare(
+        workload_facts(None, source_agent, side="source"),
+        workload_facts(None, target_agent, side="target"),
+        plan.parity.environment,
+    )
+    emit(m, "parity.environment", {**env.to_dict(), "differences": env.differences()})
+    if not env.passed:
+        raise ParityError(f"target environment differs where the plan forbids it: {env.differences()}")
+    step, _ = _cut(ctx)
+    policy = plan.parity.training
+    with AgentClient(source_agent, timeout_s=STEPS_TIMEOUT_S + 30) as client:
+        advanced = client.advance(policy.steps, timeout_s=STEPS_TIMEOUT_S)  # frozen again after them
+    source = dict(advanced.losses)
+    steps = sorted(s for s in source if s > step)[: policy.steps]
+    if steps != list(range(step + 1, step + policy.steps + 1)):
+        raise ParityError(f"the source's agent reported steps {steps} for the {policy.steps} after step {step}")
+    target = dict(_target_steps(target_agent, since=step, count=policy.steps).losses)
+    res = training_parity(
+        [source[s] for s in steps],
+        [target[s] for s in steps if s in target],
+        policy,
+        out_dir=m.artifacts / "parity",
+    )
+    record = {**res.to_dict(), "steps": steps, "source": [source[s] for s in steps],
+              "target": [target.get(s) for s in steps], "lease_renewals": renewals(ctx)}  # fmt: skip
+    emit(m, "parity.training", record)
+    merge_result(m, parity=res.summary())
+    if not res.passed:
+        raise ParityError(f"training parity failed after step {step}: {'; '.join(res.failures[:3])}")
+    return {"environment": "match", "training": "passed", "steps": len(steps), "max_abs_err": res.max_abs_err}
+
+
+def no_ramp(ctx: RunContext) -> dict[str, Any]:
+    return {"skipped": "a training job has no clients to shift"}
+
+
+def finalize(ctx: RunContext) -> dict[str, Any]:
+    """The job trains on the target: the source is parked (never resumed), then its memory zeroized."""
+    m = ctx.migration
+    with AgentClient(ctx.need(ctx.plan.workload.agent, "the source agent")) as client:
+        # First: parked for as long as a lease goes, so that no failure below lets it train beside the target.
+        client.renew(MAX_LEASE_S)
+    kept = release(ctx)
+    emit(
+        m,
+        "source.parked",
+        {"lease_renewals": kept.get("renewals"), "parked_s": MAX_LEASE_S,
+         "note": "the job trains on the target now; stop the source process"},
+    )  # fmt: skip
+    emit(m, "source.zeroized", ctx.backend().retire())
+    ctx.update(source_zeroized=True, source_retired=True, rollback_deadline=time.time())
+    return {"source": "zeroized", "parked_s": MAX_LEASE_S}
+
+
+_PHASES: dict[str, Phase] = {
+    "preflight": preflight,
+    "snapshot": snapshot,
+    "restore": restore,
+    "parity": parity,
+    "ramp": no_ramp,
+    "finalize": finalize,
+}
+
+
+def phase_for(ctx: RunContext, name: str, phase: Phase) -> Phase:
+    """The phase to run: the training version of ``name`` for a training plan, else ``phase`` itself."""
+    if ctx.plan.workload.kind != "training":
+        return phase
+    return _PHASES.get(name, phase)

@@ -1,0 +1,76 @@
+"""What the Prefect UI is told about a migration, without a migration: the run's final state for each
+outcome, the chart drawn from a data URI, the figures' provenance in the report."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+
+from gpumigrate.result import MigrationResult, Requests, RollbackSummary
+
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+
+
+@pytest.mark.parametrize(
+    ("result", "expected"),
+    [
+        (MigrationResult(status="rolled_back", rollback=RollbackSummary(reason="p99")), ("FAILED", "RolledBack")),
+        (
+            MigrationResult(status="rolled_back", rollback=RollbackSummary(reason="x", trigger="cancel")),
+            ("CANCELLED", "RolledBack"),
+        ),
+        (MigrationResult(status="denied", error="region forbidden"), ("FAILED", "Denied")),
+        (MigrationResult(status="failed", error="disk full"), ("FAILED", "Failed")),
+    ],
+)
+def test_every_outcome_but_a_cut_over_ends_in_a_state_that_is_not_completed(
+    result: MigrationResult, expected: tuple[str, str]
+) -> None:
+    from gpumigrate.flows.flowrun import final_state
+
+    state = final_state(result)
+    assert (state.type.value, state.name) == expected
+    assert MigrationResult.model_validate(state.data) == result  # the result contract rides in the state
+    assert result.status != "completed"
+
+
+def test_a_cut_over_returns_the_plain_result_contract() -> None:
+    from gpumigrate.flows.flowrun import final_state
+
+    assert final_state(MigrationResult(status="completed")) == MigrationResult(status="completed").model_dump(
+        mode="json"
+    )
+
+
+def test_the_chart_travels_as_a_data_uri_and_the_report_never_links_a_local_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpumigrate.flows.report import chart_data_uri, summary_markdown
+    from gpumigrate.state import Migration
+
+    chart = tmp_path / "ramp.png"
+    chart.write_bytes(PNG)
+    uri = chart_data_uri(chart)
+    assert uri is not None and base64.b64decode(uri.removeprefix("data:image/png;base64,")) == PNG
+    assert chart_data_uri(tmp_path / "missing.png") is None and chart_data_uri(None) is None
+
+    monkeypatch.setenv("GPUMIGRATE_HOME", str(tmp_path / "home"))  # the audit key lives outside the state dir
+    m = Migration.create("cockpit-report", "version: 1\n", root=tmp_path / "state")
+    result = MigrationResult(
+        migration_id=m.id,
+        status="rolled_back",
+        requests=Requests(total=120, failed=0, p99_ms=12.5, measured_by="envoy"),
+        downtime_ms=0.0,
+        rollback=RollbackSummary(triggered=True, reason="p99", trigger="manual", actor="sre-ana"),
+        chart=str(chart),
+    )
+    in_ui = summary_markdown(m, result, chart_src=uri)
+    on_disk = summary_markdown(m, result)
+    assert f"![traffic ramp]({uri})" in in_ui and "file://" not in in_ui
+    assert "![traffic ramp](ramp.png)" in on_disk and "file://" not in on_disk  # beside report.md
+    assert "from Envoy's own stats" in in_ui  # what the request figures include
+    assert "rolled back by: manual (sre-ana)" in in_ui

@@ -1,0 +1,158 @@
+"""A user's training loops (examples/train: plain PyTorch; tests/agent/lightning_loop.py: Lightning) migrated
+through `gpumigrate migrate` between two local hosts while they train, as the README's training section says:
+pre-copy rounds pre-loaded into the target, a freeze at a step boundary under a renewed lease, the final round,
+the target training on; the target's next steps give the losses an unmigrated control run gives.
+
+Only what CI cannot share is changed in the example's plan: a free agent port, a target host of its own,
+absolute paths, and a step count long enough to outlast the migration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train"
+LIGHTNING = REPO / "tests" / "agent" / "lightning_loop.py"
+STEPS = "100000"  # the source and the target train on well past the migration; both are stopped after it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gm(cli_cmd: list[str], env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*cli_cmd, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(log: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith('{"event": "step"'):
+            event = json.loads(line)
+            out[int(event["step"])] = float(event["loss"])
+    return out
+
+
+@dataclass
+class User:
+    home: Path
+    env: dict[str, str]
+    agent: str
+    source: subprocess.Popen[bytes]
+    log: Path
+    script: Path
+
+
+@pytest.fixture(params=["plain", pytest.param("lightning", marks=pytest.mark.slow)])
+def user(
+    request: pytest.FixtureRequest, tmp_path: Path, gm_home: Path, prefect_api: str, cli_cmd: list[str]
+) -> Iterator[User]:
+    script = TRAIN / "train.py" if request.param == "plain" else LIGHTNING
+    # One torch thread everywhere (one host's settings): the losses are compared bit for bit.
+    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api, "OMP_NUM_THREADS": "1"}
+    env.pop("GPUMIGRATE_AWAIT_RESTORE", None)
+    key_file = tmp_path / ".gpumigrate-train.key"
+    out = _gm(cli_cmd, env, "image", "keygen", "--out", str(key_file))
+    assert out.returncode == 0, out.stderr
+    env["GPUMIGRATE_TRAIN_KEY"] = key_file.read_text().strip()
+    agent = f"127.0.0.1:{_free_port()}"
+    log = tmp_path / "source.log"
+    with open(log, "wb") as fh:  # `(cd examples/train && python train.py &)`
+        source = subprocess.Popen(
+            [sys.executable, str(script)], cwd=script.parent, stdout=fh, stderr=subprocess.STDOUT,
+            env={**env, "GPUMIGRATE_AGENT_ADDR": agent, "STEPS": STEPS, "STEP_DELAY_MS": "20"},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while len(_losses(log)) < 3:
+            assert source.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        yield User(gm_home, env, agent, source, log, script)
+    finally:
+        from gpumigrate.infra import get_provider
+
+        provider = get_provider("local")
+        for host in provider.list_hosts():
+            provider.terminate(host)
+        os.killpg(source.pid, signal.SIGKILL)
+        source.wait(timeout=30)
+
+
+def _plan(user: User, path: Path) -> Path:
+    doc = yaml.safe_load((TRAIN / "plan.yaml").read_text())
+    doc["workload"]["agent"] = user.agent
+    doc["workload"]["launch"].update(
+        argv=["{python}", user.script.name], cwd=str(user.script.parent), env={"STEPS": STEPS, "STEP_DELAY_MS": "20"}
+    )
+    doc["target"]["host"] = "own-train-b"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _control(user: User, tmp_path: Path, steps: int) -> dict[int, float]:
+    """The same loop, never migrated, for as many steps."""
+    log = tmp_path / "control.log"
+    env = {**user.env, "GPUMIGRATE_AGENT_ADDR": f"127.0.0.1:{_free_port()}", "STEPS": str(steps), "STEP_DELAY_MS": "0"}
+    with open(log, "wb") as fh:
+        subprocess.run(
+            [sys.executable, str(user.script)], cwd=user.script.parent, env=env, stdout=fh, stderr=subprocess.STDOUT,
+            timeout=600, check=True,
+        )  # fmt: skip
+    return _losses(log)
+
+
+def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
+    user: User, cli_cmd: list[str], tmp_path: Path
+) -> None:
+    from gpumigrate.snapshot.client import AgentClient
+
+    plan = _plan(user, tmp_path / "plan.yaml")
+    assert _gm(cli_cmd, user.env, "plan", "validate", str(plan)).returncode == 0
+    out = _gm(cli_cmd, user.env, "migrate", str(plan), "--id", "train-1", "--json")
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "completed", result["error"]
+    assert result["parity"] == {"passed": True, "cases": 5, "max_abs_err": 0.0}
+    assert result["pause_ms"] is not None and result["pause_ms"] > 0
+
+    state = json.loads((user.home / "migrations" / "train-1" / "state.json").read_text())
+    cut = state["phases"]["snapshot"]["result"]["freeze_step"]
+    assert state["phases"]["snapshot"]["result"]["preloaded"] >= 1  # the target was pre-loaded while it trained
+    assert state["phases"]["ramp"]["result"] == {"skipped": "a training job has no clients to shift"}
+    audit = [json.loads(x) for x in (user.home / "migrations" / "train-1" / "audit.jsonl").read_text().splitlines()]
+    names = [e["event"] for e in audit]
+    assert "image.preloaded" in names and "source.parked" in names and "traffic.target_added" not in names
+    # Each pre-copy round went to the target's store and into the target before the final one.
+    assert len([e for e in audit if e["event"] == "image.transferred"]) == names.count("image.preloaded") + 1
+
+    # The target trains on from the cut; its steps are the control run's, bit for bit.
+    with AgentClient(state["runtime"]["target_agent"], timeout_s=30) as target:
+        deadline = time.monotonic() + 120
+        while len(got := dict(target.metrics(since=cut).losses)) < 8:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+    assert min(got) == cut + 1  # it continued; it did not start over
+    control = _control(user, tmp_path, max(got))
+    assert got == {s: control[s] for s in got}
+    # The source never trained past the parity steps it was advanced by, and stays parked.
+    with AgentClient(user.agent, timeout_s=30) as source:
+        parked = source.metrics()
+    assert parked.frozen is True and parked.steps == cut + 5
+    before = {s: loss for s, loss in _losses(user.log).items() if s <= cut}
+    assert before == {s: control[s] for s in before}
