@@ -62,7 +62,7 @@ NOT_APPLICABLE = {
 }
 FLOW_TIMEOUT_S = 240.0  # one orchestrator run (a hung one is killed and reported as such)
 RESUME_TIMEOUT_S = 240.0
-FREEZE_LEASE_S = 60.0  # the agent's default lease: the migrate flow's freeze names none (see FAULTS.md)
+FREEZE_LEASE_S = 60.0  # the agent's default lease: the inference snapshot phase passes none (see FAULTS.md)
 TRAFFIC_LEASE_WAIT_S = 20.0  # the ramp's traffic lease (lease_min_s 10 s) plus slack
 
 
