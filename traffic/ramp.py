@@ -408,6 +408,8 @@ class RampController:
                         {"verdict": "inconclusive", "reason": str(exc), "measurements": []},
                     )
                 )
+                # The policy counts these too: a dead Envoy must not hold the split (and the lease) forever.
+                self._inconclusive_policy(rec, weight, f"Envoy's admin unreadable: {exc}")
                 continue
             w, window_s = self._analysis_window(snaps)
             src = w[self.source]
@@ -437,14 +439,18 @@ class RampController:
                 rec.outcome, rec.ended_t = "passed", self._now()
                 return
             rec.inconclusive += 1
-            if rec.inconclusive > s.max_inconclusive and s.inconclusive_policy == "rollback":
-                rec.outcome = "rolled_back"
-                raise _RolledBack(
-                    f"stage {weight:g}% stayed inconclusive for {rec.inconclusive} intervals after its hold: "
-                    f"{a.reason}",
-                    "inconclusive",
-                    None,
-                )
+            self._inconclusive_policy(rec, weight, a.reason)
+
+    def _inconclusive_policy(self, rec: StageRecord, weight: float, reason: str) -> None:
+        """Past ``max_inconclusive`` inconclusive intervals, the ``rollback`` policy ends the ramp."""
+        s = self.settings
+        if rec.inconclusive > s.max_inconclusive and s.inconclusive_policy == "rollback":
+            rec.outcome = "rolled_back"
+            raise _RolledBack(
+                f"stage {weight:g}% stayed inconclusive for {rec.inconclusive} intervals: {reason}",
+                "inconclusive",
+                None,
+            )
 
     def _await_target_healthy(self) -> None:
         """Move no weight before every Envoy has seen the target pass a health check.

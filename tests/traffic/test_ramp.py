@@ -221,3 +221,46 @@ def test_no_weight_moves_to_a_target_envoy_never_saw_healthy(light_env: Any) -> 
     assert result.stages == []  # no stage began
     assert env.envoy.admin.live_weights() == {"source": 10000}
     assert report.failed == 0  # every request went to the source
+
+
+def test_a_ramp_whose_envoy_died_rolls_back_by_policy_instead_of_holding_forever(light_env: Any) -> None:
+    # Envoy SIGKILLed mid-stage: every later interval is unreadable. Those intervals count toward the
+    # inconclusive policy like any other, so the ramp ends (and releases the split) instead of renewing
+    # the traffic lease forever.
+    import os
+    import signal
+    import threading
+
+    from gpumigrate.traffic.ramp import Sample
+
+    settings = RampSettings(
+        stages=((50, 0.2), (100, 0.2)),
+        interval_s=0.2,
+        baseline_intervals=1,
+        gates=GateSettings(min_requests=5),
+        max_inconclusive=3,
+        apply_timeout_s=2.0,
+    )
+
+    def kill_envoy_once_split(sample: Sample) -> None:
+        proc = light_env.envoy.proc
+        if sample.weight > 0 and proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+    ctl = RampController(
+        light_env.state_dir,
+        [light_env.envoy.admin_url],
+        settings,
+        nodes=[light_env.envoy.node_id],
+        on_interval=kill_envoy_once_split,
+    )
+    done: list[RampResult] = []
+    runner = threading.Thread(target=lambda: done.append(ctl.run()), daemon=True)  # a hang must not hang CI
+    runner.start()
+    runner.join(timeout=120)
+    assert done, "the ramp still runs 120 s after its Envoy died"
+    result = done[0]
+    assert result.status == "rolled_back"
+    assert result.trigger == "inconclusive"
+    assert "admin unreadable" in (result.reason or "")
+    assert light_env.store.read().weights["source"] == 100
