@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -201,8 +202,14 @@ def test_rerun_resumes_at_the_current_weight(light_env: Any) -> None:
 def test_no_weight_moves_to_a_target_envoy_never_saw_healthy(light_env: Any) -> None:
     # The target is gone before the ramp: Envoy's checks never pass, and with no panic routing any
     # weight on it would be a 503 for clients. The ramp waits, then rolls back with nothing moved.
+    from gpumigrate.traffic.stats import parse_stats
+
     env = light_env
     env.upstreams["target"].kill()
+    deadline = time.monotonic() + 20  # Envoy's checks (two failures, 0.5 s apart) mark it down
+    while parse_stats(env.envoy.admin.stats(["source", "target"]), ["source", "target"]).clusters["target"].healthy:
+        assert time.monotonic() < deadline, "Envoy never marked the dead target unhealthy"
+        time.sleep(0.1)
     settings = RampSettings(
         stages=((5, 0.5), (100, 0.5)),
         interval_s=0.25,
