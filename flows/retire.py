@@ -15,6 +15,7 @@ from typing import Any
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.phases.finalize import target_answers
 
 
 def _iso(ts: float) -> str:
@@ -39,6 +40,11 @@ def retire_source(migration_id: str, *, force: bool = False, actor: str | None =
         raise InvalidInputError(
             f"the rollback window of migration {m.id} is open until {_iso(deadline)} "
             f"({deadline - now:.0f}s left): the source must stay warm until then; use --force to retire now"
+        )
+    if not rt.source_zeroized and not target_answers(ctx):
+        raise InvalidInputError(
+            f"the target of migration {m.id} does not answer: retiring the source would leave nothing serving; "
+            f"roll back instead (`gpumigrate rollback {m.id}`)"
         )
     if not rt.source_zeroized:
         emit(m, "source.zeroized", ctx.backend().retire(), actor=actor)

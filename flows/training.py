@@ -24,17 +24,17 @@ A failure before the cut-over rolls back as for a service: the target is torn do
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from gpumigrate.environment import compare
-from gpumigrate.errors import GpumigrateError, InvalidInputError, ParityError, PolicyDeniedError, SnapshotError
+from gpumigrate.errors import InvalidInputError, ParityError, PolicyDeniedError, SnapshotError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.facts import workload_facts
+from gpumigrate.flows.freeze_lease import keep_frozen, release, renewals
 from gpumigrate.flows.phases import preflight as common_preflight
 from gpumigrate.flows.phases import transfer
 from gpumigrate.flows.report import merge_result
@@ -84,77 +84,6 @@ def check_plan(plan: Plan) -> None:
 
 def _refused(message: str) -> PolicyDeniedError:
     return PolicyDeniedError("the migrate flow's rules for training", message)
-
-
-# ----------------------------------------------------------------------------- the freeze lease
-class LeaseKeeper:
-    """Renews a frozen source's lease from its own connection every third of the lease, until stopped or
-    refused (the source is no longer frozen: an undo resumed it, or the lease ran out)."""
-
-    def __init__(self, address: str, lease_s: float) -> None:
-        self.address, self.lease_s = address, lease_s
-        self.renewals = 0
-        self.error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="freeze-lease")
-
-    def start(self) -> LeaseKeeper:
-        self._thread.start()
-        return self
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        every = max(0.05, self.lease_s / 3)
-        with AgentClient(self.address, timeout_s=max(5.0, every)) as client:
-            while not self._stop.wait(every):
-                try:
-                    if not client.renew(self.lease_s):
-                        self.error = "the source is no longer frozen"
-                        return
-                    self.renewals += 1
-                except GpumigrateError as exc:
-                    self.error = str(exc)
-                    _log.warning("freeze lease of %s not renewed: %s", self.address, exc)
-                    return
-
-
-_KEEPERS: dict[str, LeaseKeeper] = {}
-_KEEPERS_LOCK = threading.Lock()
-
-
-def keep_frozen(ctx: RunContext) -> None:
-    """Keep the source's freeze alive while this process works on it (started again after a --resume)."""
-    if not ctx.runtime.source_frozen:
-        return
-    with _KEEPERS_LOCK:
-        keeper = _KEEPERS.get(ctx.migration.id)
-        if keeper is None or not keeper.alive():
-            address = ctx.need(ctx.plan.workload.agent, "the source agent")
-            _KEEPERS[ctx.migration.id] = LeaseKeeper(address, ctx.plan.snapshot.freeze_lease_s).start()
-
-
-def renewals(ctx: RunContext) -> int:
-    """How often this process renewed the source's freeze lease so far (for the record)."""
-    with _KEEPERS_LOCK:
-        keeper = _KEEPERS.get(ctx.migration.id)
-    return keeper.renewals if keeper is not None else 0
-
-
-def release(ctx: RunContext) -> dict[str, Any]:
-    """Stop renewing (the source then stays frozen until its lease runs out, unless told otherwise)."""
-    with _KEEPERS_LOCK:
-        keeper = _KEEPERS.pop(ctx.migration.id, None)
-    if keeper is None:
-        return {}
-    keeper.stop()
-    return {"renewals": keeper.renewals, "error": keeper.error}
 
 
 # ----------------------------------------------------------------------------- the phases

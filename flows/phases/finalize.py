@@ -1,16 +1,27 @@
-"""Finalize: keep the source warm through the rollback window, or retire it at once when the window is 0."""
+"""Finalize: keep the source warm through the rollback window, or retire it at once when the window is 0.
+
+Neither happens while the target does not answer: then the migration rolls back (the source is whole).
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from gpumigrate.errors import RolledBackError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.undo import undo_all
+from gpumigrate.infra.launch import answers
+from gpumigrate.parity.urls import redact_url
+
+TARGET_CHECKS = 3
+TARGET_CHECK_TIMEOUT_S = 2.0
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
+    _target_still_serves(ctx)
     window = plan.traffic.rollback_window_s
     deadline = time.time() + window
     ctx.update(rollback_deadline=deadline)
@@ -29,3 +40,28 @@ def run(ctx: RunContext) -> dict[str, Any]:
         },
     )
     return {"source": "warm", "rollback_window_s": window}
+
+
+def target_answers(ctx: RunContext) -> bool:
+    """Whether the target answers its health path (True where there is no endpoint to ask: training).
+    Asked a few times: one slow answer on a loaded host is not a dead target."""
+    plan, rt = ctx.plan, ctx.runtime
+    if plan.workload.kind != "inference" or not rt.target_endpoint:
+        return True
+    url = ctx.target_endpoint()
+    return any(
+        answers(url, path=plan.workload.health_path, timeout_s=TARGET_CHECK_TIMEOUT_S) for _ in range(TARGET_CHECKS)
+    )
+
+
+def _target_still_serves(ctx: RunContext) -> None:
+    """The target carries all traffic now; if it has died since the ramp, retiring the source would
+    leave nothing serving (the fault matrix found this: the flow said "completed" while clients failed).
+    The source is still whole here, so a dead target means the whole rollback, not a retirement."""
+    if target_answers(ctx):
+        return
+    url = redact_url(ctx.target_endpoint())
+    reason = f"the target ({url}) stopped answering after the cut-over, before the source was retired"
+    emit(ctx.migration, "finalize.target_lost", {"target": url})
+    undo_all(ctx, reason=reason)
+    raise RolledBackError(reason)

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.freeze_lease import keep_frozen, release
 from gpumigrate.flows.report import merge_result
 from gpumigrate.flows.undo import undo_source
 from gpumigrate.interfaces import Round
@@ -32,11 +33,15 @@ def run(ctx: RunContext) -> dict[str, Any]:
     rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
     conv = converge(one_round, max_rounds=rounds, max_downtime_ms=plan.snapshot.max_downtime_ms)
     t_freeze = time.monotonic()
-    backend.freeze()
+    # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
+    backend.freeze(plan.snapshot.freeze_lease_s)
     ctx.update(source_frozen=True)
+    if backend.name == "agent":
+        keep_frozen(ctx)  # renewed while this process lives, however long the final round takes
     try:
         image = backend.final()
     except BaseException:
+        release(ctx)
         undo_source(ctx)
         raise
     frozen_ms = (time.monotonic() - t_freeze) * 1000
@@ -44,6 +49,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         # Weights are read-only: the source serves on while the target is restored and ramped.
         backend.resume()
         ctx.update(source_frozen=False)
+    release(ctx)
     ctx.update(image=image)
     emit(
         m,

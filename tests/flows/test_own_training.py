@@ -138,8 +138,10 @@ def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
     audit = [json.loads(x) for x in (user.home / "migrations" / "train-1" / "audit.jsonl").read_text().splitlines()]
     names = [e["event"] for e in audit]
     assert "image.preloaded" in names and "source.parked" in names and "traffic.target_added" not in names
-    # Each pre-copy round went to the target's store and into the target before the final one.
-    assert len([e for e in audit if e["event"] == "image.transferred"]) == names.count("image.preloaded") + 1
+    # Each pre-copy round landed in the target's store (the agent writes there: nothing is forwarded),
+    # was verified there and loaded into the target before the final one.
+    assert names.count("image.verified") == names.count("image.preloaded") + 1
+    assert "image.transferred" not in names
 
     # The target trains on from the cut; its steps are the control run's, bit for bit.
     with AgentClient(state["runtime"]["target_agent"], timeout_s=30) as target:

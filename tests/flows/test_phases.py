@@ -21,7 +21,7 @@ import yaml
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.environment import collect_facts
-from gpumigrate.errors import InvalidInputError, PolicyDeniedError, ResidencyError, SnapshotError
+from gpumigrate.errors import InvalidInputError, PolicyDeniedError, ResidencyError, RolledBackError, SnapshotError
 from gpumigrate.flows.context import RunContext, Siblings
 from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
 from gpumigrate.flows.undo import undo_all, undo_source
@@ -371,6 +371,29 @@ def test_finalize_retires_the_source_only_without_a_rollback_window(
     finalize.run(w.ctx)
     assert ("retire" in w.backend.steps) is retired and w.ctx.runtime.source_retired is retired
     assert ("source.zeroized" in w.events()) is retired and ("source.kept_warm" in w.events()) is not retired
+
+
+def test_finalize_rolls_back_instead_of_retiring_when_the_target_died_after_the_cut_over(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    doc = plan_doc(source)
+    doc["traffic"]["rollback_window_s"] = 0  # would retire the source at once
+    w = world(doc)
+    doors = tmp_path / "traffic"
+    StateStore(doors).init(
+        DesiredState(
+            upstreams={"source": Upstream("source", "127.0.0.1", 1), "target": Upstream("target", "127.0.0.1", 2)},
+            weights={"source": 0.0, "target": 100.0},
+        )
+    )
+    provision.run(w.ctx)
+    w.ctx.migration.set_phase("provision", "completed")
+    w.ctx.update(traffic_state_dir=str(doors), target_endpoint="http://127.0.0.1:9")  # nothing answers there
+    with pytest.raises(RolledBackError, match="stopped answering after the cut-over"):
+        finalize.run(w.ctx)
+    assert "retire" not in w.backend.steps and not w.ctx.runtime.source_retired  # the source stays whole
+    assert StateStore(doors).read().weights == {"source": 100.0, "target": 0.0}
+    assert "finalize.target_lost" in w.events() and "source.zeroized" not in w.events()
 
 
 # ----------------------------------------------------------------------------- undo
