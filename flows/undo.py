@@ -15,6 +15,7 @@ from typing import TypeVar
 from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.infra.launch import answers
 from gpumigrate.state import PHASES, Migration
 from gpumigrate.traffic import frontdoor
 from gpumigrate.traffic.frontdoor import traffic_to_source
@@ -107,7 +108,35 @@ def _mark_rolled_back(m: Migration, phase: str) -> None:
 
 
 def undo_all(ctx: RunContext, *, reason: str) -> None:
-    """Traffic to the source, the target torn down, the source running: the whole rollback, in that order."""
+    """Traffic to the source, the target torn down, the source running: the whole rollback, in that order.
+
+    Not when the source itself is gone while the target serves: traffic sent back would fail every
+    client and the torn-down target was the only process still serving (the fault matrix's "source
+    killed during the ramp" cell). Then both stay as they are, and the audit says why."""
+    lost = quietly("source check", lambda: _source_lost_target_serves(ctx))
+    if lost:
+        quietly(
+            "record",
+            lambda: emit(
+                ctx.migration,
+                "rollback.refused_source_lost",
+                {"reason": failure_reason(ctx.migration, reason)[:300], "kept": "traffic and target as they are"},
+            ),
+        )
+        return
     undo_traffic(ctx, reason=reason)
     undo_target(ctx, reason=reason)
     undo_source(ctx)
+
+
+def _source_lost_target_serves(ctx: RunContext) -> bool:
+    """A restored inference target answers while the source does not (asked a few times each)."""
+    plan, rt = ctx.plan, ctx.runtime
+    if plan.workload.kind != "inference" or not plan.workload.endpoint or not rt.target_endpoint:
+        return False
+    if rt.target_torn_down or rt.source_zeroized:
+        return False
+    path = plan.workload.health_path
+    if any(answers(plan.workload.endpoint, path=path, timeout_s=2.0) for _ in range(3)):
+        return False
+    return answers(rt.target_endpoint, path=path, timeout_s=2.0)

@@ -424,6 +424,28 @@ def test_undo_all_puts_traffic_back_then_tears_the_target_down_then_resumes_the_
     assert w.provider.calls.count("terminate tgt") == 1
 
 
+def test_undo_keeps_the_target_and_its_traffic_when_the_source_is_gone(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    doc = plan_doc(source)
+    doc["workload"]["endpoint"] = "http://127.0.0.1:9"  # the source died: nothing answers there
+    w = world(doc)
+    doors = tmp_path / "traffic"
+    split = {"source": 75.0, "target": 25.0}
+    StateStore(doors).init(
+        DesiredState(
+            upstreams={"source": Upstream("source", "127.0.0.1", 1), "target": Upstream("target", "127.0.0.1", 2)},
+            weights=split,
+        )
+    )
+    provision.run(w.ctx)
+    w.ctx.update(traffic_state_dir=str(doors), target_endpoint=source.url)  # the target serves
+    undo_all(w.ctx, reason="parity probe failed: source HTTP 503")
+    assert StateStore(doors).read().weights == split  # no client is sent to the dead source
+    assert "terminate tgt" not in w.provider.calls and not w.ctx.runtime.target_torn_down
+    assert "rollback.refused_source_lost" in w.events()
+
+
 def test_undo_never_raises_when_a_step_fails(world: WorldMaker, source: Workload) -> None:
     w = world()
 
