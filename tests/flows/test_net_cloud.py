@@ -179,7 +179,15 @@ def write_plan(src: Source, path: Path, *, target: dict[str, Any], store: str, a
             "encryption_key": {"file": str(src.key_file)},
             "parallelism": 2,
         },
-        "parity": {"golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")), "atol": 1e-4, "rtol": 1e-3},
+        "parity": {
+            "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
+            "request": {
+                "path": "/v1/generate",
+                "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
+            },
+            "atol": 1e-4,
+            "rtol": 1e-3,
+        },
         "traffic": {
             "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
             "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},

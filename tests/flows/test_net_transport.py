@@ -109,7 +109,15 @@ def write_plan(src: Source, path: Path, *, target: str, store: str) -> Path:
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
         "snapshot": {"precopy_rounds": 1},
         "transfer": {"store": store, "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
-        "parity": {"golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")), "atol": 1e-4, "rtol": 1e-3},
+        "parity": {
+            "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
+            "request": {
+                "path": "/v1/generate",
+                "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
+            },
+            "atol": 1e-4,
+            "rtol": 1e-3,
+        },
         "traffic": {
             "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
             "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
@@ -318,7 +326,10 @@ def test_a_receiver_on_a_cloud_target_is_refused_with_what_to_use_instead(
         "target": {"provider": "aws", "region": "eu-central-1", "zone": "eu-central-1a", "instance_type": "g5.xlarge"},
         "data": {"classification": "internal", "allowed_jurisdictions": ["EU"]},
         "transfer": {"store": "stream://target"},
-        "parity": {"golden_inputs": "golden.jsonl"},
+        "parity": {
+            "golden_inputs": "golden.jsonl",
+            "request": {"path": "/v1/generate", "compare": [{"field": "tokens", "kind": "exact"}]},
+        },
     }
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan))
