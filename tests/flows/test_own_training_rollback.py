@@ -83,6 +83,8 @@ def test_a_target_that_trains_differently_rolls_back_and_the_source_trains_on(
         doc["workload"].update(agent=agent, launch={"argv": ["{python}", "loop.py"], "cwd": "{plan_dir}"})
         doc["target"]["host"] = "own-train-rb"
         doc["snapshot"]["freeze_lease_s"] = 1.0
+        # Enough parity steps that the source stays frozen longer than its lease: only renewals keep it.
+        doc["parity"].setdefault("training", {})["steps"] = 60
         plan = tmp_path / "plan.yaml"
         plan.write_text(yaml.safe_dump(doc, sort_keys=False))
 
@@ -94,7 +96,11 @@ def test_a_target_that_trains_differently_rolls_back_and_the_source_trains_on(
         names = [e["event"] for e in audit]
         assert "rollback.target_torn_down" in names and "rollback.source_resumed" in names
         judged = next(e["data"] for e in audit if e["event"] == "parity.training")
-        assert judged["lease_renewals"] >= 1 and judged["source"] != judged["target"]
+        frozen_s = next(e["ts"] for e in audit if e["event"] == "parity.training") - next(
+            e["data"]["frozen_at"] for e in audit if e["event"] == "phase.snapshot.completed"
+        )
+        assert frozen_s > 1.0, frozen_s  # longer than the lease ...
+        assert judged["lease_renewals"] >= 1 and judged["source"] != judged["target"]  # ... so it was renewed
         assert get_provider("local").list_hosts() == []
         with AgentClient(agent, timeout_s=30) as client:
             info = client.info()
