@@ -130,13 +130,13 @@ def undo_all(ctx: RunContext, *, reason: str) -> None:
 
 
 def _source_lost_target_serves(ctx: RunContext) -> bool:
-    """A restored inference target answers while the source does not (asked a few times each)."""
+    """A restored inference target answers while the source does not (the source asked a few times)."""
     plan, rt = ctx.plan, ctx.runtime
     if plan.workload.kind != "inference" or not plan.workload.endpoint or not rt.target_endpoint:
         return False
     if rt.target_torn_down or rt.source_zeroized:
         return False
     path = plan.workload.health_path
-    if any(answers(plan.workload.endpoint, path=path, timeout_s=2.0) for _ in range(3)):
+    if answers(plan.workload.endpoint, path=path, timeout_s=2.0, tries=3):
         return False
     return answers(rt.target_endpoint, path=path, timeout_s=2.0)

@@ -58,13 +58,17 @@ def service_url(host: Host) -> str:
     return f"http://{netloc(host.address, port)}"
 
 
-def answers(url: str, *, path: str = "/healthz", timeout_s: float = 2.0) -> bool:
-    """Whether ``url + path`` answers 200 now."""
-    try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-            return client.get(url.rstrip("/") + path).status_code == 200
-    except httpx.HTTPError:
-        return False
+def answers(url: str, *, path: str = "/healthz", timeout_s: float = 2.0, tries: int = 1) -> bool:
+    """Whether ``url + path`` answers 200 now, asked up to ``tries`` times (one slow answer on a loaded
+    host is not a dead process)."""
+    for _ in range(tries):
+        try:
+            with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+                if client.get(url.rstrip("/") + path).status_code == 200:
+                    return True
+        except httpx.HTTPError:
+            pass
+    return False
 
 
 def accepts(host: str, port: int, *, timeout_s: float = 1.0) -> bool:

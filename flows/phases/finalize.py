@@ -49,9 +49,7 @@ def target_answers(ctx: RunContext) -> bool:
     if plan.workload.kind != "inference" or not rt.target_endpoint:
         return True
     url = ctx.target_endpoint()
-    return any(
-        answers(url, path=plan.workload.health_path, timeout_s=TARGET_CHECK_TIMEOUT_S) for _ in range(TARGET_CHECKS)
-    )
+    return answers(url, path=plan.workload.health_path, timeout_s=TARGET_CHECK_TIMEOUT_S, tries=TARGET_CHECKS)
 
 
 def _target_still_serves(ctx: RunContext) -> None:
