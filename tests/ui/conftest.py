@@ -332,6 +332,7 @@ class PrefectUI:
         self.server = server
         self.shots = shots
         self._n = 0
+        self.resume_refusals: list[dict[str, Any]] = []
 
     def shot(self, name: str) -> Path:
         self._n += 1
@@ -404,25 +405,39 @@ class PrefectUI:
                 raise AssertionError(f"run {run_id} is {state['type']}/{state['name']}, never {name}")
             time.sleep(1.0)
 
-    def resume(self, fields: dict[str, str]) -> float:
+    def resume(self, fields: dict[str, str], tries: int = 3) -> float:
         """The run page's **Resume**: fill the form's text ``fields`` (by their titles), Submit.
 
-        Returns ``time.monotonic()`` at the click on Submit."""
+        Returns ``time.monotonic()`` at the click on Submit that the server took. Prefect's server on SQLite
+        sometimes aborts a state change with "database is locked" (a write that meets another writer's commit
+        fails at once, whatever the busy timeout); the UI then shows an error and the run stays paused. An SRE
+        submits again, and so does this helper, up to ``tries`` times; ``self.resume_refusals`` keeps what the
+        server answered each time it did not take the click."""
         page = self.page
-        page.get_by_role("button", name="Resume").first.click()
-        modal = page.locator(".p-modal__card", has_text="Resume Flow Run")
-        modal.wait_for()
-        for title, value in fields.items():
-            prop = modal.locator(
-                ".schema-form-property",
-                has=page.locator(".schema-form-property__label", has_text=re.compile(rf"^{re.escape(title)}\b")),
-            )
-            prop.locator("textarea, input").first.fill(value)
-        self.shot("resume-form")
-        submit = modal.get_by_role("button", name="Submit")
-        clicked = time.monotonic()
-        submit.click()
-        return clicked
+        for _ in range(tries):
+            page.get_by_role("button", name="Resume").first.click()
+            modal = page.locator(".p-modal__card", has_text="Resume Flow Run")
+            modal.wait_for()
+            for title, value in fields.items():
+                prop = modal.locator(
+                    ".schema-form-property",
+                    has=page.locator(".schema-form-property__label", has_text=re.compile(rf"^{re.escape(title)}\b")),
+                )
+                prop.locator("textarea, input").first.fill(value)
+            self.shot("resume-form")
+            submit = modal.get_by_role("button", name="Submit")
+            with page.expect_response(lambda r: r.request.method == "POST" and "/resume" in r.url) as answer:
+                clicked = time.monotonic()
+                submit.click()
+            reply = answer.value
+            body = reply.json() if reply.ok else {"http_status": reply.status}
+            if reply.ok and body.get("status") == "ACCEPT":
+                return clicked
+            self.resume_refusals.append(body)
+            if modal.is_visible():
+                page.keyboard.press("Escape")
+            page.reload()
+        raise AssertionError(f"the server took none of {tries} Resume submissions: {self.resume_refusals}")
 
     def image_sizes(self, artifact_key: str) -> list[int]:
         """The natural widths of the images on the artifact's page, as the browser decoded them (0: broken)."""

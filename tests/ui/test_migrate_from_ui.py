@@ -46,7 +46,9 @@ def test_start_from_the_ui_then_roll_back_from_the_run_page(
     finally:
         load.stop()
     report = load.wait(60)
-    (ui.shots / "rollback.json").write_text(json.dumps({"click_to_source_s": round(took, 3)}))
+    (ui.shots / "rollback.json").write_text(
+        json.dumps({"click_to_source_s": round(took, 3), "server_refused_first": ui.resume_refusals})
+    )
     assert took <= ROLLBACK_WITHIN_S, f"{took:.2f}s from the click to 100% on the source"
     run = prefect_server.flow_run(run_id)
     assert final == run["state"]["name"] == "RolledBack" and run["state"]["type"] == "FAILED", run["state"]
