@@ -420,22 +420,17 @@ def link_bench(rate_mbit: int, mib: int, reps: int) -> dict[str, object]:
 # ----------------------------------------------------------------------------- device to device on one GPU
 def _hasher(device: str) -> Any:
     """hasher(block, chunk) for nixl_device: the BLAKE3 kernels on a GPU (compiled now, not inside the
-    timing), blake3 on the CPU (a smoke run). The kernels take a list of equal-length views today; the
-    transport hands them one contiguous block, cut into views here by one C++ call (unbind)."""
+    timing), blake3 on the CPU (a smoke run)."""
     if device == "cpu":
         from gpumigrate.transfer.nixl_device import cpu_hasher
 
         return cpu_hasher
     import torch
 
-    from gpumigrate.transfer.devhash import blake3_device, warm
+    from gpumigrate.transfer.devhash import blake3_chunks, warm
 
     warm(torch.device(device))
-
-    def hasher(block: Any, chunk: int) -> Any:
-        return blake3_device(block.view(-1, chunk).unbind(0))
-
-    return hasher
+    return blake3_chunks
 
 
 def _gpu_target(nbytes: int, chunk: int, device: str) -> None:
@@ -488,8 +483,24 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
         sync()
         return time.perf_counter() - t0
 
-    ids = hash_all()  # what the image's manifest names (the snapshot hashed it where it lived)
+    ids = _cpu_ids(src, chunk)  # what the image's manifest names: BLAKE3 of every chunk, by the blake3 package
+    if hash_all() != ids:
+        raise SystemExit("the device kernels disagree with the blake3 package: nothing measured")
     hash_s = [timed(hash_all) for _ in range(reps)]
+    by_kernel = {}  # each leaf kernel of devhash_kernels.py alone, same data (the landing uses the default)
+    wrong = []
+    if device != "cpu":
+        from gpumigrate.transfer.devhash import LEAF_KERNELS, leaf_kernel_name, warm
+
+        chosen = leaf_kernel_name()
+        for kind in LEAF_KERNELS:
+            os.environ["GPUMIGRATE_BLAKE3_LEAF"] = kind
+            warm(torch.device(device))
+            if hash_all() != ids:
+                wrong.append(kind)
+                continue
+            by_kernel[kind] = [timed(hash_all) for _ in range(reps)]
+        os.environ["GPUMIGRATE_BLAKE3_LEAF"] = chosen
     address = json.loads(target.stdout.readline())["address"]  # type: ignore[union-attr]
     sender = DeviceSender(address, {"state": src}, control_key=key)
     sender.expect({"state": ids})
@@ -507,6 +518,11 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
 
     raw = [timed(raw_write) for _ in range(reps)]
     check = [timed(check_only) for _ in range(reps)]
+    print(
+        json.dumps({"verified_s": verified, "raw_s": raw, "check_s": check, "hash_s": hash_s, "by_kernel": by_kernel}),
+        file=sys.stderr,
+        flush=True,
+    )
     sender.close()
     landing = json.loads(target.stdout.readline())  # type: ignore[union-attr]
     target.wait(timeout=60)
@@ -518,6 +534,21 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
     copy = [timed(plain_copy) for _ in range(reps)]
     one_process = lambda: _copy_and_hash_one_process(src, scratch, chunk, batch, hasher)  # noqa: E731
     overlap = [timed(one_process) for _ in range(reps)] if device != "cpu" else []
+    fused_one: list[float] = []
+    ipc: dict[str, Any] = {}
+    if device != "cpu":
+        from gpumigrate.transfer.devhash import blake3_copy_chunks
+
+        def fused() -> None:
+            for start in range(0, src.numel(), batch * chunk):
+                blake3_copy_chunks(src[start : start + batch * chunk], scratch[start : start + batch * chunk], chunk)
+
+        fused()
+        fused_one = [timed(fused) for _ in range(reps)]
+        try:
+            ipc = _ipc_fused(src, ids, chunk, batch, reps)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other figures stand
+            ipc = {"error": f"{type(exc).__name__}: {exc}"}
     gbps = lambda secs: round(nbytes / min(secs) / 1e9, 1)  # noqa: E731
     return {
         "bench": "transfer_link",
@@ -530,14 +561,21 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
         "includes": "nixl_verified: every chunk WRITTEN by NIXL into the other process's tensor (cuda_ipc), then its "
         "BLAKE3 computed on the device by the target and compared with the manifest's id, the check of "
         "one batch overlapping the WRITE of the next, until the target acknowledged the last batch; "
+        "ipc_fused_landing_verified (a comparison, not a transport of the product): the target opens the "
+        "source's tensor through CUDA IPC and copies it with a kernel that hashes every word it stores, "
+        "comparing with the manifest's ids on the device, timed in the target; "
         "best of reps after one warm-up pass",
+        "leaf_kernel": os.environ.get("GPUMIGRATE_BLAKE3_LEAF", "default"),
         "GBps": {
             **{f"nixl_verified_batch{b}": gbps(v) for b, v in verified.items()},
             "nixl_write_unverified": gbps(raw),
             "target_check_alone": gbps(check),
             "plain_device_copy": gbps(copy),
             "blake3_kernels_alone": gbps(hash_s),
+            **{f"blake3_leaf_{kind}_alone": gbps(v) for kind, v in by_kernel.items()},
             "copy_and_hash_overlapped_in_one_process": gbps(overlap) if overlap else None,
+            "fused_copy_and_hash_one_process": gbps(fused_one) if fused_one else None,
+            "ipc_fused_landing_verified": gbps(ipc["seconds"]) if ipc.get("seconds") else None,
             "first_pass_verified": round(nbytes / first_pass / 1e9, 1),
         },
         "seconds": {
@@ -549,9 +587,80 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
             "copy_and_hash_overlapped_in_one_process": overlap,
         },
         "landing": landing,
+        "leaf_kernels_that_disagreed": wrong,
+        "ipc_fused_landing": ipc,
         "vs_plain_copy": round(min(copy) / min(min(v) for v in verified.values()), 3),
         "targets": {"nixl_verified_GBps": ">= 700"},
     }
+
+
+def _ipc_target() -> None:
+    """A landing of our own for comparison: opens the source's tensor through CUDA IPC (torch's sharing of a
+    CUDA tensor) and copies it into its own tensor with the fused copy-and-hash kernel, batch by batch,
+    comparing each chunk's BLAKE3 with the manifest's id on the device. Timed here, from the first kernel to
+    the verdict on the host."""
+    import base64
+    import pickle
+
+    import torch
+
+    from gpumigrate.transfer.devhash import blake3_copy_chunks, warm
+    from gpumigrate.transfer.nixl_device import ids_to_words
+
+    job = json.loads(sys.stdin.readline())
+    rebuild, args = pickle.loads(base64.b64decode(job["handle"]))  # noqa: S301 - our own parent process's tensor
+    src = rebuild(*args)
+    chunk, batch = int(job["chunk"]), int(job["batch"])
+    dst = torch.empty_like(src)
+    want = ids_to_words(job["ids"], src.device)
+    warm(src.device)
+    blake3_copy_chunks(src[: chunk * 2], dst[: chunk * 2], chunk)
+    step = batch * chunk
+    times, ok = [], True
+    for _ in range(int(job["reps"])):
+        dst.zero_()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bad = torch.zeros((), dtype=torch.bool, device=src.device)
+        for start in range(0, src.numel(), step):
+            words = blake3_copy_chunks(src[start : start + step], dst[start : start + step], chunk)
+            first = start // chunk
+            bad |= (words != want[first : first + words.shape[0]]).any()
+        ok = ok and not bool(bad)  # the one wait for the device
+        times.append(time.perf_counter() - t0)
+    ok = ok and torch.equal(src, dst)
+    print(json.dumps({"seconds": times, "all_verified": ok}), flush=True)
+
+
+def _ipc_fused(src: Any, ids: list[str], chunk: int, batch: int, reps: int) -> dict[str, Any]:
+    import base64
+    import pickle
+
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    target = subprocess.Popen(
+        [sys.executable, __file__, "ipc-target"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    job = {
+        "handle": base64.b64encode(pickle.dumps(reduce_tensor(src))).decode(),
+        "chunk": chunk,
+        "batch": batch,
+        "ids": ids,
+        "reps": reps,
+    }
+    out, _ = target.communicate(json.dumps(job) + "\n", timeout=120)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _cpu_ids(src: Any, chunk: int) -> list[str]:
+    """Every chunk's BLAKE3 id by the blake3 package on the host (threads: it releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import blake3
+
+    host = src.cpu().numpy()
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        return list(pool.map(lambda o: blake3.blake3(host[o : o + chunk]).hexdigest(), range(0, host.nbytes, chunk)))
 
 
 def _copy_and_hash_one_process(src: Any, dst: Any, chunk: int, batch: int, hasher: Any) -> None:
@@ -579,6 +688,9 @@ def main(argv: list[str]) -> None:
 
     if len(argv) == 2 and argv[0] == "FORWARD":
         forward(float(argv[1]) / 1000.0)
+        return
+    if argv == ["ipc-target"]:
+        _ipc_target()
         return
     if len(argv) == 4 and argv[0] == "gpu-target":
         _gpu_target(int(argv[1]), int(argv[2]), argv[3])

@@ -19,6 +19,7 @@ in plain torch (any device, slow): the executable description the tests hold aga
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 
 import torch
@@ -122,6 +123,18 @@ def _kernels():  # noqa: ANN202 - the Triton module, imported only where it runs
 
 LEAF_BLOCK = 128
 PARENT_BLOCK = 256
+# Which leaf kernel reads the data (devhash_kernels.py): "v4" (16-byte loads), "tile" (one coalesced tile per
+# 64-byte block), "scalar" (4-byte loads, the first version). The wide ones need 16-byte-aligned inputs.
+LEAF_KERNELS = ("v4", "tile", "scalar")
+DEFAULT_LEAF_KERNEL = "v4"
+
+
+def leaf_kernel_name() -> str:
+    """The leaf kernel in use: ``GPUMIGRATE_BLAKE3_LEAF`` (a benchmark compares them), else the default."""
+    name = os.environ.get("GPUMIGRATE_BLAKE3_LEAF", DEFAULT_LEAF_KERNEL)
+    if name not in LEAF_KERNELS:
+        raise ValueError(f"GPUMIGRATE_BLAKE3_LEAF={name!r}: expected one of {', '.join(LEAF_KERNELS)}")
+    return name
 
 
 def blake3_device(views: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -129,25 +142,78 @@ def blake3_device(views: Sequence[torch.Tensor]) -> torch.Tensor:
 
     Runs on the current CUDA stream: the caller orders it after the copies that fill the views.
     """
-    k = _kernels()
     size = views[0].numel()
     if not all(v.numel() == size and eligible(v) for v in views):
         raise ValueError(
             "blake3_device: views must be device uint8, one length, a multiple of 1024 bytes, 4-byte aligned"
         )
     base = min(views, key=lambda v: v.data_ptr())
-    device = base.device
     origin = base.data_ptr()
-    offsets = torch.tensor([(v.data_ptr() - origin) // 4 for v in views], dtype=torch.int64).to(
-        device, non_blocking=True
-    )
+    starts = [v.data_ptr() - origin for v in views]
+    offsets = torch.tensor([s // 4 for s in starts], dtype=torch.int64).to(base.device, non_blocking=True)
+    aligned = origin % 16 == 0 and all(s % 16 == 0 for s in starts)
+    return _tree(base, offsets, len(views), size, aligned)
+
+
+def blake3_chunks(block: torch.Tensor, chunk: int) -> torch.Tensor:
+    """BLAKE3 words ``[n, 8]`` of each ``chunk``-byte piece of one contiguous device uint8 tensor.
+
+    What a landing checks: one batch of chunks that arrived back to back. The pieces' offsets are
+    computed on the device (no per-chunk Python work, which cost more than the hashing at 4,096 chunks).
+    """
+    n = block.numel() // chunk if chunk else 0
+    if not (n and block.numel() == n * chunk and block.is_contiguous() and eligible(block[:chunk])):
+        raise ValueError("blake3_chunks: a contiguous device uint8 tensor of whole chunks, each whole 1 KiB leaves")
+    offsets = torch.arange(n, dtype=torch.int64, device=block.device) * (chunk // 4)
+    return _tree(block, offsets, n, chunk, block.data_ptr() % 16 == 0 and chunk % 16 == 0)
+
+
+def _tree(base: torch.Tensor, offsets: torch.Tensor, count: int, size: int, aligned16: bool) -> torch.Tensor:
+    """The leaf kernel over every 1 KiB leaf of ``count`` inputs of ``size`` bytes, then one launch per level."""
+    k = _kernels()
+    device = base.device
     leaves = size // LEAF
-    count = len(views)
     nodes = torch.empty(count * leaves * 8, dtype=torch.int32, device=device)
     total = count * leaves
-    k.leaf_kernel[(triton_cdiv(total, LEAF_BLOCK),)](
-        base.view(torch.int32), offsets, nodes, total, leaves, ROOT if leaves == 1 else 0, BLOCK=LEAF_BLOCK
+    grid = (triton_cdiv(total, LEAF_BLOCK),)
+    last = ROOT if leaves == 1 else 0
+    kind = leaf_kernel_name() if aligned16 else "scalar"
+    if kind == "v4":
+        k.leaf_kernel_v4[grid](base.data_ptr(), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
+    elif kind == "tile":
+        k.leaf_kernel_tile[grid](base.view(torch.int32), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
+    else:
+        k.leaf_kernel[grid](base.view(torch.int32), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
+    return _parents(nodes, count, leaves)
+
+
+def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Copy ``src`` into ``dst`` and return the BLAKE3 words ``[n, 8]`` of each ``chunk``-byte piece copied.
+
+    One pass: every word is read once from ``src``, stored to ``dst`` and hashed from the same registers,
+    so the hash is of exactly the bytes stored. Both contiguous device uint8 tensors of one size, whole
+    chunks, 16-byte aligned (``src`` may be another process's memory opened through CUDA IPC).
+    """
+    n = src.numel() // chunk if chunk else 0
+    same = src.numel() == dst.numel() == n * chunk and src.is_contiguous() and dst.is_contiguous()
+    if not (n and same and eligible(src[:chunk]) and dst.is_cuda and dst.dtype == torch.uint8):
+        raise ValueError("blake3_copy_chunks: two contiguous device uint8 tensors of one size, whole chunks")
+    if src.data_ptr() % 16 or dst.data_ptr() % 16 or chunk % 16:
+        raise ValueError("blake3_copy_chunks: both tensors 16-byte aligned")
+    k = _kernels()
+    leaves = chunk // LEAF
+    total = n * leaves
+    nodes = torch.empty(total * 8, dtype=torch.int32, device=src.device)
+    k.leaf_copy_kernel_v4[(triton_cdiv(total, LEAF_BLOCK),)](
+        src.data_ptr(), dst.data_ptr(), nodes, total, leaves, ROOT if leaves == 1 else 0, BLOCK=LEAF_BLOCK
     )
+    return _parents(nodes, n, leaves)
+
+
+def _parents(nodes: torch.Tensor, count: int, leaves: int) -> torch.Tensor:
+    """The tree above the leaves' chaining values, one launch per level; the roots as ``[count, 8]``."""
+    k = _kernels()
+    device = nodes.device
     c = leaves
     while c > 1:
         up = (c + 1) // 2

@@ -265,3 +265,221 @@ def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, 
         tl.where(paired, p6, _w(left + 6, mask)),
         tl.where(paired, p7, _w(left + 7, mask)),
     )
+
+
+@triton.jit
+def _words16(p, mask, BLOCK: tl.constexpr):
+    """The 16 message words at ``p`` (one 64-byte block per lane), read as one [BLOCK, 16] tile.
+
+    The tile load is coalesced (neighbouring lanes read neighbouring 16-byte pieces of a row) and the
+    compiler hands each lane its own row through shared memory; loading word by word instead made every
+    load instruction touch 32 different cache lines, and the kernel waited on its loads."""
+    cols = tl.arange(0, 16)
+    tile = tl.load(p[:, None] + cols[None, :], mask=mask[:, None], other=0).to(tl.uint32, bitcast=True)
+    t = tl.reshape(tile, [BLOCK, 2, 2, 2, 2])  # word w = 8i + 4j + 2k + l at [lane, i, j, k, l]
+    l0, l1 = tl.split(t)
+    l0k0, l0k1 = tl.split(l0)
+    l1k0, l1k1 = tl.split(l1)
+    a, b = tl.split(l0k0)  # l=0 k=0: j=0 | j=1, each [BLOCK, 2] over i
+    w0, w8 = tl.split(a)
+    w4, w12 = tl.split(b)
+    a, b = tl.split(l0k1)
+    w2, w10 = tl.split(a)
+    w6, w14 = tl.split(b)
+    a, b = tl.split(l1k0)
+    w1, w9 = tl.split(a)
+    w5, w13 = tl.split(b)
+    a, b = tl.split(l1k1)
+    w3, w11 = tl.split(a)
+    w7, w15 = tl.split(b)
+    return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
+
+
+@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+def leaf_kernel_tile(base_ptr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
+    """:func:`leaf_kernel` with each 64-byte block read as one coalesced tile (:func:`_words16`).
+
+    Inputs start on 16-byte boundaries (``offsets`` multiples of 4 words), which lets the loads be
+    16 bytes wide."""
+    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = leaf < total_leaves
+    which = leaf // leaves_per_input
+    index = leaf - which * leaves_per_input
+    start = tl.multiple_of(tl.load(offsets_ptr + which, mask=mask, other=0), 4)
+    p = base_ptr + start + index.to(tl.int64) * 256
+    counter = index.to(tl.uint32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    for b in range(16):
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
+            tl.uint32
+        )
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _words16(p + b * 16, mask, BLOCK)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
+            c0,
+            c1,
+            c2,
+            c3,
+            c4,
+            c5,
+            c6,
+            c7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            counter,
+            flags,
+        )
+    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit
+def _ld4(addr):
+    """Four consecutive 32-bit words at the 16-byte-aligned byte address ``addr``, in one 16-byte load."""
+    return tl.inline_asm_elementwise(
+        "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        [addr],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+def leaf_kernel_v4(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
+    """:func:`leaf_kernel` with 16-byte loads (four per 64-byte block instead of sixteen 4-byte ones).
+
+    ``base_addr`` is the base's device address as an integer; lanes past the end read the first leaf
+    again (always mapped) and store nothing."""
+    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = leaf < total_leaves
+    which = leaf // leaves_per_input
+    index = leaf - which * leaves_per_input
+    start = tl.load(offsets_ptr + which, mask=mask, other=0)
+    addr = tl.where(mask, base_addr + start * 4 + index.to(tl.int64) * 1024, base_addr)
+    counter = index.to(tl.uint32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    for b in range(16):
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
+            tl.uint32
+        )
+        q = addr + b * 64
+        m0, m1, m2, m3 = _ld4(q)
+        m4, m5, m6, m7 = _ld4(q + 16)
+        m8, m9, m10, m11 = _ld4(q + 32)
+        m12, m13, m14, m15 = _ld4(q + 48)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
+            c0,
+            c1,
+            c2,
+            c3,
+            c4,
+            c5,
+            c6,
+            c7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            counter,
+            flags,
+        )
+    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit
+def _st4(addr, keep, a, b, c, d):
+    """Store four 32-bit words at the 16-byte-aligned byte address ``addr`` in one 16-byte store, where ``keep``."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.global.v4.u32 [$1], {$3, $4, $5, $6}; mov.u32 $0, 0; }",
+        "=r,l,r,r,r,r,r",
+        [addr, keep, a, b, c, d],
+        dtype=tl.uint32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+def leaf_copy_kernel_v4(src_addr, dst_addr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
+    """:func:`leaf_kernel_v4` over contiguous inputs at ``src_addr`` that also stores every word it hashes at
+    ``dst_addr``: a copy whose bytes are hashed on their way, read once from the source."""
+    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = leaf < total_leaves
+    which = leaf // leaves_per_input
+    index = leaf - which * leaves_per_input
+    offset = tl.where(mask, leaf.to(tl.int64) * 1024, 0)
+    src = src_addr + offset
+    dst = dst_addr + offset
+    counter = index.to(tl.uint32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    sink = tl.zeros([BLOCK], tl.uint32)
+    for b in range(16):
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
+            tl.uint32
+        )
+        q = src + b * 64
+        m0, m1, m2, m3 = _ld4(q)
+        m4, m5, m6, m7 = _ld4(q + 16)
+        m8, m9, m10, m11 = _ld4(q + 32)
+        m12, m13, m14, m15 = _ld4(q + 48)
+        w = dst + b * 64
+        keep = mask.to(tl.uint32)  # lanes past the end read the first leaf and store nothing
+        sink |= _st4(w, keep, m0, m1, m2, m3)
+        sink |= _st4(w + 16, keep, m4, m5, m6, m7)
+        sink |= _st4(w + 32, keep, m8, m9, m10, m11)
+        sink |= _st4(w + 48, keep, m12, m13, m14, m15)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
+            c0,
+            c1,
+            c2,
+            c3,
+            c4,
+            c5,
+            c6,
+            c7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            counter,
+            flags,
+        )
+    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0 | sink, c1, c2, c3, c4, c5, c6, c7)

@@ -8,7 +8,9 @@ signed and bound to it (``gpumigrate.control``, channel ``receiver``). The sourc
 the chunk ids the bytes must hash to (``expect``: from the image's signed manifest), WRITEs chunk
 ranges, and after each WRITE is DONE sends ``landed``; the target hashes those chunks on the
 device (``hasher``: the BLAKE3 kernels) and answers which ones failed, so the source sends them
-again. The next WRITE overlaps the target's check of the last one.
+again. The next WRITE overlaps the target's check of the last one on the host side; on the GPU the
+two processes' work takes turns (no MPS), so a verified transfer costs the copy plus the hashing, and
+few large WRITEs cost least (bench/transfer_link.py gpu reports each batch size).
 
 Inside one host the chunks move as plaintext, unsealed: the copy never leaves the GPU's memory,
 and both processes, the driver and the host OS are already trusted with the plaintext (the
@@ -22,6 +24,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -38,6 +41,7 @@ from gpumigrate.transfer.stream import CHANNEL, parse_listen
 # multiple of ``chunk`` → [pieces, 8] int32 words (little-endian), computed where the block lives.
 Hasher = Callable[[Any, int], Any]
 MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
+log = logging.getLogger(__name__)
 
 
 def cpu_hasher(block: Any, chunk: int) -> Any:
@@ -162,12 +166,21 @@ class DeviceLanding:
                 except control.AuthError as exc:
                     channel.send({"error": exc.message})  # unsigned: the client treats it as a failure
                     return
-                channel.send(control.sign_reply(self.key, CHANNEL, nonce, self._handle(body)))
+                channel.send(control.sign_reply(self.key, CHANNEL, nonce, self._answer(body)))
         except (OSError, ConnectionError, ValueError):
             return
         finally:
             channel.close()
             self._done.set()
+
+    def _answer(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """:meth:`_handle`, with whatever NIXL, UCX or CUDA raised turned into an error reply: the source
+        learns what failed instead of waiting on a landing whose thread died."""
+        try:
+            return self._handle(body)
+        except Exception as exc:  # noqa: BLE001 - any failure of the libraries below ends this request only
+            log.warning("device landing: %s failed: %s: %s", body.get("op"), type(exc).__name__, exc)
+            return {"error": f"{body.get('op')} failed here: {type(exc).__name__}: {str(exc)[:300]}"}
 
     def _handle(self, body: Mapping[str, Any]) -> dict[str, Any]:
         op = body.get("op")

@@ -52,15 +52,42 @@ def test_only_whole_leaf_device_views_are_eligible() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", devhash.LEAF_KERNELS)
 @pytest.mark.parametrize(("leaves", "count"), [*SHAPES, (16384, 4)])
-def test_kernels_match_the_blake3_package(leaves: int, count: int) -> None:
+def test_kernels_match_the_blake3_package(
+    leaves: int, count: int, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if not devhash.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")
+    monkeypatch.setenv("GPUMIGRATE_BLAKE3_LEAF", kernel)
     data = _inputs(leaves, count, "cuda")
     size = leaves * 1024
     views = [data[i * size : (i + 1) * size] for i in range(count)][::-1]  # offsets below the first view too
     got = [devhash.words_hex(w) for w in devhash.blake3_device(views).cpu().tolist()]
     assert got == _want(data, count)[::-1]
+    by_chunks = [devhash.words_hex(w) for w in devhash.blake3_chunks(data, size).cpu().tolist()]
+    assert by_chunks == _want(data, count)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", devhash.LEAF_KERNELS)
+def test_wide_kernels_fall_back_on_inputs_that_are_not_16_byte_aligned(
+    kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not devhash.available(torch.device("cuda")):
+        pytest.skip("Triton is not importable here")
+    monkeypatch.setenv("GPUMIGRATE_BLAKE3_LEAF", kernel)
+    data = _inputs(3, 3, "cuda")
+    views = [data[4 : 4 + 3072], data[3076 : 3076 + 3072]]  # 4-byte aligned only
+    got = [devhash.words_hex(w) for w in devhash.blake3_device(views).cpu().tolist()]
+    host = data.cpu().numpy()
+    assert got == [blake3.blake3(host[o : o + 3072].tobytes()).hexdigest() for o in (4, 3076)]
+
+
+def test_an_unknown_leaf_kernel_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPUMIGRATE_BLAKE3_LEAF", "fast")
+    with pytest.raises(ValueError, match="GPUMIGRATE_BLAKE3_LEAF='fast': expected one of v4, tile, scalar"):
+        devhash.leaf_kernel_name()
 
 
 @pytest.mark.gpu
@@ -97,3 +124,17 @@ def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flip
     with pytest.raises(IntegrityError, match="BLAKE3"):
         c.restore(transfer.open_reader(url, image, key=None))
     assert not c.ready
+
+
+@pytest.mark.gpu
+def test_the_fused_copy_stores_every_byte_and_hashes_what_it_stored() -> None:
+    if not devhash.available(torch.device("cuda")):
+        pytest.skip("Triton is not importable here")
+    chunk, count = 64 * 1024, 5
+    src = _inputs(chunk // 1024, count, "cuda")
+    dst = torch.zeros_like(src)
+    got = [devhash.words_hex(w) for w in devhash.blake3_copy_chunks(src, dst, chunk).cpu().tolist()]
+    assert torch.equal(src, dst)
+    assert got == _want(src, count)
+    with pytest.raises(ValueError, match="one size"):
+        devhash.blake3_copy_chunks(src, dst[:chunk], chunk)

@@ -97,13 +97,10 @@ def test_a_source_without_the_control_key_gets_nothing() -> None:
 
 @pytest.mark.gpu
 def test_device_to_device_with_the_blake3_kernels() -> None:
-    from gpumigrate.transfer.devhash import blake3_device
-
-    def hasher(block: Any, chunk: int) -> Any:  # the kernels take a list of equal-length views
-        return blake3_device([block[o : o + chunk] for o in range(0, block.numel(), chunk)])
+    from gpumigrate.transfer.devhash import blake3_chunks
 
     src = regions("cuda")
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
-    result, _ = send(src, dst, hasher, batch=4)
+    result, _ = send(src, dst, blake3_chunks, batch=4)
     torch.cuda.synchronize()
     assert result["chunks_resent"] == 0 and all(torch.equal(src[k], dst[k]) for k in src)
