@@ -80,21 +80,40 @@ def load_nixl() -> ModuleType:
     return nixl_cu13
 
 
+# UCX transports that register no memory with the NIC or the driver (UCT's tcp copies through
+# sockets): an agent restricted to these needs none of UCX's memory-event hooks (UCM), which exist
+# to keep registration caches coherent when the process unmaps memory.
+_UNREGISTERED_TRANSPORTS = frozenset({"tcp", "self"})
+
+
 @contextlib.contextmanager
-def _ucx_transports(transports: str | None) -> Iterator[None]:
-    """UCX reads UCX_TLS when a backend starts; set it for this agent only (``tcp``, ``rc,tcp``, …)."""
-    if not transports:
-        yield
-        return
-    before = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = transports
+def _ucx_environment(transports: str | None) -> Iterator[None]:
+    """UCX reads its environment when a backend starts: set it for this agent only.
+
+    ``UCX_TLS`` restricts the transports (``tcp``, ``rc,tcp``, …). With ``tcp`` alone, UCX's memory
+    hooks are turned off too (``UCX_MEM_EVENTS=no``, unless the caller's environment sets it): UCX
+    installs them by patching mmap, munmap, mremap, shmat, shmdt, brk, sbrk and madvise in place,
+    and waits a grace period after each patch while every thread that calls one of them (a thread
+    starting, a large allocation) spins on it: 0.4 s of a push here, for hooks a TCP transport never
+    uses. UCX reads this once per process, when its first backend starts.
+    """
+    wanted: dict[str, str] = {}
+    if transports:
+        wanted["UCX_TLS"] = transports
+        if {
+            t.strip() for t in transports.split(",")
+        } <= _UNREGISTERED_TRANSPORTS and "UCX_MEM_EVENTS" not in os.environ:
+            wanted["UCX_MEM_EVENTS"] = "no"
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("UCX_TLS", None)
-        else:
-            os.environ["UCX_TLS"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # NIXL's progress thread waits in poll() on its workers' event fds with this timeout (rounded up to
@@ -135,7 +154,7 @@ def make_agent(role: str, *, transports: str | None = None, backends: tuple[str,
     name = f"gm-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     config = nixl.nixl_agent_config(backends=list(backends), sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     try:
-        with _ucx_transports(transports), _paced_progress_thread():
+        with _ucx_environment(transports), _paced_progress_thread():
             agent = nixl.nixl_agent(name, config)
     except Exception as exc:
         raise NixlUnavailableError(f"NIXL could not start an agent with backends {list(backends)}: {exc}") from None
@@ -441,8 +460,10 @@ class NixlStore(StreamStore):
 
     def close(self) -> None:
         super().close()
-        # An agent still starting (a push that ended inline) registered nothing and reached no one:
-        # it is not waited for; it goes with the process.
+        # An agent still starting (a push that ended inline) registered nothing and reached no one, but
+        # its start is waited for: a process that exits while NIXL is still starting aborts in its C++
+        # destructors ("pure virtual method called"), after the push succeeded.
+        self._agent_ready.wait()
         with self._agent_lock:
             if self._agent is not None:
                 if self._remote_name is not None:
