@@ -157,13 +157,25 @@ def make_agent(role: str, *, transports: str | None = None, backends: tuple[str,
         with _ucx_environment(transports), _paced_progress_thread():
             agent = nixl.nixl_agent(name, config)
     except Exception as exc:
-        raise NixlUnavailableError(f"NIXL could not start an agent with backends {list(backends)}: {exc}") from None
-    missing = [b for b in backends if b not in agent.backends]
-    if missing:
         raise NixlUnavailableError(
-            f"NIXL here has no {', '.join(missing)} backend (plugins: {agent.get_plugin_list()})"
+            f"NIXL ({PACKAGE}) could not start an agent with backends {list(backends)}"
+            f"{f' on UCX transports {transports!r}' if transports else ''}: {exc}",
+            hint=_AGENT_HINT,
+        ) from None
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:  # NIXL logs an unavailable backend and starts without it
+        raise NixlUnavailableError(
+            f"NIXL ({PACKAGE}) here has no {', '.join(missing)} backend"
+            f"{f' on UCX transports {transports!r}' if transports else ''} (plugins: {agent.get_plugin_list()})",
+            hint=_AGENT_HINT,
         )
     return agent
+
+
+_AGENT_HINT = (
+    "transports= in a nixl:// URL and a receiver's --nixl-transports take UCX transport names (tcp; rc,tcp; "
+    "cuda_ipc); UCX's log above names those available here. stream:// does not need NIXL"
+)
 
 
 def _buffer(nbytes: int) -> tuple[Any, np.ndarray]:
@@ -445,6 +457,12 @@ class NixlStore(StreamStore):
                 self.chunks_written += 1
         finally:
             conn.lock.release()
+
+    def flush(self) -> None:
+        """As stream://, and raise NIXL's failure to start even when every chunk so far went inline: a push
+        over nixl:// never completes without a working NIXL (its manifest follows a flush)."""
+        self._nixl(wait=True)
+        super().flush()
 
     def _finish_sends(self, conn: _Conn) -> None:
         """Announce every WRITE posted on this connection, once it is DONE (before its acknowledgements are read)."""
