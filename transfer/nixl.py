@@ -10,8 +10,9 @@ completes a WRITE only after flushing it to the remote side) and sends NIXL_LAND
 on the connection. The receiver copies the slot out, verifies the object (AES-GCM tag, decode,
 BLAKE3) and stores it, then acknowledges; the acknowledgement frees the slot. What the wire carries
 is the image's sealed objects, so the data link needs no trust (TRANSPORTS.md, nixl://). NIXL's
-agent starts in the background (about half a second); until it is up, chunks go inline on the
-connections as stream:// sends them.
+agent starts in the background while the connections open (20-40 ms over TCP; about 0.4 s where
+UCX's memory hooks are needed); until it is up, chunks go inline on the connections as stream://
+sends them.
 
 NIXL is optional (extra ``nixl``, PyPI ``nixl-cu13``): :func:`load_nixl` raises a clear error when
 it is missing or fails to load, and ``stream://`` works without it.
@@ -308,8 +309,8 @@ class NixlStore(StreamStore):
         self._registered: list[Any] = []
         self.chunks_written = 0  # objects that went through NIXL
         self.chunks_inline = 0  # objects sent on the connection: before NIXL was up, or larger than a slot
-        # Starting NIXL's UCX backend takes about half a second here; meanwhile the connections carry
-        # chunks inline (as stream:// does), so a short push does not wait for it.
+        # Starting NIXL's UCX backend takes 20-40 ms over TCP, ~0.4 s with UCX's memory hooks; meanwhile
+        # the connections carry chunks inline (as stream:// does), so a short push does not wait for it.
         threading.Thread(target=self._start_agent, name="gm-nixl-start", daemon=True).start()
 
     def _start_agent(self) -> None:
