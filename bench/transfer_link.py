@@ -240,16 +240,22 @@ def veth_up(rate_mbit: int) -> None:
 
 def _wait_settled(*links: tuple[str, str], timeout_s: float = 10.0) -> None:
     """Wait until each veth end is up and its IPv6 link-local address has passed duplicate address
-    detection (about 1.3 s after ``link set up`` here). UCX lists a process's network devices once,
-    when its first worker starts: a nixl:// push or receiver started while the address was still
-    tentative could not reach the other side (NIXL_ERR_BACKEND), as on a host whose link came up
-    after the process started. Hosts with settled links never see this."""
+    detection (about 1.3 s after ``link set up`` here). A nixl:// receiver and push started before
+    that failed to reach each other every time here (NIXL_ERR_BACKEND when the sender adds the
+    receiver's agent), and never once started after: UCX looks at a process's network devices when
+    its first worker starts. A host whose links settled long ago never sees this."""
     deadline = time.monotonic() + timeout_s
     for ns, dev in links:
+        ipv6 = subprocess.run(
+            ["ip", "netns", "exec", ns, "cat", f"/proc/sys/net/ipv6/conf/{dev}/disable_ipv6"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         while True:
             link = subprocess.run(["ip", "-n", ns, "-o", "link", "show", "dev", dev], capture_output=True, text=True)
             addr = subprocess.run(["ip", "-n", ns, "-o", "addr", "show", "dev", dev], capture_output=True, text=True)
-            if "state UP" in link.stdout and "inet6" in addr.stdout and "tentative" not in addr.stdout:
+            settled = "tentative" not in addr.stdout and ("inet6" in addr.stdout or ipv6 != "0")
+            if "state UP" in link.stdout and settled:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{dev} in {ns} did not settle: {link.stdout.strip()} {addr.stdout.strip()}")
