@@ -10,8 +10,9 @@ completes a WRITE only after flushing it to the remote side) and sends NIXL_LAND
 on the connection. The receiver copies the slot out, verifies the object (AES-GCM tag, decode,
 BLAKE3) and stores it, then acknowledges; the acknowledgement frees the slot. What the wire carries
 is the image's sealed objects, so the data link needs no trust (TRANSPORTS.md, nixl://). NIXL's
-agent starts in the background (about half a second); until it is up, chunks go inline on the
-connections as stream:// sends them.
+agent starts in the background while the connections open (20-40 ms over TCP; about 0.4 s where
+UCX's memory hooks are needed); until it is up, chunks go inline on the connections as stream://
+sends them.
 
 NIXL is optional (extra ``nixl``, PyPI ``nixl-cu13``): :func:`load_nixl` raises a clear error when
 it is missing or fails to load, and ``stream://`` works without it.
@@ -80,21 +81,40 @@ def load_nixl() -> ModuleType:
     return nixl_cu13
 
 
+# UCX transports that register no memory with the NIC or the driver (UCT's tcp copies through
+# sockets): an agent restricted to these needs none of UCX's memory-event hooks (UCM), which exist
+# to keep registration caches coherent when the process unmaps memory.
+_UNREGISTERED_TRANSPORTS = frozenset({"tcp", "self"})
+
+
 @contextlib.contextmanager
-def _ucx_transports(transports: str | None) -> Iterator[None]:
-    """UCX reads UCX_TLS when a backend starts; set it for this agent only (``tcp``, ``rc,tcp``, …)."""
-    if not transports:
-        yield
-        return
-    before = os.environ.get("UCX_TLS")
-    os.environ["UCX_TLS"] = transports
+def _ucx_environment(transports: str | None) -> Iterator[None]:
+    """UCX reads its environment when a backend starts: set it for this agent only.
+
+    ``UCX_TLS`` restricts the transports (``tcp``, ``rc,tcp``, …). With ``tcp`` alone, UCX's memory
+    hooks are turned off too (``UCX_MEM_EVENTS=no``, unless the caller's environment sets it): UCX
+    installs them by patching mmap, munmap, mremap, shmat, shmdt, brk, sbrk and madvise in place,
+    and waits a grace period after each patch while every thread that calls one of them (a thread
+    starting, a large allocation) spins on it: 0.4 s of a push here, for hooks a TCP transport never
+    uses. UCX reads this once per process, when its first backend starts.
+    """
+    wanted: dict[str, str] = {}
+    if transports:
+        wanted["UCX_TLS"] = transports
+        if {
+            t.strip() for t in transports.split(",")
+        } <= _UNREGISTERED_TRANSPORTS and "UCX_MEM_EVENTS" not in os.environ:
+            wanted["UCX_MEM_EVENTS"] = "no"
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("UCX_TLS", None)
-        else:
-            os.environ["UCX_TLS"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # NIXL's progress thread waits in poll() on its workers' event fds with this timeout (rounded up to
@@ -135,16 +155,28 @@ def make_agent(role: str, *, transports: str | None = None, backends: tuple[str,
     name = f"gm-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     config = nixl.nixl_agent_config(backends=list(backends), sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     try:
-        with _ucx_transports(transports), _paced_progress_thread():
+        with _ucx_environment(transports), _paced_progress_thread():
             agent = nixl.nixl_agent(name, config)
     except Exception as exc:
-        raise NixlUnavailableError(f"NIXL could not start an agent with backends {list(backends)}: {exc}") from None
-    missing = [b for b in backends if b not in agent.backends]
-    if missing:
         raise NixlUnavailableError(
-            f"NIXL here has no {', '.join(missing)} backend (plugins: {agent.get_plugin_list()})"
+            f"NIXL ({PACKAGE}) could not start an agent with backends {list(backends)}"
+            f"{f' on UCX transports {transports!r}' if transports else ''}: {exc}",
+            hint=_AGENT_HINT,
+        ) from None
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:  # NIXL logs an unavailable backend and starts without it
+        raise NixlUnavailableError(
+            f"NIXL ({PACKAGE}) here has no {', '.join(missing)} backend"
+            f"{f' on UCX transports {transports!r}' if transports else ''} (plugins: {agent.get_plugin_list()})",
+            hint=_AGENT_HINT,
         )
     return agent
+
+
+_AGENT_HINT = (
+    "transports= in a nixl:// URL and a receiver's --nixl-transports take UCX transport names (tcp; rc,tcp; "
+    "cuda_ipc); UCX's log above names those available here. stream:// does not need NIXL"
+)
 
 
 def _buffer(nbytes: int) -> tuple[Any, np.ndarray]:
@@ -277,8 +309,8 @@ class NixlStore(StreamStore):
         self._registered: list[Any] = []
         self.chunks_written = 0  # objects that went through NIXL
         self.chunks_inline = 0  # objects sent on the connection: before NIXL was up, or larger than a slot
-        # Starting NIXL's UCX backend takes about half a second here; meanwhile the connections carry
-        # chunks inline (as stream:// does), so a short push does not wait for it.
+        # Starting NIXL's UCX backend takes 20-40 ms over TCP, ~0.4 s with UCX's memory hooks; meanwhile
+        # the connections carry chunks inline (as stream:// does), so a short push does not wait for it.
         threading.Thread(target=self._start_agent, name="gm-nixl-start", daemon=True).start()
 
     def _start_agent(self) -> None:
@@ -427,6 +459,12 @@ class NixlStore(StreamStore):
         finally:
             conn.lock.release()
 
+    def flush(self) -> None:
+        """As stream://, and raise NIXL's failure to start even when every chunk so far went inline: a push
+        over nixl:// never completes without a working NIXL (its manifest follows a flush)."""
+        self._nixl(wait=True)
+        super().flush()
+
     def _finish_sends(self, conn: _Conn) -> None:
         """Announce every WRITE posted on this connection, once it is DONE (before its acknowledgements are read)."""
         if conn.extra is not None:
@@ -441,8 +479,10 @@ class NixlStore(StreamStore):
 
     def close(self) -> None:
         super().close()
-        # An agent still starting (a push that ended inline) registered nothing and reached no one:
-        # it is not waited for; it goes with the process.
+        # An agent still starting (a push that ended inline) registered nothing and reached no one, but
+        # its start is waited for: a process that exits while NIXL is still starting aborts in its C++
+        # destructors ("pure virtual method called"), after the push succeeded.
+        self._agent_ready.wait()
         with self._agent_lock:
             if self._agent is not None:
                 if self._remote_name is not None:
