@@ -98,7 +98,7 @@ def preload(ctx: RunContext, backend: SnapshotBackend, image: ImageRef, *, round
     except (GpumigrateError, OSError) as exc:
         raise SnapshotError(
             f"pre-load of pre-copy image {image.id[:16]} into the target {host} failed: {exc}; the source was "
-            "not frozen and serves on, the target is torn down"
+            "not frozen and serves on, the migration is undone (the target torn down)"
         ) from None
     seconds = time.monotonic() - t0
     if loaded.ready or _target_ready(ctx):
