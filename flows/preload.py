@@ -72,9 +72,10 @@ def precopy_rounds(ctx: RunContext, backend: SnapshotBackend, *, max_rounds: int
     return out
 
 
-def wait_for_target(ctx: RunContext, timeout_s: float = TARGET_AGENT_WAIT_S) -> None:
+def wait_for_target(ctx: RunContext, timeout_s: float | None = None) -> None:
     """The target's agent accepts connections (provision started the workload awaiting its restore; a
     workload's health path may answer a moment before its agent listens)."""
+    timeout_s = TARGET_AGENT_WAIT_S if timeout_s is None else timeout_s
     address = ctx.need(ctx.runtime.target_agent, "the target's agent")
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout_s
