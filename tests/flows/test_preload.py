@@ -171,6 +171,7 @@ def test_the_final_restore_loads_only_what_the_pre_loads_left(
     assert restored["bytes_loaded"] < image and restored["chunks_skipped"] > 0
     assert result["bytes"]["restored"] == restored["bytes_loaded"]
     assert result["bytes"]["preloaded"] == sum(p["bytes_loaded"] for p in preloads)
+    assert f"the final restore loaded {restored['bytes_loaded']}" in Path(result["report"]).read_text()
     # Never ready before the final restore; the receiver served every round and the final image, then stopped.
     assert "ready" in seen and seen["ready"] > committed["ts"]
     assert names.index("transfer.receiver.stopped") > max(i for i, n in enumerate(names) if n == "image.preloaded")
