@@ -174,6 +174,11 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
         f"- downtime: {_fmt(result.downtime_ms)} ms",
         *([f"- training pause (freeze → target's first step): {_fmt(result.pause_ms)} ms"] if result.pause_ms else []),
         f"- bytes: image {_fmt(by.image)}, sent {_fmt(by.sent)}, stored {_fmt(by.stored)}",
+        *(
+            [f"- pre-loaded: {_fmt(by.preloaded)} bytes; the final restore loaded {_fmt(by.restored)}"]
+            if by.preloaded
+            else []
+        ),
         f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
         f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}, detected in {_fmt(rb.seconds_to_detect)} s",
     ]

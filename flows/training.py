@@ -5,10 +5,11 @@ the training version of a phase where it differs:
 
 * preflight: the plan's training rules first (:func:`check_plan`: exit 2, nothing provisioned), then
   the common checks;
-* snapshot: pre-copy rounds while it trains, each round pushed to the target's store and pre-loaded
-  into the target (which stays unready), so the final round moves only the dirty set; then freeze at a
-  step boundary under ``snapshot.freeze_lease_s``, which a :class:`LeaseKeeper` renews while the flow
-  works on the frozen source (if this process dies, the source resumes by itself); then the final round.
+* snapshot: pre-copy rounds while it trains, each round checked in the target's store and pre-loaded
+  into the target (which stays unready; flows/preload.py, shared with a service's snapshot), so the
+  final restore loads only the dirty set; then freeze at a step boundary under
+  ``snapshot.freeze_lease_s``, which a :class:`LeaseKeeper` renews while the flow works on the frozen
+  source (if this process dies, the source resumes by itself); then the final round.
   The source stays frozen (two copies of one job must never both train);
 * restore: the target loads the final image and trains on; ``result.pause_ms`` is the time from the
   freeze to the target's first completed step after it;
@@ -26,25 +27,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from gpumigrate.environment import compare
 from gpumigrate.errors import InvalidInputError, ParityError, PolicyDeniedError, SnapshotError
 from gpumigrate.flows.context import RunContext
-from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.events import emit
 from gpumigrate.flows.facts import workload_facts
 from gpumigrate.flows.freeze_lease import keep_frozen, release, renewals
 from gpumigrate.flows.phases import preflight as common_preflight
-from gpumigrate.flows.phases import transfer
+from gpumigrate.flows.preload import final_load, precopy_rounds
 from gpumigrate.flows.report import merge_result
 from gpumigrate.flows.undo import undo_source
-from gpumigrate.interfaces import ImageRef, Round, SnapshotBackend
 from gpumigrate.parity.training import training_parity
 from gpumigrate.plan import Plan
 from gpumigrate.snapshot.client import AgentClient, StepLosses
 from gpumigrate.snapshot.lease import MAX_LEASE_S
-from gpumigrate.snapshot.precopy import converge
 
 Phase = Callable[[RunContext], dict[str, Any]]
 _log = logging.getLogger("gpumigrate.flows.training")
@@ -95,16 +93,8 @@ def preflight(ctx: RunContext) -> dict[str, Any]:
 def snapshot(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     backend = ctx.backend()
-    preloaded: list[str] = []
-
-    def one_round() -> Round:
-        done = backend.precopy()
-        notify(m.id, "snapshot.precopy", {**asdict(done.stats), "image_id": done.image.id})
-        _preload(ctx, backend, done.image)
-        preloaded.append(done.image.id)
-        return done
-
-    conv = converge(one_round, max_rounds=plan.snapshot.precopy_rounds, max_downtime_ms=plan.snapshot.max_downtime_ms)
+    live = precopy_rounds(ctx, backend, max_rounds=plan.snapshot.precopy_rounds)  # each pre-loaded (flows/preload.py)
+    conv = live.convergence
     frozen_at, t_freeze = time.time(), time.monotonic()
     backend.freeze(plan.snapshot.freeze_lease_s)
     ctx.update(source_frozen=True)
@@ -130,7 +120,8 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
             "bytes_sent": image.bytes_sent,
             "precopy_rounds": len(conv.rounds),
             "converged": conv.reason,
-            "preloaded": len(preloaded),
+            "preloaded": len(live.preloads),
+            "bytes_preloaded": live.bytes_preloaded,
             "freeze_step": step,
             "freeze_lease_s": plan.snapshot.freeze_lease_s,
         },
@@ -139,20 +130,12 @@ def snapshot(ctx: RunContext) -> dict[str, Any]:
     return {
         "image_id": image.id,
         "precopy_rounds": len(conv.rounds),
-        "preloaded": len(preloaded),
+        "preloaded": len(live.preloads),
         "freeze_step": step,
         "frozen_at": frozen_at,
         "frozen_ms": round((time.monotonic() - t_freeze) * 1000, 1),
         "bytes_image": image.bytes_image,
     }
-
-
-def _preload(ctx: RunContext, backend: SnapshotBackend, image: ImageRef) -> None:
-    """One pre-copy round into the target: pushed where it reads (residency checked), then loaded unready."""
-    ctx.update(image=image)
-    transfer.run(ctx)
-    backend.preload(image)
-    emit(ctx.migration, "image.preloaded", {"image_id": image.id, "host": ctx.target_host().name})
 
 
 def _cut(ctx: RunContext) -> tuple[int, float]:
@@ -197,10 +180,7 @@ def restore(ctx: RunContext) -> dict[str, Any]:
             "backend": backend.name,
             "image_id": restored.image_id,
             "host": ctx.target_host().name,
-            "bytes_loaded": restored.bytes_loaded,
-            "chunks_loaded": restored.chunks_loaded,
-            "chunks_skipped": restored.chunks_skipped,
-            "seconds": round(restored.seconds, 3),
+            **final_load(ctx, backend, restored),
         },
     )
     emit(m, "training.resumed", {"on": "target", "after_step": step, "pause_ms": pause_ms})

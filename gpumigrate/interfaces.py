@@ -262,6 +262,9 @@ class SnapshotBackend(Protocol):
     needs_launch: bool
     # Whether precopy() runs live rounds while the source serves; False: everything moves while frozen.
     live_rounds: bool
+    # Whether preload() can load a pre-copy image into the target while the source serves (the target stays
+    # unready), so that restore() loads only what the final image changed; False: preload() is never called.
+    preloads: bool
 
     def check(self) -> dict[str, Any]:
         """Preflight: raise (exit 2 for a plan that cannot work) naming what is missing; moves nothing.
@@ -286,8 +289,10 @@ class SnapshotBackend(Protocol):
         """After the cut-over held: wipe (or stop) the source; return the audit record."""
 
     # -- target side
-    def preload(self, image: ImageRef) -> None:
-        """Load a pre-copy image into the target before the final one, so that restore loads only the delta."""
+    def preload(self, image: ImageRef) -> Restored:
+        """Load a pre-copy image into the target before the final one, so that restore loads only the delta.
+
+        The target stays unready (``Restored.ready`` is False). Only for a backend that ``preloads``."""
 
     def restore(self, image: ImageRef | None) -> Restored:
         """Rebuild the state on the target from the verified image; the workload reports ready after it."""

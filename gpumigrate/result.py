@@ -31,6 +31,15 @@ class Bytes(BaseModel):
     image: int | None = None
     sent: int | None = None
     stored: int | None = None
+    preloaded: int | None = Field(
+        default=None,
+        description="Bytes the target loaded from the pre-copy images while the source ran (a backend that pre-loads).",
+    )
+    restored: int | None = Field(
+        default=None,
+        description="Bytes the final restore loaded: what the final image changed since the last pre-load "
+        "(a backend that pre-loads; the whole image when nothing was pre-loaded).",
+    )
 
 
 class ParitySummary(BaseModel):

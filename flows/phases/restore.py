@@ -1,4 +1,8 @@
-"""Restore: rebuild the state on the target from the verified image; wait until the target reports ready."""
+"""Restore: rebuild the state on the target from the verified image; wait until the target reports ready.
+
+A target the snapshot phase pre-loaded (``flows/preload.py``) loads only the chunks the final image
+changed: ``image.restored`` and ``result.bytes.restored`` say how much that was.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from typing import Any
 
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.preload import final_load
 from gpumigrate.infra.launch import wait_http
 
 READY_TIMEOUT_S = 300
@@ -26,10 +31,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
             "backend": backend.name,
             "image_id": restored.image_id or None,
             "host": ctx.target_host().name,
-            "bytes_loaded": restored.bytes_loaded,
-            "chunks_loaded": restored.chunks_loaded,
-            "chunks_skipped": restored.chunks_skipped,
-            "seconds": round(restored.seconds, 3),
+            **final_load(ctx, backend, restored),
             "pid": restored.pid,
         },
     )

@@ -1,37 +1,32 @@
 """Snapshot: live pre-copy rounds while the source serves, then freeze, the final image, and (inference) resume.
 
-When to stop pre-copying is the one convergence rule (``snapshot/precopy.py``). The source is never
-left frozen: a failed final round resumes it before the error goes on.
+When to stop pre-copying is the one convergence rule (``snapshot/precopy.py``). Where the backend
+pre-loads (agent), each round is loaded into the target while the source serves (``flows/preload.py``),
+so that the restore phase loads only what the final image changed. The source is never left frozen: a
+failed final round resumes it before the error goes on; a failed pre-load happens before any freeze.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 from gpumigrate.flows.context import RunContext
-from gpumigrate.flows.events import emit, notify
+from gpumigrate.flows.events import emit
 from gpumigrate.flows.freeze_lease import keep_frozen, release
+from gpumigrate.flows.preload import precopy_rounds
 from gpumigrate.flows.report import merge_result
 from gpumigrate.flows.undo import undo_source
-from gpumigrate.interfaces import Round
 from gpumigrate.parity.urls import redact_url
-from gpumigrate.snapshot.precopy import converge
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     backend = ctx.backend()
     parent = ctx.runtime.image  # a resumed migration ships only what changed since
-
-    def one_round() -> Round:
-        done = backend.precopy()
-        notify(m.id, "snapshot.precopy", {**asdict(done.stats), "image_id": done.image.id})
-        return done
-
     rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
-    conv = converge(one_round, max_rounds=rounds, max_downtime_ms=plan.snapshot.max_downtime_ms)
+    live = precopy_rounds(ctx, backend, max_rounds=rounds)  # each pre-loaded into the target where it can
+    conv = live.convergence
     t_freeze = time.monotonic()
     # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
     backend.freeze(plan.snapshot.freeze_lease_s)
@@ -63,6 +58,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
             "bytes_sent": image.bytes_sent if image else None,
             "precopy_rounds": len(conv.rounds),
             "converged": conv.reason,
+            "preloaded": len(live.preloads),
+            "bytes_preloaded": live.bytes_preloaded,
         },
     )
     if image is not None:
@@ -70,6 +67,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
     return {
         "image_id": image.id if image else None,
         "precopy_rounds": len(conv.rounds),
+        "preloaded": len(live.preloads),
         "frozen_ms": round(frozen_ms, 1),
         "bytes_image": image.bytes_image if image else None,
     }

@@ -19,6 +19,7 @@ class AgentBackend:
     name = "agent"
     needs_launch = True
     live_rounds = True
+    preloads = True  # the target's agent loads each pre-copy image unready, then only what changed
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
@@ -78,8 +79,8 @@ class AgentBackend:
                 ready=ready,
             )
 
-    def preload(self, image: ImageRef) -> None:
-        self._load(image, ready=False)
+    def preload(self, image: ImageRef) -> Restored:
+        return self._load(image, ready=False)
 
     def restore(self, image: ImageRef | None) -> Restored:
         if image is None:

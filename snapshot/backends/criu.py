@@ -25,6 +25,7 @@ class CriuBackend(HostLevel):
     name = "criu"
     needs_launch = False  # the restored tree is the workload, listening sockets included
     live_rounds = False
+    preloads = False  # CRIU restores the whole tree at once
 
     def check(self) -> dict[str, Any]:
         """CRIU 4+ with its CUDA plugin works on the source host; the source's start time, for later steps."""
@@ -50,8 +51,9 @@ class CriuBackend(HostLevel):
     def retire(self) -> dict[str, Any]:
         return self._act("source", "retire", **self._source_process())
 
-    def preload(self, image: ImageRef) -> None:
-        """Nothing to pre-load: CRIU restores the whole tree at once."""
+    def preload(self, image: ImageRef) -> Restored:
+        """Nothing to pre-load: CRIU restores the whole tree at once (``preloads`` is False)."""
+        raise SnapshotError("the criu backend does not pre-load: it restores the whole process tree at once")
 
     def restore(self, image: ImageRef | None) -> Restored:
         if image is None:

@@ -25,6 +25,7 @@ class CudaDriverBackend(HostLevel):
     name = "cuda-driver"
     needs_launch = False  # the source process itself resumes
     live_rounds = False
+    preloads = False  # the state never leaves the process
 
     def check(self) -> dict[str, Any]:
         raise InvalidInputError(
@@ -45,8 +46,9 @@ class CudaDriverBackend(HostLevel):
     def retire(self) -> dict[str, Any]:
         return {"retired": False, "why": "in place: the source process is the workload"}
 
-    def preload(self, image: ImageRef) -> None:
-        """Nothing to pre-load: the state never left the process."""
+    def preload(self, image: ImageRef) -> Restored:
+        """Nothing to pre-load: the state never left the process (``preloads`` is False)."""
+        raise InvalidInputError("the cuda-driver backend does not pre-load: its state never leaves the process")
 
     def restore(self, image: ImageRef | None) -> Restored:
         out = self._act("source", "restore", **self._source_process())

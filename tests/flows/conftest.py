@@ -1,4 +1,5 @@
-"""Fixtures for the flow tests: ONE Prefect test harness for the session, local hosts, a front door.
+"""Fixtures for the flow tests: ONE Prefect test harness for the session, local hosts, a front door, and
+the plans of an inference migration (``inference_source``, ``inference_plan``).
 
 Prefect reads its settings when it is first imported, so the temporary PREFECT_HOME and an explicitly
 empty PREFECT_API_URL are set here, before any test module imports the flows.
@@ -10,9 +11,13 @@ import atexit
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 _HOME = tempfile.mkdtemp(prefix="gm-prefect-home-")
 atexit.register(shutil.rmtree, _HOME, True)
@@ -30,3 +35,126 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=180):
         yield str(PREFECT_API_URL.value())
+
+
+# ----------------------------------------------------------------------------- a source and its plans
+TINY_MODEL = ("--seed", "0", "--size", "tiny", "--device", "cpu")  # the source's model; a target allocates the same
+
+
+@dataclass
+class InferenceSource:
+    """The reference inference server on a local host, behind a real front door (Envoy + control plane)."""
+
+    name: str  # the workload's name (the front door's)
+    home: Path  # GPUMIGRATE_HOME of the module
+    provider: Any
+    host: Any
+    door: Any
+    key_file: Path  # the image key, by file reference
+    args: tuple[str, ...]  # the server's model arguments; the plan's launch gives the target the same
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host.address}:{self.host.ports['service']}"
+
+    @property
+    def agent(self) -> str:
+        return f"{self.host.address}:{self.host.ports['agent']}"
+
+
+@pytest.fixture(scope="module")
+def inference_source(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    prefect_api: str,
+    workload_launch: Callable[..., Any],
+) -> Iterator[InferenceSource]:
+    """One source for a module's tests (its ``WORKLOAD`` names it; ``SOURCE_ARGS`` are model arguments added to
+    the tiny model's), in a GPUMIGRATE_HOME of the module's own; every local host of that home is terminated
+    after the module."""
+    from gpumigrate.atomic import atomic_write_bytes
+    from gpumigrate.infra import get_provider
+    from gpumigrate.infra.launch import service_url, wait_http
+    from gpumigrate.interfaces import HostSpec
+    from gpumigrate.traffic.frontdoor import FrontDoor, default_dir
+    from gpumigrate.transfer import generate_key
+
+    name = str(getattr(request.module, "WORKLOAD", "tiny-lm"))
+    args = (*TINY_MODEL, *getattr(request.module, "SOURCE_ARGS", ()))
+    home = tmp_path_factory.mktemp(f"{name}-home")
+    old = os.environ.get("GPUMIGRATE_HOME")
+    os.environ["GPUMIGRATE_HOME"] = str(home)
+    provider = get_provider("local")
+    key_file = home / "image.key"
+    atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
+    door = None
+    try:
+        spec = HostSpec(f"{name}-src", "local", "local-a")
+        host = provider.wait_ready(provider.provision(spec, migration_id="tests"))
+        host = provider.bootstrap(host, workload_launch("inference", *args), timeout_s=120)
+        wait_http(service_url(host), path="/readyz", timeout_s=120)
+        door = FrontDoor.start(
+            default_dir(name), source_host=host.address, source_port=host.ports["service"], node_id=f"{name}-envoy"
+        )
+        yield InferenceSource(name, home, provider, host, door, key_file, args)
+    finally:
+        if door is not None:
+            door.stop()
+        for h in provider.list_hosts():
+            provider.terminate(h)
+        if old is None:
+            os.environ.pop("GPUMIGRATE_HOME", None)
+        else:
+            os.environ["GPUMIGRATE_HOME"] = old
+
+
+PlanBuilder = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def inference_plan() -> PlanBuilder:
+    """``inference_plan(src, path, target=HOST, **sections) -> path``: the plan of a migration of ``src`` to the
+    local host ``target``, written to ``path`` (golden inputs beside it); each keyword replaces the keys it
+    names in that top-level section (``snapshot={"precopy_rounds": 2}``, ``transfer={"store": ...}``)."""
+
+    def build(src: InferenceSource, path: Path, *, target: str, **sections: dict[str, Any]) -> Path:
+        from gpumigrate.flows.demo import golden_inputs
+
+        argv = ["{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}"]
+        plan: dict[str, Any] = {
+            "version": 1,
+            "workload": {
+                "name": src.name,
+                "kind": "inference",
+                "source_host": src.host.name,
+                "endpoint": src.endpoint,
+                "agent": src.agent,
+                "source_region": "local-a",
+                "launch": {"argv": [*argv, "--name", "{name}", *src.args]},
+            },
+            "target": {"provider": "local", "region": "local-b", "host": target},
+            "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+            "snapshot": {"precopy_rounds": 1},
+            "transfer": {"store": "file://store", "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
+            "parity": {
+                "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
+                "request": {
+                    "path": "/v1/generate",
+                    "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
+                },
+                "atol": 1e-4,
+                "rtol": 1e-3,
+            },
+            "traffic": {
+                "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
+                "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
+                "analysis_interval_s": 0.5,
+                "rollback_window_s": 0,
+            },
+        }
+        for section, keys in sections.items():
+            plan[section] = {**plan.get(section, {}), **keys}
+        path.write_text(yaml.safe_dump(plan, sort_keys=False))
+        return path
+
+    return build

@@ -128,6 +128,7 @@ class FakeBackend:
 
     name = "fake"
     live_rounds = True
+    preloads = False  # the pre-loaded target is tested through the real agent (tests/flows/test_preload.py)
 
     def check(self) -> dict[str, Any]:
         self.steps.append("check")
@@ -155,8 +156,8 @@ class FakeBackend:
         self.steps.append("retire")
         return {"zeroized_bytes": 4096, "verified": True}
 
-    def preload(self, image: ImageRef) -> None:
-        self.steps.append(f"preload {image.id}")
+    def preload(self, image: ImageRef) -> Restored:
+        raise AssertionError("preload is called only on a backend that preloads")
 
     def restore(self, image: ImageRef | None) -> Restored:
         self.steps.append(f"restore {image.id if image else None}")
