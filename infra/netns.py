@@ -10,6 +10,7 @@ Needs root and iproute2; :func:`available` says whether this machine can.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -61,6 +62,16 @@ def _run(*argv: str, ns: str | None = None) -> None:
         raise ProviderError(f"{' '.join(cmd)} failed: {out.stderr.strip() or out.stdout.strip()}")
 
 
+def _skip_dad(dev: str, ns: str | None = None) -> None:
+    """No IPv6 duplicate-address detection on a link we just made (nothing else can hold its addresses).
+
+    Otherwise its link-local address stays "tentative" for a second or so after the link comes up, and UCX
+    (nixl://), which enumerates every interface when its agent starts, failed on a receiver started in that
+    window. Hosts without IPv6 have nothing to turn off."""
+    with contextlib.suppress(ProviderError):
+        _run("sysctl", "-qw", f"net.ipv6.conf.{dev}.accept_dad=0", ns=ns)
+
+
 def exists(ns: str) -> bool:
     return os.path.exists(f"/var/run/netns/{ns}")
 
@@ -97,6 +108,8 @@ def create(host_id: str, index: int, *, rate: str | None = None, delay: str | No
         _run("ip", "netns", "add", link.ns)
         _run("ip", "link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if)
         _run("ip", "link", "set", link.ns_if, "netns", link.ns)
+        _skip_dad(link.host_if)
+        _skip_dad(link.ns_if, ns=link.ns)
         _run("ip", "addr", "add", f"{link.host_ip}/24", "dev", link.host_if)
         _run("ip", "link", "set", link.host_if, "up")
         _run("ip", "link", "set", "lo", "up", ns=link.ns)
