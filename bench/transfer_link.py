@@ -538,7 +538,7 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
                 continue
             by_kernel[kind] = [timed(hash_all) for _ in range(reps)]
         os.environ["GPUMIGRATE_BLAKE3_LEAF"] = chosen
-    address = json.loads(target.stdout.readline())["address"]  # type: ignore[union-attr]
+    address = _json_line(target.stdout, "address")["address"]
     sender = DeviceSender(address, {"state": src}, control_key=key)
     sender.expect({"state": ids})
     first_pass = timed(lambda: sender.send_all(batch=batch))
@@ -555,13 +555,40 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
 
     raw = [timed(raw_write) for _ in range(reps)]
     check = [timed(check_only) for _ in range(reps)]
+    pulled: dict[int, list[float]] = {}
+    pull_error = None
+    try:
+        sender.pull_all(batch=batches[0])  # warm-up: the offer, the target's first READs
+        pulled = {b: [timed(lambda b=b: sender.pull_all(batch=b)) for _ in range(reps)] for b in batches}
+    except Exception as exc:  # noqa: BLE001 - recorded in the result; the other figures still stand
+        pull_error = f"{type(exc).__name__}: {exc}"
+    lent: dict[int, list[float]] = {}
+    lend_error = None
+    if device != "cpu":
+        try:
+            sender.lend_all(batch=batches[0])  # warm-up: opening the handles, compiling the copy kernel
+            lent = {b: [timed(lambda b=b: sender.lend_all(batch=b)) for _ in range(reps)] for b in batches}
+        except Exception as exc:  # noqa: BLE001 - recorded in the result; the other figures still stand
+            lend_error = f"{type(exc).__name__}: {exc}"
     print(
-        json.dumps({"verified_s": verified, "raw_s": raw, "check_s": check, "hash_s": hash_s, "by_kernel": by_kernel}),
+        json.dumps(
+            {
+                "lent_s": lent,
+                "lend_error": lend_error,
+                "pulled_s": pulled,
+                "pull_error": pull_error,
+                "verified_s": verified,
+                "raw_s": raw,
+                "check_s": check,
+                "hash_s": hash_s,
+                "by_kernel": by_kernel,
+            }
+        ),
         file=sys.stderr,
         flush=True,
     )
     sender.close()
-    landing = json.loads(target.stdout.readline())  # type: ignore[union-attr]
+    landing = _json_line(target.stdout, "chunks_verified")
     target.wait(timeout=60)
     scratch = torch.empty_like(src)
 
@@ -572,7 +599,6 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
     one_process = lambda: _copy_and_hash_one_process(src, scratch, chunk, batch, hasher)  # noqa: E731
     overlap = [timed(one_process) for _ in range(reps)] if device != "cpu" else []
     fused_one: list[float] = []
-    ipc: dict[str, Any] = {}
     if device != "cpu":
         from gpumigrate.transfer.devhash import blake3_copy_chunks
 
@@ -582,10 +608,6 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
 
         fused()
         fused_one = [timed(fused) for _ in range(reps)]
-        try:
-            ipc = _ipc_fused(src, ids, chunk, batch, reps)
-        except Exception as exc:  # noqa: BLE001 - recorded; the other figures stand
-            ipc = {"error": f"{type(exc).__name__}: {exc}"}
     gbps = lambda secs: round(nbytes / min(secs) / 1e9, 1)  # noqa: E731
     return {
         "bench": "transfer_link",
@@ -598,13 +620,19 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
         "includes": "nixl_verified: every chunk WRITTEN by NIXL into the other process's tensor (cuda_ipc), then its "
         "BLAKE3 computed on the device by the target and compared with the manifest's id, the check of "
         "one batch overlapping the WRITE of the next, until the target acknowledged the last batch; "
-        "ipc_fused_landing_verified (a comparison, not a transport of the product): the target opens the "
-        "source's tensor through CUDA IPC and copies it with a kernel that hashes every word it stores, "
-        "comparing with the manifest's ids on the device, timed in the target; "
+        "nixl_pull_verified: the same chunks READ by the target itself from the source's tensor (cuda_ipc), "
+        "each batch hashed and compared on the device while the next READ moves, from the source's request "
+        "to the target's reply that every chunk verified (failed chunks read again); "
+        "cuda_ipc_copy_kernel_verified: the target copies the chunks itself out of the source's tensor, opened "
+        "through CUDA IPC (handles sent over the signed channel), with one kernel that copies a block of chunks "
+        "and hashes it where it landed, each id compared with the manifest's on the device, from the source's "
+        "request to the target's reply that every chunk verified; "
         "best of reps after one warm-up pass",
         "leaf_kernel": os.environ.get("GPUMIGRATE_BLAKE3_LEAF", "default"),
         "GBps": {
             **{f"nixl_verified_batch{b}": gbps(v) for b, v in verified.items()},
+            **{f"nixl_pull_verified_batch{b}": gbps(v) for b, v in pulled.items()},
+            **{f"cuda_ipc_copy_kernel_verified_batch{b}": gbps(v) for b, v in lent.items()},
             "nixl_write_unverified": gbps(raw),
             "target_check_alone": gbps(check),
             "plain_device_copy": gbps(copy),
@@ -612,11 +640,12 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
             **{f"blake3_leaf_{kind}_alone": gbps(v) for kind, v in by_kernel.items()},
             "copy_and_hash_overlapped_in_one_process": gbps(overlap) if overlap else None,
             "fused_copy_and_hash_one_process": gbps(fused_one) if fused_one else None,
-            "ipc_fused_landing_verified": gbps(ipc["seconds"]) if ipc.get("seconds") else None,
             "first_pass_verified": round(nbytes / first_pass / 1e9, 1),
         },
         "seconds": {
             **{f"nixl_verified_batch{b}": v for b, v in verified.items()},
+            **{f"nixl_pull_verified_batch{b}": v for b, v in pulled.items()},
+            **{f"cuda_ipc_copy_kernel_verified_batch{b}": v for b, v in lent.items()},
             "nixl_write_unverified": raw,
             "target_check_alone": check,
             "plain_device_copy": copy,
@@ -625,68 +654,24 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
         },
         "landing": landing,
         "leaf_kernels_that_disagreed": wrong,
-        "ipc_fused_landing": ipc,
-        "vs_plain_copy": round(min(copy) / min(min(v) for v in verified.values()), 3),
+        "pull_error": pull_error,
+        "lend_error": lend_error,
+        "vs_plain_copy": round(
+            min(copy) / min(min(v) for v in [*verified.values(), *pulled.values(), *lent.values()]), 3
+        ),
         "targets": {"nixl_verified_GBps": ">= 700"},
     }
 
 
-def _ipc_target() -> None:
-    """A landing of our own for comparison: opens the source's tensor through CUDA IPC (torch's sharing of a
-    CUDA tensor) and copies it into its own tensor with the fused copy-and-hash kernel, batch by batch,
-    comparing each chunk's BLAKE3 with the manifest's id on the device. Timed here, from the first kernel to
-    the verdict on the host."""
-    import base64
-    import pickle
-
-    import torch
-
-    from gpumigrate.transfer.devhash import blake3_copy_chunks, warm
-    from gpumigrate.transfer.nixl_device import ids_to_words
-
-    job = json.loads(sys.stdin.readline())
-    rebuild, args = pickle.loads(base64.b64decode(job["handle"]))  # noqa: S301 - our own parent process's tensor
-    src = rebuild(*args)
-    chunk, batch = int(job["chunk"]), int(job["batch"])
-    dst = torch.empty_like(src)
-    want = ids_to_words(job["ids"], src.device)
-    warm(src.device)
-    blake3_copy_chunks(src[: chunk * 2], dst[: chunk * 2], chunk)
-    step = batch * chunk
-    times, ok = [], True
-    for _ in range(int(job["reps"])):
-        dst.zero_()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        bad = torch.zeros((), dtype=torch.bool, device=src.device)
-        for start in range(0, src.numel(), step):
-            words = blake3_copy_chunks(src[start : start + step], dst[start : start + step], chunk)
-            first = start // chunk
-            bad |= (words != want[first : first + words.shape[0]]).any()
-        ok = ok and not bool(bad)  # the one wait for the device
-        times.append(time.perf_counter() - t0)
-    ok = ok and torch.equal(src, dst)
-    print(json.dumps({"seconds": times, "all_verified": ok}), flush=True)
-
-
-def _ipc_fused(src: Any, ids: list[str], chunk: int, batch: int, reps: int) -> dict[str, Any]:
-    import base64
-    import pickle
-
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    target = subprocess.Popen(
-        [sys.executable, __file__, "ipc-target"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    job = {
-        "handle": base64.b64encode(pickle.dumps(reduce_tensor(src))).decode(),
-        "chunk": chunk,
-        "batch": batch,
-        "ids": ids,
-        "reps": reps,
-    }
-    out, _ = target.communicate(json.dumps(job) + "\n", timeout=120)
-    return json.loads(out.strip().splitlines()[-1])
+def _json_line(stream: Any, key: str) -> dict[str, Any]:
+    """The next line of a child's stdout that is a JSON object with ``key`` (libraries may print there too)."""
+    for line in stream:
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                found = json.loads(line)
+                if key in found:
+                    return dict(found)
+    raise SystemExit(f"the landing process ended without printing its {key}")
 
 
 def _cpu_ids(src: Any, chunk: int) -> list[str]:
@@ -725,9 +710,6 @@ def main(argv: list[str]) -> None:
 
     if len(argv) == 2 and argv[0] == "FORWARD":
         forward(float(argv[1]) / 1000.0)
-        return
-    if argv == ["ipc-target"]:
-        _ipc_target()
         return
     if len(argv) == 4 and argv[0] == "gpu-target":
         _gpu_target(int(argv[1]), int(argv[2]), argv[3])

@@ -190,8 +190,8 @@ def _tree(base: torch.Tensor, offsets: torch.Tensor, count: int, size: int, alig
 def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torch.Tensor:
     """Copy ``src`` into ``dst`` and return the BLAKE3 words ``[n, 8]`` of each ``chunk``-byte piece copied.
 
-    One pass: every word is read once from ``src``, stored to ``dst`` and hashed from the same registers,
-    so the hash is of exactly the bytes stored. Both contiguous device uint8 tensors of one size, whole
+    One kernel: each block of leaves is copied, then hashed where it landed (``dst``, through L2), so
+    memory sees one read of the source and one write of the destination. Both contiguous device uint8 tensors of one size, whole
     chunks, 16-byte aligned (``src`` may be another process's memory opened through CUDA IPC).
     """
     n = src.numel() // chunk if chunk else 0
@@ -204,8 +204,15 @@ def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torc
     leaves = chunk // LEAF
     total = n * leaves
     nodes = torch.empty(total * 8, dtype=torch.int32, device=src.device)
-    k.leaf_copy_kernel_v4[(triton_cdiv(total, LEAF_BLOCK),)](
-        src.data_ptr(), dst.data_ptr(), nodes, total, leaves, ROOT if leaves == 1 else 0, BLOCK=LEAF_BLOCK
+    k.leaf_copy_kernel[(triton_cdiv(total, LEAF_BLOCK),)](
+        src.view(torch.int32),
+        dst.view(torch.int32),
+        dst.data_ptr(),
+        nodes,
+        total,
+        leaves,
+        ROOT if leaves == 1 else 0,
+        BLOCK=LEAF_BLOCK,
     )
     return _parents(nodes, n, leaves)
 

@@ -413,47 +413,54 @@ def leaf_kernel_v4(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_inp
 
 
 @triton.jit
-def _st4(addr, keep, a, b, c, d):
-    """Store four 32-bit words at the 16-byte-aligned byte address ``addr`` in one 16-byte store, where ``keep``."""
+def _ld4_landed(addr):
+    """:func:`_ld4` through L2 (``.cg``), not the read-only path: this kernel stored these bytes itself."""
     return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.global.v4.u32 [$1], {$3, $4, $5, $6}; mov.u32 $0, 0; }",
-        "=r,l,r,r,r,r,r",
-        [addr, keep, a, b, c, d],
-        dtype=tl.uint32,
+        "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        [addr],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
         is_pure=False,
         pack=1,
     )
 
 
 @triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
-def leaf_copy_kernel_v4(src_addr, dst_addr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
-    """:func:`leaf_kernel_v4` over contiguous inputs at ``src_addr`` that also stores every word it hashes at
-    ``dst_addr``: a copy whose bytes are hashed on their way, read once from the source."""
-    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def leaf_copy_kernel(
+    src_ptr, dst_ptr, dst_addr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr
+):
+    """Copy ``BLOCK`` leaves from ``src`` to ``dst`` (contiguous inputs), then hash them where they landed.
+
+    Each program first copies its ``BLOCK`` KiB with coalesced 16-byte loads and stores, waits for its
+    threads (a CTA barrier makes their global stores visible to each other), then runs
+    :func:`leaf_kernel_v4`'s hashing over ``dst``, reading through L2 where the copy just put the bytes.
+    Memory sees one read of the source and one write of the destination; a separate copy and check read
+    the destination a second time."""
+    first = tl.program_id(0) * BLOCK
+    words = tl.arange(0, BLOCK * 16)
+    base = first.to(tl.int64) * 256
+    limit = total_leaves.to(tl.int64) * 256
+    for t in range(16):
+        offs = base + t * (BLOCK * 16) + words
+        keep = offs < limit
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=keep), mask=keep)
+    tl.debug_barrier()
+    leaf = first + tl.arange(0, BLOCK)
     mask = leaf < total_leaves
     which = leaf // leaves_per_input
     index = leaf - which * leaves_per_input
-    offset = tl.where(mask, leaf.to(tl.int64) * 1024, 0)
-    src = src_addr + offset
-    dst = dst_addr + offset
+    addr = tl.where(mask, dst_addr + leaf.to(tl.int64) * 1024, dst_addr)
     counter = index.to(tl.uint32)
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
-    sink = tl.zeros([BLOCK], tl.uint32)
     for b in range(16):
         flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
             tl.uint32
         )
-        q = src + b * 64
-        m0, m1, m2, m3 = _ld4(q)
-        m4, m5, m6, m7 = _ld4(q + 16)
-        m8, m9, m10, m11 = _ld4(q + 32)
-        m12, m13, m14, m15 = _ld4(q + 48)
-        w = dst + b * 64
-        keep = mask.to(tl.uint32)  # lanes past the end read the first leaf and store nothing
-        sink |= _st4(w, keep, m0, m1, m2, m3)
-        sink |= _st4(w + 16, keep, m4, m5, m6, m7)
-        sink |= _st4(w + 32, keep, m8, m9, m10, m11)
-        sink |= _st4(w + 48, keep, m12, m13, m14, m15)
+        q = addr + b * 64
+        m0, m1, m2, m3 = _ld4_landed(q)
+        m4, m5, m6, m7 = _ld4_landed(q + 16)
+        m8, m9, m10, m11 = _ld4_landed(q + 32)
+        m12, m13, m14, m15 = _ld4_landed(q + 48)
         c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
             c0,
             c1,
@@ -482,4 +489,4 @@ def leaf_copy_kernel_v4(src_addr, dst_addr, out_ptr, total_leaves, leaves_per_in
             counter,
             flags,
         )
-    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0 | sink, c1, c2, c3, c4, c5, c6, c7)
+    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)

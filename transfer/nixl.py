@@ -31,7 +31,7 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -88,7 +88,7 @@ _UNREGISTERED_TRANSPORTS = frozenset({"tcp", "self"})
 
 
 @contextlib.contextmanager
-def _ucx_environment(transports: str | None) -> Iterator[None]:
+def _ucx_environment(transports: str | None, settings: Mapping[str, str] | None = None) -> Iterator[None]:
     """UCX reads its environment when a backend starts: set it for this agent only.
 
     ``UCX_TLS`` restricts the transports (``tcp``, ``rc,tcp``, …). With ``tcp`` alone, UCX's memory
@@ -96,9 +96,10 @@ def _ucx_environment(transports: str | None) -> Iterator[None]:
     installs them by patching mmap, munmap, mremap, shmat, shmdt, brk, sbrk and madvise in place,
     and waits a grace period after each patch while every thread that calls one of them (a thread
     starting, a large allocation) spins on it: 0.4 s of a push here, for hooks a TCP transport never
-    uses. UCX reads this once per process, when its first backend starts.
+    uses. UCX reads this once per process, when its first backend starts. ``settings``: more UCX
+    variables this agent needs, each unless the caller's environment sets it.
     """
-    wanted: dict[str, str] = {}
+    wanted: dict[str, str] = {k: v for k, v in (settings or {}).items() if k not in os.environ}
     if transports:
         wanted["UCX_TLS"] = transports
         if {
@@ -149,13 +150,20 @@ def _paced_progress_thread() -> Iterator[None]:
             _api.nixlBind.nixlAgentConfig = base
 
 
-def make_agent(role: str, *, transports: str | None = None, backends: tuple[str, ...] = ("UCX",)) -> Any:
-    """A NIXL agent with a unique name, usable from several threads at once."""
+def make_agent(
+    role: str,
+    *,
+    transports: str | None = None,
+    backends: tuple[str, ...] = ("UCX",),
+    ucx_settings: Mapping[str, str] | None = None,
+) -> Any:
+    """A NIXL agent with a unique name, usable from several threads at once (``ucx_settings``: see
+    :func:`_ucx_environment`)."""
     nixl = load_nixl()
     name = f"gm-{role}-{os.getpid()}-{secrets.token_hex(4)}"
     config = nixl.nixl_agent_config(backends=list(backends), sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
     try:
-        with _ucx_environment(transports), _paced_progress_thread():
+        with _ucx_environment(transports, ucx_settings), _paced_progress_thread():
             agent = nixl.nixl_agent(name, config)
     except Exception as exc:
         raise NixlUnavailableError(

@@ -1,16 +1,26 @@
-"""Tensors WRITTEN by NIXL straight into the target's tensors, each chunk's BLAKE3 checked where it landed.
+"""Tensors moved straight into the target's tensors on one host, each chunk's BLAKE3 checked where it landed.
 
-For two processes on one GPU host (UCX picks ``cuda_ipc``: a device-to-device copy, no host
-bounce). The target (:class:`DeviceLanding`) registers its destination tensors and serves a small
-control channel: JSON lines over TCP, every request signed with the control key and every reply
-signed and bound to it (``gpumigrate.control``, channel ``receiver``). The source
-(:class:`DeviceSender`) asks for the target's agent metadata and tensor addresses (``open``), names
-the chunk ids the bytes must hash to (``expect``: from the image's signed manifest), WRITEs chunk
-ranges, and after each WRITE is DONE sends ``landed``; the target hashes those chunks on the
-device (``hasher``: the BLAKE3 kernels) and answers which ones failed, so the source sends them
-again. The next WRITE overlaps the target's check of the last one on the host side; on the GPU the
-two processes' work takes turns (no MPS), so a verified transfer costs the copy plus the hashing, and
-few large WRITEs cost least (bench/transfer_link.py gpu reports each batch size).
+For two processes on one GPU host. The target (:class:`DeviceLanding`) holds its destination
+tensors and serves a small control channel: JSON lines over TCP, every request signed with the
+control key and every reply signed and bound to it (``gpumigrate.control``, channel ``receiver``).
+The source (:class:`DeviceSender`) names the chunk ids the bytes must hash to (``expect``: from the
+image's signed manifest; or the target is given them itself), then moves them one of three ways:
+
+* ``send_all``: the source WRITEs chunk ranges with NIXL (UCX picks ``cuda_ipc``: device to device,
+  no host bounce) and after each WRITE sends ``landed``; the target hashes those chunks on the
+  device (``hasher``: the BLAKE3 kernels) and answers which ones failed, which the source sends
+  again. The two processes' work takes turns on the GPU (no MPS), so this costs the copy plus the
+  check; few large WRITEs cost least.
+* ``pull_all``: the source ``offer``s its agent metadata and addresses, and the target READs with
+  NIXL, checking each batch while its next READ moves (one process: the two can run side by side).
+  UCX leaves cuda_ipc READs off on GPUs without NVLink; the agents here turn them on (``LANDING_UCX``).
+* ``lend_all``: the source sends its tensors' CUDA IPC handles (PyTorch's sharing of CUDA tensors)
+  and the target copies them itself with the kernel that copies a block of chunks and hashes it
+  where it landed (``devhash.blake3_copy_chunks``): one pass over memory instead of two. Device
+  memory only.
+
+All three check every chunk on the target and name the ones that still fail after their retries.
+TRANSPORTS.md compares them (bench/transfer_link.py gpu).
 
 Inside one host the chunks move as plaintext, unsealed: the copy never leaves the GPU's memory,
 and both processes, the driver and the host OS are already trusted with the plaintext (the
@@ -42,6 +52,10 @@ from gpumigrate.transfer.stream import CHANNEL, parse_listen
 Hasher = Callable[[Any, int], Any]
 MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
 log = logging.getLogger(__name__)
+READ_TIMEOUT_S = 60.0  # one READ of a batch; a transfer that stalls fails instead of hanging its source
+# UCX leaves cuda_ipc GETs off ("auto") on GPUs without NVLink, where it found concurrent reads slow;
+# between two processes on one GPU its READs then took a path through the host at 0.4 GB/s (H100).
+LANDING_UCX = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def cpu_hasher(block: Any, chunk: int) -> Any:
@@ -72,6 +86,53 @@ def _flat(tensor: Any) -> Any:
 
 def _chunks(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(o, min(chunk_size, nbytes - o)) for o in range(0, nbytes, chunk_size)]
+
+
+def _ucx_for(tensors: Any) -> dict[str, str] | None:
+    """LANDING_UCX where device memory moves; nothing on host memory (UCX warns, on stdout, about a
+    variable of a transport it did not load)."""
+    return LANDING_UCX if any(t.is_cuda for t in tensors) else None
+
+
+def _lend_spec(flat: Any) -> dict[str, Any]:
+    """A device tensor's CUDA IPC handle and place, as plain fields (PyTorch's own sharing of CUDA tensors)."""
+    if not flat.is_cuda:
+        raise InvalidInputError("lend_all needs device tensors (CUDA IPC); host memory goes by send_all")
+    device, handle, storage_bytes, storage_offset, ref, ref_offset, event, event_sync = (
+        flat.untyped_storage()._share_cuda_()
+    )
+    b64 = lambda raw: base64.b64encode(bytes(raw)).decode()  # noqa: E731
+    return {
+        "device": int(device),
+        "handle": b64(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref": b64(ref),
+        "ref_offset": int(ref_offset),
+        "event": b64(event),
+        "event_sync": bool(event_sync),
+        "offset": int(flat.storage_offset()),
+        "nbytes": int(flat.numel()),
+    }
+
+
+def _open_lent(spec: Mapping[str, Any]) -> Any:
+    """The source's tensor from :func:`_lend_spec`, mapped into this process (as PyTorch rebuilds a shared one)."""
+    import torch
+
+    raw = lambda key: base64.b64decode(str(spec[key]))  # noqa: E731
+    storage = torch.UntypedStorage._new_shared_cuda(
+        int(spec["device"]),
+        raw("handle"),
+        int(spec["storage_bytes"]),
+        int(spec["storage_offset"]),
+        raw("ref"),
+        int(spec["ref_offset"]),
+        raw("event"),
+        bool(spec["event_sync"]),
+    )
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
+    return torch._utils._rebuild_tensor(typed, int(spec["offset"]), (int(spec["nbytes"]),), (1,))
 
 
 class _Channel:
@@ -131,12 +192,13 @@ class DeviceLanding:
         self.chunk_size = chunk_size
         self.key = control_key
         self.hasher = hasher or cpu_hasher
-        self.agent = make_agent("land", transports=transports)
+        self.agent = make_agent("land", transports=transports, ucx_settings=_ucx_for(self.regions.values()))
         self._reg = self.agent.register_memory(list(self.regions.values()))
         self._expected: dict[str, Any] = {}
         if expected is not None:
             self._expect(expected)
         self.result = LandingResult()
+        self._pull_lists: dict[str, tuple[Any, Any, int]] = {}
         self._done = threading.Event()
         self._guard = control.ReplayGuard()
         host, port = parse_listen(listen)
@@ -197,12 +259,165 @@ class DeviceLanding:
             return {"ok": True}
         if op == "landed":
             return {"bad": self._verify(str(body["region"]), int(body["first"]), int(body["count"]))}
+        if op == "lend":
+            return self._lend(body)
+        if op == "offer":
+            return self._accept_offer(body)
+        if op == "pull":
+            return self._pull(max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2))))
         if op == "done":  # the end of one pass; the counts are cumulative over the connection
             return {"ok": True, **self.result.__dict__}
         return {"error": f"unknown op {str(op)[:20]!r}"}
 
-    def _verify(self, name: str, first: int, count: int) -> list[int]:
-        """Hash chunks ``first .. first+count-1`` of a region where they landed; return the failing indices."""
+    def _lend(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Copy every region out of the source's own memory, opened through CUDA IPC, and check it on the way.
+
+        On one GPU the copy kernel of ``devhash.blake3_copy_chunks`` copies a block of chunks and hashes it
+        where it landed in one pass over memory: a NIXL WRITE then a check read the destination twice, and
+        the two processes' kernels take turns on the device. A shorter last chunk, or memory the kernel
+        cannot take, is copied plainly and checked by the landing's hasher. Chunks that fail are copied
+        again, ``retries`` times at most; the reply names those that still fail."""
+        import torch
+
+        from gpumigrate.transfer import devhash
+
+        batch, retries = max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2)))
+        try:
+            lent = {name: _open_lent(spec) for name, spec in dict(body["regions"]).items()}
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            return {"error": f"cannot open the lent memory ({type(exc).__name__}: {str(exc)[:120]})"}
+        size = self.chunk_size
+        for name, region in self.regions.items():
+            src = lent.get(name)
+            if src is None or src.numel() != region.numel() or not region.is_cuda:
+                return {
+                    "error": f"region {name}: the source lent {0 if src is None else src.numel()} bytes of device memory, {region.numel()} here"
+                }
+        failed: list[tuple[str, int]] = []
+        for name, region in self.regions.items():
+            src, n = lent[name], region.numel()
+            whole = n // size
+            fused = (
+                devhash.available(region.device)
+                and size % 1024 == 0
+                and src.data_ptr() % 16 == 0
+                and region.data_ptr() % 16 == 0
+            )
+            for first in range(0, whole, batch):
+                a, b = first * size, min(first + batch, whole) * size
+                words = devhash.blake3_copy_chunks(src[a:b], region[a:b], size) if fused else None
+                if words is None:
+                    region[a:b].copy_(src[a:b])
+                failed += [(name, i) for i in self._verify(name, first, b // size - first, whole_words=words)]
+            if n > whole * size:
+                region[whole * size :].copy_(src[whole * size :])
+                failed += [(name, i) for i in self._verify(name, whole, 1)]
+        resent = 0
+        for _ in range(retries):
+            if not failed:
+                break
+            resent += len(failed)
+            again: list[tuple[str, int]] = []
+            for name, i in failed:
+                a, b = i * size, min((i + 1) * size, self.regions[name].numel())
+                self.regions[name][a:b].copy_(lent[name][a:b])
+                again += [(name, j) for j in self._verify(name, i, 1)]
+            failed = again
+        torch.cuda.synchronize()
+        del lent
+        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
+        return {"bad": [f"{name}[{i}]" for name, i in failed], "chunks_resent": resent}
+
+    def _accept_offer(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The source's agent and tensor addresses, for READs this side drives (:meth:`_pull`)."""
+        try:
+            self.agent.add_remote_agent(base64.b64decode(str(body["metadata"])))
+            remote, mem, offered = str(body["agent"]), str(body["mem"]), body["regions"]
+            lists = {}
+            for name, region in self.regions.items():
+                addr, nbytes, dev = offered[name]
+                if int(nbytes) != region.numel():
+                    return {"error": f"region {name}: {region.numel()} bytes here, {nbytes} at the source"}
+                spans = _chunks(region.numel(), self.chunk_size)
+                here = [(region.data_ptr() + o, n, max(region.get_device(), 0)) for o, n in spans]
+                there = [(int(addr) + o, n, int(dev)) for o, n in spans]
+                lists[name] = (
+                    self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", here, "VRAM" if region.is_cuda else "DRAM"),
+                    self.agent.prep_xfer_dlist(remote, there, mem),
+                    len(spans),
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            return {"error": f"a malformed offer ({type(exc).__name__}: {str(exc)[:80]})"}
+        self._pull_lists = lists
+        return {"ok": True}
+
+    def _pull(self, batch: int, retries: int) -> dict[str, Any]:
+        """READ every chunk from the source, ``batch`` chunks per READ, and check each batch while the next moves.
+
+        The copy (UCX's stream) and the BLAKE3 kernels (a stream of this process) run side by side on the
+        GPU because both belong to this process; when the source WRITEs, the two processes' work takes
+        turns on the device. Chunks that fail are read again, ``retries`` times at most; the reply names
+        those that still fail."""
+        if not self._pull_lists:
+            return {"error": "nothing offered yet: the source sends 'offer' before 'pull'"}
+        failed: list[tuple[str, int]] = []
+        resent = 0
+        with self._hash_stream():
+            for name, (local, remote, n) in self._pull_lists.items():
+                spans = [(i, min(batch, n - i)) for i in range(0, n, batch)]
+                pending: tuple[Any, str, float] | None = self._read(local, remote, spans[0])
+                for k, (first, count) in enumerate(spans):
+                    self._finish(pending, name, first, count)
+                    pending = self._read(local, remote, spans[k + 1]) if k + 1 < len(spans) else None
+                    failed += [(name, i) for i in self._verify(name, first, count)]  # beside the next READ
+            for _ in range(retries):
+                if not failed:
+                    break
+                resent += len(failed)
+                again: list[tuple[str, int]] = []
+                for name, i in failed:
+                    local, remote, _ = self._pull_lists[name]
+                    self._finish(self._read(local, remote, (i, 1)), name, i, 1)
+                    again += [(name, j) for j in self._verify(name, i, 1)]
+                failed = again
+        return {"bad": [f"{name}[{i}]" for name, i in failed], "chunks_resent": resent}
+
+    def _hash_stream(self) -> Any:
+        """A CUDA stream of this process for the checks, or nothing to switch for host memory."""
+        region = next(iter(self.regions.values()))
+        if not region.is_cuda:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(torch.cuda.Stream(device=region.device))
+
+    def _read(self, local: Any, remote: Any, span: tuple[int, int]) -> tuple[Any, str, float]:
+        indices = list(range(span[0], span[0] + span[1]))
+        handle = self.agent.make_prepped_xfer("READ", local, indices, remote, indices)
+        return handle, self.agent.transfer(handle), time.monotonic()
+
+    def _finish(self, pending: tuple[Any, str, float] | None, name: str, first: int, count: int) -> None:
+        """Wait for one READ; a READ that neither completes nor fails within READ_TIMEOUT_S is an error."""
+        if pending is None:
+            return
+        handle, state, posted = pending
+        try:
+            while state == "PROC":
+                if time.monotonic() - posted > READ_TIMEOUT_S:
+                    raise TransferError(
+                        f"NIXL READ of {name}[{first}:{first + count}] still pending after {READ_TIMEOUT_S} s"
+                    )
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            handle.release()
+        if state != "DONE":
+            raise TransferError(f"NIXL READ of {name}[{first}:{first + count}] failed ({state})")
+
+    def _verify(self, name: str, first: int, count: int, whole_words: Any = None) -> list[int]:
+        """Hash chunks ``first .. first+count-1`` of a region where they landed; return the failing indices.
+
+        ``whole_words``: the full-size chunks' words already computed where they landed (the copy kernel of
+        :meth:`_lend`), so only the comparison is left."""
         region, want = self.regions[name], self._expected.get(name)
         if want is None:
             raise IntegrityError(f"no expected ids for region {name!r}: nothing landed there can be trusted")
@@ -212,7 +427,9 @@ class DeviceLanding:
         t0 = time.perf_counter()
         words = []
         if whole > first:
-            words.append(self._hash(region[first * size : whole * size], size))
+            words.append(
+                whole_words if whole_words is not None else self._hash(region[first * size : whole * size], size)
+            )
         if end > whole:
             tail = region[whole * size : n]
             words.append(self._hash(tail, tail.numel()))
@@ -255,7 +472,7 @@ class DeviceSender:
         host, port = parse_listen(address)
         self.key = control_key
         self.tensors = {name: _flat(t) for name, t in tensors.items()}
-        self.agent = make_agent("push", transports=transports)
+        self.agent = make_agent("push", transports=transports, ucx_settings=_ucx_for(self.tensors.values()))
         self._reg = self.agent.register_memory(list(self.tensors.values()))
         try:
             sock = socket.create_connection((host, port), timeout=30)
@@ -264,6 +481,7 @@ class DeviceSender:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.channel = _Channel(sock, control_key)
         self._waiting: list[tuple[str, str]] = []  # (nonce, region) of ``landed`` notices whose replies are unread
+        self._offered = False  # the target holds this side's agent and addresses (pull_all)
         offer = self.call({"op": "open"})
         self.chunk_size = int(offer["chunk_size"])
         self.remote = offer["agent"]
@@ -353,6 +571,49 @@ class DeviceSender:
             resent += len(failed)
             todo = [(name, i, 1) for name, i in failed]
         raise IntegrityError(f"{len(todo)} chunks still failed their BLAKE3 check after {retries} resends")
+
+    def lend_all(self, *, batch: int = 4096, retries: int = 2, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Every chunk of every region, copied by the target itself out of this process's memory (CUDA IPC
+        handles sent over the signed channel) and checked as it lands (:meth:`DeviceLanding._lend`). One GPU
+        host only; the tensors stay alive and unchanged until this returns."""
+        specs = {name: _lend_spec(t) for name, t in self.tensors.items()}
+        self.channel.sock.settimeout(timeout_s)  # the reply comes when every chunk moved and verified
+        try:
+            reply = self.call({"op": "lend", "regions": specs, "batch": batch, "retries": retries})
+        finally:
+            self.channel.sock.settimeout(30)
+        if reply["bad"]:
+            raise IntegrityError(
+                f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} copies: "
+                + ", ".join(reply["bad"][:5])
+            )
+        return {**self.call({"op": "done"}), "chunks_resent": reply["chunks_resent"]}
+
+    def pull_all(self, *, batch: int = 256, retries: int = 2, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Every chunk of every region, READ by the target itself (``batch`` chunks per READ) and checked
+        there while its next READ moves; chunks that fail are read again (:meth:`DeviceLanding._pull`)."""
+        if not self._offered:
+            self.call(
+                {
+                    "op": "offer",
+                    "agent": self.agent.name,
+                    "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                    "mem": "VRAM" if next(iter(self.tensors.values())).is_cuda else "DRAM",
+                    "regions": {n: [t.data_ptr(), t.numel(), max(t.get_device(), 0)] for n, t in self.tensors.items()},
+                }
+            )
+            self._offered = True
+        self.channel.sock.settimeout(timeout_s)  # the reply comes when every chunk moved and verified
+        try:
+            reply = self.call({"op": "pull", "batch": batch, "retries": retries})
+        finally:
+            self.channel.sock.settimeout(30)
+        if reply["bad"]:
+            raise IntegrityError(
+                f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} re-reads: "
+                + ", ".join(reply["bad"][:5])
+            )
+        return {**self.call({"op": "done"}), "chunks_resent": reply["chunks_resent"]}
 
     def _reply_one(self) -> list[tuple[str, int]]:
         nonce, name = self._waiting.pop(0)
