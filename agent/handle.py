@@ -193,6 +193,7 @@ def attach_items(
             agent.close()
             raise _address_error(host, port, exc) from None
         _current = Handle(agent, gate, server, name=name, training=training)
+        images.warm_device_kernels(distributed.cuda_devices({k: t for i in items for k, t in i.tensors().items()}))
         return _current
 
 
