@@ -88,6 +88,38 @@ def _chunks(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(o, min(chunk_size, nbytes - o)) for o in range(0, nbytes, chunk_size)]
 
 
+def _describe(agent: Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """What the other side needs to move bytes to or from ``tensors``: this agent and the tensors' addresses."""
+    return {
+        "agent": agent.name,
+        "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+        "mem": "VRAM" if next(iter(tensors.values())).is_cuda else "DRAM",
+        "regions": {n: [t.data_ptr(), t.numel(), max(t.get_device(), 0)] for n, t in tensors.items()},
+    }
+
+
+def _pair_lists(
+    agent: Any, tensors: Mapping[str, Any], other: Mapping[str, Any], chunk_size: int, side: str
+) -> dict[str, tuple[Any, Any, int]]:
+    """Chunk by chunk, each local tensor beside the other side's (its :func:`_describe`): the prepared
+    descriptor lists of a WRITE or a READ, and the chunk count, by region name."""
+    agent.add_remote_agent(base64.b64decode(str(other["metadata"])))
+    lists = {}
+    for name, t in tensors.items():
+        addr, nbytes, dev = other["regions"][name]
+        if int(nbytes) != t.numel():
+            raise InvalidInputError(f"region {name}: {t.numel()} bytes here, {nbytes} at the {side}")
+        spans = _chunks(t.numel(), chunk_size)
+        here = [(t.data_ptr() + o, n, max(t.get_device(), 0)) for o, n in spans]
+        there = [(int(addr) + o, n, int(dev)) for o, n in spans]
+        lists[name] = (
+            agent.prep_xfer_dlist("NIXL_INIT_AGENT", here, "VRAM" if t.is_cuda else "DRAM"),
+            agent.prep_xfer_dlist(str(other["agent"]), there, str(other["mem"])),
+            len(spans),
+        )
+    return lists
+
+
 def _ucx_for(tensors: Any) -> dict[str, str] | None:
     """LANDING_UCX where device memory moves; nothing on host memory (UCX warns, on stdout, about a
     variable of a transport it did not load)."""
@@ -247,13 +279,7 @@ class DeviceLanding:
     def _handle(self, body: Mapping[str, Any]) -> dict[str, Any]:
         op = body.get("op")
         if op == "open":
-            return {
-                "agent": self.agent.name,
-                "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "mem": "VRAM" if next(iter(self.regions.values())).is_cuda else "DRAM",
-                "chunk_size": self.chunk_size,
-                "regions": {n: [t.data_ptr(), t.numel(), max(t.get_device(), 0)] for n, t in self.regions.items()},
-            }
+            return {**_describe(self.agent, self.regions), "chunk_size": self.chunk_size}
         if op == "expect":
             self._expect(body["ids"])
             return {"ok": True}
@@ -331,24 +357,11 @@ class DeviceLanding:
     def _accept_offer(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The source's agent and tensor addresses, for READs this side drives (:meth:`_pull`)."""
         try:
-            self.agent.add_remote_agent(base64.b64decode(str(body["metadata"])))
-            remote, mem, offered = str(body["agent"]), str(body["mem"]), body["regions"]
-            lists = {}
-            for name, region in self.regions.items():
-                addr, nbytes, dev = offered[name]
-                if int(nbytes) != region.numel():
-                    return {"error": f"region {name}: {region.numel()} bytes here, {nbytes} at the source"}
-                spans = _chunks(region.numel(), self.chunk_size)
-                here = [(region.data_ptr() + o, n, max(region.get_device(), 0)) for o, n in spans]
-                there = [(int(addr) + o, n, int(dev)) for o, n in spans]
-                lists[name] = (
-                    self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", here, "VRAM" if region.is_cuda else "DRAM"),
-                    self.agent.prep_xfer_dlist(remote, there, mem),
-                    len(spans),
-                )
+            self._pull_lists = _pair_lists(self.agent, self.regions, body, self.chunk_size, "source")
+        except InvalidInputError as exc:
+            return {"error": exc.message}
         except (KeyError, TypeError, ValueError) as exc:
             return {"error": f"a malformed offer ({type(exc).__name__}: {str(exc)[:80]})"}
-        self._pull_lists = lists
         return {"ok": True}
 
     def _pull(self, batch: int, retries: int) -> dict[str, Any]:
@@ -485,21 +498,7 @@ class DeviceSender:
         offer = self.call({"op": "open"})
         self.chunk_size = int(offer["chunk_size"])
         self.remote = offer["agent"]
-        self.agent.add_remote_agent(base64.b64decode(offer["metadata"]))
-        self._lists: dict[str, tuple[Any, Any, int]] = {}
-        for name, t in self.tensors.items():
-            addr, nbytes, dev = offer["regions"][name]
-            if nbytes != t.numel():
-                raise InvalidInputError(f"region {name}: {t.numel()} bytes here, {nbytes} at the target")
-            spans = _chunks(nbytes, self.chunk_size)
-            mem = "VRAM" if t.is_cuda else "DRAM"
-            here = [(t.data_ptr() + o, n, max(t.get_device(), 0)) for o, n in spans]
-            there = [(int(addr) + o, n, int(dev)) for o, n in spans]
-            self._lists[name] = (
-                self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", here, mem),
-                self.agent.prep_xfer_dlist(self.remote, there, offer["mem"]),
-                len(spans),
-            )
+        self._lists = _pair_lists(self.agent, self.tensors, offer, self.chunk_size, "target")
 
     def _post(self, body: Mapping[str, Any]) -> str:
         request = control.sign_request(self.key, CHANNEL, body)
@@ -577,40 +576,29 @@ class DeviceSender:
         handles sent over the signed channel) and checked as it lands (:meth:`DeviceLanding._lend`). One GPU
         host only; the tensors stay alive and unchanged until this returns."""
         specs = {name: _lend_spec(t) for name, t in self.tensors.items()}
-        self.channel.sock.settimeout(timeout_s)  # the reply comes when every chunk moved and verified
-        try:
-            reply = self.call({"op": "lend", "regions": specs, "batch": batch, "retries": retries})
-        finally:
-            self.channel.sock.settimeout(30)
-        if reply["bad"]:
-            raise IntegrityError(
-                f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} copies: "
-                + ", ".join(reply["bad"][:5])
-            )
-        return {**self.call({"op": "done"}), "chunks_resent": reply["chunks_resent"]}
+        return self._landing_pass({"op": "lend", "regions": specs}, batch, retries, timeout_s, "copies")
 
     def pull_all(self, *, batch: int = 256, retries: int = 2, timeout_s: float = 300.0) -> dict[str, Any]:
         """Every chunk of every region, READ by the target itself (``batch`` chunks per READ) and checked
         there while its next READ moves; chunks that fail are read again (:meth:`DeviceLanding._pull`)."""
         if not self._offered:
-            self.call(
-                {
-                    "op": "offer",
-                    "agent": self.agent.name,
-                    "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                    "mem": "VRAM" if next(iter(self.tensors.values())).is_cuda else "DRAM",
-                    "regions": {n: [t.data_ptr(), t.numel(), max(t.get_device(), 0)] for n, t in self.tensors.items()},
-                }
-            )
+            self.call({"op": "offer", **_describe(self.agent, self.tensors)})
             self._offered = True
-        self.channel.sock.settimeout(timeout_s)  # the reply comes when every chunk moved and verified
+        return self._landing_pass({"op": "pull"}, batch, retries, timeout_s, "re-reads")
+
+    def _landing_pass(
+        self, request: Mapping[str, Any], batch: int, retries: int, timeout_s: float, again: str
+    ) -> dict[str, Any]:
+        """One pass the target drives (``lend`` or ``pull``): its reply comes when every chunk moved and was
+        checked; chunks that still fail after ``retries`` ``again`` are an IntegrityError."""
+        self.channel.sock.settimeout(timeout_s)
         try:
-            reply = self.call({"op": "pull", "batch": batch, "retries": retries})
+            reply = self.call({**request, "batch": batch, "retries": retries})
         finally:
             self.channel.sock.settimeout(30)
         if reply["bad"]:
             raise IntegrityError(
-                f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} re-reads: "
+                f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} {again}: "
                 + ", ".join(reply["bad"][:5])
             )
         return {**self.call({"op": "done"}), "chunks_resent": reply["chunks_resent"]}
