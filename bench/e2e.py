@@ -127,8 +127,11 @@ def bootstrap(provider: LocalProvider, host: Host, launch: WorkloadLaunch) -> Wo
 
 
 # --------------------------------------------------------------------------- one migration
-def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, Any]:
-    """Source → image in ``store_dir`` → pre-loaded target → stop-and-copy → ready, timed and checked."""
+def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from: str = "store") -> dict[str, Any]:
+    """Source → image in ``store_dir`` → pre-loaded target → stop-and-copy → ready, timed and checked.
+
+    ``restore_from="source"``: the target's loads copy the source's tensors out of its memory (``transfer.restore_from:
+    source``, snapshot/fill.py), each chunk checked against the image; the image is still written."""
     shutil.rmtree(store_dir, ignore_errors=True)
     store = f"file://{store_dir}"
     env = {"GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb), "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
@@ -138,7 +141,7 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, 
     hosts = [provision(provider, "e2e-source"), provision(provider, "e2e-target")]
     source: Workload | None = None
     target: Workload | None = None
-    out: dict[str, Any] = {"store": store, "codec": codec}
+    out: dict[str, Any] = {"store": store, "codec": codec, "restore_from": restore_from}
     try:
         t0 = time.perf_counter()
         source = bootstrap(provider, hosts[0], workload_launch(args, env, await_restore=False))
@@ -165,8 +168,11 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, 
             "(GPU planes where nvCOMP is present, else the CPU byte-plane coder), AES-256-GCM, file:// store writes, "
             "signed manifest; timed at the orchestrator around the agent call, while the target starts",
         }
+        fill = {"source": source.agent.address} if restore_from == "source" else {}
         t0 = time.perf_counter()
-        pre1 = target.agent.call("restore", store=store, image_id=round1["image"]["id"], key_ref=key_ref, ready=False)
+        pre1 = target.agent.call(
+            "restore", store=store, image_id=round1["image"]["id"], key_ref=key_ref, ready=False, **fill
+        )
         restore_s = time.perf_counter() - t0
         out["restore"] = {
             "bytes": int(pre1["bytes_loaded"]),
@@ -174,11 +180,20 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, 
             "GBps": gbps(int(pre1["bytes_loaded"]), restore_s),
             "agent_seconds": round(float(pre1["seconds"]), 3),
             "includes": "pre-load of round 1 into the cold target: manifest signature, store reads, AES-256-GCM open, "
-            "decode (GPU or CPU), host→device copies, BLAKE3 of every chunk where it landed; timed around the call",
+            "decode (GPU or CPU), host→device copies, BLAKE3 of every chunk where it landed; timed around the call"
+            if not fill
+            else "pre-load of round 1 into the cold target, filled from the source's memory: manifest signature, "
+            "the source's lend over the agent channel (CUDA IPC handles on a GPU, NIXL READs for host memory), the "
+            "copy, BLAKE3 of every chunk where it landed against the manifest (blobs read from the store); timed "
+            "around the call",
+            "from_source": pre1.get("from_source"),
+            "agent_phases": pre1.get("phases"),
         }
         source.generate()
         round2 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
-        pre2 = target.agent.call("restore", store=store, image_id=round2["image"]["id"], key_ref=key_ref, ready=False)
+        pre2 = target.agent.call(
+            "restore", store=store, image_id=round2["image"]["id"], key_ref=key_ref, ready=False, **fill
+        )
         out["round2"] = {"stats": round2["stats"], "preload_seconds": round(float(pre2["seconds"]), 4)}
         source.generate()  # the mutable state is dirty again: the final round ships it
         t_freeze = time.perf_counter()
@@ -186,7 +201,9 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, 
         t_frozen = time.perf_counter()
         final = source.agent.call("final", store=store, key_ref=key_ref, options=options)
         t_final = time.perf_counter()
-        done = target.agent.call("restore", store=store, image_id=final["image"]["id"], key_ref=key_ref, ready=True)
+        done = target.agent.call(
+            "restore", store=store, image_id=final["image"]["id"], key_ref=key_ref, ready=True, **fill
+        )
         t_ready = time.perf_counter()
         out["total_migration_s"] = round(t_ready - t_migration, 3)
         out["downtime"] = {
@@ -197,6 +214,8 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str) -> dict[str, 
             "final_stats": final["stats"],
             "restore_chunks_loaded": done["chunks_loaded"],
             "restore_bytes_loaded": done["bytes_loaded"],
+            "restore_from_source": done.get("from_source"),
+            "restore_agent_phases": done.get("phases"),
             "includes": "freeze (request safe point) → final round (fingerprint all, ship the dirty set: the mutable "
             "state) → target restore of the changed chunks → ready; two processes, agent calls over TCP",
         }
@@ -364,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mutable-mb", type=float, default=None, help="state each request changes (256 on a GPU)")
     p.add_argument("--chunk-mb", type=int, default=16)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
-    p.add_argument("--runs", default="shm:auto,disk:auto,shm:cpu", help="STORE:CODEC pairs, comma-separated")
+    p.add_argument(
+        "--runs",
+        default="shm:auto,disk:auto,shm:cpu",
+        help="STORE:CODEC[:source] runs, comma-separated (:source fills the target from the source's memory)",
+    )
     p.add_argument("--root", default=None, help="disk directory for the 'disk' store and logs (default: a temp dir)")
     p.add_argument("--workers", type=int, default=None, help="writer parallelism option (default: cores)")
     p.add_argument("--no-driver", dest="driver", action="store_false", help="skip the CUDA driver checkpoint")
@@ -377,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available()
     if args.smoke:
-        args.device, args.runs, args.driver, args.baselines = "cpu", "disk:auto", False, False
+        args.device, args.runs, args.driver, args.baselines = "cpu", "disk:auto,disk:auto:source", False, False
     args.device = args.device or ("cuda" if cuda else "cpu")
     gpu = args.device.startswith("cuda")
     args.gb = args.gb if args.gb is not None else (16.0 if gpu else 0.03)
@@ -407,11 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         out["line_rate_pinned_d2h_GBps"] = line_rate(args.device)
     try:
         for spec in args.runs.split(","):
-            where, codec = spec.split(":")
+            where, codec, *fill = spec.split(":")
             base = shm / f"gm-e2e-{os.getpid()}" if where == "shm" else root / "disk"
             log(f"migration {spec} ...")
             try:
-                out["runs"][spec] = migrate(args, base / "store", codec)
+                out["runs"][spec] = migrate(args, base / "store", codec, "source" if fill == ["source"] else "store")
             except Exception as exc:
                 out["runs"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
@@ -435,9 +458,14 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     print(text)
     if args.smoke:
-        run = next(iter(out["runs"].values()))
-        ok = "error" not in run and all(run["bit_identical"].values()) and run["same_answer"]
-        return 0 if ok and run["target_ready_endpoint"] else 1
+        ok = all(
+            "error" not in run
+            and all(run["bit_identical"].values())
+            and run["same_answer"]
+            and run["target_ready_endpoint"]
+            for run in out["runs"].values()
+        )
+        return 0 if ok else 1
     return 0
 
 

@@ -218,6 +218,7 @@ class RunContext:
             target_host=host.name if host else None,
             target_agent=rt.target_agent,
             target_store=rt.target_store,
+            fill_from_source=plan.transfer.restore_from == "source",
             target_dir=str(Path(host.workdir or self.migration.dir) / "criu-restore") if host else None,
             target_pid=rt.target_pid,
             target_pid_start=rt.target_pid_start,

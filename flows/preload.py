@@ -120,6 +120,7 @@ def preload(ctx: RunContext, backend: SnapshotBackend, image: ImageRef, *, round
             "chunks_skipped": loaded.chunks_skipped,
             "seconds": round(seconds, 3),
             "load_seconds": round(loaded.seconds, 3),
+            **_from_source(loaded),
         },
     )
     return loaded
@@ -168,4 +169,10 @@ def final_load(ctx: RunContext, backend: SnapshotBackend, restored: Restored) ->
         "chunks_loaded": restored.chunks_loaded,
         "chunks_skipped": restored.chunks_skipped,
         "seconds": round(restored.seconds, 3),
+        **_from_source(restored),
     }
+
+
+def _from_source(restored: Restored) -> dict[str, Any]:
+    """How much of a load the source's memory filled (``transfer.restore_from: source``), and how."""
+    return {"from_source": dict(restored.from_source)} if restored.from_source else {}

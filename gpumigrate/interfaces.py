@@ -233,6 +233,7 @@ class Restored:
     pid: int | None = None  # the process the restore started (CRIU), where it started one
     pid_start: int | None = None  # when it started (clock ticks since boot): with pid, one process, never a reused pid
     environment: Mapping[str, Any] = field(default_factory=dict)  # what the environment policy checked
+    from_source: Mapping[str, Any] = field(default_factory=dict)  # a fill from the source's memory: way, chunks
 
 
 @runtime_checkable

@@ -403,6 +403,12 @@ class Transfer(_Model):
     encryption_key: KeyRef | None = None
     parallelism: Annotated[int, Field(ge=1, le=64)] = 4
     store_region: str | None = Field(default=None, description="Region of the store (bucket) for residency checks.")
+    restore_from: Literal["store", "source"] = Field(
+        default="store",
+        description="store: the target loads the image from the store. source (agent backend, a local target on the "
+        "source's host): the target copies the source's tensors straight out of its memory (CUDA IPC on a GPU, "
+        "NIXL for host memory), each chunk checked against the image's signed manifest; the image is still written.",
+    )
 
     @field_validator("store")
     @classmethod
@@ -550,6 +556,13 @@ class Plan(_Model):
             raise ValueError(
                 "target.bootstrap.image_key_secret is needed: the target must read the image key "
                 "(transfer.encryption_key) from a secrets manager to restore the image"
+            )
+        if self.transfer.restore_from == "source" and (
+            self.snapshot.backend != "agent" or self.target.provider != "local"
+        ):
+            raise ValueError(
+                "transfer.restore_from: source needs snapshot.backend agent and a local target on the source's host "
+                "(the target copies the source's memory); use store to load the image from the store"
             )
         if _ON_TARGET_RE.match(self.transfer.store) and self.target.provider != "local":
             raise ValueError(

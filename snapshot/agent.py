@@ -44,6 +44,7 @@ from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks, unchanged_by_hash
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
+from gpumigrate.snapshot.fill import Filler, Run, runs_of, slices
 from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
 from gpumigrate.snapshot.ranks import RankGroup
@@ -83,9 +84,11 @@ class Agent:
         workers: int = 4,
         streams: int = 2,
         group: RankGroup | None = None,
+        filler: Filler | None = None,
     ) -> None:
         self.writer_factory = writer_factory
         self.reader_factory = reader_factory
+        self.filler = filler  # a restore filled straight from the source's memory (fill.py), and its lending
         self.freezer = freezer  # the workload's safe point: freeze() waits for it, resume() reopens it
         self.set_ready = set_ready
         self.workers = workers
@@ -438,13 +441,19 @@ class Agent:
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
         rank: int | None = None,
+        source: str | None = None,
+        control_key: bytes | None = None,
     ) -> dict[str, Any]:
         """Load a verified image into the tracked state; with ``ready`` report ready afterwards.
 
         ``ready=False`` pre-loads a pre-copy image while the source still serves; the next restore
         then loads only chunks whose ids changed (the target has not served, so nothing else did).
-        A world image restores rank ``rank``'s part (default: this process's rank).
+        A world image restores rank ``rank``'s part (default: this process's rank). ``source``: the
+        source agent's address on this host; its tensors' chunks are then copied out of its memory and
+        checked against the image's ids (``fill.py``), and only blobs are read from the image.
         """
+        if source is not None and (self.filler is None or control_key is None):
+            raise SnapshotError("this agent cannot fill from the source: the workload did not wire the transfer engine")
         with self._lock:
             t0 = time.perf_counter()
             reader = rank_reader(reader, rank, self._rank_id() if self.group is not None else None)
@@ -457,6 +466,7 @@ class Agent:
             table: dict[str, list[str]] = {k: list(v) for k, v in meta["chunks"].items()}
             targets = self._targets(regions, meta)
             jobs_by_device: dict[str, list[Job]] = {}
+            from_source: list[tuple[str, int]] = []  # chunks the source's memory fills
             skipped = 0
             for name, dst in targets.items():
                 view = byte_view(dst)
@@ -479,19 +489,30 @@ class Agent:
                     if have is not None and have[i] == table[name][i]:
                         skipped += 1
                         continue
+                    if source is not None and regions[name].kind != "blob":  # a blob is re-serialized at each read
+                        from_source.append((name, i))
+                        continue
                     jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, view[i * cs : (i + 1) * cs]))
             self._loaded = {}  # unknown until this load completes
             if self.set_ready is not None:
                 self.set_ready(False)
             self.ready = False
+            marks = {"checked": time.perf_counter()}
             loaded = 0
             for device, jobs in jobs_by_device.items():
                 loaded += self._pipeline(torch.device(device), cs).restore(reader, jobs)
+            marks["store"] = time.perf_counter()
+            filled: dict[str, Any] = {}
+            if from_source:
+                assert source is not None and control_key is not None
+                moved, filled = self._fill(reader, source, targets, from_source, table, cs, control_key)
+                loaded += moved
+            marks["fill"] = time.perf_counter()
             for item in self.items:
                 mine = {k: v for k, v in targets.items() if _owned(item, k)}
                 item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, mine)
             self._loaded = (
-                {} if ready else {k: (targets[k].data_ptr(), ids) for k, ids in table.items() if k in targets}
+                {} if ready else {k: (targets[k].data_ptr(), list(ids)) for k, ids in table.items() if k in targets}
             )
             self._loaded_cs = cs
             self.last_image = reader.ref
@@ -503,13 +524,51 @@ class Agent:
             return {
                 "image": reader.ref.id,
                 "bytes_loaded": loaded,
-                "chunks_loaded": sum(len(j) for j in jobs_by_device.values()),
+                "chunks_loaded": sum(len(j) for j in jobs_by_device.values()) + len(from_source),
                 "chunks_skipped": skipped,
                 "ready": ready,
                 "seconds": time.perf_counter() - t0,
+                # where the seconds went: reading and checking the manifest against the model, chunks read from
+                # the image, chunks filled from the source, then the items' own restore hooks
+                "phases": {
+                    "check": round(marks["checked"] - t0, 4),
+                    "from_image": round(marks["store"] - marks["checked"], 4),
+                    "from_source": round(marks["fill"] - marks["store"], 4),
+                    "after": round(time.perf_counter() - marks["fill"], 4),
+                },
                 "environment": env,
+                **({"from_source": filled} if filled else {}),
                 **({"world": reader.source()} if isinstance(reader, RankView) else {}),
             }
+
+    def _fill(
+        self,
+        reader: ImageReader,
+        source: str,
+        targets: Mapping[str, torch.Tensor],
+        chunks: Sequence[tuple[str, int]],
+        table: Mapping[str, Sequence[str]],
+        cs: int,
+        control_key: bytes,
+    ) -> tuple[int, dict[str, Any]]:
+        """``chunks`` copied out of the source's memory (``fill.py``), each checked against ``table``; those the
+        source changed since its image (a KV cache that serves on) are read from the image instead."""
+        assert self.filler is not None
+        views = {k: byte_view(v) for k, v in targets.items()}
+        landed = self.filler.land(source, views, runs_of(chunks), table, cs, control_key=control_key)
+        again: dict[str, list[Job]] = {}
+        for name, i in landed.failed:
+            again.setdefault(str(views[name].device), []).append(Job(name, i, views[name][i * cs : (i + 1) * cs]))
+        moved = landed.bytes_moved - sum(j.data.numel() for jobs in again.values() for j in jobs)
+        for device, jobs in again.items():
+            moved += self._pipeline(torch.device(device), cs).restore(reader, jobs)
+        return moved, {
+            "way": landed.way,
+            "chunks": len(chunks) - len(landed.failed),
+            "chunks_from_image": len(landed.failed),
+            "seconds": round(landed.seconds, 4),
+            "phases": dict(landed.phases),
+        }
 
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
@@ -616,10 +675,31 @@ class Agent:
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
         rank: int | None = None,
+        source: str | None = None,
+        control_key: bytes | None = None,
     ) -> dict[str, Any]:
         if self.reader_factory is None:
             raise SnapshotError("this agent has no image reader: the workload did not wire the transfer engine")
-        return self.restore(self.reader_factory(store, image_id, key_ref), policy=policy, ready=ready, rank=rank)
+        reader = self.reader_factory(store, image_id, key_ref)
+        return self.restore(reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key)
+
+    def lend_to(
+        self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool
+    ) -> dict[str, Any]:
+        """Source: move ``runs`` of the tracked tensors into the target's landing at ``landing`` (``fill.py``).
+
+        The bytes are read as they are now; the target checks each chunk against the image it restores,
+        so a tensor that changed since that image fails there, never silently. Blobs are not lent."""
+        if self.filler is None:
+            raise SnapshotError("this agent cannot lend: the workload did not wire the transfer engine")
+        if chunk_size <= 0 or chunk_size % 8:
+            raise SnapshotError(f"chunk size {chunk_size} is not a positive multiple of 8 bytes")
+        with self._lock:
+            t0 = time.perf_counter()
+            views = {n: byte_view(t) for n, (it, t) in self._live().items() if not isinstance(it, tr.BlobItem)}
+            lent = slices(views, runs, chunk_size)
+            done = self.filler.lend(landing, lent, control_key=control_key, tolerate=tolerate)
+            return {**done, "bytes_lent": sum(v.numel() for v in lent.values()), "seconds": time.perf_counter() - t0}
 
     def compose_world(
         self,

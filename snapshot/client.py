@@ -213,8 +213,11 @@ class AgentClient:
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
         rank: int | None = None,
+        source: str | None = None,
     ) -> Restored:
-        extra = {} if rank is None else {"rank": rank}
+        extra: dict[str, Any] = {} if rank is None else {"rank": rank}
+        if source is not None:  # the target copies the source's tensors from its memory (snapshot/fill.py)
+            extra["source"] = source
         reply = self.call(
             "restore",
             store=store,
@@ -232,6 +235,7 @@ class AgentClient:
             chunks_skipped=int(reply["chunks_skipped"]),
             ready=bool(reply["ready"]),
             environment=dict(reply.get("environment") or {}),
+            from_source=dict(reply.get("from_source") or {}),
         )
 
     def zeroize(self) -> Zeroized:

@@ -25,8 +25,11 @@ from typing import Any
 from gpumigrate import control
 from gpumigrate.errors import GpumigrateError, SnapshotError
 from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.client import parse_address
+from gpumigrate.snapshot.fill import runs_arg
 
 MAX_LINE = 1 << 20
+MAX_CHUNK_SIZE = 256 << 20  # the transfer engine's largest chunk
 CHANNEL = "agent"
 REFUSALS_KEPT = 20
 log = logging.getLogger("gpumigrate.agent")
@@ -103,6 +106,22 @@ def _rank_arg(value: Any) -> int | None:
     return value
 
 
+def _source_arg(value: Any) -> str | None:
+    """An agent's or a landing's ``host:port`` (``source`` of ``restore``, ``landing`` of ``lend``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SnapshotError(f"{str(value)[:40]!r}: an address is HOST:PORT")
+    parse_address(value)
+    return value
+
+
+def _chunk_size_arg(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 8 <= value <= MAX_CHUNK_SIZE or value % 8:
+        raise SnapshotError(f"chunk_size {value!r}: must be a multiple of 8 bytes up to {MAX_CHUNK_SIZE}")
+    return value
+
+
 def _compose(agent: Agent, args: Mapping[str, Any]) -> dict[str, Any]:
     images, ranks, step = args["images"], args["ranks"], args.get("step")
     if not isinstance(images, list) or not images or not all(isinstance(i, str) for i in images):
@@ -154,6 +173,15 @@ def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
             policy=args.get("policy"),
             ready=bool(args.get("ready", True)),
             rank=_rank_arg(args.get("rank")),
+            source=_source_arg(args.get("source")),
+            control_key=server.key,
+        ),
+        "lend": lambda: agent.lend_to(
+            _source_arg(args["landing"]) or "",
+            runs_arg(args["runs"]),
+            _chunk_size_arg(args["chunk_size"]),
+            control_key=server.key,
+            tolerate=bool(args.get("tolerate", False)),
         ),
         "zeroize": agent.zeroize,
     }

@@ -18,6 +18,7 @@ in plain torch (any device, slow): the executable description the tests hold aga
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -33,7 +34,14 @@ _MASK = 0xFFFFFFFF
 
 def available(device: torch.device) -> bool:
     """True where the kernels can run: a CUDA device and Triton importable."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and _triton_present()
+
+
+@functools.cache
+def _triton_present() -> bool:
+    # Asked per chunk by its callers; find_spec searches the import path each time (tens of µs: 1,400 chunks
+    # of a 16 GiB landing spent about 30 ms in it).
+    return importlib.util.find_spec("triton") is not None
 
 
 def eligible(view: torch.Tensor) -> bool:
@@ -237,7 +245,23 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def warm(device: torch.device) -> None:
-    """Compile both kernels now (a second or two, once per process) rather than inside a restore."""
-    probe = torch.zeros(2 * LEAF, dtype=torch.uint8, device=device)
-    blake3_device([probe])
+    """Compile the kernels now (seconds, once per host: Triton caches them on disk) rather than inside a capture
+    or a restore: the hash of a list of views, of a block of chunks, and the copy that hashes where it lands.
+
+    Triton compiles one variant per argument shape (sizes divisible by 16 or not, equal to 1 or not), so
+    each is run at the chunk sizes the transfer engine uses (4 MiB default, 16 MiB on GPUs), one and two
+    chunks at a time, and at a tail of two leaves."""
+    blake3_device([torch.zeros(2 * LEAF, dtype=torch.uint8, device=device)])
+    for chunk in (4 << 20, 16 << 20):
+        probe = torch.zeros(2 * chunk, dtype=torch.uint8, device=device)
+        blake3_device([probe[:chunk], probe[chunk:]])
+        for count in (1, 2):
+            block = probe[: count * chunk]
+            words = blake3_chunks(block, chunk)
+            blake3_copy_chunks(block, torch.empty_like(block), chunk)
+        del probe
+    # The comparison a landing runs on the words (nixl_device): PyTorch loads each of its kernels on first use,
+    # and a fresh target's first restore spent about 40 ms loading these.
+    rows = torch.tensor([1, 0], dtype=torch.int64).to(device)
+    (torch.cat([words[:1], words[1:]]) != words[rows]).any(dim=1).nonzero().flatten().tolist()
     torch.cuda.synchronize(device)

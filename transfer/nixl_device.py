@@ -52,6 +52,8 @@ from gpumigrate.transfer.stream import CHANNEL, parse_listen
 Hasher = Callable[[Any, int], Any]
 MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
 log = logging.getLogger(__name__)
+FUSED_MIN_CHUNKS = 64  # a region this large is copied and hashed in one pass; smaller ones copied, then hashed together
+HASH_GROUP = 256  # chunks per hash launch over plainly copied chunks (its tree's scratch: 32 B per KiB hashed)
 READ_TIMEOUT_S = 60.0  # one READ of a batch; a transfer that stalls fails instead of hanging its source
 # UCX leaves cuda_ipc GETs off ("auto") on GPUs without NVLink, where it found concurrent reads slow;
 # between two processes on one GPU its READs then took a path through the host at 0.4 GB/s (H100).
@@ -193,11 +195,22 @@ class _Channel:
 
 # ----------------------------------------------------------------------------- target
 @dataclass
+class Hashed:
+    """BLAKE3 words ``[n, 8]`` computed where chunks landed, the ``(region, index)`` of each, and their bytes."""
+
+    words: Any
+    keys: list[tuple[str, int]]
+    nbytes: int
+
+
+@dataclass
 class LandingResult:
     chunks_verified: int = 0
     chunks_failed: int = 0
     bytes_verified: int = 0
     seconds_hashing: float = 0.0
+    seconds_opening: float = 0.0  # lend: mapping the source's CUDA IPC handles into this process
+    seconds_passes: float = 0.0  # lend and pull passes, whole (opening, copies, checks, retries, release)
     failures: list[str] = field(default_factory=list)
 
 
@@ -219,17 +232,22 @@ class DeviceLanding:
         expected: Mapping[str, Sequence[str]] | None = None,
         listen: str = "127.0.0.1:0",
         transports: str | None = None,
+        nixl: bool = True,
     ) -> None:
         self.regions = {name: _flat(t) for name, t in regions.items()}
         self.chunk_size = chunk_size
         self.key = control_key
         self.hasher = hasher or cpu_hasher
-        self.agent = make_agent("land", transports=transports, ucx_settings=_ucx_for(self.regions.values()))
-        self._reg = self.agent.register_memory(list(self.regions.values()))
+        # nixl=False: a landing for lend only (CUDA IPC), with no NIXL agent to start (0.1-0.4 s) or memory to register
+        self.agent: Any = (
+            make_agent("land", transports=transports, ucx_settings=_ucx_for(self.regions.values())) if nixl else None
+        )
+        self._reg = self.agent.register_memory(list(self.regions.values())) if self.agent is not None else None
         self._expected: dict[str, Any] = {}
         if expected is not None:
             self._expect(expected)
         self.result = LandingResult()
+        self.last_bad: list[str] = []  # the chunks the last lend or pull left failing, after its retries
         self._pull_lists: dict[str, tuple[Any, Any, int]] = {}
         self._done = threading.Event()
         self._guard = control.ReplayGuard()
@@ -279,18 +297,23 @@ class DeviceLanding:
     def _handle(self, body: Mapping[str, Any]) -> dict[str, Any]:
         op = body.get("op")
         if op == "open":
-            return {**_describe(self.agent, self.regions), "chunk_size": self.chunk_size}
+            described = _describe(self.agent, self.regions) if self.agent is not None else {}
+            return {**described, "chunk_size": self.chunk_size}
         if op == "expect":
             self._expect(body["ids"])
             return {"ok": True}
         if op == "landed":
             return {"bad": self._verify(str(body["region"]), int(body["first"]), int(body["count"]))}
-        if op == "lend":
-            return self._lend(body)
         if op == "offer":
             return self._accept_offer(body)
-        if op == "pull":
-            return self._pull(max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2))))
+        if op in ("lend", "pull"):
+            t0 = time.perf_counter()
+            try:
+                if op == "lend":
+                    return self._lend(body)
+                return self._pull(max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2))))
+            finally:
+                self.result.seconds_passes += time.perf_counter() - t0
         if op == "done":  # the end of one pass; the counts are cumulative over the connection
             return {"ok": True, **self.result.__dict__}
         return {"error": f"unknown op {str(op)[:20]!r}"}
@@ -298,20 +321,25 @@ class DeviceLanding:
     def _lend(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Copy every region out of the source's own memory, opened through CUDA IPC, and check it on the way.
 
-        On one GPU the copy kernel of ``devhash.blake3_copy_chunks`` copies a block of chunks and hashes it
-        where it landed in one pass over memory: a NIXL WRITE then a check read the destination twice, and
-        the two processes' kernels take turns on the device. A shorter last chunk, or memory the kernel
-        cannot take, is copied plainly and checked by the landing's hasher. Chunks that fail are copied
-        again, ``retries`` times at most; the reply names those that still fail."""
+        A large region (``FUSED_MIN_CHUNKS`` whole chunks or more) is copied by the kernel of
+        ``devhash.blake3_copy_chunks``, which copies a block of chunks and hashes it where it landed in one pass
+        over memory (a NIXL WRITE then a check read the destination twice, and the two processes' kernels take
+        turns on the device). A model's many small regions (norms, biases, layers of a few chunks) are copied
+        plainly, one copy each, and every such chunk is then hashed in a few launches over all of them
+        (:meth:`_hash_landed`): a launch chain and a wait per region left the GPU idle (H100, 16 GiB in 480
+        regions: 74 GB/s). All hashes are compared at the end, one wait for the device (:meth:`_compare`).
+        Chunks that fail are copied again, ``retries`` times at most; the reply names those that still fail."""
         import torch
 
         from gpumigrate.transfer import devhash
 
         batch, retries = max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2)))
+        t0 = time.perf_counter()
         try:
             lent = {name: _open_lent(spec) for name, spec in dict(body["regions"]).items()}
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             return {"error": f"cannot open the lent memory ({type(exc).__name__}: {str(exc)[:120]})"}
+        self.result.seconds_opening += time.perf_counter() - t0
         size = self.chunk_size
         for name, region in self.regions.items():
             src = lent.get(name)
@@ -319,25 +347,27 @@ class DeviceLanding:
                 return {
                     "error": f"region {name}: the source lent {0 if src is None else src.numel()} bytes of device memory, {region.numel()} here"
                 }
-        failed: list[tuple[str, int]] = []
+        hashed: list[Hashed] = []  # computed where the chunks landed, compared at the end
+        landed: list[tuple[str, int, Any]] = []  # chunks copied plainly, hashed together: (region, index, view)
         for name, region in self.regions.items():
             src, n = lent[name], region.numel()
             whole = n // size
             fused = (
-                devhash.available(region.device)
+                whole >= FUSED_MIN_CHUNKS
+                and devhash.available(region.device)
                 and size % 1024 == 0
                 and src.data_ptr() % 16 == 0
                 and region.data_ptr() % 16 == 0
             )
-            for first in range(0, whole, batch):
+            rest = whole if fused else 0  # chunks from here on are copied plainly
+            for first in range(0, rest, batch):
                 a, b = first * size, min(first + batch, whole) * size
-                words = devhash.blake3_copy_chunks(src[a:b], region[a:b], size) if fused else None
-                if words is None:
-                    region[a:b].copy_(src[a:b])
-                failed += [(name, i) for i in self._verify(name, first, b // size - first, whole_words=words)]
-            if n > whole * size:
-                region[whole * size :].copy_(src[whole * size :])
-                failed += [(name, i) for i in self._verify(name, whole, 1)]
+                words = devhash.blake3_copy_chunks(src[a:b], region[a:b], size)
+                hashed.append(Hashed(words, [(name, i) for i in range(first, b // size)], b - a))
+            if n > rest * size:
+                region[rest * size :].copy_(src[rest * size :])
+                landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(rest, -(-n // size))]
+        failed = self._compare([*hashed, *self._hash_landed(landed)])
         resent = 0
         for _ in range(retries):
             if not failed:
@@ -352,10 +382,18 @@ class DeviceLanding:
         torch.cuda.synchronize()
         del lent
         torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
-        return {"bad": [f"{name}[{i}]" for name, i in failed], "chunks_resent": resent}
+        return self._passed(failed, resent)
+
+    def _passed(self, failed: list[tuple[str, int]], resent: int) -> dict[str, Any]:
+        """A landing pass's reply; :attr:`last_bad` keeps the chunks that still fail, for the process that owns
+        the landing (a tolerant pass's source does not raise on them)."""
+        self.last_bad = [f"{name}[{i}]" for name, i in failed]
+        return {"bad": self.last_bad, "chunks_resent": resent}
 
     def _accept_offer(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """The source's agent and tensor addresses, for READs this side drives (:meth:`_pull`)."""
+        if self.agent is None:
+            return {"error": "this landing takes lend only (opened without NIXL)"}
         try:
             self._pull_lists = _pair_lists(self.agent, self.regions, body, self.chunk_size, "source")
         except InvalidInputError as exc:
@@ -393,7 +431,7 @@ class DeviceLanding:
                     self._finish(self._read(local, remote, (i, 1)), name, i, 1)
                     again += [(name, j) for j in self._verify(name, i, 1)]
                 failed = again
-        return {"bad": [f"{name}[{i}]" for name, i in failed], "chunks_resent": resent}
+        return self._passed(failed, resent)
 
     def _hash_stream(self) -> Any:
         """A CUDA stream of this process for the checks, or nothing to switch for host memory."""
@@ -426,11 +464,8 @@ class DeviceLanding:
         if state != "DONE":
             raise TransferError(f"NIXL READ of {name}[{first}:{first + count}] failed ({state})")
 
-    def _verify(self, name: str, first: int, count: int, whole_words: Any = None) -> list[int]:
-        """Hash chunks ``first .. first+count-1`` of a region where they landed; return the failing indices.
-
-        ``whole_words``: the full-size chunks' words already computed where they landed (the copy kernel of
-        :meth:`_lend`), so only the comparison is left."""
+    def _verify(self, name: str, first: int, count: int) -> list[int]:
+        """Hash chunks ``first .. first+count-1`` of a region where they landed; return the failing indices."""
         region, want = self.regions[name], self._expected.get(name)
         if want is None:
             raise IntegrityError(f"no expected ids for region {name!r}: nothing landed there can be trusted")
@@ -440,9 +475,7 @@ class DeviceLanding:
         t0 = time.perf_counter()
         words = []
         if whole > first:
-            words.append(
-                whole_words if whole_words is not None else self._hash(region[first * size : whole * size], size)
-            )
+            words.append(self._hash(region[first * size : whole * size], size))
         if end > whole:
             tail = region[whole * size : n]
             words.append(self._hash(tail, tail.numel()))
@@ -458,6 +491,55 @@ class DeviceLanding:
         self.result.failures += [f"{name}[{i}]" for i in bad]
         return bad
 
+    def _hash_landed(self, landed: Sequence[tuple[str, int, Any]]) -> list[Hashed]:
+        """BLAKE3 of chunks copied plainly, ``(region, index, view)``: device chunks of one length in launches of
+        ``HASH_GROUP`` chunks (``devhash.blake3_device`` takes views anywhere in this process's memory), the
+        rest one by one with the landing's hasher."""
+        from gpumigrate.transfer import devhash
+
+        groups: dict[int, list[tuple[str, int, Any]]] = {}
+        out: list[Hashed] = []
+        for name, i, view in landed:
+            if view.is_cuda and devhash.available(view.device) and devhash.eligible(view):
+                groups.setdefault(view.numel(), []).append((name, i, view))
+            else:
+                out.append(Hashed(self._hash(view, view.numel()), [(name, i)], view.numel()))
+        for length, members in groups.items():
+            for k in range(0, len(members), HASH_GROUP):
+                part = members[k : k + HASH_GROUP]
+                words = devhash.blake3_device([view for _, _, view in part])
+                out.append(Hashed(words, [(name, i) for name, i, _ in part], length * len(part)))
+        return out
+
+    def _compare(self, hashed: Sequence[Hashed]) -> list[tuple[str, int]]:
+        """Hashes computed where the chunks landed against the expected ids, all at once: one gather of the
+        expected words and one wait for the device per pass."""
+        if not hashed:
+            return []
+        import torch
+
+        t0 = time.perf_counter()
+        keys = [key for h in hashed for key in h.keys]
+        missing = sorted({name for name, _ in keys} - set(self._expected))
+        if missing:
+            raise IntegrityError(f"no expected ids for region {missing[0]!r}: nothing landed there can be trusted")
+        names = list(self._expected)
+        base, at = {}, 0
+        for name in names:
+            base[name] = at
+            at += len(self._expected[name])
+        expected = torch.cat([self._expected[name] for name in names])
+        rows = torch.tensor([base[name] + i for name, i in keys], dtype=torch.int64).to(expected.device)
+        got = torch.cat([h.words.to(expected.device) for h in hashed])
+        positions = (got != expected[rows]).any(dim=1).nonzero().flatten().tolist()  # the one wait for the device
+        bad = [keys[p] for p in positions]
+        self.result.seconds_hashing += time.perf_counter() - t0
+        self.result.chunks_verified += len(keys) - len(bad)
+        self.result.chunks_failed += len(bad)
+        self.result.bytes_verified += sum(h.nbytes for h in hashed)
+        self.result.failures += [f"{name}[{i}]" for name, i in bad]
+        return bad
+
     def _hash(self, block: Any, chunk: int) -> Any:
         """The device hasher where its kernels apply (whole 1 KiB leaves), else the CPU."""
         return (self.hasher if chunk % 1024 == 0 else cpu_hasher)(block, chunk)
@@ -471,8 +553,9 @@ class DeviceLanding:
         self._done.set()
         with contextlib.suppress(OSError):
             self._sock.close()
-        with contextlib.suppress(Exception):
-            self.agent.deregister_memory(self._reg)
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(self._reg)
 
 
 # ----------------------------------------------------------------------------- source
@@ -480,13 +563,22 @@ class DeviceSender:
     """The source: WRITEs its tensors' chunks into a :class:`DeviceLanding` at ``address`` (host:port)."""
 
     def __init__(
-        self, address: str, tensors: Mapping[str, Any], *, control_key: bytes, transports: str | None = None
+        self,
+        address: str,
+        tensors: Mapping[str, Any],
+        *,
+        control_key: bytes,
+        transports: str | None = None,
+        nixl: bool = True,
     ) -> None:
         host, port = parse_listen(address)
         self.key = control_key
         self.tensors = {name: _flat(t) for name, t in tensors.items()}
-        self.agent = make_agent("push", transports=transports, ucx_settings=_ucx_for(self.tensors.values()))
-        self._reg = self.agent.register_memory(list(self.tensors.values()))
+        # nixl=False: lend_all only (CUDA IPC handles), no NIXL agent
+        self.agent: Any = (
+            make_agent("push", transports=transports, ucx_settings=_ucx_for(self.tensors.values())) if nixl else None
+        )
+        self._reg = self.agent.register_memory(list(self.tensors.values())) if self.agent is not None else None
         try:
             sock = socket.create_connection((host, port), timeout=30)
         except OSError as exc:
@@ -497,8 +589,9 @@ class DeviceSender:
         self._offered = False  # the target holds this side's agent and addresses (pull_all)
         offer = self.call({"op": "open"})
         self.chunk_size = int(offer["chunk_size"])
-        self.remote = offer["agent"]
-        self._lists = _pair_lists(self.agent, self.tensors, offer, self.chunk_size, "target")
+        self.remote = offer.get("agent")
+        both = self.agent is not None and self.remote is not None  # both ends run NIXL: WRITEs and READs can move
+        self._lists = _pair_lists(self.agent, self.tensors, offer, self.chunk_size, "target") if both else {}
 
     def _post(self, body: Mapping[str, Any]) -> str:
         request = control.sign_request(self.key, CHANNEL, body)
@@ -528,6 +621,8 @@ class DeviceSender:
         """WRITE chunks ``first .. first+count-1`` of a region, then announce them (the reply is read later).
 
         ``announce=False`` only copies (a benchmark's baseline: nothing is checked, nothing trusted)."""
+        if not self._lists:
+            raise TransferError("a WRITE needs NIXL at both ends; this transfer was opened for lend_all only")
         local, remote, _ = self._lists[name]
         indices = list(range(first, first + count))
         handle = self.agent.make_prepped_xfer("WRITE", local, indices, remote, indices)
@@ -571,32 +666,42 @@ class DeviceSender:
             todo = [(name, i, 1) for name, i in failed]
         raise IntegrityError(f"{len(todo)} chunks still failed their BLAKE3 check after {retries} resends")
 
-    def lend_all(self, *, batch: int = 4096, retries: int = 2, timeout_s: float = 300.0) -> dict[str, Any]:
+    def lend_all(
+        self, *, batch: int = 4096, retries: int = 2, timeout_s: float = 300.0, tolerate: bool = False
+    ) -> dict[str, Any]:
         """Every chunk of every region, copied by the target itself out of this process's memory (CUDA IPC
         handles sent over the signed channel) and checked as it lands (:meth:`DeviceLanding._lend`). One GPU
         host only; the tensors stay alive and unchanged until this returns."""
+        t0 = time.perf_counter()
         specs = {name: _lend_spec(t) for name, t in self.tensors.items()}
-        return self._landing_pass({"op": "lend", "regions": specs}, batch, retries, timeout_s, "copies")
+        sharing = time.perf_counter() - t0
+        done = self._landing_pass({"op": "lend", "regions": specs}, batch, retries, timeout_s, "copies", tolerate)
+        return {**done, "seconds_sharing": sharing}
 
-    def pull_all(self, *, batch: int = 256, retries: int = 2, timeout_s: float = 300.0) -> dict[str, Any]:
+    def pull_all(
+        self, *, batch: int = 256, retries: int = 2, timeout_s: float = 300.0, tolerate: bool = False
+    ) -> dict[str, Any]:
         """Every chunk of every region, READ by the target itself (``batch`` chunks per READ) and checked
         there while its next READ moves; chunks that fail are read again (:meth:`DeviceLanding._pull`)."""
+        if self.agent is None:
+            raise TransferError("pull_all needs NIXL at the source; this sender was opened for lend_all only")
         if not self._offered:
             self.call({"op": "offer", **_describe(self.agent, self.tensors)})
             self._offered = True
-        return self._landing_pass({"op": "pull"}, batch, retries, timeout_s, "re-reads")
+        return self._landing_pass({"op": "pull"}, batch, retries, timeout_s, "re-reads", tolerate)
 
     def _landing_pass(
-        self, request: Mapping[str, Any], batch: int, retries: int, timeout_s: float, again: str
+        self, request: Mapping[str, Any], batch: int, retries: int, timeout_s: float, again: str, tolerate: bool
     ) -> dict[str, Any]:
         """One pass the target drives (``lend`` or ``pull``): its reply comes when every chunk moved and was
-        checked; chunks that still fail after ``retries`` ``again`` are an IntegrityError."""
+        checked; chunks that still fail after ``retries`` ``again`` are an IntegrityError, unless ``tolerate``
+        (the reply's ``bad`` then names them: a pre-load leaves them to the final load)."""
         self.channel.sock.settimeout(timeout_s)
         try:
             reply = self.call({**request, "batch": batch, "retries": retries})
         finally:
             self.channel.sock.settimeout(30)
-        if reply["bad"]:
+        if reply["bad"] and not tolerate:
             raise IntegrityError(
                 f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} {again}: "
                 + ", ".join(reply["bad"][:5])
@@ -609,5 +714,6 @@ class DeviceSender:
 
     def close(self) -> None:
         self.channel.close()
-        with contextlib.suppress(Exception):
-            self.agent.deregister_memory(self._reg)
+        if self.agent is not None:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(self._reg)

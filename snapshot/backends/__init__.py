@@ -47,6 +47,7 @@ class Setup:
     target_host: str | None = None
     target_agent: str | None = None  # host:port of the target workload's agent (agent)
     target_store: str | None = None  # where the target reads the image (default: the plan's store)
+    fill_from_source: bool = False  # the target copies the source's tensors out of its memory (one host; agent)
     target_dir: str | None = None  # where a host-level backend unpacks the image (on the target host)
     target_pid: int | None = None  # the process a restore started there (CRIU)
     target_pid_start: int | None = None  # its start time (clock ticks): the same process, not a recycled pid

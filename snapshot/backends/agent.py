@@ -77,6 +77,7 @@ class AgentBackend:
                 self.setup.key_ref,
                 policy=self.setup.policy,
                 ready=ready,
+                source=self.setup.source_agent if self.setup.fill_from_source else None,
             )
 
     def preload(self, image: ImageRef) -> Restored:

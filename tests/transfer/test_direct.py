@@ -181,7 +181,8 @@ def test_plane_codec_3_says_what_it_needs_without_a_gpu() -> None:
 
 def test_e2e_smoke_migrates_bit_identical_between_two_processes(tmp_path: Path) -> None:
     """bench/e2e.py --smoke: source and awaiting target processes, agent calls, file:// store, pre-loaded
-    target, stop-and-copy; asserts only that the state came back bit-identical and the target is ready."""
+    target, stop-and-copy, once loading from the store and once filling the target from the source's memory;
+    asserts only that the state came back bit-identical and the target is ready."""
     out = tmp_path / "e2e.json"
     run = subprocess.run(
         [
@@ -199,11 +200,15 @@ def test_e2e_smoke_migrates_bit_identical_between_two_processes(tmp_path: Path) 
     )
     assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
     result = json.loads(out.read_text())
-    (migration,) = result["runs"].values()
-    assert migration["bit_identical"] == {"weights": True, "mutable": True}
-    assert migration["same_answer"] and migration["target_ready_endpoint"]
-    assert migration["downtime"]["restore_chunks_loaded"] >= 1  # the dirty state moved in the final round
-    assert migration["round2"]["stats"]["chunks_dirty"] < migration["round2"]["stats"]["chunks_total"]
+    assert set(result["runs"]) == {"disk:auto", "disk:auto:source"}
+    for migration in result["runs"].values():
+        assert migration["bit_identical"] == {"weights": True, "mutable": True}
+        assert migration["same_answer"] and migration["target_ready_endpoint"]
+        assert migration["downtime"]["restore_chunks_loaded"] >= 1  # the dirty state moved in the final round
+        assert migration["round2"]["stats"]["chunks_dirty"] < migration["round2"]["stats"]["chunks_total"]
+    filled = result["runs"]["disk:auto:source"]
+    assert filled["restore"]["from_source"]["way"] == "pull" and filled["restore"]["from_source"]["chunks"] > 0
+    assert filled["downtime"]["restore_from_source"]["chunks"] >= 1
 
 
 # ---------------------------------------------------------------------------------------------- GPU

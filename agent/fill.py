@@ -1,0 +1,148 @@
+"""The transfer engine's two ends of a fill from the source (``snapshot/fill.py``), wired into the agent.
+
+The target's agent opens a :class:`~gpumigrate.transfer.nixl_device.DeviceLanding` over the slices of
+its own tensors that the restore must fill, with the chunk ids from the image's signed manifest, and
+asks the source's agent (``lend`` on its signed control channel) to move the same slices into it:
+
+* device memory: ``lend_all``. The source sends CUDA IPC handles; the target copies with the kernel that
+  hashes each block of chunks where it landed. No NIXL agent is started on either side.
+* host memory: ``pull_all``. The target READs through NIXL (UCX over shared memory or TCP) and hashes on
+  the CPU. This is how CI runs the whole path.
+
+Both ends use the workload's control key: the landing's channel is signed like the agent's, and a
+landing that anyone else connects to refuses them before the first byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpumigrate.agent.images import wait_for_kernels
+from gpumigrate.errors import GpumigrateError, TransferError
+from gpumigrate.snapshot.client import AgentClient
+from gpumigrate.snapshot.fill import Landed, Run, failed_chunks, slices
+
+LEND_TIMEOUT_S = 600.0  # one fill of the whole state; a stalled source fails it instead of hanging the restore
+RETRIES = 2  # a chunk that fails its check is copied again this often before the fill fails
+
+
+def _way(tensors: Mapping[str, Any]) -> str:
+    """lend for device memory (one GPU host, CUDA IPC), pull for host memory (NIXL); a landing takes one kind."""
+    kinds = {t.is_cuda for t in tensors.values()}
+    if len(kinds) != 1:
+        raise TransferError("one landing moves device or host memory, not both: the target splits its runs by kind")
+    return "lend" if kinds == {True} else "pull"
+
+
+def _hasher(tensors: Mapping[str, Any]) -> Any:
+    from gpumigrate.transfer.nixl_device import cpu_hasher
+
+    first = next(iter(tensors.values()))
+    if not first.is_cuda:
+        return cpu_hasher
+    from gpumigrate.transfer import devhash
+
+    return devhash.blake3_chunks if devhash.available(first.device) else cpu_hasher
+
+
+class SourceFill:
+    """:class:`~gpumigrate.snapshot.fill.Filler` through ``transfer/nixl_device.py``."""
+
+    def land(
+        self,
+        source: str,
+        targets: Mapping[str, Any],
+        runs: Sequence[Run],
+        expected: Mapping[str, Sequence[str]],
+        chunk_size: int,
+        *,
+        control_key: bytes,
+    ) -> Landed:
+        t0 = time.perf_counter()
+        phases: dict[str, float] = {"kernel_compile_wait": wait_for_kernels()}
+        regions = slices(targets, runs, chunk_size)
+        by_way: dict[str, list[Run]] = {}
+        for run in runs:  # one landing per kind of memory: device runs are lent, host runs pulled
+            by_way.setdefault("lend" if regions[run.name].is_cuda else "pull", []).append(run)
+        failed: list[tuple[str, int]] = []
+        for way, part in sorted(by_way.items()):
+            failed += self._land(
+                source, {r.name: regions[r.name] for r in part}, part, expected, chunk_size, way, control_key, phases
+            )
+        return Landed(
+            bytes_moved=sum(v.numel() for v in regions.values()),
+            failed=failed,
+            seconds=time.perf_counter() - t0,
+            way="+".join(sorted(by_way)),
+            phases={k: round(v, 4) for k, v in phases.items()},
+        )
+
+    def _land(
+        self,
+        source: str,
+        regions: Mapping[str, Any],
+        runs: Sequence[Run],
+        expected: Mapping[str, Sequence[str]],
+        chunk_size: int,
+        way: str,
+        control_key: bytes,
+        phases: dict[str, float],
+    ) -> list[tuple[str, int]]:
+        from gpumigrate.transfer.nixl_device import DeviceLanding
+
+        started = time.perf_counter()
+        ids = {run.name: list(expected[run.region][run.first : run.first + run.count]) for run in runs}
+        landing = DeviceLanding(
+            regions,
+            chunk_size=chunk_size,
+            control_key=control_key,
+            hasher=_hasher(regions),
+            expected=ids,
+            nixl=way == "pull",
+        )
+        try:
+            t0 = time.perf_counter()
+            with AgentClient(source, key=control_key, timeout_s=LEND_TIMEOUT_S + 30) as client:
+                lent = client.call(
+                    "lend",
+                    landing=landing.address,
+                    runs=[r.to_json() for r in runs],
+                    chunk_size=chunk_size,
+                    tolerate=True,  # the restore reads what still fails from the image
+                )
+            landing.wait(30)
+            seen = landing.result
+            for phase, seconds in (
+                ("setup", t0 - started),
+                ("source_sharing", float(lent.get("seconds_sharing", 0.0))),
+                ("opening", seen.seconds_opening),
+                ("landing_passes", seen.seconds_passes),
+                ("checking", seen.seconds_hashing),
+                ("call", time.perf_counter() - t0),
+            ):
+                phases[phase] = phases.get(phase, 0.0) + seconds
+        except GpumigrateError as exc:
+            raise TransferError(f"the fill from the source agent at {source} failed: {exc.message}") from None
+        finally:
+            landing.close()
+        return failed_chunks(landing.last_bad, runs)
+
+    def lend(self, landing: str, tensors: Mapping[str, Any], *, control_key: bytes, tolerate: bool) -> dict[str, Any]:
+        from gpumigrate.transfer.nixl_device import DeviceSender
+
+        way = _way(tensors)
+        sender = DeviceSender(landing, tensors, control_key=control_key, nixl=way == "pull")
+        try:
+            if way == "lend":
+                done = sender.lend_all(retries=RETRIES, timeout_s=LEND_TIMEOUT_S, tolerate=tolerate)
+            else:
+                done = sender.pull_all(retries=RETRIES, timeout_s=LEND_TIMEOUT_S, tolerate=tolerate)
+        finally:
+            sender.close()
+        return {
+            "way": way,
+            "chunks_resent": int(done.get("chunks_resent", 0)),
+            "seconds_sharing": float(done.get("seconds_sharing", 0.0)),
+        }

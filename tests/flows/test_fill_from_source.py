@@ -1,0 +1,75 @@
+"""``transfer.restore_from: source`` through ``gpumigrate migrate``: the target copies the source's tensors out of
+its memory (here host memory, so NIXL READs over UCX; on a GPU host CUDA IPC), each chunk checked against the
+image's signed manifest, while the image is still written to the store.
+
+The source serves load throughout and 1 MiB of its state changes with every request (as a KV cache would): the
+chunks that changed since an image fail their check where they land and are read from the image instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+WORKLOAD = "fill-lm"
+SOURCE_ARGS = ("--mutable-mb", "1")
+
+
+def test_a_migration_fills_the_target_from_the_source_memory(
+    inference_source: Any, inference_plan: Any, prefect_api: str, cli_cmd: list[str], tmp_path: Path
+) -> None:
+    from gpumigrate.traffic.loadgen import LoadProcess
+
+    src = inference_source
+    weights = httpx.get(src.endpoint + "/v1/info", timeout=10).json()["weights_digest"]
+    plan = inference_plan(
+        src,
+        tmp_path / "plan.yaml",
+        target="fill-tgt",
+        transfer={
+            "store": "file://store",
+            "encryption_key": {"file": str(src.key_file)},
+            "parallelism": 2,
+            "restore_from": "source",
+        },
+    )
+    mid = "fill-from-source"
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(src.home)}
+    lp = LoadProcess(src.door.url + "/v1/generate", rps=20, seconds=240)
+    try:
+        out = subprocess.run(
+            [*cli_cmd, "migrate", str(plan), "--id", mid, "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+    finally:
+        lp.stop()
+        report = lp.wait(timeout_s=60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "completed", (result["error"], out.stderr[-2000:])
+    assert report.failed == 0, report.errors
+    assert result["parity"]["passed"] is True
+
+    run_dir = src.home / "migrations" / mid
+    records = [json.loads(line) for line in (run_dir / "audit.jsonl").read_text().splitlines()]
+    preloaded = next(r["data"] for r in records if r["event"] == "image.preloaded")
+    restored = next(r["data"] for r in records if r["event"] == "image.restored")
+    committed = next(r["data"] for r in records if r["event"] == "image.committed")
+    # The pre-load moved the tensors from the source's memory (host memory: NIXL READs), each chunk checked.
+    filled = preloaded["from_source"]
+    assert filled["way"] == "pull" and filled["chunks"] > 0, preloaded
+    assert filled["chunks"] + filled["chunks_from_image"] <= preloaded["chunks_loaded"]
+    # The final load: only what the pre-load left, from the source where its bytes still match the image.
+    assert restored["chunks_skipped"] > 0 and restored["bytes_loaded"] < committed["bytes_image"]
+    # The image was still written to the store, and the target's weights are the source's, bit for bit.
+    assert committed["image_id"] and committed["store"].startswith("file://")
+    target = json.loads((run_dir / "state.json").read_text())["runtime"]["target_endpoint"]
+    assert httpx.get(target + "/v1/info", timeout=10).json()["weights_digest"] == weights
