@@ -172,7 +172,7 @@ def _read_ingress(admin: EnvoyAdmin) -> IngressCounters:
 
 class _FiguresSampler:
     """Reads every Envoy's client-listener counters every ``every_s`` on its own thread (each sample a
-    :func:`~gpumigrate.traffic.stats.settled_reading`: two back-to-back reads that agree)."""
+    :func:`~gpumigrate.traffic.stats.settled_reading`, which does not read the unanswered count low)."""
 
     def __init__(self, admin_urls: list[str], every_s: float) -> None:
         self.admins = [EnvoyAdmin(u, timeout_s=max(1.0, every_s * 4)) for u in admin_urls]

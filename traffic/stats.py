@@ -205,22 +205,26 @@ class IngressCounters:
         return self.total - self.completed - self.active
 
 
-def settled_reading(read: Callable[[], IngressCounters], tries: int = 4) -> IngressCounters:
-    """One reading whose count of requests that ended unanswered holds across two back-to-back reads.
+def settled_reading(read: Callable[[], IngressCounters], tries: int = 4, gap_s: float = 0.002) -> IngressCounters:
+    """One reading whose count of requests that ended unanswered does not read low.
 
-    Envoy reads a listener's counters one by one while requests come and go, and counts a request
-    answered a moment before it stops counting it in flight: a read taken in that moment says one
-    request fewer ended unanswered than did (seen in about one read of a hundred at 200 requests/s,
-    always with that request still in flight). Such a reading lasts about a millisecond, so two
-    back-to-back reads that agree give the count, and the later one is returned. Without agreement
-    in ``tries`` reads, the read whose count is the median. A read that raises propagates.
+    Envoy counts a request answered a moment before it stops counting it in flight, and reads a
+    listener's counters one by one: a read in that moment says one request fewer ended unanswered than
+    did (about one read in a hundred at 200 requests/s, now and then across two reads a millisecond
+    apart), always with that request in flight. A read with nothing in flight cannot read low, and is
+    returned at once; otherwise up to ``tries`` reads ``gap_s`` apart, and the one with the highest
+    count (the latest of equals). Reading high would take a request counted arrived and not in flight
+    within one read, which Envoy counts together; no read did in thousands. A read that raises propagates.
     """
-    reads = [read()]
-    while len(reads) < max(2, tries):
-        reads.append(read())
-        if reads[-1].unanswered == reads[-2].unanswered:
-            return reads[-1]
-    return sorted(reads, key=lambda r: r.unanswered)[len(reads) // 2]
+    best = read()
+    for _ in range(tries - 1):
+        if best.active == 0:
+            return best
+        time.sleep(gap_s)
+        cur = read()
+        if cur.active == 0 or cur.unanswered >= best.unanswered:
+            best = cur
+    return best
 
 
 def parse_ingress(stats_json: dict[str, Any], ts: float | None = None) -> IngressCounters:
@@ -271,7 +275,7 @@ class ClientFigures:
     unanswered is read as arrived − answered − in flight. Envoy reads those counters one by one while
     requests come and go, so one read can be off by the few requests that moved during it. Feed
     :func:`settled_reading` samples: the span's first two readings set what ended unanswered before it
-    (the lower of the two), and a reading one fewer there would count a request no client missed. An
+    (the lower of the two), and a reading one low there would count a request no client missed. An
     increase counts only once the next sample confirms it, and each window is judged one sample late.
     Call :meth:`close` after the last sample.
     """
