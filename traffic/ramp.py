@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,11 +38,13 @@ from gpumigrate.traffic.state import StateStore, rollback_to_source, split
 from gpumigrate.traffic.stats import (
     ClientFigures,
     ClusterWindow,
+    IngressCounters,
     StatsSnapshot,
     client_figures,
     merge,
     parse_ingress,
     parse_stats,
+    settled_reading,
     window,
 )
 
@@ -163,8 +166,13 @@ class RampResult:
         }
 
 
+def _read_ingress(admin: EnvoyAdmin) -> IngressCounters:
+    return parse_ingress(admin.ingress_stats(), ts=time.monotonic())
+
+
 class _FiguresSampler:
-    """Reads every Envoy's client-listener counters every ``every_s`` on its own thread."""
+    """Reads every Envoy's client-listener counters every ``every_s`` on its own thread (each sample a
+    :func:`~gpumigrate.traffic.stats.settled_reading`, which does not read the unanswered count low)."""
 
     def __init__(self, admin_urls: list[str], every_s: float) -> None:
         self.admins = [EnvoyAdmin(u, timeout_s=max(1.0, every_s * 4)) for u in admin_urls]
@@ -179,7 +187,7 @@ class _FiguresSampler:
         with self._lock:
             for admin, fig in zip(self.admins, self.figures, strict=True):
                 try:
-                    fig.add(parse_ingress(admin.ingress_stats(), ts=time.monotonic()))
+                    fig.add(settled_reading(partial(_read_ingress, admin)))
                     self.reads += 1
                 except (TrafficError, ValueError):  # a missed read widens one window; the resolution says so
                     continue
