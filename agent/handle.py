@@ -193,7 +193,10 @@ def attach_items(
             agent.close()
             raise _address_error(host, port, exc) from None
         _current = Handle(agent, gate, server, name=name, training=training)
-        images.warm_device_kernels(distributed.cuda_devices({k: t for i in items for k, t in i.tensors().items()}))
+        devices = distributed.cuda_devices({k: t for i in items for k, t in i.tensors().items()})
+        # A target awaiting its restore warms what a restore runs; its first capture, if it ever moves on, compiles
+        # the rest then (warming it now would hold the GIL and the GPU beside the restore it waits for).
+        images.warm_device_kernels(devices, capture=not awaiting_restore())
         return _current
 
 

@@ -85,10 +85,12 @@ class Agent:
         streams: int = 2,
         group: RankGroup | None = None,
         filler: Filler | None = None,
+        warming: Callable[[], bool] | None = None,
     ) -> None:
         self.writer_factory = writer_factory
         self.reader_factory = reader_factory
         self.filler = filler  # a restore filled straight from the source's memory (fill.py), and its lending
+        self.warming = warming  # whether the SDK still compiles the device kernels in the background
         self.freezer = freezer  # the workload's safe point: freeze() waits for it, resume() reopens it
         self.set_ready = set_ready
         self.workers = workers
@@ -191,6 +193,7 @@ class Agent:
             "lease_expiries": self.lease.expiries,
             "fingerprint_collisions": self.fingerprint_collisions,
             "steps": self.freezer.steps if self.freezer is not None else 0,
+            "warming": bool(self.warming()) if self.warming is not None else False,
         }
 
     # ------------------------------------------------------------------ source side

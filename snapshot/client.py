@@ -272,6 +272,7 @@ class AgentInfo:
     lease_expiries: int = 0  # freezes that ended because nobody renewed them
     fingerprint_collisions: int = 0  # chunks the final round's full hash caught
     steps: int = 0  # safe points passed (training steps, or requests)
+    warming: bool = False  # the SDK's background warm-up (kernel compiles) still runs
     auth: Mapping[str, Any] = field(default_factory=dict)  # {"key_id", "refused", "last_refused"}
 
     @classmethod
@@ -288,6 +289,7 @@ class AgentInfo:
             ready=reply.get("ready"),
             rounds=int(reply["rounds"]),
             last_image=reply.get("last_image"),
+            warming=bool(reply.get("warming", False)),
             lease=reply.get("lease"),
             lease_expiries=int(reply.get("lease_expiries") or 0),
             fingerprint_collisions=int(reply.get("fingerprint_collisions") or 0),

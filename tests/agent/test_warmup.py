@@ -1,0 +1,38 @@
+"""The SDK's warm-up at attach: a capture of a probe through the real writer, leaving nothing behind; captures
+and restores wait for it instead of compiling the same kernels beside it."""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def test_the_warm_capture_runs_the_real_writer_and_leaves_no_store_behind(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from gpumigrate.agent import images
+
+    monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "1")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    images._warm_capture(torch.device("cpu"))
+    assert list(scratch.iterdir()) == []  # the probe's store is gone
+
+
+def test_captures_wait_for_the_warm_up_and_say_how_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumigrate.agent import images
+
+    started = threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), time.sleep(0.3)), daemon=True)
+    monkeypatch.setattr(images, "_warming", [thread])
+    thread.start()
+    started.wait()
+    waited = images.wait_for_kernels()
+    assert not thread.is_alive() and waited >= 0.1
+    assert images.wait_for_kernels() < 0.05  # once done, nothing to wait for
