@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -94,8 +95,9 @@ def user(
         source.wait(timeout=30)
 
 
-def _plan(user: User, path: Path) -> Path:
+def _plan(user: User, path: Path, *, restore_from: str = "store") -> Path:
     doc = yaml.safe_load((TRAIN / "plan.yaml").read_text())
+    doc["transfer"]["restore_from"] = restore_from
     doc["workload"]["agent"] = user.agent
     doc["workload"]["launch"].update(
         argv=["{python}", user.script.name], cwd=str(user.script.parent), env={"STEPS": STEPS, "STEP_DELAY_MS": "20"}
@@ -120,8 +122,6 @@ def _control(user: User, tmp_path: Path, steps: int) -> dict[int, float]:
 def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
     user: User, cli_cmd: list[str], tmp_path: Path
 ) -> None:
-    from gpumigrate.snapshot.client import AgentClient
-
     plan = _plan(user, tmp_path / "plan.yaml")
     assert _gm(cli_cmd, user.env, "plan", "validate", str(plan)).returncode == 0
     out = _gm(cli_cmd, user.env, "migrate", str(plan), "--id", "train-1", "--json")
@@ -132,7 +132,6 @@ def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
     assert result["pause_ms"] is not None and result["pause_ms"] > 0
 
     state = json.loads((user.home / "migrations" / "train-1" / "state.json").read_text())
-    cut = state["phases"]["snapshot"]["result"]["freeze_step"]
     assert state["phases"]["snapshot"]["result"]["preloaded"] >= 1  # the target was pre-loaded while it trained
     assert state["phases"]["ramp"]["result"] == {"skipped": "a training job has no clients to shift"}
     audit = [json.loads(x) for x in (user.home / "migrations" / "train-1" / "audit.jsonl").read_text().splitlines()]
@@ -143,7 +142,14 @@ def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
     assert names.count("image.verified") == names.count("image.preloaded") + 1
     assert "image.transferred" not in names
 
-    # The target trains on from the cut; its steps are the control run's, bit for bit.
+    _trains_on_like_the_control_run(user, state, tmp_path)
+
+
+def _trains_on_like_the_control_run(user: User, state: dict[str, Any], tmp_path: Path) -> None:
+    """The target trains on from the cut, its steps the control run's bit for bit; the source stays parked."""
+    from gpumigrate.snapshot.client import AgentClient
+
+    cut = state["phases"]["snapshot"]["result"]["freeze_step"]
     with AgentClient(state["runtime"]["target_agent"], timeout_s=30) as target:
         deadline = time.monotonic() + 120
         while len(got := dict(target.metrics(since=cut).losses)) < 8:
@@ -158,3 +164,28 @@ def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
     assert parked.frozen is True and parked.steps == cut + 5
     before = {s: loss for s, loss in _losses(user.log).items() if s <= cut}
     assert before == {s: control[s] for s in before}
+
+
+@pytest.mark.parametrize("user", ["plain"], indirect=True)
+def test_a_training_loop_filled_from_the_source_memory_trains_on_with_identical_losses(
+    user: User, cli_cmd: list[str], tmp_path: Path
+) -> None:
+    """``transfer.restore_from: source``: every load copies the tensors out of the source's memory (host memory
+    here, NIXL READs), each chunk checked against the image; chunks the source trained on since an image are read
+    from the image. The parameters change at every step, so a pre-load takes many of them from the image; the
+    final restore, from the frozen source, takes them all from its memory."""
+    pytest.importorskip("nixl_cu13")
+    plan = _plan(user, tmp_path / "plan.yaml", restore_from="source")
+    out = _gm(cli_cmd, user.env, "migrate", str(plan), "--id", "train-fill", "--json")
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "completed", result["error"]
+    assert result["parity"] == {"passed": True, "cases": 5, "max_abs_err": 0.0}
+    run_dir = user.home / "migrations" / "train-fill"
+    audit = [json.loads(x) for x in (run_dir / "audit.jsonl").read_text().splitlines()]
+    preloads = [e["data"] for e in audit if e["event"] == "image.preloaded"]
+    restored = next(e["data"] for e in audit if e["event"] == "image.restored")
+    assert preloads and all(p["from_source"]["way"] == "pull" for p in preloads)
+    # Frozen at the cut, the source's tensors are the final image's: none is read from the image then.
+    assert restored["from_source"]["chunks"] > 0 and restored["from_source"]["chunks_from_image"] == 0
+    _trains_on_like_the_control_run(user, json.loads((run_dir / "state.json").read_text()), tmp_path)
