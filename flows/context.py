@@ -76,6 +76,9 @@ class Runtime(BaseModel):
     # source_zeroized and source_retired: the source's state was wiped (or stopped) once the cut-over held.
     source_zeroized: bool = False
     source_retired: bool = False
+    # rollback_refused: an undo found the source gone while the target served, and kept both as they were
+    # (flows/undo.py): the migration is then not "rolled back", whatever asked for the rollback.
+    rollback_refused: bool = False
 
     # -- where the image lands (provision sets them; the snapshot writes, the transfer checks, the undo stops) --
     # image_store is where the source's agent writes its pre-copy rounds and final image: where the target

@@ -46,7 +46,7 @@ from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
 from gpumigrate.flows.report import merge_result, write_outputs
-from gpumigrate.flows.undo import undo_all, undo_source, undo_traffic
+from gpumigrate.flows.undo import rolled_back_or_not, undo_all, undo_source, undo_traffic
 from gpumigrate.infra.launch import answers
 from gpumigrate.result import MigrationResult
 from gpumigrate.state import PHASES
@@ -267,7 +267,9 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
         finalize_task(ctx)
     except PolicyDeniedError as exc:
         # Denied while nothing was frozen or moved (a placement that found no zone undid its launches): exit 2.
-        return ("denied" if m.phase("snapshot").get("status") == "pending" else "rolled_back"), str(exc)
+        if m.phase("snapshot").get("status") == "pending":
+            return "denied", str(exc)
+        return rolled_back_or_not(ctx, "rolled_back", str(exc))
     except (RolledBackError, ParityError) as exc:
         reason = exc.reason if isinstance(exc, RolledBackError) else str(exc)
         detect = exc.seconds_to_detect if isinstance(exc, RolledBackError) else None
@@ -285,13 +287,13 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
                 "actor": requested.get("actor") if trigger != "cancel" else None,
             },
         )
-        return "rolled_back", str(exc)
+        return rolled_back_or_not(ctx, "rolled_back", str(exc))
     except TerminationSignal:  # Prefect's Cancel landed outside a phase (between tasks): it still means roll back
         reason = flowrun.stop_reason()
         flowrun.record_cancel(m, reason, where="between phases")
         flowrun.surviving_cancel(lambda: undo_all(ctx, reason=reason))
         merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": "cancel"})
-        return "rolled_back", f"rolled back: {reason}"
+        return rolled_back_or_not(ctx, "rolled_back", f"rolled back: {reason}")
     except InvalidInputError as exc:
         # Bad input found by preflight (a transport that cannot load, a receiver's certificate, a key
         # that cannot be read) is the plan's fault and nothing was launched: exit 2, like a denial.

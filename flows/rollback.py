@@ -25,7 +25,7 @@ from gpumigrate.flows import flowrun, prefect_artifacts
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.report import build_result, merge_result, write_outputs
-from gpumigrate.flows.undo import undo_all
+from gpumigrate.flows.undo import rolled_back_or_not, undo_all
 from gpumigrate.result import MigrationResult
 
 
@@ -63,10 +63,12 @@ def roll_back_here(ctx: RunContext, *, reason: str, actor: str | None, trigger: 
     """Undo in this process, in order (traffic first), and record the outcome: status, result, audit, report."""
     m = ctx.migration
     undo_all(ctx, reason=reason)
-    m.update(status="rolled_back")
+    status, error = rolled_back_or_not(ctx, "rolled_back", f"rolled back: {reason}")
+    m.update(status=status)
     merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": trigger, "actor": actor})
-    emit(m, "rollback.completed", {"reason": reason[:300], "after": after, "trigger": trigger}, actor=actor)
-    return write_outputs(m, status="rolled_back", error=f"rolled back: {reason}")
+    if status == "rolled_back":
+        emit(m, "rollback.completed", {"reason": reason[:300], "after": after, "trigger": trigger}, actor=actor)
+    return write_outputs(m, status=status, error=error)
 
 
 def rollback_migration(

@@ -115,6 +115,7 @@ def undo_all(ctx: RunContext, *, reason: str) -> None:
     killed during the ramp" cell). Then both stay as they are, and the audit says why."""
     lost = quietly("source check", lambda: _source_lost_target_serves(ctx))
     if lost:
+        quietly("state", lambda: ctx.update(rollback_refused=True))
         quietly(
             "record",
             lambda: emit(
@@ -127,6 +128,20 @@ def undo_all(ctx: RunContext, *, reason: str) -> None:
     undo_traffic(ctx, reason=reason)
     undo_target(ctx, reason=reason)
     undo_source(ctx)
+
+
+NOT_ROLLED_BACK = (
+    "not rolled back: the source no longer answers while the target serves, so the traffic and the target were "
+    "kept as they are (audit: rollback.refused_source_lost); restart the source before a rollback"
+)
+
+
+def rolled_back_or_not(ctx: RunContext, status: str, error: str) -> tuple[str, str]:
+    """``(status, error)`` after an undo: ``failed`` with :data:`NOT_ROLLED_BACK` where the undo refused (a run
+    that reads "rolled back" tells its operator the source serves again, which it does not)."""
+    if status == "rolled_back" and ctx.runtime.rollback_refused:
+        return "failed", f"{error}; {NOT_ROLLED_BACK}"
+    return status, error
 
 
 def _source_lost_target_serves(ctx: RunContext) -> bool:

@@ -24,7 +24,8 @@ from gpumigrate.environment import collect_facts
 from gpumigrate.errors import InvalidInputError, PolicyDeniedError, ResidencyError, RolledBackError, SnapshotError
 from gpumigrate.flows.context import RunContext, Siblings
 from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
-from gpumigrate.flows.undo import undo_all, undo_source
+from gpumigrate.flows.rollback import roll_back_here
+from gpumigrate.flows.undo import rolled_back_or_not, undo_all, undo_source
 from gpumigrate.interfaces import Host, HostSpec, ImageRef, Jurisdiction, Restored, Round, RoundStats
 from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
 from gpumigrate.snapshot.backends import Setup, snapshot_backend
@@ -445,6 +446,13 @@ def test_undo_keeps_the_target_and_its_traffic_when_the_source_is_gone(
     assert StateStore(doors).read().weights == split  # no client is sent to the dead source
     assert "terminate tgt" not in w.provider.calls and not w.ctx.runtime.target_torn_down
     assert "rollback.refused_source_lost" in w.events()
+    # Whatever asked for the rollback, the run does not read "rolled back": the source does not serve again.
+    assert w.ctx.runtime.rollback_refused
+    status, error = rolled_back_or_not(w.ctx, "rolled_back", "ramp gate failed")
+    assert status == "failed" and error.startswith("ramp gate failed; not rolled back: the source no longer answers")
+    result = roll_back_here(w.ctx, reason="operator asked", actor="sre", trigger="manual", after="ramp")
+    assert result.status == "failed" and "not rolled back" in (result.error or "")
+    assert w.ctx.migration.read()["status"] == "failed" and "rollback.completed" not in w.events()
 
 
 def test_undo_never_raises_when_a_step_fails(world: WorldMaker, source: Workload) -> None:
