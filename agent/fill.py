@@ -4,8 +4,8 @@ The target's agent opens a :class:`~gpumigrate.transfer.nixl_device.DeviceLandin
 its own tensors that the restore must fill, with the chunk ids from the image's signed manifest, and
 asks the source's agent (``lend`` on its signed control channel) to move the same slices into it:
 
-* device memory: ``lend_all``. The source sends CUDA IPC handles; the target copies with the kernel that
-  hashes each block of chunks where it landed. No NIXL agent is started on either side.
+* device memory: ``lend_all``. The source sends CUDA IPC handles; the target copies device to device and
+  hashes every chunk where it landed (``DeviceLanding._lend``). No NIXL agent is started on either side.
 * host memory: ``pull_all``. The target READs through NIXL (UCX over shared memory or TCP) and hashes on
   the CPU. This is how CI runs the whole path.
 
@@ -24,8 +24,12 @@ from gpumigrate.errors import GpumigrateError, TransferError
 from gpumigrate.snapshot.client import AgentClient
 from gpumigrate.snapshot.fill import Landed, Run, failed_chunks, slices
 
+# Host memory between two processes of one host: UCX's shared-memory transports carry the bytes, and its TCP
+# (which it needs to wire the two up) listens on loopback only: a fill never leaves the host.
+HOST_TRANSPORTS = "shm,tcp"
+HOST_UCX = {"UCX_NET_DEVICES": "lo"}
 LEND_TIMEOUT_S = 600.0  # one fill of the whole state; a stalled source fails it instead of hanging the restore
-RETRIES = 2  # a chunk that fails its check is copied again this often before the fill fails
+RETRIES = 2  # a chunk that fails its check is copied again this often; then the restore reads it from the image
 
 
 def _way(tensors: Mapping[str, Any]) -> str:
@@ -101,6 +105,8 @@ class SourceFill:
             hasher=_hasher(regions),
             expected=ids,
             nixl=way == "pull",
+            transports=HOST_TRANSPORTS if way == "pull" else None,
+            ucx_settings=HOST_UCX if way == "pull" else None,
         )
         try:
             t0 = time.perf_counter()
@@ -133,7 +139,14 @@ class SourceFill:
         from gpumigrate.transfer.nixl_device import DeviceSender
 
         way = _way(tensors)
-        sender = DeviceSender(landing, tensors, control_key=control_key, nixl=way == "pull")
+        sender = DeviceSender(
+            landing,
+            tensors,
+            control_key=control_key,
+            nixl=way == "pull",
+            transports=HOST_TRANSPORTS if way == "pull" else None,
+            ucx_settings=HOST_UCX if way == "pull" else None,
+        )
         try:
             if way == "lend":
                 done = sender.lend_all(retries=RETRIES, timeout_s=LEND_TIMEOUT_S, tolerate=tolerate)

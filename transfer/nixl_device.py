@@ -122,10 +122,11 @@ def _pair_lists(
     return lists
 
 
-def _ucx_for(tensors: Any) -> dict[str, str] | None:
+def _ucx_for(tensors: Any, extra: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """LANDING_UCX where device memory moves; nothing on host memory (UCX warns, on stdout, about a
-    variable of a transport it did not load)."""
-    return LANDING_UCX if any(t.is_cuda for t in tensors) else None
+    variable of a transport it did not load); then the caller's ``extra`` settings."""
+    wanted = {**(LANDING_UCX if any(t.is_cuda for t in tensors) else {}), **(extra or {})}
+    return wanted or None
 
 
 def _lend_spec(flat: Any) -> dict[str, Any]:
@@ -233,6 +234,7 @@ class DeviceLanding:
         listen: str = "127.0.0.1:0",
         transports: str | None = None,
         nixl: bool = True,
+        ucx_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.regions = {name: _flat(t) for name, t in regions.items()}
         self.chunk_size = chunk_size
@@ -240,7 +242,9 @@ class DeviceLanding:
         self.hasher = hasher or cpu_hasher
         # nixl=False: a landing for lend only (CUDA IPC), with no NIXL agent to start (0.1-0.4 s) or memory to register
         self.agent: Any = (
-            make_agent("land", transports=transports, ucx_settings=_ucx_for(self.regions.values())) if nixl else None
+            make_agent("land", transports=transports, ucx_settings=_ucx_for(self.regions.values(), ucx_settings))
+            if nixl
+            else None
         )
         self._reg = self.agent.register_memory(list(self.regions.values())) if self.agent is not None else None
         self._expected: dict[str, Any] = {}
@@ -570,13 +574,16 @@ class DeviceSender:
         control_key: bytes,
         transports: str | None = None,
         nixl: bool = True,
+        ucx_settings: Mapping[str, str] | None = None,
     ) -> None:
         host, port = parse_listen(address)
         self.key = control_key
         self.tensors = {name: _flat(t) for name, t in tensors.items()}
         # nixl=False: lend_all only (CUDA IPC handles), no NIXL agent
         self.agent: Any = (
-            make_agent("push", transports=transports, ucx_settings=_ucx_for(self.tensors.values())) if nixl else None
+            make_agent("push", transports=transports, ucx_settings=_ucx_for(self.tensors.values(), ucx_settings))
+            if nixl
+            else None
         )
         self._reg = self.agent.register_memory(list(self.tensors.values())) if self.agent is not None else None
         try:
