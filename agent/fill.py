@@ -32,12 +32,27 @@ LEND_TIMEOUT_S = 600.0  # one fill of the whole state; a stalled source fails it
 RETRIES = 2  # a chunk that fails its check is copied again this often; then the restore reads it from the image
 
 
+def _way_of(tensor: Any) -> str:
+    """lend for device memory (one GPU host, CUDA IPC), pull for host memory (NIXL)."""
+    return "lend" if tensor.is_cuda else "pull"
+
+
 def _way(tensors: Mapping[str, Any]) -> str:
-    """lend for device memory (one GPU host, CUDA IPC), pull for host memory (NIXL); a landing takes one kind."""
-    kinds = {t.is_cuda for t in tensors.values()}
-    if len(kinds) != 1:
+    """The one way of a landing's tensors (a landing takes one kind of memory)."""
+    ways = {_way_of(t) for t in tensors.values()}
+    if len(ways) != 1:
         raise TransferError("one landing moves device or host memory, not both: the target splits its runs by kind")
-    return "lend" if kinds == {True} else "pull"
+    return ways.pop()
+
+
+def _transport(way: str) -> dict[str, Any]:
+    """What both ends of a landing open for ``way``: NIXL, on the host's own transports, only to pull."""
+    pull = way == "pull"
+    return {
+        "nixl": pull,
+        "transports": HOST_TRANSPORTS if pull else None,
+        "ucx_settings": HOST_UCX if pull else None,
+    }
 
 
 def _hasher(tensors: Mapping[str, Any]) -> Any:
@@ -69,7 +84,7 @@ class SourceFill:
         regions = slices(targets, runs, chunk_size)
         by_way: dict[str, list[Run]] = {}
         for run in runs:  # one landing per kind of memory: device runs are lent, host runs pulled
-            by_way.setdefault("lend" if regions[run.name].is_cuda else "pull", []).append(run)
+            by_way.setdefault(_way_of(regions[run.name]), []).append(run)
         failed: list[tuple[str, int]] = []
         for way, part in sorted(by_way.items()):
             failed += self._land(
@@ -104,9 +119,7 @@ class SourceFill:
             control_key=control_key,
             hasher=_hasher(regions),
             expected=ids,
-            nixl=way == "pull",
-            transports=HOST_TRANSPORTS if way == "pull" else None,
-            ucx_settings=HOST_UCX if way == "pull" else None,
+            **_transport(way),
         )
         try:
             t0 = time.perf_counter()
@@ -139,14 +152,7 @@ class SourceFill:
         from gpumigrate.transfer.nixl_device import DeviceSender
 
         way = _way(tensors)
-        sender = DeviceSender(
-            landing,
-            tensors,
-            control_key=control_key,
-            nixl=way == "pull",
-            transports=HOST_TRANSPORTS if way == "pull" else None,
-            ucx_settings=HOST_UCX if way == "pull" else None,
-        )
+        sender = DeviceSender(landing, tensors, control_key=control_key, **_transport(way))
         try:
             if way == "lend":
                 done = sender.lend_all(retries=RETRIES, timeout_s=LEND_TIMEOUT_S, tolerate=tolerate)

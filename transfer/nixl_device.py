@@ -372,6 +372,22 @@ class DeviceLanding:
                 region[rest * size :].copy_(src[rest * size :])
                 landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(rest, -(-n // size))]
         failed = self._compare([*hashed, *self._hash_landed(landed)])
+
+        def copy_again(name: str, i: int) -> None:
+            a, b = i * size, min((i + 1) * size, self.regions[name].numel())
+            self.regions[name][a:b].copy_(lent[name][a:b])
+
+        reply = self._retry(failed, retries, copy_again)
+        torch.cuda.synchronize()
+        lent.clear()  # the opened tensors go before ipc_collect, which then releases them
+        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
+        return reply
+
+    def _retry(
+        self, failed: list[tuple[str, int]], retries: int, move_again: Callable[[str, int], None]
+    ) -> dict[str, Any]:
+        """Chunks that failed their check moved again (``move_again(region, index)``) and checked again,
+        ``retries`` times at most; the pass's reply (:meth:`_passed`)."""
         resent = 0
         for _ in range(retries):
             if not failed:
@@ -379,13 +395,9 @@ class DeviceLanding:
             resent += len(failed)
             again: list[tuple[str, int]] = []
             for name, i in failed:
-                a, b = i * size, min((i + 1) * size, self.regions[name].numel())
-                self.regions[name][a:b].copy_(lent[name][a:b])
+                move_again(name, i)
                 again += [(name, j) for j in self._verify(name, i, 1)]
             failed = again
-        torch.cuda.synchronize()
-        del lent
-        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
         return self._passed(failed, resent)
 
     def _passed(self, failed: list[tuple[str, int]], resent: int) -> dict[str, Any]:
@@ -416,7 +428,6 @@ class DeviceLanding:
         if not self._pull_lists:
             return {"error": "nothing offered yet: the source sends 'offer' before 'pull'"}
         failed: list[tuple[str, int]] = []
-        resent = 0
         with self._hash_stream():
             for name, (local, remote, n) in self._pull_lists.items():
                 spans = [(i, min(batch, n - i)) for i in range(0, n, batch)]
@@ -425,17 +436,12 @@ class DeviceLanding:
                     self._finish(pending, name, first, count)
                     pending = self._read(local, remote, spans[k + 1]) if k + 1 < len(spans) else None
                     failed += [(name, i) for i in self._verify(name, first, count)]  # beside the next READ
-            for _ in range(retries):
-                if not failed:
-                    break
-                resent += len(failed)
-                again: list[tuple[str, int]] = []
-                for name, i in failed:
-                    local, remote, _ = self._pull_lists[name]
-                    self._finish(self._read(local, remote, (i, 1)), name, i, 1)
-                    again += [(name, j) for j in self._verify(name, i, 1)]
-                failed = again
-        return self._passed(failed, resent)
+
+            def read_again(name: str, i: int) -> None:
+                local, remote, _ = self._pull_lists[name]
+                self._finish(self._read(local, remote, (i, 1)), name, i, 1)
+
+            return self._retry(failed, retries, read_again)
 
     def _hash_stream(self) -> Any:
         """A CUDA stream of this process for the checks, or nothing to switch for host memory."""
