@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -158,3 +159,28 @@ def inference_plan() -> PlanBuilder:
         return path
 
     return build
+
+
+@pytest.fixture
+def migrate_under_load(cli_cmd: list[str], prefect_api: str) -> Callable[..., tuple[Any, Any]]:
+    """``migrate_under_load(src, plan, mid) -> (completed CLI process, load report)``: ``gpumigrate migrate plan
+    --id mid --json`` in ``src``'s GPUMIGRATE_HOME while 20 rps of generate requests go through its front door."""
+    from gpumigrate.traffic.loadgen import LoadProcess
+
+    def run(src: Any, plan: Path, mid: str) -> tuple[Any, Any]:
+        env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(src.home)}
+        lp = LoadProcess(src.door.url + "/v1/generate", rps=20, seconds=240)
+        try:
+            out = subprocess.run(
+                [*cli_cmd, "migrate", str(plan), "--id", mid, "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=400,
+            )
+        finally:
+            lp.stop()
+            report = lp.wait(timeout_s=60)
+        return out, report
+
+    return run

@@ -9,8 +9,6 @@ chunks that changed since an image fail their check where they land and are read
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +19,8 @@ SOURCE_ARGS = ("--mutable-mb", "1")
 
 
 def test_a_migration_fills_the_target_from_the_source_memory(
-    inference_source: Any, inference_plan: Any, prefect_api: str, cli_cmd: list[str], tmp_path: Path
+    inference_source: Any, inference_plan: Any, migrate_under_load: Any, tmp_path: Path
 ) -> None:
-    from gpumigrate.traffic.loadgen import LoadProcess
-
     src = inference_source
     weights = httpx.get(src.endpoint + "/v1/info", timeout=10).json()["weights_digest"]
     plan = inference_plan(
@@ -39,19 +35,7 @@ def test_a_migration_fills_the_target_from_the_source_memory(
         },
     )
     mid = "fill-from-source"
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(src.home)}
-    lp = LoadProcess(src.door.url + "/v1/generate", rps=20, seconds=240)
-    try:
-        out = subprocess.run(
-            [*cli_cmd, "migrate", str(plan), "--id", mid, "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-    finally:
-        lp.stop()
-        report = lp.wait(timeout_s=60)
+    out, report = migrate_under_load(src, plan, mid)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["status"] == "completed", (result["error"], out.stderr[-2000:])

@@ -133,31 +133,9 @@ def events(home: Path, mid: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (home / "migrations" / mid / "audit.jsonl").read_text().splitlines()]
 
 
-def migrate(
-    src: Source, cli_cmd: list[str], prefect_api: str, plan: Path, mid: str
-) -> subprocess.CompletedProcess[str]:
-    from gpumigrate.traffic.loadgen import LoadProcess
-
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(src.home)}
-    lp = LoadProcess(src.door.url + "/v1/generate", rps=20, seconds=240)
-    try:
-        out = subprocess.run(
-            [*cli_cmd, "migrate", str(plan), "--id", mid, "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-    finally:
-        lp.stop()
-        report = lp.wait(timeout_s=60)
-    assert report.failed == 0, report.errors  # the clients never noticed
-    return out
-
-
 @pytest.mark.parametrize("scheme", ["stream", "nixl"])
 def test_migration_over_a_receiver_the_flow_starts_on_the_target(
-    source: Source, prefect_api: str, cli_cmd: list[str], tmp_path: Path, scheme: str
+    source: Source, migrate_under_load: Any, tmp_path: Path, scheme: str
 ) -> None:
     if scheme == "nixl":
         from gpumigrate.transfer.nixl import load_nixl
@@ -167,7 +145,8 @@ def test_migration_over_a_receiver_the_flow_starts_on_the_target(
     store = f"{scheme}://target?connections=2" + ("&transports=tcp" if scheme == "nixl" else "")
     plan = write_plan(source, tmp_path / "plan.yaml", target=target.name, store=store)
     mid = f"net-{scheme}"
-    out = migrate(source, cli_cmd, prefect_api, plan, mid)
+    out, report = migrate_under_load(source, plan, mid)
+    assert report.failed == 0, report.errors  # the clients never noticed
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["status"] == "completed", (result["error"], out.stderr[-2000:])

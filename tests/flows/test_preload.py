@@ -12,9 +12,7 @@ so that test runs last.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -115,12 +113,10 @@ def test_a_target_killed_during_pre_copy_fails_the_migration_and_the_source_serv
 
 
 def test_the_final_restore_loads_only_what_the_pre_loads_left(
-    inference_source: Any, inference_plan: Any, prefect_api: str, cli_cmd: list[str], tmp_path: Path
+    inference_source: Any, inference_plan: Any, migrate_under_load: Any, tmp_path: Path
 ) -> None:
     """Two rounds pre-loaded through a receiver the flow started on the target (it stays up across the
     rounds), then the final restore loads the dirty set only; the target was never ready before it."""
-    from gpumigrate.traffic.loadgen import LoadProcess
-
     src = inference_source
     weights = info(src.endpoint)["weights_digest"]
     plan = inference_plan(
@@ -131,22 +127,12 @@ def test_the_final_restore_loads_only_what_the_pre_loads_left(
         transfer={"store": "stream://target", "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
     )
     mid = "preload-delta"
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "GPUMIGRATE_HOME": str(src.home)}
     stop, seen = threading.Event(), {}
     watcher = threading.Thread(target=watch_ready, args=(src.home, mid, stop, seen), daemon=True)
     watcher.start()
-    lp = LoadProcess(src.door.url + "/v1/generate", rps=20, seconds=240)
     try:
-        out = subprocess.run(
-            [*cli_cmd, "migrate", str(plan), "--id", mid, "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
+        out, report = migrate_under_load(src, plan, mid)
     finally:
-        lp.stop()
-        report = lp.wait(timeout_s=60)
         stop.set()
         watcher.join(timeout=10)
     assert out.returncode == 0, out.stderr[-3000:]

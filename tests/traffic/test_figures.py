@@ -87,6 +87,15 @@ def _settled(reads: list[tuple[float, int, int, int, int]]) -> IngressCounters:
     return settled_reading(lambda: next(raw), gap_s=0.0)
 
 
+def _run_settled(samples: list[list[tuple[float, int, int, int, int]]]) -> ClientFigures:
+    """Figures over samples that are each a settled reading of back-to-back raw reads."""
+    fig = ClientFigures()
+    for reads in samples:
+        fig.add(_settled(reads))
+    fig.close()
+    return fig
+
+
 def test_a_reading_does_not_take_an_answer_still_counted_in_flight_as_one_fewer_unanswered() -> None:
     # Nothing in flight: nothing can be counted both answered and in flight; one read is enough.
     assert _settled([(0.0, 5, 5, 0, 0)]).ts == 0.0
@@ -110,11 +119,7 @@ def test_an_answer_read_as_still_in_flight_at_the_span_start_is_not_a_failure() 
         [(2.0, 200, 200, 0, 0)],
         [(3.0, 300, 300, 0, 0)],
     ]
-    fig = ClientFigures()
-    for reads in samples:
-        fig.add(_settled(reads))
-    fig.close()
-    assert fig.failures == 0
+    assert _run_settled(samples).failures == 0
     # A request that really ended unanswered in the span's first window still counts, once.
     lost = [
         [(0.0, 0, 0, 0, 1), (0.001, 0, 0, 0, 0)],
@@ -122,11 +127,7 @@ def test_an_answer_read_as_still_in_flight_at_the_span_start_is_not_a_failure() 
         [(2.0, 200, 199, 0, 0)],
         [(3.0, 300, 299, 0, 0)],
     ]
-    fig = ClientFigures()
-    for reads in lost:
-        fig.add(_settled(reads))
-    fig.close()
-    assert fig.failures == 1
+    assert _run_settled(lost).failures == 1
 
 
 def test_counters_that_restart_start_a_new_count_and_an_open_outage_counts_to_the_end() -> None:
