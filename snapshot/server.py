@@ -106,12 +106,10 @@ def _rank_arg(value: Any) -> int | None:
     return value
 
 
-def _source_arg(value: Any) -> str | None:
+def _address_arg(name: str, value: Any) -> str:
     """An agent's or a landing's ``host:port`` (``source`` of ``restore``, ``landing`` of ``lend``)."""
-    if value is None:
-        return None
     if not isinstance(value, str):
-        raise SnapshotError(f"{str(value)[:40]!r}: an address is HOST:PORT")
+        raise SnapshotError(f"{name} {str(value)[:40]!r}: must be HOST:PORT")
     parse_address(value)
     return value
 
@@ -173,11 +171,11 @@ def _dispatch(server: AgentServer, cmd: str, args: Mapping[str, Any]) -> Any:
             policy=args.get("policy"),
             ready=bool(args.get("ready", True)),
             rank=_rank_arg(args.get("rank")),
-            source=_source_arg(args.get("source")),
+            source=None if args.get("source") is None else _address_arg("source", args["source"]),
             control_key=server.key,
         ),
         "lend": lambda: agent.lend_to(
-            _source_arg(args["landing"]) or "",
+            _address_arg("landing", args["landing"]),
             runs_arg(args["runs"]),
             _chunk_size_arg(args["chunk_size"]),
             control_key=server.key,
