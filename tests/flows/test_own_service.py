@@ -146,9 +146,11 @@ def _door_up(src: Source, cli_cmd: list[str]) -> None:
     assert up.returncode == 0, up.stderr
 
 
+@pytest.mark.parametrize("restore_from", ["store", "source"])
 def test_a_service_outside_the_package_migrates_under_load_with_exact_parity(
-    source: Source, cli_cmd: list[str], tmp_path: Path
+    source: Source, cli_cmd: list[str], tmp_path: Path, restore_from: str
 ) -> None:
+    """With ``restore_from: source`` the target is filled from the service's own memory (host memory here)."""
     from gpumigrate.traffic.frontdoor import read
     from gpumigrate.traffic.loadgen import LoadProcess
     from gpumigrate.traffic.state import StateStore
@@ -158,6 +160,7 @@ def test_a_service_outside_the_package_migrates_under_load_with_exact_parity(
 
     def edit(doc: dict[str, Any]) -> None:
         doc["parity"]["atol"] = doc["parity"]["rtol"] = 0  # the same floats, bit for bit
+        doc["transfer"]["restore_from"] = restore_from
         doc["traffic"] = {
             "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
             "gates": {"min_requests": 3, "max_p99_ratio": 4.0},
@@ -174,6 +177,10 @@ def test_a_service_outside_the_package_migrates_under_load_with_exact_parity(
     assert result["parity"] == {"passed": True, "cases": 3, "max_abs_err": 0.0}
     assert report.failed == 0 and report.ok > 20, report.errors
     assert StateStore(door).read().weights == {"source": 0.0, "target": 100.0}
+    audit = [json.loads(x) for x in (source.home / "migrations" / "kv-1" / "audit.jsonl").read_text().splitlines()]
+    loads = [e["data"] for e in audit if e["event"] in ("image.preloaded", "image.restored")]
+    filled = [d["from_source"]["chunks"] for d in loads if "from_source" in d]
+    assert (sum(filled) > 0) if restore_from == "source" else not filled
 
 
 def test_the_front_door_keeps_a_frozen_source_and_its_clients_wait(source: Source, cli_cmd: list[str]) -> None:
