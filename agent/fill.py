@@ -136,6 +136,10 @@ class SourceFill:
             for phase, seconds in (
                 ("setup", t0 - started),
                 ("source_sharing", float(lent.get("seconds_sharing", 0.0))),
+                (
+                    "source_lend",
+                    float(lent.get("seconds", 0.0)),
+                ),  # the source agent.s lend, once it holds its lock
                 ("opening", seen.seconds_opening),
                 ("landing_passes", seen.seconds_passes),
                 ("checking", seen.seconds_hashing),

@@ -158,7 +158,10 @@ def blake3_device(views: Sequence[torch.Tensor]) -> torch.Tensor:
     base = min(views, key=lambda v: v.data_ptr())
     origin = base.data_ptr()
     starts = [v.data_ptr() - origin for v in views]
-    offsets = torch.tensor([s // 4 for s in starts], dtype=torch.int64).to(base.device, non_blocking=True)
+    # Pinned, so the copy is queued behind the stream's work instead of waiting for it (a pageable copy would).
+    offsets = torch.tensor([s // 4 for s in starts], dtype=torch.int64, pin_memory=True).to(
+        base.device, non_blocking=True
+    )
     aligned = origin % 16 == 0 and all(s % 16 == 0 for s in starts)
     return _tree(base, offsets, len(views), size, aligned)
 
@@ -225,6 +228,61 @@ def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torc
     return _parents(nodes, n, leaves)
 
 
+def gather_takes(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> bool:
+    """Whether :func:`blake3_copy_gather` takes whole ``chunk``-byte pieces of these two regions: device uint8
+    on one device, both 16-byte aligned, and ``chunk`` a whole number of the kernel's blocks of leaves."""
+    return (
+        chunk > 0
+        and chunk % (LEAF * LEAF_BLOCK) == 0
+        and src.is_cuda
+        and dst.is_cuda
+        and src.device == dst.device
+        and src.dtype == dst.dtype == torch.uint8
+        and src.data_ptr() % 16 == 0
+        and dst.data_ptr() % 16 == 0
+    )
+
+
+def blake3_copy_gather(
+    src: torch.Tensor, src_at: Sequence[int], dst: torch.Tensor, dst_at: Sequence[int], chunk: int
+) -> torch.Tensor:
+    """Copy ``chunk`` bytes from ``src_at[i]`` bytes past ``src``'s start to ``dst_at[i]`` bytes past ``dst``'s,
+    for every ``i``, and return the BLAKE3 words ``[len(src_at), 8]`` of each chunk copied, in one kernel.
+
+    :func:`blake3_copy_chunks` for chunks scattered over many tensors (a model's state: hundreds of regions,
+    each its own allocation, on both sides). The chunks are addressed by byte offsets from one tensor of each
+    side, so they may lie in other allocations (negative offsets included): the caller computes them from
+    ``data_ptr`` arithmetic, with no per-chunk tensor views (their Python cost matched the copy's at 1,000
+    chunks). The caller vouches that every chunk lies in memory it owns or opened (the source's may be
+    another process's memory opened through CUDA IPC); :func:`gather_takes` says which regions qualify,
+    and every offset must be a multiple of 16.
+    """
+    count = len(src_at)
+    if not count or len(dst_at) != count or not gather_takes(src, dst, chunk):
+        raise ValueError("blake3_copy_gather: chunks of 16-byte aligned device uint8 memory, one offset list per side")
+    if any(x % 16 for x in src_at) or any(x % 16 for x in dst_at):
+        raise ValueError("blake3_copy_gather: every offset a multiple of 16 bytes")
+    k = _kernels()
+    table = torch.tensor([[x // 4 for x in src_at], [x // 4 for x in dst_at]], dtype=torch.int64, pin_memory=True)
+    table = table.to(dst.device, non_blocking=True)
+    leaves = chunk // LEAF
+    total = count * leaves
+    nodes = torch.empty(total * 8, dtype=torch.int32, device=dst.device)
+    k.leaf_copy_gather_kernel[(total // LEAF_BLOCK,)](
+        src.view(torch.int32),
+        dst.view(torch.int32),
+        dst.data_ptr(),
+        table[0],
+        table[1],
+        nodes,
+        total,
+        leaves,
+        ROOT if leaves == 1 else 0,
+        BLOCK=LEAF_BLOCK,
+    )
+    return _parents(nodes, count, leaves)
+
+
 def _parents(nodes: torch.Tensor, count: int, leaves: int) -> torch.Tensor:
     """The tree above the leaves' chaining values, one launch per level; the roots as ``[count, 8]``."""
     k = _kernels()
@@ -258,7 +316,10 @@ def warm(device: torch.device) -> None:
         for count in (1, 2):
             block = probe[: count * chunk]
             words = blake3_chunks(block, chunk)
-            blake3_copy_chunks(block, torch.empty_like(block), chunk)
+            landed = torch.empty_like(block)
+            blake3_copy_chunks(block, landed, chunk)
+            pieces = list(range(0, count * chunk, chunk))
+            blake3_copy_gather(block, pieces, landed, pieces[::-1], chunk)
         del probe
     # The comparison a landing runs on the words (nixl_device): PyTorch loads each of its kernels on first use,
     # and a fresh target's first restore spent about 40 ms loading these.

@@ -490,3 +490,77 @@ def leaf_copy_kernel(
             flags,
         )
     _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+def leaf_copy_gather_kernel(
+    src_ptr,
+    dst_ptr,
+    dst_addr,
+    src_offsets_ptr,
+    dst_offsets_ptr,
+    out_ptr,
+    total_leaves,
+    leaves_per_input,
+    last_flags,
+    BLOCK: tl.constexpr,
+):
+    """:func:`leaf_copy_kernel` over inputs anywhere in memory: input ``i`` is copied from word
+    ``src_offsets[i]`` of ``src`` to word ``dst_offsets[i]`` of ``dst`` (both multiples of 4: 16-byte aligned),
+    then hashed where it landed. ``leaves_per_input`` is a multiple of ``BLOCK``, so a program's leaves all
+    sit in one input: the chunks of a model's hundreds of tensors go in a few launches, not a launch chain each."""
+    first = tl.program_id(0) * BLOCK
+    which = first // leaves_per_input
+    index0 = first - which * leaves_per_input
+    src_at = tl.multiple_of(tl.load(src_offsets_ptr + which), 4)
+    dst_at = tl.multiple_of(tl.load(dst_offsets_ptr + which), 4)
+    words = tl.arange(0, BLOCK * 16)
+    base = index0.to(tl.int64) * 256
+    for t in range(16):
+        at = tl.multiple_of(base + t * (BLOCK * 16), 16)
+        tl.store(dst_ptr + dst_at + at + words, tl.load(src_ptr + src_at + at + words))
+    tl.debug_barrier()
+    lane = tl.arange(0, BLOCK)
+    leaf = index0 + lane
+    mask = first + lane < total_leaves
+    addr = dst_addr + dst_at * 4 + leaf.to(tl.int64) * 1024
+    counter = leaf.to(tl.uint32)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    for b in range(16):
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
+            tl.uint32
+        )
+        q = addr + b * 64
+        m0, m1, m2, m3 = _ld4_landed(q)
+        m4, m5, m6, m7 = _ld4_landed(q + 16)
+        m8, m9, m10, m11 = _ld4_landed(q + 32)
+        m12, m13, m14, m15 = _ld4_landed(q + 48)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
+            c0,
+            c1,
+            c2,
+            c3,
+            c4,
+            c5,
+            c6,
+            c7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            counter,
+            flags,
+        )
+    _store8(out_ptr + (first + lane).to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)

@@ -37,7 +37,9 @@ from gpumigrate.transfer.writer import BUFFERS, StoreImageWriter
 # A slot's payload starts on a page boundary (DMA-friendly); the object's header sits just before it.
 PAYLOAD_AT = 4096
 HASH_BATCH = 64  # chunks per device hash launch: few launches, and the hash still trails the copies closely
-WORKERS = max(2, os.cpu_count() or 2)
+CODE_BATCH = 16  # chunks per nvCOMP batch: one wait for their coded sizes, and ~0.4 GiB of planes in flight
+# Sealing/opening threads: one per core (GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts).
+WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, os.cpu_count() or 2)
 SLOTS = 2 * WORKERS + 8  # a restore holds two per chunk that the CPU decodes; a few more keep the DMA busy
 _PLANE_ENTRY = struct.Struct(">BQ")
 _GPU_PLANES_HEADER = 1 + 2 * _PLANE_ENTRY.size  # k = 2: element size, then (codec, length) per plane
@@ -73,6 +75,12 @@ def _devhash() -> Any:
     from gpumigrate.transfer import devhash
 
     return devhash
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def _host_id(data: Any) -> str:
@@ -215,13 +223,22 @@ class DirectStoreImageWriter(StoreImageWriter):
                 on_host.append(k)
         for k, cid in zip(on_host, _pool().map(lambda k: _host_id(chunks[k].data), on_host), strict=True):
             out[k] = cid
+        launched: list[tuple[list[int], Any]] = []
         for members in on_device.values():
             assert devhash is not None  # only CUDA chunks are grouped for the device
             for start in range(0, len(members), HASH_BATCH):
                 part = members[start : start + HASH_BATCH]
-                words = devhash.blake3_device([chunks[k].data for k in part]).cpu().tolist()
-                for k, w in zip(part, words, strict=True):
-                    out[k] = devhash.words_hex(w)
+                launched.append((part, devhash.blake3_device([chunks[k].data for k in part])))
+        # Every batch is queued before any is read back: one wait for the device, not one per batch (the
+        # final round confirms every unchanged chunk this way while the workload is frozen).
+        by_device: dict[str, list[tuple[list[int], Any]]] = {}
+        for part, words in launched:
+            by_device.setdefault(str(words.device), []).append((part, words))
+        for batches in by_device.values():
+            rows = _torch().cat([words for _, words in batches]).cpu().tolist()
+            order = [k for part, _ in batches for k in part]
+            for k, w in zip(order, rows, strict=True):
+                out[k] = devhash.words_hex(w)  # type: ignore[union-attr]
         return out
 
     def _put_host(self, chunk: TensorChunk) -> str:
@@ -249,48 +266,81 @@ class DirectStoreImageWriter(StoreImageWriter):
         if coder is not None:
             coder.wait_stream(current)
         slots = _slots(self.chunk_size, SLOTS)
-        for k, chunk in enumerate(chunks):
-            n = chunk.data.numel()
-            if n > self.chunk_size:
-                raise InvalidInputError(f"chunk {chunk.region}#{chunk.index} is {n} bytes, more than the chunk size")
-            coded = None
-            t = time.perf_counter()
-            if coder is not None and self._gpu_coded(chunk):
-                with torch.cuda.stream(coder):
-                    planes = chunk.data.view(-1, 2).t().contiguous()  # [low bytes; sign-and-exponent bytes]
-                    hi = gpucodec.encode_plane(planes[1], coder)
-                if _GPU_PLANES_HEADER + n // 2 + hi.numel() < n:
-                    coded = (planes, hi)  # kept by the worker until the copy that reads them has landed
-                    planes.record_stream(current)
-                    event = torch.cuda.Event()
-                    event.record(coder)
-                    current.wait_event(event)
-                t = STAGES.add("capture.main.gpu_encode", t)
-            slot = slots.take()
-            t = STAGES.add("capture.main.slot_wait", t)
-            with torch.cuda.stream(current):
-                if coded is None:
-                    slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
-                    length = n
-                else:
-                    planes, hi = coded
-                    view = slots.view(slot)
-                    at = PAYLOAD_AT + _GPU_PLANES_HEADER
-                    view[PAYLOAD_AT] = 2
-                    _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1, codecs.NONE, n // 2)
-                    _PLANE_ENTRY.pack_into(
-                        view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.numel()
+        for first in range(0, len(chunks), CODE_BATCH):
+            group = range(first, min(first + CODE_BATCH, len(chunks)))
+            for k in group:
+                if chunks[k].data.numel() > self.chunk_size:
+                    c = chunks[k]
+                    raise InvalidInputError(
+                        f"chunk {c.region}#{c.index} is {c.data.numel()} bytes, more than the chunk size"
                     )
-                    slots.tensor(slot, at, at + n // 2).copy_(planes[0], non_blocking=True)
-                    slots.tensor(slot, at + n // 2, at + n // 2 + hi.numel()).copy_(hi, non_blocking=True)
-                    length = at + n // 2 + hi.numel() - PAYLOAD_AT
-                landed = torch.cuda.Event()
-                landed.record(current)
-            futures[members[k]] = _pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, length, coded)
-            STAGES.add("capture.main.queue", t)
+            t = time.perf_counter()
+            coded = self._code_on_device(chunks, group, coder, current) if coder is not None else {}
+            STAGES.add("capture.main.gpu_encode", t)
+            for k in group:
+                self._queue_device(chunks[k], slots, coded.get(k), current, ids, k, futures, members)
         current.wait_stream(ids.stream)  # the caller's later writes come after the hash reads
         if coder is not None:
             current.wait_stream(coder)
+
+    def _code_on_device(self, chunks: Sequence[TensorChunk], group: range, coder: Any, current: Any) -> dict[int, Any]:
+        """Byte planes of the group's coded chunks, the exponent planes ANS-coded in one nvCOMP batch; only
+        chunks that come out smaller than raw are kept (their planes live until the copies that read them)."""
+        import torch
+
+        eligible = [k for k in group if self._gpu_coded(chunks[k])]
+        if not eligible:
+            return {}
+        with torch.cuda.stream(coder):
+            planes = {k: chunks[k].data.view(-1, 2).t().contiguous() for k in eligible}  # [low; sign-and-exponent]
+            his = gpucodec.encode_planes([planes[k][1] for k in eligible], coder)
+        event = torch.cuda.Event()
+        event.record(coder)
+        current.wait_event(event)
+        out: dict[int, Any] = {}
+        for k, hi in zip(eligible, his, strict=True):
+            n = chunks[k].data.numel()
+            if _GPU_PLANES_HEADER + n // 2 + hi.numel() < n:
+                planes[k].record_stream(current)  # hi is nvCOMP's: the worker holds it until the copy landed
+                out[k] = (planes[k], hi)
+        return out
+
+    def _queue_device(
+        self,
+        chunk: TensorChunk,
+        slots: PinnedSlots,
+        coded: Any,
+        current: Any,
+        ids: DeviceIds,
+        k: int,
+        futures: list[Any],
+        members: list[int],
+    ) -> None:
+        """Copy one chunk (coded planes or raw bytes) into a pinned slot on ``current`` and hand it to a worker."""
+        import torch
+
+        n = chunk.data.numel()
+        t = time.perf_counter()
+        slot = slots.take()
+        t = STAGES.add("capture.main.slot_wait", t)
+        with torch.cuda.stream(current):
+            if coded is None:
+                slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
+                length = n
+            else:
+                planes, hi = coded
+                view = slots.view(slot)
+                at = PAYLOAD_AT + _GPU_PLANES_HEADER
+                view[PAYLOAD_AT] = 2
+                _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1, codecs.NONE, n // 2)
+                _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.numel())
+                slots.tensor(slot, at, at + n // 2).copy_(planes[0], non_blocking=True)
+                slots.tensor(slot, at + n // 2, at + n // 2 + hi.numel()).copy_(hi, non_blocking=True)
+                length = at + n // 2 + hi.numel() - PAYLOAD_AT
+            landed = torch.cuda.Event()
+            landed.record(current)
+        futures[members[k]] = _pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, length, coded)
+        STAGES.add("capture.main.queue", t)
 
     def _finish_device(
         self,

@@ -89,33 +89,72 @@ def _codec(stream: Any) -> Any:
     return codec
 
 
-def encode_plane(plane: Any, stream: Any) -> Any:
-    """ANS payload of a contiguous uint8 device plane, as a uint8 device tensor, coded on ``stream``.
+def encode_planes(planes: list[Any], stream: Any) -> list[Any]:
+    """ANS payloads of contiguous uint8 device planes, as uint8 device tensors, coded on ``stream`` as one batch.
 
-    nvCOMP waits for its own result before returning (it learns the coded size), so the tensor's
-    length is final; ``stream`` must already be ordered after whatever wrote ``plane``.
+    nvCOMP learns each coded size on the device; reading the sizes back waits once for the whole batch
+    (one wait per chunk cost about 1.4 ms each on an H100 and held the writer's only thread: 1.5 s of a
+    16 GiB capture). ``stream`` must already be ordered after whatever wrote the planes.
+    """
+    nv = _nvcomp()
+    codec = _codec(stream)
+    batch_of = getattr(nv, "as_arrays", None)
+    if batch_of is None or len(planes) == 1:  # an nvCOMP without batches: one call (and one wait) per plane
+        return [_as_bytes(codec.encode(nv.as_array(plane)), plane.device) for plane in planes]
+    coded = codec.encode(batch_of(planes, cuda_stream=int(stream.cuda_stream)))
+    return [_as_bytes(coded[i], plane.device) for i, plane in enumerate(planes)]
+
+
+def _as_bytes(array: Any, device: Any) -> Any:
+    import torch
+
+    return torch.as_tensor(array, device=device).view(torch.uint8).reshape(-1)
+
+
+def decode_plane(payload: Any, out: Any, stream: Any) -> None:
+    """Decode an ANS payload (uint8 device tensor) into ``out`` (uint8 device tensor of the plane's length).
+
+    The decode is queued on ``stream`` into ``out`` itself, with the layout taken from the plane's known
+    length instead of the payload's header: nvCOMP then never waits for the device, so the reader's
+    threads do not queue behind each other's waits (decoding that read the header first spent 60% of a
+    16 GiB restore waiting). A payload that decodes to anything else is caught where every chunk is:
+    its BLAKE3 against its id, once it landed. An nvCOMP that refuses the known layout decodes the
+    plain way, reading the header.
     """
     import torch
 
     nv = _nvcomp()
-    coded = _codec(stream).encode(nv.as_array(plane))
-    return torch.as_tensor(coded, device=plane.device).view(torch.uint8).reshape(-1)
-
-
-def decode_plane(payload: Any, out: Any, stream: Any) -> None:
-    """Decode an ANS payload (uint8 device tensor) into ``out`` (uint8 device tensor of the plane's length)."""
-    import torch
-
-    nv = _nvcomp()
+    codec = _codec(stream)
     try:
-        plane = _codec(stream).decode(nv.as_array(payload))
-        got = torch.as_tensor(plane, device=out.device).view(torch.uint8).reshape(-1)
+        config = _known_layout(codec, out.numel())
+        codec.decode(nv.as_array(payload), out=nv.as_array(out), decompression_config=config)
+        return
+    except (TypeError, AttributeError):  # no out= / config in this nvCOMP
+        pass
     except Exception as exc:  # nvCOMP reports malformed streams as generic runtime errors
+        raise IntegrityError(f"plane codec 3 (nvcomp-ans) payload does not decode: {exc}") from None
+    try:
+        plane = codec.decode(nv.as_array(payload))
+        got = torch.as_tensor(plane, device=out.device).view(torch.uint8).reshape(-1)
+    except Exception as exc:
         raise IntegrityError(f"plane codec 3 (nvcomp-ans) payload does not decode: {exc}") from None
     if got.numel() != out.numel():
         raise IntegrityError(f"plane codec 3 payload decodes to {got.numel()} bytes, the plane holds {out.numel()}")
     with torch.cuda.stream(stream):
         out.copy_(got)
+
+
+def _known_layout(codec: Any, plane_bytes: int) -> Any:
+    """A decompression config for planes of ``plane_bytes`` coded by a codec set up like ``codec``
+    (nvCOMP builds it from the compression settings, with no device read), cached per codec."""
+    configs = getattr(_local, "layouts", None)
+    if configs is None:
+        configs = _local.layouts = {}
+    key = (id(codec), plane_bytes)
+    config = configs.get(key)
+    if config is None:
+        config = configs[key] = codec.decompression_config(codec.compression_config(plane_bytes))
+    return config
 
 
 def decode_plane_to_host(payload: memoryview, n: int) -> Any:

@@ -51,8 +51,8 @@ from gpumigrate.transfer.stream import CHANNEL, parse_listen
 # multiple of ``chunk`` → [pieces, 8] int32 words (little-endian), computed where the block lives.
 Hasher = Callable[[Any, int], Any]
 MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
+LAUNCH_CHUNKS = 64  # whole chunks per gathering copy of a lend: copies start while later allocations are mapped
 log = logging.getLogger(__name__)
-FUSED_MIN_CHUNKS = 64  # a region this large is copied and hashed in one pass; smaller ones copied, then hashed together
 HASH_GROUP = 256  # chunks per hash launch over plainly copied chunks (its tree's scratch: 32 B per KiB hashed)
 READ_TIMEOUT_S = 60.0  # one READ of a batch; a transfer that stalls fails instead of hanging its source
 # UCX leaves cuda_ipc GETs off ("auto") on GPUs without NVLink, where it found concurrent reads slow;
@@ -170,6 +170,37 @@ def _open_lent(spec: Mapping[str, Any]) -> Any:
     return torch._utils._rebuild_tensor(typed, int(spec["offset"]), (int(spec["nbytes"]),), (1,))
 
 
+class _TorchLent:
+    """The source's tensors shared PyTorch's way (one handle per tensor, :func:`_lend_spec`), all mapped now; the
+    same reading interface as :class:`cuda_ipc.Mapped`. Released right after the pass: PyTorch's sharing counts
+    references, and the source's allocator may reuse a block only once the target let it go."""
+
+    def __init__(self, specs: Mapping[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self._lent = {str(name): _open_lent(spec) for name, spec in specs.items()}
+        self.seconds_opening = time.perf_counter() - t0
+        self.regions = {name: (0, 0, t.numel()) for name, t in self._lent.items()}
+
+    def tensor(self, name: str) -> Any:
+        return self._lent[name]
+
+    def close(self) -> None:
+        import torch
+
+        self._lent.clear()  # the opened tensors go before ipc_collect, which then releases them
+        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
+
+
+def _lent_memory(body: Mapping[str, Any], device: Any) -> Any:
+    """The source's memory a ``lend`` names: by allocation through the driver (``allocations`` present,
+    :mod:`cuda_ipc`), else PyTorch's per-tensor handles."""
+    if "allocations" in body:
+        from gpumigrate.transfer import cuda_ipc
+
+        return cuda_ipc.Mapped(body, device)
+    return _TorchLent(dict(body["regions"]))
+
+
 class _Channel:
     """Signed JSON lines over one TCP connection (CONTROL.md), one thread at a time per direction."""
 
@@ -247,12 +278,17 @@ class DeviceLanding:
             else None
         )
         self._reg = self.agent.register_memory(list(self.regions.values())) if self.agent is not None else None
-        self._expected: dict[str, Any] = {}
+        self._expected: dict[str, Any] = {}  # region -> its rows of the expected words (a view into _table)
+        self._expected_ids: dict[str, list[str]] = {}
+        self._table: Any = None
+        self._rows: dict[str, int] = {}  # region -> its first row in _table
         if expected is not None:
             self._expect(expected)
         self.result = LandingResult()
         self.last_bad: list[str] = []  # the chunks the last lend or pull left failing, after its retries
         self._pull_lists: dict[str, tuple[Any, Any, int]] = {}
+        self._lent: list[Any] = []  # the source's memory mapped by lend passes, until released
+        self._passing = threading.Lock()  # held by a lend pass: its mappings are not released under it
         self._done = threading.Event()
         self._guard = control.ReplayGuard()
         host, port = parse_listen(listen)
@@ -262,11 +298,24 @@ class DeviceLanding:
         self._thread.start()
 
     def _expect(self, expected: Mapping[str, Sequence[str]]) -> None:
+        """The expected ids of every region named, as words on the regions' device: one table, one copy to the
+        device (a copy per region cost 20 ms at 521 regions), each region's rows a view into it."""
         for name, ids in expected.items():
             region = self.regions.get(name)
             if region is None or len(ids) != len(_chunks(region.numel(), self.chunk_size)):
                 raise IntegrityError(f"expected ids for region {name!r} do not match its chunks")
-            self._expected[name] = ids_to_words(list(ids), region.device)
+        if not expected:
+            return
+        known = {name: list(ids) for name, ids in self._expected_ids.items() if name not in expected}
+        self._expected_ids = {**known, **{name: list(ids) for name, ids in expected.items()}}
+        device = next(iter(self.regions.values())).device
+        names = list(self._expected_ids)
+        self._table = ids_to_words([i for name in names for i in self._expected_ids[name]], device)
+        self._rows, at = {}, 0
+        for name in names:
+            self._rows[name] = at
+            self._expected[name] = self._table[at : at + len(self._expected_ids[name])]
+            at += len(self._expected_ids[name])
 
     def _serve(self) -> None:
         try:
@@ -314,7 +363,8 @@ class DeviceLanding:
             t0 = time.perf_counter()
             try:
                 if op == "lend":
-                    return self._lend(body)
+                    with self._passing:
+                        return self._lend(body)
                 return self._pull(max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2))))
             finally:
                 self.result.seconds_passes += time.perf_counter() - t0
@@ -325,63 +375,81 @@ class DeviceLanding:
     def _lend(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Copy every region out of the source's own memory, opened through CUDA IPC, and check it on the way.
 
-        A large region (``FUSED_MIN_CHUNKS`` whole chunks or more) is copied by the kernel of
-        ``devhash.blake3_copy_chunks``, which copies a block of chunks and hashes it where it landed in one pass
-        over memory (a NIXL WRITE then a check read the destination twice, and the two processes' kernels take
-        turns on the device). A model's many small regions (norms, biases, layers of a few chunks) are copied
-        plainly, one copy each, and every such chunk is then hashed in a few launches over all of them
-        (:meth:`_hash_landed`): a launch chain and a wait per region left the GPU idle (H100, 16 GiB in 480
-        regions: 74 GB/s). All hashes are compared at the end, one wait for the device (:meth:`_compare`).
-        Chunks that fail are copied again, ``retries`` times at most; the reply names those that still fail."""
+        Every whole chunk of every region goes through the kernel of ``devhash.blake3_copy_gather``, ``batch``
+        chunks per launch whichever regions they belong to: it copies a block of a chunk and hashes it where
+        it landed in one pass over memory. A model's state is hundreds of tensors; per-region launch chains left
+        the GPU idle between them (H100, 16 GiB in 521 regions: 241-325 GB/s against 700+ for one tensor). A
+        region's short last chunk is copied plainly, and those are hashed together (:meth:`_hash_landed`). All
+        hashes are compared at the end, one wait for the device (:meth:`_compare`). Chunks that fail are copied
+        again, ``retries`` times at most; the reply names those that still fail."""
         import torch
 
         from gpumigrate.transfer import devhash
 
         batch, retries = max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2)))
-        t0 = time.perf_counter()
+        self._release_lent()  # a previous pass's mappings (the same allocations may come again)
+        size = self.chunk_size
         try:
-            lent = {name: _open_lent(spec) for name, spec in dict(body["regions"]).items()}
+            source = _lent_memory(body, next(iter(self.regions.values())).device)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             return {"error": f"cannot open the lent memory ({type(exc).__name__}: {str(exc)[:120]})"}
-        self.result.seconds_opening += time.perf_counter() - t0
-        size = self.chunk_size
+        self._lent.append(source)
         for name, region in self.regions.items():
-            src = lent.get(name)
-            if src is None or src.numel() != region.numel() or not region.is_cuda:
+            lent_bytes = source.regions[name][2] if name in source.regions else 0
+            if lent_bytes != region.numel() or not region.is_cuda:
                 return {
-                    "error": f"region {name}: the source lent {0 if src is None else src.numel()} bytes of device memory, {region.numel()} here"
+                    "error": f"region {name}: the source lent {lent_bytes} bytes of device memory, {region.numel()} here"
                 }
         hashed: list[Hashed] = []  # computed where the chunks landed, compared at the end
         landed: list[tuple[str, int, Any]] = []  # chunks copied plainly, hashed together: (region, index, view)
+        pending: list[tuple[str, int, Any, Any]] = []  # whole chunks for the gathering copy: (region, index, src, dst)
+        launch = min(batch, LAUNCH_CHUNKS)
+
+        def copy_pending() -> None:
+            if pending:
+                src0, dst0 = pending[0][2], pending[0][3]
+                words = devhash.blake3_copy_gather(
+                    src0,
+                    [src.data_ptr() - src0.data_ptr() + i * size for _, i, src, _ in pending],
+                    dst0,
+                    [dst.data_ptr() - dst0.data_ptr() + i * size for _, i, _, dst in pending],
+                    size,
+                )
+                hashed.append(Hashed(words, [(name, i) for name, i, _, _ in pending], len(pending) * size))
+                pending.clear()
+
+        kernels = devhash.available(next(iter(self.regions.values())).device)
+        # Region by region: an allocation is mapped when its first region comes, while the GPU copies the ones
+        # before it (the copies are queued, not waited for).
         for name, region in self.regions.items():
-            src, n = lent[name], region.numel()
-            whole = n // size
-            fused = (
-                whole >= FUSED_MIN_CHUNKS
-                and devhash.available(region.device)
-                and size % 1024 == 0
-                and src.data_ptr() % 16 == 0
-                and region.data_ptr() % 16 == 0
-            )
-            rest = whole if fused else 0  # chunks from here on are copied plainly
-            for first in range(0, rest, batch):
-                a, b = first * size, min(first + batch, whole) * size
-                words = devhash.blake3_copy_chunks(src[a:b], region[a:b], size)
-                hashed.append(Hashed(words, [(name, i) for i in range(first, b // size)], b - a))
-            if n > rest * size:
-                region[rest * size :].copy_(src[rest * size :])
-                landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(rest, -(-n // size))]
+            src, n = source.tensor(name), region.numel()
+            whole = n // size if kernels and devhash.gather_takes(src, region, size) else 0
+            pending += [(name, i, src, region) for i in range(whole)]
+            if len(pending) >= launch:
+                copy_pending()
+            if n > whole * size:  # a short last chunk, or a region the kernel does not take: copied plainly
+                region[whole * size :].copy_(src[whole * size :])
+                landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(whole, -(-n // size))]
+        copy_pending()
+        self.result.seconds_opening += source.seconds_opening
         failed = self._compare([*hashed, *self._hash_landed(landed)])
 
         def copy_again(name: str, i: int) -> None:
             a, b = i * size, min((i + 1) * size, self.regions[name].numel())
-            self.regions[name][a:b].copy_(lent[name][a:b])
+            self.regions[name][a:b].copy_(source.tensor(name)[a:b])
 
         reply = self._retry(failed, retries, copy_again)
-        torch.cuda.synchronize()
-        lent.clear()  # the opened tensors go before ipc_collect, which then releases them
-        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
+        torch.cuda.synchronize()  # every copy landed before the source hears the reply
+        if isinstance(source, _TorchLent):
+            self._release_lent()
         return reply
+
+    def _release_lent(self) -> None:
+        """Unmap the source's memory mapped by earlier passes. Mappings by allocation are kept past the reply (the
+        source waits for the reply, not for this) and go here: at the next pass, or when the landing closes."""
+        lent, self._lent = self._lent, []
+        for source in lent:
+            source.close()
 
     def _retry(
         self, failed: list[tuple[str, int]], retries: int, move_again: Callable[[str, int], None]
@@ -533,13 +601,9 @@ class DeviceLanding:
         missing = sorted({name for name, _ in keys} - set(self._expected))
         if missing:
             raise IntegrityError(f"no expected ids for region {missing[0]!r}: nothing landed there can be trusted")
-        names = list(self._expected)
-        base, at = {}, 0
-        for name in names:
-            base[name] = at
-            at += len(self._expected[name])
-        expected = torch.cat([self._expected[name] for name in names])
-        rows = torch.tensor([base[name] + i for name, i in keys], dtype=torch.int64).to(expected.device)
+        expected = self._table
+        rows = torch.tensor([self._rows[name] + i for name, i in keys], dtype=torch.int64, pin_memory=expected.is_cuda)
+        rows = rows.to(expected.device, non_blocking=True)
         got = torch.cat([h.words.to(expected.device) for h in hashed])
         positions = (got != expected[rows]).any(dim=1).nonzero().flatten().tolist()  # the one wait for the device
         bad = [keys[p] for p in positions]
@@ -563,6 +627,11 @@ class DeviceLanding:
         self._done.set()
         with contextlib.suppress(OSError):
             self._sock.close()
+        if self._passing.acquire(timeout=10):  # a pass still running keeps its mappings (a leak, never a fault)
+            try:
+                self._release_lent()
+            finally:
+                self._passing.release()
         if self.agent is not None:
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(self._reg)
@@ -685,11 +754,16 @@ class DeviceSender:
         """Every chunk of every region, copied by the target itself out of this process's memory (CUDA IPC
         handles sent over the signed channel) and checked as it lands (:meth:`DeviceLanding._lend`). One GPU
         host only; the tensors stay alive and unchanged until this returns."""
+        from gpumigrate.transfer import cuda_ipc
+
         t0 = time.perf_counter()
-        specs = {name: _lend_spec(t) for name, t in self.tensors.items()}
+        if any(not t.is_cuda for t in self.tensors.values()):
+            raise InvalidInputError("lend_all needs device tensors (CUDA IPC); host memory goes by send_all")
+        shared = cuda_ipc.share(self.tensors) or {"regions": {name: _lend_spec(t) for name, t in self.tensors.items()}}
         sharing = time.perf_counter() - t0
-        done = self._landing_pass({"op": "lend", "regions": specs}, batch, retries, timeout_s, "copies", tolerate)
-        return {**done, "seconds_sharing": sharing}
+        done = self._landing_pass({"op": "lend", **shared}, batch, retries, timeout_s, "copies", tolerate)
+        by = "allocations" if "allocations" in shared else "tensors"  # one handle per allocation, or per tensor
+        return {**done, "seconds_sharing": sharing, "shared_by": by}
 
     def pull_all(
         self, *, batch: int = 256, retries: int = 2, timeout_s: float = 300.0, tolerate: bool = False

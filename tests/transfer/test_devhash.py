@@ -127,6 +127,32 @@ def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flip
 
 
 @pytest.mark.gpu
+def test_the_gathering_copy_moves_chunks_between_many_tensors_and_hashes_what_it_stored() -> None:
+    if not devhash.available(torch.device("cuda")):
+        pytest.skip("Triton is not importable here")
+    chunk = 256 * 1024  # two of the kernel's blocks of leaves
+    srcs = [_inputs(chunk // 1024, n, "cuda") for n in (3, 1, 2)]  # three allocations: offsets on both sides of one
+    dsts = [torch.zeros_like(s) for s in reversed(srcs)]  # chunks land in other tensors, in another order
+    pairs = [(s, i) for s in srcs for i in range(s.numel() // chunk)]
+    places = [(d, i) for d in dsts for i in range(d.numel() // chunk)]
+    src0, dst0 = srcs[1], dsts[1]
+    words = devhash.blake3_copy_gather(
+        src0,
+        [s.data_ptr() - src0.data_ptr() + i * chunk for s, i in pairs],
+        dst0,
+        [d.data_ptr() - dst0.data_ptr() + i * chunk for d, i in places],
+        chunk,
+    )
+    got = [devhash.words_hex(w) for w in words.cpu().tolist()]
+    for (s, i), (d, j) in zip(pairs, places, strict=True):
+        assert torch.equal(s[i * chunk : (i + 1) * chunk], d[j * chunk : (j + 1) * chunk])
+    assert got == [_want(s[i * chunk : (i + 1) * chunk], 1)[0] for s, i in pairs]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        devhash.blake3_copy_gather(src0, [4], dst0, [0], chunk)
+    assert not devhash.gather_takes(src0, dst0, 64 * 1024)  # half a block of leaves: copied plainly by callers
+
+
+@pytest.mark.gpu
 def test_the_fused_copy_stores_every_byte_and_hashes_what_it_stored() -> None:
     if not devhash.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")

@@ -6,6 +6,7 @@ the same code on CUDA tensors (cuda_ipc) with the device BLAKE3 kernels.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -13,7 +14,9 @@ import blake3
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("nixl_cu13")
+needs_nixl = pytest.mark.skipif(
+    importlib.util.find_spec("nixl_cu13") is None, reason="NIXL (nixl-cu13) is not installed here"
+)  # WRITEs and READs; a lend (CUDA IPC) runs without it, as the agent's fill does
 
 from gpumigrate.control import AuthError  # noqa: E402
 from gpumigrate.errors import IntegrityError, InvalidInputError  # noqa: E402
@@ -54,6 +57,7 @@ def send(
         landing.close()
 
 
+@needs_nixl
 @pytest.mark.parametrize("mode", ["write", "pull"])
 def test_chunks_land_verified_and_a_damaged_landing_is_sent_again(mode: str) -> None:
     src = regions()
@@ -75,6 +79,7 @@ def test_chunks_land_verified_and_a_damaged_landing_is_sent_again(mode: str) -> 
     assert landing.result.chunks_verified == sum(len(ids_of(v)) for v in src.values())
 
 
+@needs_nixl
 @pytest.mark.parametrize("mode", ["write", "pull"])
 def test_expected_ids_come_from_the_manifest_and_a_wrong_source_never_passes(mode: str) -> None:
     key = os.urandom(32)
@@ -93,6 +98,7 @@ def test_expected_ids_come_from_the_manifest_and_a_wrong_source_never_passes(mod
     assert landing.result.chunks_failed == 2 and set(landing.result.failures) == {"w[0]"}
 
 
+@needs_nixl
 def test_a_source_without_the_control_key_gets_nothing() -> None:
     dst = {k: torch.zeros_like(v) for k, v in regions().items()}
     landing = DeviceLanding(dst, chunk_size=CHUNK, control_key=os.urandom(32))
@@ -103,6 +109,7 @@ def test_a_source_without_the_control_key_gets_nothing() -> None:
         landing.close()
 
 
+@needs_nixl
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["write", "pull"])
 def test_device_to_device_with_the_blake3_kernels(mode: str) -> None:
@@ -118,8 +125,9 @@ def test_device_to_device_with_the_blake3_kernels(mode: str) -> None:
 def test_lending_host_memory_is_refused_by_name() -> None:
     key = os.urandom(32)
     src = regions()
-    landing = DeviceLanding({k: torch.zeros_like(v) for k, v in src.items()}, chunk_size=CHUNK, control_key=key)
-    sender = DeviceSender(landing.address, src, control_key=key)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    landing = DeviceLanding(dst, chunk_size=CHUNK, control_key=key, nixl=False)
+    sender = DeviceSender(landing.address, src, control_key=key, nixl=False)
     try:
         with pytest.raises(InvalidInputError, match="lend_all needs device tensors"):
             sender.lend_all()
@@ -136,7 +144,7 @@ from gpumigrate.transfer.nixl_device import DeviceLanding
 job = json.loads(sys.stdin.readline())
 dst = {k: torch.zeros(n, dtype=torch.uint8, device="cuda") for k, n in job["sizes"].items()}
 landing = DeviceLanding(dst, chunk_size=job["chunk"], control_key=bytes.fromhex(job["key"]),
-                        expected=job["ids"], hasher=blake3_chunks)
+                        expected=job["ids"], hasher=blake3_chunks, nixl=False)
 print(json.dumps({"address": landing.address}), flush=True)
 result = landing.wait(120)
 print(json.dumps({"result": result.__dict__, "tails": {k: v[-7:].tolist() for k, v in dst.items()}}), flush=True)
@@ -166,7 +174,7 @@ def lend_to_another_process(src: dict[str, Any], ids: dict[str, list[str]], **le
     line = child.stdout.readline()
     while not line.startswith('{"address"'):
         line = child.stdout.readline()
-    sender = DeviceSender(json.loads(line)["address"], src, control_key=key)
+    sender = DeviceSender(json.loads(line)["address"], src, control_key=key, nixl=False)
     try:
         outcome: Any = sender.lend_all(**lend)
     except Exception as exc:  # noqa: BLE001 - the caller asserts on it
@@ -178,10 +186,19 @@ def lend_to_another_process(src: dict[str, Any], ids: dict[str, list[str]], **le
 
 
 @pytest.mark.gpu
-def test_a_landing_copies_lent_device_memory_verified() -> None:
+@pytest.mark.parametrize("shared_by", ["allocations", "tensors"])
+def test_a_landing_copies_lent_device_memory_verified(shared_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumigrate.transfer import cuda_ipc
+
+    if shared_by == "tensors":  # where the driver cannot export an allocation: PyTorch's sharing, per tensor
+        monkeypatch.setattr(cuda_ipc, "share", lambda tensors: None)
     src = regions("cuda")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for name, chunks in (("v", 3), ("u", 2)):  # more regions: the copy's batches span several allocations
+        src[name] = torch.randint(0, 255, (chunks * CHUNK + 4096,), dtype=torch.uint8, generator=g).to("cuda")
     outcome, landed = lend_to_another_process(src, {k: ids_of(v) for k, v in src.items()}, batch=4)
     assert not isinstance(outcome, Exception), outcome
+    assert outcome["shared_by"] == shared_by
     assert outcome["chunks_resent"] == 0 and landed["result"]["chunks_failed"] == 0
     assert landed["result"]["chunks_verified"] == sum(len(ids_of(v)) for v in src.values())
     tails = {k: v.view(-1).view(torch.uint8)[-7:].tolist() for k, v in src.items()}
@@ -196,3 +213,15 @@ def test_a_lent_source_that_differs_from_the_manifest_never_passes() -> None:
     outcome, landed = lend_to_another_process(src, manifest_ids, batch=4, retries=1)
     assert isinstance(outcome, IntegrityError) and "still failed" in str(outcome)
     assert landed["result"]["chunks_failed"] == 2 and set(landed["result"]["failures"]) == {"w[1]"}
+
+
+@pytest.mark.gpu
+def test_a_lend_naming_memory_outside_its_allocation_is_refused() -> None:
+    from gpumigrate.transfer import cuda_ipc
+
+    t = torch.zeros(CHUNK, dtype=torch.uint8, device="cuda")
+    shared = cuda_ipc.share({"w": t})
+    assert shared is not None and shared["regions"]["w"]["nbytes"] == CHUNK
+    shared["regions"]["w"]["offset"] = shared["allocations"][0]["bytes"]  # past its allocation's end
+    with pytest.raises(ValueError, match="outside the allocation"):
+        cuda_ipc.Mapped(shared, t.device)

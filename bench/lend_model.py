@@ -1,0 +1,174 @@
+"""The device landing on a model's state: what `transfer.restore_from: source` moves on one GPU, measured alone.
+
+    python bench/lend_model.py --json [--gib 16] [--chunk-mib 16] [--batch 4096 1024] [--reps 3]
+
+The state is the reference model's tensors at ``--gib`` (about 520 regions at 16 GiB, each its own
+allocation, as a served model holds them), not one tensor. The source process lends them through
+``DeviceSender.lend_all`` (CUDA IPC handles over the signed channel, no NIXL agent: what the agent's fill
+uses); a landing in a second process (``DeviceLanding``, ``nixl=False``) opens them, copies every chunk and
+hashes it where it landed with the BLAKE3 kernels, and compares each hash with the chunk's id before it
+replies. ``lend_GBps`` counts that whole call, from the source's request to the landing's reply that every
+chunk verified: sharing the handles, opening them, copies, checks, release. ``landing_phases`` splits the
+landing's side of it. Baselines from the same run, same bytes: one plain device copy of one tensor, and a
+plain copy per region. The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+TARGET = r"""
+import json, sys, torch
+from gpumigrate import control
+from gpumigrate.transfer.devhash import blake3_chunks, warm
+from gpumigrate.transfer.nixl_device import DeviceLanding
+job = json.loads(sys.stdin.readline())
+warm(torch.device("cuda"))
+regions = {name: torch.zeros(n, dtype=torch.uint8, device="cuda") for name, n in job["sizes"].items()}
+landing = DeviceLanding(regions, chunk_size=job["chunk"], control_key=bytes.fromhex(job["key"]), hasher=blake3_chunks, nixl=False)
+print(json.dumps({"address": landing.address}), flush=True)
+print(json.dumps({"result": landing.wait().__dict__}), flush=True)
+"""
+
+
+def model_state(gib: float) -> dict[str, torch.Tensor]:
+    """The reference model's tensors at ``gib`` GiB of bf16, as flat bytes, filled with noise."""
+    from gpumigrate.workloads.model import build_model
+
+    model = build_model(0, "small", dtype="bfloat16", device="cuda", params_mb=gib * 1024, load_weights=False)
+    state = {name: t.view(-1).view(torch.uint8) for name, t in model.state_dict().items()}
+    for t in state.values():
+        t.random_(0, 256)
+    return state
+
+
+def chunk_ids(state: dict[str, torch.Tensor], chunk: int) -> dict[str, list[str]]:
+    """What the image's manifest names: BLAKE3 of every chunk (device kernels; short tails on the CPU)."""
+    import blake3
+
+    from gpumigrate.transfer import devhash
+
+    out: dict[str, list[str]] = {}
+    for name, t in state.items():
+        whole = t.numel() // chunk * chunk
+        ids = [devhash.words_hex(w) for w in devhash.blake3_chunks(t[:whole], chunk).tolist()] if whole else []
+        if t.numel() > whole:
+            ids.append(blake3.blake3(t[whole:].cpu().numpy().tobytes()).hexdigest())
+        out[name] = ids
+    return out
+
+
+def timed(fn: Any) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def one_tensor_copy(nbytes: int, reps: int) -> float:
+    """Best seconds of one plain device copy of ``nbytes`` between two tensors (the ceiling a landing is held to)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return min(timed(lambda: b.copy_(a)) for _ in range(reps))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="(always on)")
+    p.add_argument("--gib", type=float, default=16)
+    p.add_argument("--chunk-mib", type=int, default=16)
+    p.add_argument("--batch", type=int, nargs="+", default=[4096, 1024])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(json.dumps({"bench": "lend_model", "not_run": "needs a CUDA GPU"}))
+        return 0
+    from gpumigrate.transfer.devhash import warm
+    from gpumigrate.transfer.nixl_device import DeviceSender
+
+    warm(torch.device("cuda"))
+    chunk = args.chunk_mib << 20
+    state = model_state(args.gib)
+    nbytes = sum(t.numel() for t in state.values())
+    ids = chunk_ids(state, chunk)
+    key = os.urandom(32)
+    job = {"sizes": {k: t.numel() for k, t in state.items()}, "chunk": chunk, "key": key.hex()}
+    child = subprocess.Popen([sys.executable, "-c", TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    child.stdin.write(json.dumps(job) + "\n")
+    child.stdin.flush()
+    line = child.stdout.readline()
+    while not line.startswith('{"address"'):
+        line = child.stdout.readline()
+    sender = DeviceSender(json.loads(line)["address"], state, control_key=key, nixl=False)
+    sender.expect(ids)
+    sender.lend_all(batch=args.batch[0])  # warm-up: the landing's first pass allocates and loads its kernels
+    runs: dict[str, list[dict[str, float]]] = {}
+    before = sender.call({"op": "done"})
+    for batch in args.batch:
+        for _ in range(args.reps):
+            replies: list[dict[str, Any]] = []
+            took = timed(lambda b=batch, out=replies: out.append(sender.lend_all(batch=b)))
+            after = replies[0]
+            runs.setdefault(str(batch), []).append(
+                {
+                    "seconds": round(took, 4),
+                    "source_sharing": round(after["seconds_sharing"], 4),
+                    "opening": round(after["seconds_opening"] - before["seconds_opening"], 4),
+                    "landing_pass": round(after["seconds_passes"] - before["seconds_passes"], 4),
+                    "failed": after["chunks_failed"] - before["chunks_failed"],
+                }
+            )
+            before = after
+    sender.close()
+    out_line = child.stdout.readline()
+    while out_line and not out_line.startswith('{"result"'):
+        out_line = child.stdout.readline()
+    child.wait(timeout=60)
+    plain = one_tensor_copy(nbytes, args.reps)
+    copies = {k: torch.empty_like(t) for k, t in state.items()}
+    per_region = min(timed(lambda: [copies[k].copy_(t) for k, t in state.items()]) for _ in range(args.reps))
+    gbps = lambda s: round(nbytes / s / 1e9, 1)  # noqa: E731
+    best = {b: min(r["seconds"] for r in rs) for b, rs in runs.items()}
+    result = {
+        "bench": "lend_model",
+        "device": torch.cuda.get_device_name(0),
+        "bytes": nbytes,
+        "regions": len(state),
+        "chunk_bytes": chunk,
+        "chunks": sum(len(v) for v in ids.values()),
+        "includes": "lend_GBps: DeviceSender.lend_all into a DeviceLanding in another process (nixl=False, as the "
+        "agent's fill from the source): the source's CUDA IPC handles for every region, the landing opening them, "
+        "copying every chunk with the kernel that hashes where it lands (short tails copied plainly, hashed "
+        "together), every hash compared with the manifest's id on the device, the handles released, the reply; "
+        "best of reps after a warm-up pass. landing_phases: opening = mapping the handles, landing_pass = the "
+        "landing's whole pass (opening included)",
+        "GBps": {
+            **{f"lend_batch{b}": gbps(s) for b, s in best.items()},
+            "plain_device_copy_one_tensor": gbps(plain),
+            "plain_device_copy_per_region": gbps(per_region),
+        },
+        "landing_phases": runs,
+        "landing_result": json.loads(out_line)["result"] if out_line else None,
+        "targets": {"lend_GBps": ">= 700 (issue 15, counting the verification)"},
+    }
+    text = json.dumps(result)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
