@@ -136,10 +136,8 @@ class SourceFill:
             for phase, seconds in (
                 ("setup", t0 - started),
                 ("source_sharing", float(lent.get("seconds_sharing", 0.0))),
-                (
-                    "source_lend",
-                    float(lent.get("seconds", 0.0)),
-                ),  # the source agent.s lend, once it holds its lock
+                ("source_lend", float(lent.get("seconds", 0.0))),  # from when the source agent holds its lock
+                *((f"source_{k}", float(v)) for k, v in dict(lent.get("source_phases") or {}).items()),
                 ("opening", seen.seconds_opening),
                 ("landing_passes", seen.seconds_passes),
                 ("checking", seen.seconds_hashing),
@@ -156,16 +154,26 @@ class SourceFill:
         from gpumigrate.transfer.nixl_device import DeviceSender
 
         way = _way(tensors)
+        t0 = time.perf_counter()
         sender = DeviceSender(landing, tensors, control_key=control_key, **_transport(way))
+        t1 = time.perf_counter()
         try:
             if way == "lend":
                 done = sender.lend_all(retries=RETRIES, timeout_s=LEND_TIMEOUT_S, tolerate=tolerate)
             else:
                 done = sender.pull_all(retries=RETRIES, timeout_s=LEND_TIMEOUT_S, tolerate=tolerate)
         finally:
+            t2 = time.perf_counter()
             sender.close()
         return {
             "way": way,
             "chunks_resent": int(done.get("chunks_resent", 0)),
             "seconds_sharing": float(done.get("seconds_sharing", 0.0)),
+            "shared_by": done.get("shared_by"),
+            # where the source's side of the lend went: connecting to the landing, the pass, closing
+            "source_phases": {
+                "connect": round(t1 - t0, 4),
+                "pass": round(t2 - t1, 4),
+                "close": round(time.perf_counter() - t2, 4),
+            },
         }

@@ -128,29 +128,42 @@ class Mapped:
                 raise ValueError(f"region {name}: outside the allocation it names")
             if len(self.allocations[k][0]) != _HANDLE_BYTES:
                 raise ValueError(f"region {name}: a handle of {len(self.allocations[k][0])} bytes")
-        self._mapped: dict[int, int] = {}
+        self._mapped: dict[int, int] = {}  # allocation -> its address here
+        self._views: dict[int, Any] = {}  # allocation -> a uint8 tensor over it
         self._lock = threading.Lock()
         self.seconds_opening = 0.0
 
+    def address(self, name: str) -> int:
+        """Where region ``name`` of the source's memory lies in this process (mapping its allocation now if it is
+        the first region there)."""
+        k, offset, _ = self.regions[name]
+        return self._base(k) + offset
+
     def tensor(self, name: str) -> Any:
-        """Region ``name`` of the source's memory as a flat uint8 tensor of this process (mapping its allocation now
-        if it is the first region there)."""
+        """Region ``name`` of the source's memory as a flat uint8 tensor of this process (a view of its
+        allocation's, which is made once)."""
+        k, offset, nbytes = self.regions[name]
+        self._base(k)
+        return self._views[k][offset : offset + nbytes]
+
+    def _base(self, k: int) -> int:
+        base = self._mapped.get(k)
+        if base is not None:
+            return base
         import torch
 
-        k, offset, nbytes = self.regions[name]
-        base = self._mapped.get(k)
-        if base is None:
-            t0 = time.perf_counter()
-            torch.cuda.set_device(self.device)
-            handle = _Handle.of(self.allocations[k][0])
-            address = ctypes.c_uint64()
-            code = self._calls["open"](ctypes.byref(address), handle, _LAZY_ENABLE_PEER_ACCESS)
-            if code != 0:
-                raise RuntimeError(f"cuIpcOpenMemHandle failed (CUresult {code}) for allocation {k}")
-            with self._lock:
-                base = self._mapped[k] = address.value
-            self.seconds_opening += time.perf_counter() - t0
-        return torch.as_tensor(_Device(base + offset, nbytes), device=self.device)
+        t0 = time.perf_counter()
+        torch.cuda.set_device(self.device)
+        handle = _Handle.of(self.allocations[k][0])
+        address = ctypes.c_uint64()
+        code = self._calls["open"](ctypes.byref(address), handle, _LAZY_ENABLE_PEER_ACCESS)
+        if code != 0:
+            raise RuntimeError(f"cuIpcOpenMemHandle failed (CUresult {code}) for allocation {k}")
+        with self._lock:
+            self._mapped[k] = address.value
+            self._views[k] = torch.as_tensor(_Device(address.value, self.allocations[k][1]), device=self.device)
+        self.seconds_opening += time.perf_counter() - t0
+        return address.value
 
     def close(self) -> None:
         """Unmap every allocation mapped here; nothing of the source's may be used afterwards."""
@@ -158,6 +171,7 @@ class Mapped:
 
         with self._lock:
             mapped, self._mapped = self._mapped, {}
+            self._views = {}  # no view may outlive its mapping
         if mapped:
             torch.cuda.set_device(self.device)
         for address in mapped.values():

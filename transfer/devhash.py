@@ -228,12 +228,16 @@ def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torc
     return _parents(nodes, n, leaves)
 
 
+def gather_chunk(chunk: int) -> bool:
+    """Whether :func:`blake3_copy_gather` copies chunks of this size (a whole number of its blocks of leaves)."""
+    return chunk > 0 and chunk % (LEAF * LEAF_BLOCK) == 0
+
+
 def gather_takes(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> bool:
     """Whether :func:`blake3_copy_gather` takes whole ``chunk``-byte pieces of these two regions: device uint8
     on one device, both 16-byte aligned, and ``chunk`` a whole number of the kernel's blocks of leaves."""
     return (
-        chunk > 0
-        and chunk % (LEAF * LEAF_BLOCK) == 0
+        gather_chunk(chunk)
         and src.is_cuda
         and dst.is_cuda
         and src.device == dst.device

@@ -184,6 +184,9 @@ class _TorchLent:
     def tensor(self, name: str) -> Any:
         return self._lent[name]
 
+    def address(self, name: str) -> int:
+        return int(self._lent[name].data_ptr())
+
     def close(self) -> None:
         import torch
 
@@ -401,36 +404,47 @@ class DeviceLanding:
                     "error": f"region {name}: the source lent {lent_bytes} bytes of device memory, {region.numel()} here"
                 }
         hashed: list[Hashed] = []  # computed where the chunks landed, compared at the end
-        landed: list[tuple[str, int, Any]] = []  # chunks copied plainly, hashed together: (region, index, view)
-        pending: list[tuple[str, int, Any, Any]] = []  # whole chunks for the gathering copy: (region, index, src, dst)
+        pending: list[
+            tuple[str, int, int, int]
+        ] = []  # regions' whole chunks to copy: (region, count, src, dst address)
+        tails: list[tuple[str, int]] = []  # (region, first chunk copied plainly)
         launch = min(batch, LAUNCH_CHUNKS)
+        kernels = devhash.available(next(iter(self.regions.values())).device) and devhash.gather_chunk(size)
 
         def copy_pending() -> None:
-            if pending:
-                src0, dst0 = pending[0][2], pending[0][3]
-                words = devhash.blake3_copy_gather(
-                    src0,
-                    [src.data_ptr() - src0.data_ptr() + i * size for _, i, src, _ in pending],
-                    dst0,
-                    [dst.data_ptr() - dst0.data_ptr() + i * size for _, i, _, dst in pending],
-                    size,
-                )
-                hashed.append(Hashed(words, [(name, i) for name, i, _, _ in pending], len(pending) * size))
-                pending.clear()
+            """One gathering copy of the pending regions' whole chunks, offsets from the first one's addresses."""
+            if not pending:
+                return
+            first = pending[0][0]
+            src0, dst0 = source.tensor(first), self.regions[first]
+            s0, d0 = pending[0][2], pending[0][3]
+            src_at = [s - s0 + i * size for _, count, s, _ in pending for i in range(count)]
+            dst_at = [d - d0 + i * size for _, count, _, d in pending for i in range(count)]
+            keys = [(name, i) for name, count, _, _ in pending for i in range(count)]
+            words = devhash.blake3_copy_gather(src0, src_at, dst0, dst_at, size)
+            hashed.append(Hashed(words, keys, len(keys) * size))
+            pending.clear()
 
-        kernels = devhash.available(next(iter(self.regions.values())).device)
-        # Region by region: an allocation is mapped when its first region comes, while the GPU copies the ones
-        # before it (the copies are queued, not waited for).
+        # Region by region, with addresses only (a tensor view per region cost more than the copy, at 521 regions):
+        # an allocation is mapped when its first region comes, while the GPU copies the regions before it.
+        queued = 0
         for name, region in self.regions.items():
-            src, n = source.tensor(name), region.numel()
-            whole = n // size if kernels and devhash.gather_takes(src, region, size) else 0
-            pending += [(name, i, src, region) for i in range(whole)]
-            if len(pending) >= launch:
-                copy_pending()
+            n, src, dst = region.numel(), source.address(name), region.data_ptr()
+            whole = n // size if kernels and src % 16 == 0 and dst % 16 == 0 else 0
+            if whole:
+                pending.append((name, whole, src, dst))
+                queued += whole
+                if queued >= launch:
+                    copy_pending()
+                    queued = 0
             if n > whole * size:  # a short last chunk, or a region the kernel does not take: copied plainly
-                region[whole * size :].copy_(src[whole * size :])
-                landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(whole, -(-n // size))]
+                tails.append((name, whole))
         copy_pending()
+        landed: list[tuple[str, int, Any]] = []  # chunks copied plainly, hashed together: (region, index, view)
+        for name, whole in tails:
+            region = self.regions[name]
+            region[whole * size :].copy_(source.tensor(name)[whole * size :])
+            landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(whole, -(-region.numel() // size))]
         self.result.seconds_opening += source.seconds_opening
         failed = self._compare([*hashed, *self._hash_landed(landed)])
 

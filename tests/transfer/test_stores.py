@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import boto3
@@ -125,3 +126,24 @@ def test_file_store_chunk_mode_names_a_chunk_only_once_its_data_is_synced(tmp_pa
     assert all(store.get_chunk(cid) == b for cid, b in blobs.items())
     assert not [p for p in (tmp_path / "s").rglob(".*") if p.is_file()]
     store.close()
+
+
+def test_a_file_store_in_memory_skips_preallocation_and_stores_the_same_bytes(tmp_path: Path) -> None:
+    """tmpfs zeroes what fallocate reserves, then write() fills it again: a store there writes without it."""
+    from gpumigrate.transfer.stores import MEMORY_FILESYSTEMS, FileStore, filesystem_of
+
+    shm = Path("/dev/shm")
+    if filesystem_of(shm) not in MEMORY_FILESYSTEMS:
+        pytest.skip("no tmpfs at /dev/shm here")
+    blob = os.urandom(1 << 20)
+    stores = {}
+    with tempfile.TemporaryDirectory(dir=shm) as root:
+        for where in (Path(root), tmp_path):
+            store = FileStore(where / "s", f"file://{where / 's'}")
+            store.put_chunk("ab" * 32, blob)
+            store.flush()
+            stores[where] = (store, store.get_chunk("ab" * 32))
+        in_memory = stores[Path(root)][0]
+        assert not in_memory._preallocate
+        assert stores[tmp_path][0]._preallocate == (filesystem_of(tmp_path) not in MEMORY_FILESYSTEMS)
+        assert all(got == blob for _, got in stores.values())
