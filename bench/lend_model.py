@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     best = {b: min(r["seconds"] for r in rs) for b, rs in runs.items()}
     result = {
         "bench": "lend_model",
+        "command": "bench/lend_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name(0),
         "bytes": nbytes,
         "regions": len(state),
