@@ -182,6 +182,9 @@ class DirectStoreImageWriter(StoreImageWriter):
         need = (WORKERS + 4) * sealed_size(codecs.scratch_size(self.chunk_size), True)
         BUFFERS.max_idle_bytes = max(BUFFERS.max_idle_bytes, need)
         self._queued: list[Future[str]] = []
+        # Chunks between coding and host memory: each holds a pinned slot (or will), and a coded one its planes on
+        # the device. Bounding them paces the coding to the workers and caps the device memory in flight.
+        self._in_flight = threading.Semaphore(SLOTS)
 
     def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
         self._check_open()
@@ -275,6 +278,9 @@ class DirectStoreImageWriter(StoreImageWriter):
                         f"chunk {c.region}#{c.index} is {c.data.numel()} bytes, more than the chunk size"
                     )
             t = time.perf_counter()
+            for _ in group:
+                self._in_flight.acquire()  # released by the worker once the chunk's bytes are stored
+            t = STAGES.add("capture.main.slot_wait", t)
             coded = self._code_on_device(chunks, group, coder, current) if coder is not None else {}
             STAGES.add("capture.main.gpu_encode", t)
             for k in group:
@@ -292,7 +298,19 @@ class DirectStoreImageWriter(StoreImageWriter):
         if not eligible:
             return {}
         with torch.cuda.stream(coder):
-            planes = {k: chunks[k].data.view(-1, 2).t().contiguous() for k in eligible}  # [low; sign-and-exponent]
+            # [low; sign-and-exponent] planes of each chunk; chunks of one length split together, in two launches
+            # (the submitting thread's per-chunk calls, each a wait for the GIL beside the sealing threads, set the
+            # pace of a capture)
+            by_length: dict[int, list[int]] = {}
+            for k in eligible:
+                by_length.setdefault(chunks[k].data.numel(), []).append(k)
+            planes: dict[int, Any] = {}
+            for members in by_length.values():
+                if len(members) == 1:
+                    planes[members[0]] = chunks[members[0]].data.view(-1, 2).t().contiguous()
+                    continue
+                split = torch.stack([chunks[k].data.view(-1, 2) for k in members]).permute(0, 2, 1).contiguous()
+                planes.update(zip(members, split.unbind(0), strict=True))
             his = gpucodec.encode_planes([planes[k][1] for k in eligible], coder)
         event = torch.cuda.Event()
         event.record(coder)
@@ -301,8 +319,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         for k, hi in zip(eligible, his, strict=True):
             n = chunks[k].data.numel()
             if _GPU_PLANES_HEADER + n // 2 + hi.numel() < n:
-                planes[k].record_stream(current)  # hi is nvCOMP's: the worker holds it until the copy landed
-                out[k] = (planes[k], hi)
+                out[k] = (planes[k], hi, event)  # the worker copies them out after ``event``, and holds them till then
         return out
 
     def _queue_device(
@@ -316,31 +333,57 @@ class DirectStoreImageWriter(StoreImageWriter):
         futures: list[Any],
         members: list[int],
     ) -> None:
-        """Copy one chunk (coded planes or raw bytes) into a pinned slot on ``current`` and hand it to a worker."""
+        """Hand one chunk to a worker: a coded one as it is (the worker copies its planes out, on a stream of its
+        own: this thread then only codes and submits), raw bytes copied into a pinned slot on ``current`` first
+        (they are the caller's memory, which the caller may change once its stream moves on)."""
         import torch
 
-        n = chunk.data.numel()
         t = time.perf_counter()
+        if coded is not None:
+            futures[members[k]] = _pool().submit(self._finish_coded, chunk, slots, ids, k, coded)
+            STAGES.add("capture.main.queue", t)
+            return
+        n = chunk.data.numel()
         slot = slots.take()
         t = STAGES.add("capture.main.slot_wait", t)
         with torch.cuda.stream(current):
-            if coded is None:
-                slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
-                length = n
-            else:
-                planes, hi = coded
-                view = slots.view(slot)
-                at = PAYLOAD_AT + _GPU_PLANES_HEADER
-                view[PAYLOAD_AT] = 2
-                _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1, codecs.NONE, n // 2)
-                _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.numel())
-                slots.tensor(slot, at, at + n // 2).copy_(planes[0], non_blocking=True)
-                slots.tensor(slot, at + n // 2, at + n // 2 + hi.numel()).copy_(hi, non_blocking=True)
-                length = at + n // 2 + hi.numel() - PAYLOAD_AT
+            slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(current)
-        futures[members[k]] = _pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, length, coded)
+        futures[members[k]] = _pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, n, None)
         STAGES.add("capture.main.queue", t)
+
+    def _finish_coded(self, chunk: TensorChunk, slots: PinnedSlots, ids: DeviceIds, k: int, coded: Any) -> str:
+        """A coded chunk's two planes into a pinned slot, in the layout of a byte-plane payload, then stored."""
+        import torch
+
+        planes, hi, ready = coded
+        n = chunk.data.numel()
+        t = time.perf_counter()
+        slot = -1
+        try:
+            slot = slots.take()
+            t = STAGES.add("capture.worker.slot_wait", t)
+            stream = _STREAMS.get(chunk.data.device, "copy")
+            stream.wait_event(ready)
+            view = slots.view(slot)
+            at = PAYLOAD_AT + _GPU_PLANES_HEADER
+            view[PAYLOAD_AT] = 2
+            _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1, codecs.NONE, n // 2)
+            _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.numel())
+            with torch.cuda.stream(stream):
+                slots.tensor(slot, at, at + n // 2).copy_(planes[0], non_blocking=True)
+                slots.tensor(slot, at + n // 2, at + n // 2 + hi.numel()).copy_(hi, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+        except BaseException:
+            if slot >= 0:
+                slots.give(slot)
+            self._in_flight.release()
+            raise
+        STAGES.add("capture.worker.copy_queue", t)
+        length = at + n // 2 + hi.numel() - PAYLOAD_AT
+        return self._finish_device(chunk, slots, slot, landed, ids, k, length, coded)
 
     def _finish_device(
         self,
@@ -375,6 +418,7 @@ class DirectStoreImageWriter(StoreImageWriter):
             return chunk_id
         finally:
             slots.give(slot)
+            self._in_flight.release()
 
 
 class DirectStoreImageReader(StoreImageReader):
