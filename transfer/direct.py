@@ -304,19 +304,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         if not eligible:
             return {}
         with torch.cuda.stream(coder):
-            # [low; sign-and-exponent] planes of each chunk; chunks of one length split together, in two launches
-            # (the submitting thread's per-chunk calls, each a wait for the GIL beside the sealing threads, set the
-            # pace of a capture)
-            by_length: dict[int, list[int]] = {}
-            for k in eligible:
-                by_length.setdefault(chunks[k].data.numel(), []).append(k)
-            planes: dict[int, Any] = {}
-            for members in by_length.values():
-                if len(members) == 1:
-                    planes[members[0]] = chunks[members[0]].data.view(-1, 2).t().contiguous()
-                    continue
-                split = torch.stack([chunks[k].data.view(-1, 2) for k in members]).permute(0, 2, 1).contiguous()
-                planes.update(zip(members, split.unbind(0), strict=True))
+            planes = {k: chunks[k].data.view(-1, 2).t().contiguous() for k in eligible}  # [low; sign-and-exponent]
             his = gpucodec.encode_planes([planes[k][1] for k in eligible], coder)
         event = torch.cuda.Event()
         event.record(coder)
