@@ -8,7 +8,7 @@ import torch
 
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
 from gpumigrate.snapshot.agent import Agent
-from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
+from gpumigrate.snapshot.chunks import Fingerprints, byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
 from gpumigrate.snapshot.precopy import converge
 
@@ -43,6 +43,24 @@ def test_fingerprint_short_and_unaligned_tails() -> None:
     assert fingerprint_chunks(byte_view(u), 4096).tolist()[2] != fps.tolist()[2]
     odd = byte_view(torch.arange(9000, dtype=torch.uint8))[1:]  # storage offset 1: unaligned
     assert fingerprint_chunks(odd, 4096).numel() == 3
+
+
+def test_fingerprints_of_many_regions_equal_one_region_at_a_time() -> None:
+    """The batched fingerprints (short chunks of all regions stacked by length) are the same values."""
+    g = torch.Generator().manual_seed(5)
+    raw = byte_view(torch.randn(40_000, generator=g))
+    views = {
+        "whole": raw[: 3 * 4096],  # only whole chunks
+        "tail": raw[: 2 * 4096 + 100],  # whole chunks and a short one
+        "same_tail_a": raw[4096 : 4096 + 100],  # short chunks of one length, batched together
+        "same_tail_b": raw[8192 : 8192 + 100],
+        "unaligned": raw[1 : 1 + 3 * 4096],  # storage offset 1: every chunk goes the byte-wise way
+        "odd": raw[7:20],
+        "empty": raw[:0],
+    }
+    got = Fingerprints(views, 4096).to_host()
+    assert got == {name: fingerprint_chunks(v, 4096).tolist() for name, v in views.items()}
+    assert len(got["tail"]) == 3 and got["same_tail_a"] != got["same_tail_b"] and got["empty"] == []
 
 
 def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
