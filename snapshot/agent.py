@@ -21,10 +21,12 @@ the transfer engine) resolve it locally.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -128,6 +130,7 @@ class Agent:
         self._loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
         self._pipelines: dict[tuple[str, int], Pipeline] = {}
+        self._confirmer: ThreadPoolExecutor | None = None  # the final round's BLAKE3 confirmation, beside its shipping
         self._lock = threading.RLock()
         self.lease = Lease(self._lock, self._resume_locked)
         self.fingerprint_collisions = 0  # chunks the final round's full hash caught changed
@@ -238,11 +241,19 @@ class Agent:
         for info in infos.values():
             writer.add_region(info)
         clock.mark("regions")
+        # The frozen round hashes every chunk of a host tensor it shipped before anyway (BLAKE3 decides, there);
+        # on the host a fingerprint pass costs more than that hash (one core against all of them), so those
+        # tensors skip it: their chunks that changed are the ones whose id changed.
+        by_hash = {
+            n
+            for n, v in views.items()
+            if frozen and not v.is_cuda and infos[n].kind != "blob" and self._same_layout(n, infos[n], cs)
+        }
         # Fingerprint every chunk where it lives, on a side stream; one host copy per device. With no
         # earlier round to compare against, every chunk ships anyway, so the fingerprints (kept for the
         # next round) are read back only after the copies, which they then overlap.
-        dev_fps = _fingerprint_all(views, cs)
-        comparable = any(name in self._shipped for name in views)
+        dev_fps = _fingerprint_all({n: v for n, v in views.items() if n not in by_hash}, cs)
+        comparable = any(name in self._shipped for name in views if name not in by_hash)
         host_fps = _fps_to_host(dev_fps) if comparable else None
         clock.mark("fingerprint")
         jobs_by_device: dict[str, list[Job]] = {}
@@ -251,6 +262,12 @@ class Agent:
         unchanged: list[Job] = []  # frozen round: reused only once their BLAKE3 confirms the id
         for name, view in views.items():
             info = infos[name]
+            if name in by_hash:  # every chunk is a candidate; the hash sorts them
+                was = self._shipped[name]
+                unchanged.extend(Job(name, i, view[i * cs : (i + 1) * cs]) for i in range(len(was.ids)))
+                total += len(was.ids)
+                new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(was.fingerprints), list(was.ids))
+                continue
             fps = host_fps[name] if host_fps is not None else None
             prev = self._shipped.get(name)
             # Reuse only against the same layout and the same chunk boundaries.
@@ -283,38 +300,48 @@ class Agent:
             def hasher(pieces: Sequence[torch.Tensor]) -> list[str]:
                 return direct.chunk_ids([TensorChunk("", i, p) for i, p in enumerate(pieces)])
 
-        confirmed = unchanged_by_hash(
+        # The confirmation hashes the unchanged chunks beside the shipping of the dirty ones (another thread, and
+        # side streams on a GPU: both only read frozen bytes); a chunk it catches changed ships after it.
+        confirming = self._confirm_beside(
             [j.data for j in unchanged], [new[j.region].ids[j.index] for j in unchanged], hasher
         )
-        clock.mark("confirm")
-        for job, same in zip(unchanged, confirmed, strict=True):
-            if same:
-                writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])
-                continue
-            # A fingerprint collision: the bytes changed under an unchanged fingerprint. Ship them.
-            self.fingerprint_collisions += 1
-            log.warning(
-                "gpumigrate agent: chunk %d of %s changed but kept its fingerprint; the final full hash caught it",
-                job.index,
-                job.region,
-            )
-            jobs_by_device.setdefault(str(job.data.device), []).append(job)
-            dirty_chunks += 1
-            dirty_bytes += job.data.numel()
-        clock.mark("reuse")
-        shipped_fps: list[tuple[Job, int]] = []
-        for device, jobs in jobs_by_device.items():
-            sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
-            for k, job in enumerate(jobs):
-                new[job.region].ids[job.index] = sent_ids[k]
-            if not frozen:
-                shipped_fps.extend(zip(jobs, sent_fps, strict=True))
+        try:
+            shipped_fps = self._ship(writer, jobs_by_device, cs, new, frozen=frozen)
+        except BaseException:
+            if confirming is not None:
+                wait([confirming])  # it reads the tracked tensors: done before the error leaves
+            raise
+        clock.mark("ship")
+        confirmed = confirming.result() if confirming is not None else []
+        clock.mark("confirm")  # what the confirmation took beyond the shipping
         if host_fps is None:
             for name, fps in _fps_to_host(dev_fps).items():
                 new[name].fingerprints = list(fps)
         for job, fp in shipped_fps:  # live rounds record the fingerprint of the bytes actually shipped
             new[job.region].fingerprints[job.index] = fp
-        clock.mark("ship")
+        clock.mark("fingerprint")  # a first round reads them back only now, after its copies
+        changed: dict[str, list[Job]] = {}  # chunks the hash found changed: shipped now
+        for job, same in zip(unchanged, confirmed, strict=True):
+            if same:
+                writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])
+                continue
+            if job.region not in by_hash:  # the fingerprint called it unchanged
+                self._collision(job)
+            changed.setdefault(str(job.data.device), []).append(job)
+            dirty_chunks += 1
+            dirty_bytes += job.data.numel()
+        clock.mark("reuse")
+        if changed:
+            self._ship(writer, changed, cs, new, frozen=True)
+            clock.mark("ship")
+            # The next round (after a rollback) compares against the fingerprints of what was shipped; a chunk
+            # of a hashed tensor whose fingerprint did not change with its bytes is a collision all the same.
+            hashed = [j for jobs in changed.values() for j in jobs if j.region in by_hash]
+            for job, fp in zip(hashed, _chunk_fingerprints([j.data for j in hashed], cs), strict=True):
+                if fp == new[job.region].fingerprints[job.index]:
+                    self._collision(job)
+                new[job.region].fingerprints[job.index] = fp
+            clock.mark("fingerprint")
         writer.set_metadata(
             META_KEY,
             {
@@ -336,6 +363,57 @@ class Agent:
         self.rounds += 1
         stats = RoundStats(self.rounds, total, dirty_chunks, dirty_bytes, clock.seconds(), clock.phases())
         return stats, ref
+
+    def _same_layout(self, name: str, info: RegionInfo, cs: int) -> bool:
+        """Whether the last shipped image holds ``name`` with this layout and these chunk boundaries."""
+        prev = self._shipped.get(name)
+        return prev is not None and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (
+            info.nbytes,
+            info.dtype,
+            info.shape,
+            cs,
+        )
+
+    def _collision(self, job: Job) -> None:
+        """The bytes of a chunk changed under an unchanged fingerprint: the final round's hash caught it."""
+        self.fingerprint_collisions += 1
+        log.warning(
+            "gpumigrate agent: chunk %d of %s changed but kept its fingerprint; the final full hash caught it",
+            job.index,
+            job.region,
+        )
+
+    def _ship(
+        self,
+        writer: ImageWriter,
+        jobs_by_device: Mapping[str, list[Job]],
+        cs: int,
+        new: Mapping[str, _Shipped],
+        *,
+        frozen: bool,
+    ) -> list[tuple[Job, int]]:
+        """Capture the jobs, record their ids in ``new``; a live round returns the fingerprints of the bytes shipped."""
+        shipped_fps: list[tuple[Job, int]] = []
+        for device, jobs in jobs_by_device.items():
+            sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
+            for k, job in enumerate(jobs):
+                new[job.region].ids[job.index] = sent_ids[k]
+            if not frozen:
+                shipped_fps.extend(zip(jobs, sent_fps, strict=True))
+        return shipped_fps
+
+    def _confirm_beside(
+        self,
+        pieces: Sequence[torch.Tensor],
+        ids: Sequence[str],
+        hasher: Callable[[Sequence[torch.Tensor]], list[str]] | None,
+    ) -> Future[list[bool]] | None:
+        """:func:`unchanged_by_hash` started on the agent's confirming thread (CUDA work on side streams)."""
+        if not pieces:
+            return None
+        if self._confirmer is None:
+            self._confirmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gm-confirm")
+        return self._confirmer.submit(_confirm_on_side_streams, pieces, ids, hasher)
 
     def precopy(self, writer: ImageWriter) -> RoundStats:
         """One live round. The writer's parent must be :attr:`last_image` (or a store holding its chunks)."""
@@ -520,6 +598,9 @@ class Agent:
                     and regions[name].kind != "blob"
                     else None
                 )
+                if have is not None and have == table[name]:  # the whole region is loaded already (most are)
+                    skipped += n
+                    continue
                 for i in range(n):
                     if have is not None and have[i] == table[name][i]:
                         skipped += 1
@@ -785,10 +866,32 @@ class Agent:
         for p in self._pipelines.values():
             p.close()
         self._pipelines.clear()
+        if self._confirmer is not None:
+            self._confirmer.shutdown(wait=True)
+            self._confirmer = None
 
 
 def _owned(item: tr.Item, region: str) -> bool:
     return region == item.prefix or region.startswith(item.prefix + "/")
+
+
+def _chunk_fingerprints(pieces: Sequence[torch.Tensor], chunk_size: int) -> list[int]:
+    """The fingerprint of each piece (one chunk each), read back once."""
+    found = Fingerprints({str(k): p for k, p in enumerate(pieces)}, chunk_size).to_host()
+    return [found[str(k)][0] for k in range(len(pieces))]
+
+
+def _confirm_on_side_streams(
+    pieces: Sequence[torch.Tensor], ids: Sequence[str], hasher: Callable[[Sequence[torch.Tensor]], list[str]] | None
+) -> list[bool]:
+    """Run in another thread than the shipping: its CUDA work goes on a side stream of each device, after
+    everything already queued there (the bytes are frozen: nothing queued later writes them)."""
+    with contextlib.ExitStack() as streams:
+        for device in {p.device for p in pieces if p.is_cuda}:
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            streams.enter_context(torch.cuda.stream(side))
+        return unchanged_by_hash(pieces, ids, hasher)
 
 
 def _fingerprint_all(views: Mapping[str, torch.Tensor], chunk_size: int) -> _Fingerprints:

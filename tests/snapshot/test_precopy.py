@@ -189,3 +189,32 @@ def test_a_new_chunk_size_ships_everything_instead_of_reusing_misaligned_chunks(
     b.track_tensor("t", out)
     b.restore(store.reader(a.last_image.id, KEY))
     assert torch.equal(out, t)
+
+
+def test_frozen_round_of_a_host_tensor_ships_the_chunks_its_hash_finds_changed() -> None:
+    """A host tensor's final round hashes every chunk instead of fingerprinting it first: the changed chunks
+    ship, the rest are reused, the image restores exactly, and the fingerprints kept for a round after a
+    rollback are those of the bytes shipped (an unchanged tensor then ships nothing, one change one chunk)."""
+    store = MemoryStore()
+    weights = torch.randn(64 * 1024)  # 256 KiB: 16 chunks of 16 KiB
+    agent = Agent(workers=2)
+    agent.track_tensor("w", weights)
+    agent.track_state("steps", lambda: {"n": 1}, lambda v: None)
+    first = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+    weights[5000] += 1.0  # chunk 1
+    weights[40_000] += 1.0  # chunk 9
+    agent.freeze()
+    final = agent.precopy(store.writer(KEY, chunk_size=16 << 10))  # frozen: the final round
+    assert (first.chunks_total, final.chunks_dirty, agent.fingerprint_collisions) == (17, 2, 0)
+    out = torch.zeros_like(weights)
+    target = Agent()
+    target.track_tensor("w", out)
+    target.track_state("steps", lambda: {"n": 0}, lambda v: None)
+    assert agent.last_image is not None
+    target.restore(store.reader(agent.last_image.id, KEY))
+    assert torch.equal(out, weights)
+    agent.resume()
+    assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 0
+    weights[0] += 1.0
+    assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 1
+    agent.close()

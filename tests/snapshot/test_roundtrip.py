@@ -134,7 +134,7 @@ def test_downtime_commands_report_their_phases_and_hold_the_collector(key_env, s
     assert seen[-1] is False and gc.isenabled()
     stats = final["stats"]
     assert list(stats["phases"]) == [
-        "lock", "open", "regions", "fingerprint", "plan", "confirm", "reuse", "ship", "metadata", "commit"
+        "lock", "open", "regions", "fingerprint", "plan", "ship", "confirm", "reuse", "metadata", "commit"
     ]  # fmt: skip
     assert sum(stats["phases"].values()) <= stats["seconds"] + 0.001
 
