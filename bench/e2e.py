@@ -234,7 +234,9 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
             "restore_from_source": done.get("from_source"),
             "restore_agent_phases": done.get("phases"),
             "includes": "freeze (request safe point) → final round (fingerprint all, ship the dirty set: the mutable "
-            "state) → target restore of the changed chunks → ready; two processes, agent calls over TCP",
+            "state, beside the BLAKE3 confirmation of the rest; commit) → target restore of the changed chunks → "
+            "ready; two processes, agent calls over TCP. final_agent_phases / restore_agent_phases: the agents' own "
+            "steps; *_outside_agent_ms: the rest of each call (control channel, JSON, signatures)",
         }
         out["target_ready_endpoint"] = target.ready()
         src_info, dst_info = source.info(), target.info()

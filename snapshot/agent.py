@@ -582,8 +582,7 @@ class Agent:
             from_source: list[tuple[str, int]] = []  # chunks the source's memory fills
             skipped = 0
             for name, dst in targets.items():
-                view = byte_view(dst)
-                n = chunk_count(view.numel(), cs)
+                n = chunk_count(dst.numel() * dst.element_size(), cs)
                 if reader.chunk_count(name) != n or len(table.get(name, ())) != n:
                     raise ImageMismatchError(
                         f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected"
@@ -601,6 +600,7 @@ class Agent:
                 if have is not None and have == table[name]:  # the whole region is loaded already (most are)
                     skipped += n
                     continue
+                view = byte_view(dst)
                 for i in range(n):
                     if have is not None and have[i] == table[name][i]:
                         skipped += 1
