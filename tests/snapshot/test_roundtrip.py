@@ -150,3 +150,31 @@ def test_downtime_commands_report_their_phases_and_hold_the_collector(key_env, s
         gc.enable()
     assert list(res["phases"]) == ["open", "lock", "check", "from_image", "from_source", "after", "ready"]
     assert sum(res["phases"].values()) <= res["seconds"] + 0.001
+
+
+def test_collector_holds_nest_and_overlap_across_threads() -> None:
+    """The collector comes back on when the last hold ends, whichever thread took it, and only if it was on."""
+    import gc
+    import threading
+
+    from gpumigrate.snapshot.gchold import gc_held
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other() -> None:
+        with gc_held():
+            inside.set()
+            release.wait(10)
+
+    assert gc.isenabled()
+    with gc_held():
+        worker = threading.Thread(target=other)
+        worker.start()
+        assert inside.wait(10)
+        with gc_held():
+            assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's hold is still on
+    release.set()
+    worker.join(10)
+    assert gc.isenabled()
