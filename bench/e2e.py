@@ -58,6 +58,7 @@ from gpumigrate.interfaces import Host, HostSpec
 from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
 from gpumigrate.settings import state_root
 from gpumigrate.snapshot.client import AgentClient
+from gpumigrate.snapshot.gchold import gc_held
 
 KEY_ENV = "GM_E2E_IMAGE_KEY"
 PROMPT = {"prompt": "The quick brown fox", "max_new_tokens": 4}
@@ -206,15 +207,16 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
         )
         out["round2"] = {"stats": round2["stats"], "preload_seconds": round(float(pre2["seconds"]), 4)}
         source.generate()  # the mutable state is dirty again: the final round ships it
-        t_freeze = time.perf_counter()
-        source.agent.call("freeze")
-        t_frozen = time.perf_counter()
-        final = source.agent.call("final", store=store, key_ref=key_ref, options=options)
-        t_final = time.perf_counter()
-        done = target.agent.call(
-            "restore", store=store, image_id=final["image"]["id"], key_ref=key_ref, ready=True, **fill
-        )
-        t_ready = time.perf_counter()
+        with gc_held():  # the orchestrator's own collector pauses would be downtime too (snapshot/gchold.py)
+            t_freeze = time.perf_counter()
+            source.agent.call("freeze")
+            t_frozen = time.perf_counter()
+            final = source.agent.call("final", store=store, key_ref=key_ref, options=options)
+            t_final = time.perf_counter()
+            done = target.agent.call(
+                "restore", store=store, image_id=final["image"]["id"], key_ref=key_ref, ready=True, **fill
+            )
+            t_ready = time.perf_counter()
         out["total_migration_s"] = round(t_ready - t_migration, 3)
         out["downtime"] = {
             "ms": round((t_ready - t_freeze) * 1000, 1),
@@ -222,12 +224,19 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
             "final_ms": round((t_final - t_frozen) * 1000, 1),
             "restore_ms": round((t_ready - t_final) * 1000, 1),
             "final_stats": final["stats"],
+            # where the final call's time went in the source's agent (its round's phases), and the rest of the call:
+            # the control channel (request and reply, signed and checked) and the orchestrator
+            "final_agent_phases": final["stats"].get("phases"),
+            "final_outside_agent_ms": round((t_final - t_frozen - float(final["stats"]["seconds"])) * 1000, 1),
+            "restore_outside_agent_ms": round((t_ready - t_final - float(done["seconds"])) * 1000, 1),
             "restore_chunks_loaded": done["chunks_loaded"],
             "restore_bytes_loaded": done["bytes_loaded"],
             "restore_from_source": done.get("from_source"),
             "restore_agent_phases": done.get("phases"),
             "includes": "freeze (request safe point) → final round (fingerprint all, ship the dirty set: the mutable "
-            "state) → target restore of the changed chunks → ready; two processes, agent calls over TCP",
+            "state, beside the BLAKE3 confirmation of the rest; commit) → target restore of the changed chunks → "
+            "ready; two processes, agent calls over TCP. final_agent_phases / restore_agent_phases: the agents' own "
+            "steps; *_outside_agent_ms: the rest of each call (control channel, JSON, signatures)",
         }
         out["target_ready_endpoint"] = target.ready()
         src_info, dst_info = source.info(), target.info()

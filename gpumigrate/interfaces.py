@@ -210,6 +210,7 @@ class RoundStats:
     chunks_dirty: int
     bytes_dirty: int
     seconds: float
+    phases: Mapping[str, float] = field(default_factory=dict)  # where ``seconds`` went, step by step
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,12 @@ the transfer engine) resolve it locally.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -41,10 +43,11 @@ from gpumigrate.interfaces import (
     TensorChunk,
 )
 from gpumigrate.snapshot import tracked as tr
-from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks, unchanged_by_hash
+from gpumigrate.snapshot.chunks import Fingerprints, byte_view, chunk_count, unchanged_by_hash
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.fill import Filler, Run, runs_of, slices
+from gpumigrate.snapshot.gchold import gc_held
 from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
 from gpumigrate.snapshot.ranks import RankGroup
@@ -59,6 +62,27 @@ META_KEY = "snapshot"
 
 WriterFactory = Callable[[str, Mapping[str, str], "str | None"], ImageWriter]
 ReaderFactory = Callable[[str, str, Mapping[str, str]], ImageReader]
+
+
+class Phases:
+    """Seconds per step of one agent command, in the order the steps ran: a reply's ``phases`` sum to
+    nearly its ``seconds``, so a slow call shows which step was slow (PROTOCOL.md)."""
+
+    def __init__(self) -> None:
+        self.t0 = self._last = time.perf_counter()
+        self._phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        """The time since the previous mark (or the start) was spent in step ``name``."""
+        now = time.perf_counter()
+        self._phases[name] = self._phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def phases(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self._phases.items()}
 
 
 @dataclass
@@ -106,6 +130,7 @@ class Agent:
         self._loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
         self._pipelines: dict[tuple[str, int], Pipeline] = {}
+        self._confirmer: ThreadPoolExecutor | None = None  # the final round's BLAKE3 confirmation, beside its shipping
         self._lock = threading.RLock()
         self.lease = Lease(self._lock, self._resume_locked)
         self.fingerprint_collisions = 0  # chunks the final round's full hash caught changed
@@ -205,8 +230,8 @@ class Agent:
             self._pipelines[key] = p
         return p
 
-    def _round(self, writer: ImageWriter, *, frozen: bool) -> tuple[RoundStats, ImageRef]:
-        t0 = time.perf_counter()
+    def _round(self, writer: ImageWriter, *, frozen: bool, opened: Phases | None = None) -> tuple[RoundStats, ImageRef]:
+        clock = opened or Phases()
         cs = int(writer.chunk_size)
         if cs <= 0 or cs % 8:
             raise SnapshotError(f"writer chunk size {cs} is not a positive multiple of 8 bytes")
@@ -215,18 +240,34 @@ class Agent:
         infos = {n: self._info(n, it, t) for n, (it, t) in live.items()}
         for info in infos.values():
             writer.add_region(info)
+        clock.mark("regions")
+        # The frozen round hashes every chunk of a host tensor it shipped before anyway (BLAKE3 decides, there);
+        # on the host a fingerprint pass costs more than that hash (one core against all of them), so those
+        # tensors skip it: their chunks that changed are the ones whose id changed.
+        by_hash = {
+            n
+            for n, v in views.items()
+            if frozen and not v.is_cuda and infos[n].kind != "blob" and self._same_layout(n, infos[n], cs)
+        }
         # Fingerprint every chunk where it lives, on a side stream; one host copy per device. With no
         # earlier round to compare against, every chunk ships anyway, so the fingerprints (kept for the
         # next round) are read back only after the copies, which they then overlap.
-        dev_fps = _fingerprint_all(views, cs)
-        comparable = any(name in self._shipped for name in views)
+        dev_fps = _fingerprint_all({n: v for n, v in views.items() if n not in by_hash}, cs)
+        comparable = any(name in self._shipped for name in views if name not in by_hash)
         host_fps = _fps_to_host(dev_fps) if comparable else None
+        clock.mark("fingerprint")
         jobs_by_device: dict[str, list[Job]] = {}
         new: dict[str, _Shipped] = {}
         total = dirty_chunks = dirty_bytes = 0
         unchanged: list[Job] = []  # frozen round: reused only once their BLAKE3 confirms the id
         for name, view in views.items():
             info = infos[name]
+            if name in by_hash:  # every chunk is a candidate; the hash sorts them
+                was = self._shipped[name]
+                unchanged.extend(Job(name, i, view[i * cs : (i + 1) * cs]) for i in range(len(was.ids)))
+                total += len(was.ids)
+                new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(was.fingerprints), list(was.ids))
+                continue
             fps = host_fps[name] if host_fps is not None else None
             prev = self._shipped.get(name)
             # Reuse only against the same layout and the same chunk boundaries.
@@ -251,6 +292,7 @@ class Agent:
                 dirty_chunks += 1
                 dirty_bytes += piece.numel()
             new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
+        clock.mark("plan")
         hasher = None
         if isinstance(writer, DirectImageWriter):
             direct = writer  # the writer hashes where the bytes live (CUDA chunks on their device)
@@ -258,35 +300,48 @@ class Agent:
             def hasher(pieces: Sequence[torch.Tensor]) -> list[str]:
                 return direct.chunk_ids([TensorChunk("", i, p) for i, p in enumerate(pieces)])
 
-        confirmed = unchanged_by_hash(
+        # The confirmation hashes the unchanged chunks beside the shipping of the dirty ones (another thread, and
+        # side streams on a GPU: both only read frozen bytes); a chunk it catches changed ships after it.
+        confirming = self._confirm_beside(
             [j.data for j in unchanged], [new[j.region].ids[j.index] for j in unchanged], hasher
         )
-        for job, same in zip(unchanged, confirmed, strict=True):
-            if same:
-                writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])
-                continue
-            # A fingerprint collision: the bytes changed under an unchanged fingerprint. Ship them.
-            self.fingerprint_collisions += 1
-            log.warning(
-                "gpumigrate agent: chunk %d of %s changed but kept its fingerprint; the final full hash caught it",
-                job.index,
-                job.region,
-            )
-            jobs_by_device.setdefault(str(job.data.device), []).append(job)
-            dirty_chunks += 1
-            dirty_bytes += job.data.numel()
-        shipped_fps: list[tuple[Job, int]] = []
-        for device, jobs in jobs_by_device.items():
-            sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
-            for k, job in enumerate(jobs):
-                new[job.region].ids[job.index] = sent_ids[k]
-            if not frozen:
-                shipped_fps.extend(zip(jobs, sent_fps, strict=True))
+        try:
+            shipped_fps = self._ship(writer, jobs_by_device, cs, new, frozen=frozen)
+        except BaseException:
+            if confirming is not None:
+                wait([confirming])  # it reads the tracked tensors: done before the error leaves
+            raise
+        clock.mark("ship")
+        confirmed = confirming.result() if confirming is not None else []
+        clock.mark("confirm")  # what the confirmation took beyond the shipping
         if host_fps is None:
             for name, fps in _fps_to_host(dev_fps).items():
                 new[name].fingerprints = list(fps)
         for job, fp in shipped_fps:  # live rounds record the fingerprint of the bytes actually shipped
             new[job.region].fingerprints[job.index] = fp
+        clock.mark("fingerprint")  # a first round reads them back only now, after its copies
+        changed: dict[str, list[Job]] = {}  # chunks the hash found changed: shipped now
+        for job, same in zip(unchanged, confirmed, strict=True):
+            if same:
+                writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])
+                continue
+            if job.region not in by_hash:  # the fingerprint called it unchanged
+                self._collision(job)
+            changed.setdefault(str(job.data.device), []).append(job)
+            dirty_chunks += 1
+            dirty_bytes += job.data.numel()
+        clock.mark("reuse")
+        if changed:
+            self._ship(writer, changed, cs, new, frozen=True)
+            clock.mark("ship")
+            # The next round (after a rollback) compares against the fingerprints of what was shipped; a chunk
+            # of a hashed tensor whose fingerprint did not change with its bytes is a collision all the same.
+            hashed = [j for jobs in changed.values() for j in jobs if j.region in by_hash]
+            for job, fp in zip(hashed, _chunk_fingerprints([j.data for j in hashed], cs), strict=True):
+                if fp == new[job.region].fingerprints[job.index]:
+                    self._collision(job)
+                new[job.region].fingerprints[job.index] = fp
+            clock.mark("fingerprint")
         writer.set_metadata(
             META_KEY,
             {
@@ -300,12 +355,65 @@ class Agent:
                 **({"rank": self._rank_id()} if self.group is not None else {}),
             },
         )
+        clock.mark("metadata")
         ref = writer.commit()
+        clock.mark("commit")
         self._shipped = new
         self.last_image = ref
         self.rounds += 1
-        stats = RoundStats(self.rounds, total, dirty_chunks, dirty_bytes, time.perf_counter() - t0)
+        stats = RoundStats(self.rounds, total, dirty_chunks, dirty_bytes, clock.seconds(), clock.phases())
         return stats, ref
+
+    def _same_layout(self, name: str, info: RegionInfo, cs: int) -> bool:
+        """Whether the last shipped image holds ``name`` with this layout and these chunk boundaries."""
+        prev = self._shipped.get(name)
+        return prev is not None and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (
+            info.nbytes,
+            info.dtype,
+            info.shape,
+            cs,
+        )
+
+    def _collision(self, job: Job) -> None:
+        """The bytes of a chunk changed under an unchanged fingerprint: the final round's hash caught it."""
+        self.fingerprint_collisions += 1
+        log.warning(
+            "gpumigrate agent: chunk %d of %s changed but kept its fingerprint; the final full hash caught it",
+            job.index,
+            job.region,
+        )
+
+    def _ship(
+        self,
+        writer: ImageWriter,
+        jobs_by_device: Mapping[str, list[Job]],
+        cs: int,
+        new: Mapping[str, _Shipped],
+        *,
+        frozen: bool,
+    ) -> list[tuple[Job, int]]:
+        """Capture the jobs, record their ids in ``new``; a live round returns the fingerprints of the bytes shipped."""
+        shipped_fps: list[tuple[Job, int]] = []
+        for device, jobs in jobs_by_device.items():
+            sent_ids, sent_fps = self._pipeline(torch.device(device), cs).capture(writer, jobs, stage=not frozen)
+            for k, job in enumerate(jobs):
+                new[job.region].ids[job.index] = sent_ids[k]
+            if not frozen:
+                shipped_fps.extend(zip(jobs, sent_fps, strict=True))
+        return shipped_fps
+
+    def _confirm_beside(
+        self,
+        pieces: Sequence[torch.Tensor],
+        ids: Sequence[str],
+        hasher: Callable[[Sequence[torch.Tensor]], list[str]] | None,
+    ) -> Future[list[bool]] | None:
+        """:func:`unchanged_by_hash` started on the agent's confirming thread (CUDA work on side streams)."""
+        if not pieces:
+            return None
+        if self._confirmer is None:
+            self._confirmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gm-confirm")
+        return self._confirmer.submit(_confirm_on_side_streams, pieces, ids, hasher)
 
     def precopy(self, writer: ImageWriter) -> RoundStats:
         """One live round. The writer's parent must be :attr:`last_image` (or a store holding its chunks)."""
@@ -326,7 +434,7 @@ class Agent:
         lease = lease_arg(lease_s)
         if at_step is not None and (isinstance(at_step, bool) or not isinstance(at_step, int) or at_step < 0):
             raise SnapshotError(f"at_step {at_step!r}: must be a whole number of at least 0")
-        with self._lock:
+        with gc_held(), self._lock:
             if self.freezer is not None and (not self.frozen or at_step is not None):
                 if at_step is None and self.group is not None and self.group.world_size > 1:
                     raise SnapshotError(
@@ -414,7 +522,7 @@ class Agent:
         return self.freezer.metrics(since)
 
     def final(self, writer: ImageWriter) -> ImageRef:
-        with self._lock:
+        with gc_held(), self._lock:
             if not self.frozen:
                 raise SnapshotError("final() needs a frozen workload: call freeze() first")
             return self._round(writer, frozen=True)[1]
@@ -446,6 +554,7 @@ class Agent:
         rank: int | None = None,
         source: str | None = None,
         control_key: bytes | None = None,
+        clock: Phases | None = None,
     ) -> dict[str, Any]:
         """Load a verified image into the tracked state; with ``ready`` report ready afterwards.
 
@@ -457,8 +566,9 @@ class Agent:
         """
         if source is not None and (self.filler is None or control_key is None):
             raise SnapshotError("this agent cannot fill from the source: the workload did not wire the transfer engine")
-        with self._lock:
-            t0 = time.perf_counter()
+        clock = clock or Phases()  # restore_from's started before it opened the reader
+        with gc_held(), self._lock:
+            clock.mark("lock")
             reader = rank_reader(reader, rank, self._rank_id() if self.group is not None else None)
             meta = reader.metadata().get(META_KEY)
             if not isinstance(meta, Mapping) or meta.get("format") != FORMAT:
@@ -472,8 +582,7 @@ class Agent:
             from_source: list[tuple[str, int]] = []  # chunks the source's memory fills
             skipped = 0
             for name, dst in targets.items():
-                view = byte_view(dst)
-                n = chunk_count(view.numel(), cs)
+                n = chunk_count(dst.numel() * dst.element_size(), cs)
                 if reader.chunk_count(name) != n or len(table.get(name, ())) != n:
                     raise ImageMismatchError(
                         f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected"
@@ -488,6 +597,10 @@ class Agent:
                     and regions[name].kind != "blob"
                     else None
                 )
+                if have is not None and have == table[name]:  # the whole region is loaded already (most are)
+                    skipped += n
+                    continue
+                view = byte_view(dst)
                 for i in range(n):
                     if have is not None and have[i] == table[name][i]:
                         skipped += 1
@@ -500,17 +613,17 @@ class Agent:
             if self.set_ready is not None:
                 self.set_ready(False)
             self.ready = False
-            marks = {"checked": time.perf_counter()}
+            clock.mark("check")
             loaded = 0
             for device, jobs in jobs_by_device.items():
                 loaded += self._pipeline(torch.device(device), cs).restore(reader, jobs)
-            marks["store"] = time.perf_counter()
+            clock.mark("from_image")
             filled: dict[str, Any] = {}
             if from_source:
                 assert source is not None and control_key is not None
                 moved, filled = self._fill(reader, source, targets, from_source, table, cs, control_key)
                 loaded += moved
-            marks["fill"] = time.perf_counter()
+            clock.mark("from_source")
             for item in self.items:
                 mine = {k: v for k, v in targets.items() if _owned(item, k)}
                 item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, mine)
@@ -520,25 +633,23 @@ class Agent:
             self._loaded_cs = cs
             self.last_image = reader.ref
             self.state_version += 1
+            clock.mark("after")
             if ready:
                 if self.set_ready is not None:
                     self.set_ready(True)
                 self.ready = True
+            clock.mark("ready")
             return {
                 "image": reader.ref.id,
                 "bytes_loaded": loaded,
                 "chunks_loaded": sum(len(j) for j in jobs_by_device.values()) + len(from_source),
                 "chunks_skipped": skipped,
                 "ready": ready,
-                "seconds": time.perf_counter() - t0,
-                # where the seconds went: reading and checking the manifest against the model, chunks read from
-                # the image, chunks filled from the source, then the items' own restore hooks
-                "phases": {
-                    "check": round(marks["checked"] - t0, 4),
-                    "from_image": round(marks["store"] - marks["checked"], 4),
-                    "from_source": round(marks["fill"] - marks["store"], 4),
-                    "after": round(time.perf_counter() - marks["fill"], 4),
-                },
+                "seconds": clock.seconds(),
+                # where the seconds went: opening the reader (the manifest read and its signature checked), waiting
+                # for the agent, checking the manifest against the model, chunks read from the image, chunks filled
+                # from the source, the items' own restore hooks, the switch to ready
+                "phases": clock.phases(),
                 "environment": env,
                 **({"from_source": filled} if filled else {}),
                 **({"world": reader.source()} if isinstance(reader, RankView) else {}),
@@ -649,9 +760,12 @@ class Agent:
         *,
         options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
+        clock = Phases()
         with self._lock:
+            clock.mark("lock")
             writer = self._open_writer(store, key_ref, parent, options)
-            stats, ref = self._round(writer, frozen=self.frozen)
+            clock.mark("open")
+            stats, ref = self._round(writer, frozen=self.frozen, opened=clock)
             return {"stats": asdict(stats), "image": asdict(ref)}
 
     def final_to(
@@ -662,11 +776,14 @@ class Agent:
         *,
         options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        with self._lock:
+        clock = Phases()
+        with gc_held(), self._lock:
+            clock.mark("lock")
             if not self.frozen:
                 raise SnapshotError("final needs a frozen workload: send freeze first")
             writer = self._open_writer(store, key_ref, parent, options)
-            stats, ref = self._round(writer, frozen=True)
+            clock.mark("open")
+            stats, ref = self._round(writer, frozen=True, opened=clock)
             return {"stats": asdict(stats), "image": asdict(ref)}
 
     def restore_from(
@@ -683,8 +800,13 @@ class Agent:
     ) -> dict[str, Any]:
         if self.reader_factory is None:
             raise SnapshotError("this agent has no image reader: the workload did not wire the transfer engine")
-        reader = self.reader_factory(store, image_id, key_ref)
-        return self.restore(reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key)
+        clock = Phases()
+        with gc_held():  # from the manifest's read on: every pause here is downtime in the final restore
+            reader = self.reader_factory(store, image_id, key_ref)
+            clock.mark("open")
+            return self.restore(
+                reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
+            )
 
     def lend_to(
         self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool
@@ -744,48 +866,63 @@ class Agent:
         for p in self._pipelines.values():
             p.close()
         self._pipelines.clear()
+        if self._confirmer is not None:
+            self._confirmer.shutdown(wait=True)
+            self._confirmer = None
 
 
 def _owned(item: tr.Item, region: str) -> bool:
     return region == item.prefix or region.startswith(item.prefix + "/")
 
 
+def _chunk_fingerprints(pieces: Sequence[torch.Tensor], chunk_size: int) -> list[int]:
+    """The fingerprint of each piece (one chunk each), read back once."""
+    found = Fingerprints({str(k): p for k, p in enumerate(pieces)}, chunk_size).to_host()
+    return [found[str(k)][0] for k in range(len(pieces))]
+
+
+def _confirm_on_side_streams(
+    pieces: Sequence[torch.Tensor], ids: Sequence[str], hasher: Callable[[Sequence[torch.Tensor]], list[str]] | None
+) -> list[bool]:
+    """Run in another thread than the shipping: its CUDA work goes on a side stream of each device, after
+    everything already queued there (the bytes are frozen: nothing queued later writes them)."""
+    with contextlib.ExitStack() as streams:
+        for device in {p.device for p in pieces if p.is_cuda}:
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            streams.enter_context(torch.cuda.stream(side))
+        return unchanged_by_hash(pieces, ids, hasher)
+
+
 def _fingerprint_all(views: Mapping[str, torch.Tensor], chunk_size: int) -> _Fingerprints:
     """Fingerprints of every chunk, launched on a side stream per GPU (after a device-wide sync, so
     everything the workload queued is in the bytes) so that they can overlap the first copies."""
-    side: dict[torch.device, torch.cuda.Stream] = {}
-    out: dict[str, torch.Tensor] = {}
+    by_device: dict[torch.device, dict[str, torch.Tensor]] = {}
     for name, view in views.items():
-        if not view.is_cuda:
-            out[name] = fingerprint_chunks(view, chunk_size)
+        by_device.setdefault(view.device, {})[name] = view
+    sets: list[Fingerprints] = []
+    side: list[torch.cuda.Stream] = []
+    for device, mine in by_device.items():
+        if device.type != "cuda":
+            sets.append(Fingerprints(mine, chunk_size))
             continue
-        if view.device not in side:
-            torch.cuda.synchronize(view.device)
-            side[view.device] = torch.cuda.Stream(device=view.device)
-        with torch.cuda.stream(side[view.device]):
-            out[name] = fingerprint_chunks(view, chunk_size)
-    return _Fingerprints(out, list(side.values()))
+        torch.cuda.synchronize(device)
+        side.append(torch.cuda.Stream(device=device))
+        with torch.cuda.stream(side[-1]):
+            sets.append(Fingerprints(mine, chunk_size))
+    return _Fingerprints(sets, side)
 
 
 @dataclass
 class _Fingerprints:
-    on_device: dict[str, torch.Tensor]
+    sets: list[Fingerprints]  # one per device
     streams: list[torch.cuda.Stream]
 
 
 def _fps_to_host(fps: _Fingerprints) -> dict[str, list[int]]:
     for stream in fps.streams:  # the reads below come after the fingerprint kernels
         torch.cuda.current_stream(stream.device).wait_stream(stream)
-    dev_fps = fps.on_device
-    by_device: dict[str, list[str]] = {}
-    for name, t in dev_fps.items():
-        by_device.setdefault(str(t.device), []).append(name)
     out: dict[str, list[int]] = {}
-    for names in by_device.values():
-        flat = torch.cat([dev_fps[n] for n in names]).cpu().tolist() if names else []
-        pos = 0
-        for n in names:
-            k = dev_fps[n].numel()
-            out[n] = flat[pos : pos + k]
-            pos += k
+    for one in fps.sets:
+        out.update(one.to_host())
     return out

@@ -7,6 +7,7 @@ from gpumigrate.transfer.direct import DirectStoreImageReader, DirectStoreImageW
 from gpumigrate.transfer.progress import ProgressCallback
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, open_store, resolve_image_id
+from gpumigrate.transfer.writer import committed_body
 
 
 def _store(store_url: str | Store, endpoint_url: str | None, parallelism: int = 4) -> Store:
@@ -42,8 +43,11 @@ def open_writer(
     if parent:
         pstore = store if parent_store is None else _store(parent_store, endpoint_url)
         parent_id = resolve_image_id(pstore, parent)
-        parent_reader = StoreImageReader(pstore, parent_id, sealer)
-        parent_body = parent_reader.body
+        # A parent this process committed itself needs no read back (delta chunks read its objects, though).
+        parent_body = None if delta else committed_body(pstore.url, parent_id, sealer.key_id)
+        if parent_body is None:
+            parent_reader = StoreImageReader(pstore, parent_id, sealer)
+            parent_body = parent_reader.body
         parent = parent_id
     return DirectStoreImageWriter(
         store,

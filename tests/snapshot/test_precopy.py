@@ -8,7 +8,7 @@ import torch
 
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
 from gpumigrate.snapshot.agent import Agent
-from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
+from gpumigrate.snapshot.chunks import Fingerprints, byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
 from gpumigrate.snapshot.precopy import converge
 
@@ -43,6 +43,24 @@ def test_fingerprint_short_and_unaligned_tails() -> None:
     assert fingerprint_chunks(byte_view(u), 4096).tolist()[2] != fps.tolist()[2]
     odd = byte_view(torch.arange(9000, dtype=torch.uint8))[1:]  # storage offset 1: unaligned
     assert fingerprint_chunks(odd, 4096).numel() == 3
+
+
+def test_fingerprints_of_many_regions_equal_one_region_at_a_time() -> None:
+    """The batched fingerprints (short chunks of all regions stacked by length) are the same values."""
+    g = torch.Generator().manual_seed(5)
+    raw = byte_view(torch.randn(40_000, generator=g))
+    views = {
+        "whole": raw[: 3 * 4096],  # only whole chunks
+        "tail": raw[: 2 * 4096 + 100],  # whole chunks and a short one
+        "same_tail_a": raw[4096 : 4096 + 100],  # short chunks of one length, batched together
+        "same_tail_b": raw[8192 : 8192 + 100],
+        "unaligned": raw[1 : 1 + 3 * 4096],  # storage offset 1: every chunk goes the byte-wise way
+        "odd": raw[7:20],
+        "empty": raw[:0],
+    }
+    got = Fingerprints(views, 4096).to_host()
+    assert got == {name: fingerprint_chunks(v, 4096).tolist() for name, v in views.items()}
+    assert len(got["tail"]) == 3 and got["same_tail_a"] != got["same_tail_b"] and got["empty"] == []
 
 
 def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
@@ -171,3 +189,32 @@ def test_a_new_chunk_size_ships_everything_instead_of_reusing_misaligned_chunks(
     b.track_tensor("t", out)
     b.restore(store.reader(a.last_image.id, KEY))
     assert torch.equal(out, t)
+
+
+def test_frozen_round_of_a_host_tensor_ships_the_chunks_its_hash_finds_changed() -> None:
+    """A host tensor's final round hashes every chunk instead of fingerprinting it first: the changed chunks
+    ship, the rest are reused, the image restores exactly, and the fingerprints kept for a round after a
+    rollback are those of the bytes shipped (an unchanged tensor then ships nothing, one change one chunk)."""
+    store = MemoryStore()
+    weights = torch.randn(64 * 1024)  # 256 KiB: 16 chunks of 16 KiB
+    agent = Agent(workers=2)
+    agent.track_tensor("w", weights)
+    agent.track_state("steps", lambda: {"n": 1}, lambda v: None)
+    first = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+    weights[5000] += 1.0  # chunk 1
+    weights[40_000] += 1.0  # chunk 9
+    agent.freeze()
+    final = agent.precopy(store.writer(KEY, chunk_size=16 << 10))  # frozen: the final round
+    assert (first.chunks_total, final.chunks_dirty, agent.fingerprint_collisions) == (17, 2, 0)
+    out = torch.zeros_like(weights)
+    target = Agent()
+    target.track_tensor("w", out)
+    target.track_state("steps", lambda: {"n": 0}, lambda v: None)
+    assert agent.last_image is not None
+    target.restore(store.reader(agent.last_image.id, KEY))
+    assert torch.equal(out, weights)
+    agent.resume()
+    assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 0
+    weights[0] += 1.0
+    assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 1
+    agent.close()

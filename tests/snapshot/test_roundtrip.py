@@ -114,3 +114,67 @@ def test_direct_placement_into_an_arena_and_fallback_when_full() -> None:
 
     with pytest.raises(IntegrityError, match="BLAKE3"):
         dst.restore(store.reader(src.last_image.id, b"a" * 32))
+
+
+def test_downtime_commands_report_their_phases_and_hold_the_collector(key_env, store_url) -> None:
+    """final's stats and restore's reply say where their seconds went (the phases cover the call); while they
+    run, Python's cyclic collector is off, and it is on again afterwards (off, if the workload had it off)."""
+    import gc
+
+    seen: list[bool] = []
+    weights = torch.randn(3000)
+    src = make_agent()
+    src.track_tensor("w", weights)
+    src.track_state("probe", lambda: seen.append(gc.isenabled()) or {"n": 1}, lambda v: None)
+    src.precopy_to(store_url, key_env)
+    weights[:10] += 1
+    src.freeze()
+    assert gc.isenabled()
+    final = src.final_to(store_url, key_env)
+    assert seen[-1] is False and gc.isenabled()
+    stats = final["stats"]
+    assert list(stats["phases"]) == [
+        "lock", "open", "regions", "fingerprint", "plan", "ship", "confirm", "reuse", "metadata", "commit"
+    ]  # fmt: skip
+    assert sum(stats["phases"].values()) <= stats["seconds"] + 0.001
+
+    got: list[bool] = []
+    dst = make_agent()
+    dst.track_tensor("w", torch.zeros(3000))
+    dst.track_state("probe", lambda: {"n": 0}, lambda v: got.append(gc.isenabled()))
+    gc.disable()
+    try:
+        res = dst.restore_from(store_url, final["image"]["id"], key_env)
+        assert got == [False] and not gc.isenabled()  # the workload's own choice stands
+    finally:
+        gc.enable()
+    assert list(res["phases"]) == ["open", "lock", "check", "from_image", "from_source", "after", "ready"]
+    assert sum(res["phases"].values()) <= res["seconds"] + 0.001
+
+
+def test_collector_holds_nest_and_overlap_across_threads() -> None:
+    """The collector comes back on when the last hold ends, whichever thread took it, and only if it was on."""
+    import gc
+    import threading
+
+    from gpumigrate.snapshot.gchold import gc_held
+
+    inside = threading.Event()
+    release = threading.Event()
+
+    def other() -> None:
+        with gc_held():
+            inside.set()
+            release.wait(10)
+
+    assert gc.isenabled()
+    with gc_held():
+        worker = threading.Thread(target=other)
+        worker.start()
+        assert inside.wait(10)
+        with gc_held():
+            assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's hold is still on
+    release.set()
+    worker.join(10)
+    assert gc.isenabled()

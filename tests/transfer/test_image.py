@@ -116,6 +116,32 @@ def test_xor_delta_against_parent(store: str, key: bytes) -> None:
     assert bytes(open_reader(store, delta_ref.id, key=key).read_region("w")) == changed.tobytes()
 
 
+def test_a_parent_this_process_committed_is_not_read_back(
+    store: str, key: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next round's writer takes its parent from the manifest this process just signed (no read, no
+    re-check); under another key it still reads the parent and refuses it, as before."""
+    from gpumigrate.transfer.stores import FileStore
+
+    data = np.frombuffer(os.urandom(2 * CHUNK), dtype=np.uint8)
+    first = open_writer(store, key=key, chunk_size=CHUNK)
+    ids = write_tensor(first, "w", data, "uint8")
+    parent = first.commit()
+    reads: list[str] = []
+    real = FileStore.get_manifest
+    monkeypatch.setattr(FileStore, "get_manifest", lambda self, i: reads.append(i) or real(self, i))
+    second = open_writer(store, key=key, parent=parent.id)
+    second.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="uint8", shape=data.shape, device="cpu"))
+    for i, cid in enumerate(ids):
+        second.reuse_chunk("w", i, cid)
+    child = second.commit()
+    assert reads == [] and child.bytes_sent < CHUNK  # nothing read back, no chunk sent again
+    assert bytes(open_reader(store, child.id, key=key).read_region("w")) == data.tobytes()
+    with pytest.raises(DecryptionError, match="wrong key"):
+        open_writer(store, key=os.urandom(32), parent=parent.id)
+    assert reads[-1] == parent.id
+
+
 def test_commit_refuses_an_incomplete_region(store: str, key: bytes) -> None:
     w = open_writer(store, key=key, chunk_size=CHUNK)
     w.add_region(RegionInfo(name="w", nbytes=3 * CHUNK))

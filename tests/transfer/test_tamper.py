@@ -156,3 +156,27 @@ def test_header_claiming_a_huge_length_is_refused_before_allocating(
     victim.write_bytes(data)
     with pytest.raises(IntegrityError, match="claims"):
         verify(store, image_id, key=key)
+
+
+def test_manifest_signature_covers_the_body_bytes_as_stored(key: bytes) -> None:
+    """A sealed manifest is the canonical JSON of the whole document (the body's bytes lie in it verbatim and
+    are what the signature covers); a document laid out otherwise opens only through its canonical form,
+    and a second "body" key spliced in after the signed one is refused."""
+    from gpumigrate.transfer.chunkobj import Sealer
+    from gpumigrate.transfer.manifest import canonical, open_manifest, seal_manifest
+
+    sealer = Sealer(key)
+    body = {"key_id": sealer.key_id, "encryption": "aes-256-gcm", "regions": [{"name": "w", "chunks": ["ab"]}], "ü": 1}
+    image_id, data = seal_manifest(body, sealer)
+    doc = json.loads(data)
+    assert data == canonical(doc) and open_manifest(data, image_id, sealer) == body
+
+    spaced = json.dumps(doc, indent=1).encode()  # same document, another layout: checked by re-serialising
+    assert open_manifest(spaced, blake3.blake3(spaced).hexdigest(), sealer) == body
+
+    evil = canonical({**body, "regions": []})
+    signed = canonical(body)
+    spliced = data.replace(signed, signed + b',"body":' + evil, 1)  # the parser keeps the last "body"
+    assert json.loads(spliced)["body"]["regions"] == []
+    with pytest.raises(IntegrityError, match="signature is invalid"):
+        open_manifest(spliced, blake3.blake3(spliced).hexdigest(), sealer)
