@@ -18,6 +18,7 @@ from gpumigrate.flows.preload import precopy_rounds
 from gpumigrate.flows.report import merge_result
 from gpumigrate.flows.undo import undo_source
 from gpumigrate.parity.urls import redact_url
+from gpumigrate.snapshot.gchold import gc_held
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
@@ -27,23 +28,26 @@ def run(ctx: RunContext) -> dict[str, Any]:
     rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
     live = precopy_rounds(ctx, backend, max_rounds=rounds)  # each pre-loaded into the target where it can
     conv = live.convergence
-    t_freeze = time.monotonic()
-    # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
-    backend.freeze(plan.snapshot.freeze_lease_s)
-    ctx.update(source_frozen=True)
-    if backend.name == "agent":
-        keep_frozen(ctx)  # renewed while this process lives, however long the final round takes
-    try:
-        image = backend.final()
-    except BaseException:
-        release(ctx)
-        undo_source(ctx)
-        raise
-    frozen_ms = (time.monotonic() - t_freeze) * 1000
-    if plan.workload.kind == "inference":
-        # Weights are read-only: the source serves on while the target is restored and ramped.
-        backend.resume()
-        ctx.update(source_frozen=False)
+    # No cyclic collection while the source is frozen: a full one holds this process for 40-100 ms
+    # (snapshot/gchold.py), and here that is the workload's downtime.
+    with gc_held():
+        t_freeze = time.monotonic()
+        # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
+        backend.freeze(plan.snapshot.freeze_lease_s)
+        ctx.update(source_frozen=True)
+        if backend.name == "agent":
+            keep_frozen(ctx)  # renewed while this process lives, however long the final round takes
+        try:
+            image = backend.final()
+        except BaseException:
+            release(ctx)
+            undo_source(ctx)
+            raise
+        frozen_ms = (time.monotonic() - t_freeze) * 1000
+        if plan.workload.kind == "inference":
+            # Weights are read-only: the source serves on while the target is restored and ramped.
+            backend.resume()
+            ctx.update(source_frozen=False)
     release(ctx)
     ctx.update(image=image)
     emit(
