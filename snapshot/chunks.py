@@ -138,6 +138,34 @@ def _full_fingerprints(data: torch.Tensor, chunk_size: int, out: torch.Tensor, *
     return full
 
 
+def _gathered_fingerprints(views: Mapping[str, torch.Tensor], chunk_size: int) -> dict[str, torch.Tensor]:
+    """Fingerprints of the whole chunks of every word-aligned CUDA region, one launch per device (fp_kernels.py);
+    regions it does not take (host memory, unaligned, no Triton) are left to :func:`_full_fingerprints`."""
+    if chunk_size % 4 or not any(v.is_cuda for v in views.values()):
+        return {}
+    from gpumigrate.snapshot import fp_kernels
+
+    if not fp_kernels.available():
+        return {}
+    words = chunk_size // 4
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor, int]]] = {}
+    for name, data in views.items():
+        full = data.numel() // chunk_size
+        if data.is_cuda and full and data.data_ptr() % 4 == 0:
+            by_device.setdefault(data.device, []).append((name, data, full))
+    out: dict[str, torch.Tensor] = {}
+    for device, members in by_device.items():
+        anchor = members[0][1]
+        base = anchor.data_ptr()
+        offsets = [(data.data_ptr() - base) // 4 + i * words for _, data, full in members for i in range(full)]
+        sums = fp_kernels.weighted_sums(anchor[:4].view(torch.int32), offsets, words, chunk_weights(words, device))
+        at = 0
+        for name, _, full in members:
+            out[name] = sums[at : at + full]
+            at += full
+    return out
+
+
 def _tail_fingerprint(piece: torch.Tensor) -> torch.Tensor:
     """Fingerprint of a short or unaligned chunk: byte-wise weights (rare: last chunk of a region)."""
     w = chunk_weights(max(piece.numel(), 1), piece.device)[: piece.numel()]
@@ -165,12 +193,17 @@ class Fingerprints:
         self.counts: dict[str, int] = {}
         self.full: dict[str, torch.Tensor] = {}  # region -> fingerprints of its first chunks, on its device
         tails: dict[tuple[torch.device, int], list[tuple[str, int, torch.Tensor]]] = {}
+        gathered = _gathered_fingerprints(views, chunk_size)
         for name, data in views.items():
             n = chunk_count(data.numel(), chunk_size)
             self.counts[name] = n
-            out = torch.empty(n, dtype=torch.int64, device=data.device)
-            done = _full_fingerprints(data, chunk_size, out, fused=True) if n else 0
-            self.full[name] = out[:done]
+            if name in gathered:
+                self.full[name] = gathered[name]
+                done = gathered[name].numel()
+            else:
+                out = torch.empty(n, dtype=torch.int64, device=data.device)
+                done = _full_fingerprints(data, chunk_size, out, fused=True) if n else 0
+                self.full[name] = out[:done]
             for i in range(done, n):
                 piece = data[i * chunk_size : (i + 1) * chunk_size]
                 tails.setdefault((data.device, piece.numel()), []).append((name, i, piece))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
@@ -61,6 +62,23 @@ def test_fingerprints_of_many_regions_equal_one_region_at_a_time() -> None:
     got = Fingerprints(views, 4096).to_host()
     assert got == {name: fingerprint_chunks(v, 4096).tolist() for name, v in views.items()}
     assert len(got["tail"]) == 3 and got["same_tail_a"] != got["same_tail_b"] and got["empty"] == []
+
+
+@pytest.mark.gpu
+def test_fingerprints_of_many_device_regions_match_the_host_and_one_region_at_a_time() -> None:
+    """On a GPU the whole chunks of all regions go through one gathering launch (snapshot/fp_kernels.py): the
+    same numbers as one region at a time, and as the host computes from the same bytes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    chunk = 1 << 20  # four programs per chunk
+    g = torch.Generator().manual_seed(6)
+    host = {f"r{i}": byte_view(torch.randn(n, generator=g)) for i, n in enumerate((3 << 18, 5 << 18, 777_777, 1 << 18))}
+    dev = {name: v.to("cuda") for name, v in host.items()}  # separate allocations: offsets on both sides of one
+    dev["slice"] = dev["r1"][4096 : 4096 + 2 * chunk]
+    host["slice"] = host["r1"][4096 : 4096 + 2 * chunk]
+    got = Fingerprints(dev, chunk).to_host()
+    assert got == {name: fingerprint_chunks(v, chunk).tolist() for name, v in dev.items()}
+    assert got == {name: fingerprint_chunks(v, chunk).tolist() for name, v in host.items()}
 
 
 def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
