@@ -87,8 +87,9 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
     before it moves and a target starts while the source pre-copies, so both compile off the clock.
     A failure here only means the first capture compiles them after all. The same thread loads the image
     reader and writer and the GPU codec's library, which a fresh target's first restore loaded inside its
-    timed work (about 90 ms), page-locks the direct path's host slots (0.6 s inside that restore), and runs one capture of a two-chunk probe into a temporary store
-    (:func:`_warm_capture`, unless ``capture`` is false), which compiles the fingerprint kernel: on the lent H100 the first live round
+    timed work (about 90 ms), page-locks the direct path's host slots (0.6 s inside that restore), and
+    runs one capture of a two-chunk probe into a temporary store (:func:`_warm_capture`, unless
+    ``capture`` is false), which compiles the fingerprint kernel: on the lent H100 the first live round
     of a 16 GiB model took 9.8 s (1.8 GB/s) without it and 2.6 s (6.6 GB/s) with it. Captures and
     restores wait for this thread (:func:`wait_for_kernels`) rather than compile beside it.
     """
