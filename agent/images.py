@@ -104,6 +104,11 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
             importlib.import_module("gpumigrate.transfer.api")
             importlib.import_module("gpumigrate.transfer.gpucodec").available()
         with contextlib.suppress(Exception):
+            # a fill from the source (either side of it): the landing and its sender, and the driver's IPC calls,
+            # loaded here rather than inside the first lend (which spent ~35 ms outside its connect and its pass)
+            importlib.import_module("gpumigrate.transfer.nixl_device")
+            importlib.import_module("gpumigrate.transfer.cuda_ipc")._driver()
+        with contextlib.suppress(Exception):
             from gpumigrate.transfer.writer import DEFAULT_CHUNK_SIZE
 
             importlib.import_module("gpumigrate.transfer.direct").warm_slots(_chunk_size() or DEFAULT_CHUNK_SIZE)
