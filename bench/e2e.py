@@ -142,6 +142,8 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
     shutil.rmtree(store_dir, ignore_errors=True)
     store = f"file://{store_dir}"
     env = {"GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb), "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
+    if os.environ.get("GPUMIGRATE_STAGES_LOG"):  # where both agents' direct paths log their stages (transfer/direct.py)
+        env["GPUMIGRATE_STAGES_LOG"] = os.environ["GPUMIGRATE_STAGES_LOG"]
     key_ref = {"env": KEY_ENV}  # the key itself is in this process's environment, inherited by the hosts
     options = {"compression": "auto", "parallelism": args.workers}
     provider = LocalProvider()
@@ -175,6 +177,7 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
             "seconds": round(capture_s, 3),
             "GBps": gbps(image_bytes, capture_s),
             "agent_seconds": round(float(round1["stats"]["seconds"]), 3),
+            "agent_phases": round1["stats"].get("phases"),
             "includes": "pre-copy round 1 of the live source (all chunks): fingerprint, stage, device BLAKE3, codec "
             "(GPU planes where nvCOMP is present, else the CPU byte-plane coder), AES-256-GCM, file:// store writes, "
             "signed manifest; timed at the orchestrator around the agent call, while the target starts",

@@ -209,11 +209,40 @@ class Fingerprints:
                 tails.setdefault((data.device, piece.numel()), []).append((name, i, piece))
         # The stacked copy of one batch (as int64: 8 bytes a byte) is bounded like a whole-chunk batch.
         self.tails: list[tuple[torch.Tensor, list[tuple[str, int]]]] = []
+        tails = self._gathered_tails(tails, chunk_size)
         for (_, length), members in tails.items():
             per_batch = max(1, _FP_BATCH_BYTES // 8 // max(1, length))
             for start in range(0, len(members), per_batch):
                 part = members[start : start + per_batch]
                 self.tails.append((_tail_fingerprints([p for _, _, p in part]), [(r, i) for r, i, _ in part]))
+
+    def _gathered_tails(
+        self, tails: dict[tuple[torch.device, int], list[tuple[str, int, torch.Tensor]]], chunk_size: int
+    ) -> dict[tuple[torch.device, int], list[tuple[str, int, torch.Tensor]]]:
+        """The short chunks of every length on each CUDA device in one launch (``fp_kernels.tail_sums``); returns
+        those left for the stacked sums (other devices, or no Triton). A live round's batches hold a few short
+        chunks of many lengths: stacked per length, each length was five launches and their GIL crossings."""
+        cuda = [key for key in tails if key[0].type == "cuda"]
+        if not cuda:
+            return tails
+        from gpumigrate.snapshot import fp_kernels
+
+        if not fp_kernels.available():
+            return tails
+        by_device: dict[torch.device, list[tuple[str, int, torch.Tensor]]] = {}
+        for key in cuda:
+            by_device.setdefault(key[0], []).extend(tails[key])
+        for device, members in by_device.items():
+            anchor = members[0][2]
+            base = anchor.data_ptr()
+            sums = fp_kernels.tail_sums(
+                anchor,
+                [piece.data_ptr() - base for _, _, piece in members],
+                [piece.numel() for _, _, piece in members],
+                chunk_weights(max(chunk_size, max(p.numel() for _, _, p in members)), device),
+            )
+            self.tails.append((sums, [(name, i) for name, i, _ in members]))
+        return {key: found for key, found in tails.items() if key[0].type != "cuda"}
 
     def to_host(self) -> dict[str, list[int]]:
         """Every region's fingerprints as Python ints: one device→host copy per device."""

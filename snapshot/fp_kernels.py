@@ -51,6 +51,31 @@ def _kernel() -> Any:
     return weighted_shares
 
 
+@functools.cache
+def _tail_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tail_shares(base_ptr, meta_ptr, weights_ptr, out_ptr, count, PER: tl.constexpr, BLOCK: tl.constexpr):
+        chunk = tl.program_id(0)
+        part = tl.program_id(1)
+        start = tl.load(meta_ptr + chunk)  # in bytes from base_ptr (may be negative)
+        length = tl.load(meta_ptr + count + chunk)
+        acc = tl.zeros([BLOCK], dtype=tl.int64)
+        for k in range(0, PER, BLOCK):
+            idx = part * PER + k + tl.arange(0, BLOCK)
+            keep = idx < length
+            x = tl.load(base_ptr + start + idx, mask=keep, other=0).to(
+                tl.int64
+            )  # bytes zero-extended, as the eager sum
+            w = tl.load(weights_ptr + idx, mask=keep, other=0)
+            acc += x * w
+        tl.store(out_ptr + chunk * tl.num_programs(1) + part, tl.sum(acc, axis=0))
+
+    return tail_shares
+
+
 def weighted_sums(anchor: torch.Tensor, word_offsets: Sequence[int], words: int, weights: torch.Tensor) -> torch.Tensor:
     """For each offset, the weighted sum (int64, wrapping) of the ``words`` int32 words that start that many words
     from ``anchor``'s first (an int32 device tensor; offsets may be negative and reach other allocations)."""
@@ -60,3 +85,20 @@ def weighted_sums(anchor: torch.Tensor, word_offsets: Sequence[int], words: int,
     shares = torch.empty((count, parts), dtype=torch.int64, device=anchor.device)
     _kernel()[(count, parts)](anchor, offsets, weights, shares, words, PER=WORDS_PER_PROGRAM, BLOCK=BLOCK)
     return shares.sum(dim=1)
+
+
+def tail_sums(
+    anchor: torch.Tensor, byte_offsets: Sequence[int], lengths: Sequence[int], weights: torch.Tensor
+) -> torch.Tensor:
+    """The short-chunk fingerprint (chunks.py, ``_tail_fingerprint``: the bytes times byte weights, plus the length)
+    of each (offset, length) from ``anchor``'s first byte (a uint8 device tensor), all in one launch. ``weights``
+    holds at least the longest length's byte weights (their prefixes are the shorter lengths' weights)."""
+    count = len(byte_offsets)
+    per = WORDS_PER_PROGRAM * 4
+    parts = max(1, -(-max(lengths) // per))
+    meta = torch.tensor([*byte_offsets, *lengths], dtype=torch.int64, pin_memory=True).to(
+        anchor.device, non_blocking=True
+    )
+    shares = torch.empty((count, parts), dtype=torch.int64, device=anchor.device)
+    _tail_kernel()[(count, parts)](anchor, meta, weights, shares, count, PER=per, BLOCK=BLOCK)
+    return shares.sum(dim=1) + meta[count:]

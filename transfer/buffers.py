@@ -74,6 +74,10 @@ class PinnedSlots:
     def give(self, slot: int) -> None:
         self._free.put(slot)
 
+    def address(self, slot: int) -> int:
+        """The host address where a slot starts (for raw device copies, ``cudacalls``)."""
+        return int(self._memory.data_ptr()) + slot * self.slot_bytes
+
     def tensor(self, slot: int, start: int = 0, stop: int | None = None) -> Any:
         """Bytes ``[start, stop)`` of a slot as a pinned uint8 torch tensor (a view, no copy)."""
         base = slot * self.slot_bytes

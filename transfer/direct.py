@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from gpumigrate import cudacalls
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import TensorChunk
-from gpumigrate.transfer import codecs, gpucodec
+from gpumigrate.transfer import codecs, gpucodec, plane_kernels
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
 from gpumigrate.transfer.chunkobj import HEADER_SIZE, TAG_SIZE, chunk_id_of, sealed_size
 from gpumigrate.transfer.reader import StoreImageReader
@@ -68,6 +69,17 @@ class StageClock:
 
 
 STAGES = StageClock()
+
+
+def _log_stages(what: str) -> None:
+    """Append this process's stage totals to ``GPUMIGRATE_STAGES_LOG`` (one JSON line), if set: how
+    ``bench/e2e.py`` sees where a source's capture and a target's restore spent their threads' time."""
+    path = os.environ.get("GPUMIGRATE_STAGES_LOG")
+    if path:
+        import json
+
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"pid": os.getpid(), "what": what, "stages": STAGES.take()}) + "\n")
 
 
 def _devhash() -> Any:
@@ -164,6 +176,14 @@ class DeviceIds:
             return self._hex[batch][row]
 
 
+def _wait(event: Any, stream: Any) -> None:
+    """Order ``stream`` (a torch stream) after ``event`` (a ``cudacalls.Event`` or a torch event)."""
+    if isinstance(event, cudacalls.Event):
+        event.wait_on(stream.cuda_stream)
+    else:
+        stream.wait_event(event)
+
+
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
@@ -216,6 +236,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         if failed:
             self.abort()
             raise TransferError(f"storing chunks in {self.store.url} failed: {failed[0]}") from failed[0]
+        _log_stages("capture")
         return super().commit()
 
     def chunk_ids(self, chunks: Sequence[TensorChunk]) -> list[str]:
@@ -296,24 +317,21 @@ class DirectStoreImageWriter(StoreImageWriter):
             current.wait_stream(coder)
 
     def _code_on_device(self, chunks: Sequence[TensorChunk], group: range, coder: Any, current: Any) -> dict[int, Any]:
-        """Byte planes of the group's coded chunks, the exponent planes ANS-coded in one nvCOMP batch; only
-        chunks that come out smaller than raw are kept (their planes live until the copies that read them)."""
-        import torch
-
+        """Byte planes of the group's coded chunks (one split launch), the exponent planes ANS-coded in one nvCOMP
+        batch; only chunks that come out smaller than raw are kept (their planes live until the copies that read
+        them). No torch call per chunk: each one queued behind the sealing threads for the GIL."""
         eligible = [k for k in group if self._gpu_coded(chunks[k])]
         if not eligible:
             return {}
-        with torch.cuda.stream(coder):
-            planes = {k: chunks[k].data.view(-1, 2).t().contiguous() for k in eligible}  # [low; sign-and-exponent]
-            his = gpucodec.encode_planes([planes[k][1] for k in eligible], coder)
-        event = torch.cuda.Event()
-        event.record(coder)
-        current.wait_event(event)
+        split = gpucodec.PlaneSplit([chunks[k].data for k in eligible], coder)
+        his = gpucodec.encode_planes([split.high(i) for i in range(len(eligible))], coder)
+        event = cudacalls.recorded(coder.device, coder)
+        _wait(event, current)
         out: dict[int, Any] = {}
-        for k, hi in zip(eligible, his, strict=True):
+        for i, (k, hi) in enumerate(zip(eligible, his, strict=True)):
             n = chunks[k].data.numel()
-            if _GPU_PLANES_HEADER + n // 2 + hi.numel() < n:
-                out[k] = (planes[k], hi, event)  # the worker copies them out after ``event``, and holds them till then
+            if _GPU_PLANES_HEADER + n // 2 + hi.nbytes < n:
+                out[k] = (split.low(i), hi, event)  # the worker copies both out after ``event``, holding them till then
         return out
 
     def _queue_device(
@@ -340,10 +358,16 @@ class DirectStoreImageWriter(StoreImageWriter):
         n = chunk.data.numel()
         slot = slots.take()
         t = STAGES.add("capture.main.slot_wait", t)
-        with torch.cuda.stream(current):
-            slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record(current)
+        rt = cudacalls.runtime()
+        if rt is not None and chunk.data.is_contiguous():
+            device = chunk.data.device.index or 0
+            cudacalls.copy(rt, device, slots.address(slot) + PAYLOAD_AT, chunk.data.data_ptr(), n, current.cuda_stream)
+            landed: Any = cudacalls.Event(rt, device).record(current.cuda_stream)
+        else:
+            with torch.cuda.stream(current):
+                slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(current)
         futures[members[k]] = _pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, n, None)
         STAGES.add("capture.main.queue", t)
 
@@ -351,7 +375,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         """A coded chunk's two planes into a pinned slot, in the layout of a byte-plane payload, then stored."""
         import torch
 
-        planes, hi, ready = coded
+        low, hi, ready = coded
         n = chunk.data.numel()
         t = time.perf_counter()
         slot = -1
@@ -359,24 +383,32 @@ class DirectStoreImageWriter(StoreImageWriter):
             slot = slots.take()
             t = STAGES.add("capture.worker.slot_wait", t)
             stream = _STREAMS.get(chunk.data.device, "copy")
-            stream.wait_event(ready)
+            _wait(ready, stream)
             view = slots.view(slot)
             at = PAYLOAD_AT + _GPU_PLANES_HEADER
             view[PAYLOAD_AT] = 2
             _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1, codecs.NONE, n // 2)
-            _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.numel())
-            with torch.cuda.stream(stream):
-                slots.tensor(slot, at, at + n // 2).copy_(planes[0], non_blocking=True)
-                slots.tensor(slot, at + n // 2, at + n // 2 + hi.numel()).copy_(hi, non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(stream)
+            _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.nbytes)
+            rt = cudacalls.runtime()
+            if rt is not None:
+                device, raw, base = chunk.data.device.index or 0, stream.cuda_stream, slots.address(slot)
+                cudacalls.copy(rt, device, base + at, low.ptr, n // 2, raw)
+                cudacalls.copy(rt, device, base + at + n // 2, hi.ptr, hi.nbytes, raw)
+                landed: Any = cudacalls.Event(rt, device).record(raw)
+            else:
+                with torch.cuda.stream(stream):
+                    for place, part in ((at, low), (at + n // 2, hi)):
+                        source = torch.as_tensor(part, device=chunk.data.device)
+                        slots.tensor(slot, place, place + part.nbytes).copy_(source, non_blocking=True)
+                    landed = torch.cuda.Event()
+                    landed.record(stream)
         except BaseException:
             if slot >= 0:
                 slots.give(slot)
             self._in_flight.release()
             raise
         STAGES.add("capture.worker.copy_queue", t)
-        length = at + n // 2 + hi.numel() - PAYLOAD_AT
+        length = at + n // 2 + hi.nbytes - PAYLOAD_AT
         return self._finish_device(chunk, slots, slot, landed, ids, k, length, coded)
 
     def _finish_device(
@@ -436,7 +468,8 @@ class DirectStoreImageReader(StoreImageReader):
             if chunk.data.is_cuda:
                 devices.add(chunk.data.device)
                 if chunk.data.device not in producers:
-                    producers[chunk.data.device] = torch.cuda.current_stream(chunk.data.device).record_event()
+                    current = torch.cuda.current_stream(chunk.data.device)
+                    producers[chunk.data.device] = cudacalls.recorded(chunk.data.device, current)
                 futures.append(pool.submit(self._load_device, chunk, producers[chunk.data.device]))
             else:
                 futures.append(pool.submit(self._load_host, chunk))
@@ -450,6 +483,7 @@ class DirectStoreImageReader(StoreImageReader):
         t = time.perf_counter()
         self._verify_on_device([c for c in chunks if c.data.is_cuda])
         STAGES.add("restore.main.verify", t)
+        _log_stages("restore")
         return total
 
     def _load_host(self, chunk: TensorChunk) -> int:
@@ -477,12 +511,12 @@ class DirectStoreImageReader(StoreImageReader):
             if hdr.raw_len != n:
                 raise IntegrityError(f"chunk {chunk_id[:16]}{where} records {hdr.raw_len} bytes, the manifest says {n}")
             stream = _STREAMS.get(chunk.data.device, "copy")
-            stream.wait_event(after)
+            _wait(after, stream)
             with torch.cuda.stream(stream):
                 if hdr.codec == codecs.NONE:
                     if len(payload) != n:
                         raise IntegrityError(f"chunk {chunk_id[:16]}{where} is truncated or padded")
-                    chunk.data.copy_(slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n), non_blocking=True)
+                    _to_device(chunk.data, slots, slot, PAYLOAD_AT, stream)
                 elif hdr.codec == codecs.BYTEPLANE and _gpu_planes(payload, n):
                     self._decode_on_device(slots, slot, payload, chunk, stream, where)
                 else:  # CPU codecs (and deltas): decoded into a second slot, then one copy
@@ -495,9 +529,8 @@ class DirectStoreImageReader(StoreImageReader):
                             codecs.decode_into(hdr.codec, payload, n, out)
                         except IntegrityError as exc:
                             raise IntegrityError(f"chunk {chunk_id[:16]}{where}: {exc.message}") from None
-                    chunk.data.copy_(slots.tensor(plain, 0, n), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
+                    _to_device(chunk.data, slots, plain, 0, stream)
+                done = cudacalls.recorded(chunk.data.device, stream)
             t = STAGES.add("restore.worker.decode_queue", t)
             done.synchronize()
             STAGES.add("restore.worker.copy_wait", t)
@@ -510,20 +543,33 @@ class DirectStoreImageReader(StoreImageReader):
     def _decode_on_device(
         self, slots: PinnedSlots, slot: int, payload: memoryview, chunk: TensorChunk, stream: Any, where: str
     ) -> None:
+        """The two planes cross to the device in one copy (they lie side by side in the slot) into one scratch
+        buffer that also takes the decoded high plane; one kernel interleaves the planes into the destination.
+        Called on ``stream``. Few torch calls per chunk: each one queued behind the other threads for the GIL."""
         import torch
 
         n = chunk.data.numel()
+        half = n // 2
         coded_len = _PLANE_ENTRY.unpack_from(payload, 1 + _PLANE_ENTRY.size)[1]
-        at = PAYLOAD_AT + _GPU_PLANES_HEADER
-        pairs = chunk.data.view(-1, 2)
-        pairs[:, 0].copy_(slots.tensor(slot, at, at + n // 2), non_blocking=True)
-        coded = slots.tensor(slot, at + n // 2, at + n // 2 + coded_len).to(chunk.data.device, non_blocking=True)
-        hi = torch.empty(n // 2, dtype=torch.uint8, device=chunk.data.device)
+        # [decoded high plane | pad | low plane | coded high plane]: nvCOMP wants its output and its input on
+        # 16-byte boundaries, and the low and coded planes arrive in one copy, so the low plane ends on one.
+        low_at = -(-half // 16) * 16 + (-half) % 16
+        scratch = torch.empty(low_at + half + coded_len, dtype=torch.uint8, device=chunk.data.device)
+        base = scratch.data_ptr()
+        landing = scratch[low_at:]
+        _to_device(landing, slots, slot, PAYLOAD_AT + _GPU_PLANES_HEADER, stream)
         try:
-            gpucodec.decode_plane(coded, hi, stream)
+            gpucodec.decode_plane(
+                gpucodec.DeviceBytes(base + low_at + half, coded_len, scratch),
+                gpucodec.DeviceBytes(base, half, scratch),
+                stream,
+            )
         except IntegrityError as exc:
             raise IntegrityError(f"chunk{where}: {exc.message}") from None
-        pairs[:, 1].copy_(hi)
+        if gpucodec.merges(chunk.data):
+            plane_kernels.merge(base + low_at, base, chunk.data)
+        else:
+            torch.stack((scratch[low_at : low_at + half], scratch[:half]), dim=1, out=chunk.data.view(-1, 2))
 
     def _fetch_into(self, chunk_id: str, out: memoryview) -> int:
         if not self.store.readable:
@@ -554,6 +600,18 @@ class DirectStoreImageReader(StoreImageReader):
                         f"chunk {chunk.index} of {chunk.region}: BLAKE3 of the restored bytes does not match its id "
                         "(corrupted)"
                     )
+
+
+def _to_device(out: Any, slots: PinnedSlots, slot: int, start: int, stream: Any) -> None:
+    """Queue the copy of ``out.numel()`` bytes from the slot (from ``start``) into the contiguous device tensor
+    ``out``, on ``stream`` (the current stream): raw where the runtime is here (``cudacalls``), else torch's."""
+    rt = cudacalls.runtime()
+    if rt is None or not out.is_contiguous():
+        out.copy_(slots.tensor(slot, start, start + out.numel()), non_blocking=True)
+        return
+    cudacalls.copy(
+        rt, out.device.index or 0, out.data_ptr(), slots.address(slot) + start, out.numel(), stream.cuda_stream
+    )
 
 
 def _gpu_planes(payload: memoryview, n: int) -> bool:

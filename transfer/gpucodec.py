@@ -92,30 +92,90 @@ def _codec(stream: Any) -> Any:
     return codec
 
 
-def encode_planes(planes: list[Any], stream: Any) -> list[Any]:
-    """ANS payloads of contiguous uint8 device planes, as uint8 device tensors, coded on ``stream`` as one batch.
+class DeviceBytes:
+    """Bytes in device memory by address, as nvCOMP and PyTorch take them (the CUDA array interface): no torch
+    call to make a view. ``keep`` holds whatever owns the memory for as long as this object lives."""
+
+    def __init__(self, ptr: int, nbytes: int, keep: Any = None) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self._keep = keep
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class PlaneSplit:
+    """The byte planes of a batch of bf16/fp16 device chunks: chunk ``i``'s low plane at :meth:`low`, its high
+    plane right after it (:meth:`high`), all in one device buffer (one Triton launch where Triton is here)."""
+
+    def __init__(self, views: list[Any], stream: Any) -> None:
+        import torch
+
+        self.lengths = [v.numel() for v in views]
+        if _splittable(views):
+            from gpumigrate.transfer import plane_kernels
+
+            self.buffer, lows, highs = plane_kernels.split(views, stream)
+            base = int(self.buffer.data_ptr())
+            self._lows = [base + at for at in lows]
+            self._highs = [base + at for at in highs]
+            self._parts: list[Any] = []
+        else:  # no Triton, or views the kernel cannot address: torch's transpose, one chunk at a time
+            with torch.cuda.stream(stream):
+                self._parts = [v.view(-1, 2).t().contiguous() for v in views]
+            self.buffer = None
+            self._lows = [int(p.data_ptr()) for p in self._parts]
+            self._highs = [at + n // 2 for at, n in zip(self._lows, self.lengths, strict=True)]
+
+    def low(self, i: int) -> DeviceBytes:
+        return DeviceBytes(self._lows[i], self.lengths[i] // 2, self)
+
+    def high(self, i: int) -> DeviceBytes:
+        return DeviceBytes(self._highs[i], self.lengths[i] // 2, self)
+
+
+def merges(out: Any) -> bool:
+    """Whether ``plane_kernels.merge`` can write ``out`` (Triton here; contiguous, 2-byte aligned, even length)."""
+    return _triton_present() and out.is_contiguous() and not (out.data_ptr() % 2 or out.numel() % 2)
+
+
+def _splittable(views: list[Any]) -> bool:
+    return bool(views) and _triton_present() and not any(v.data_ptr() % 2 or v.numel() % 2 for v in views)
+
+
+@functools.cache
+def _triton_present() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def encode_planes(planes: list[Any], stream: Any) -> list[DeviceBytes]:
+    """ANS payloads of uint8 device planes (tensors or :class:`DeviceBytes`), coded on ``stream`` as one batch.
 
     nvCOMP learns each coded size on the device; reading the sizes back waits once for the whole batch
     (one wait per chunk cost about 1.4 ms each on an H100 and held the writer's only thread: 1.5 s of a
-    16 GiB capture). ``stream`` must already be ordered after whatever wrote the planes.
+    16 GiB capture). ``stream`` must already be ordered after whatever wrote the planes. Each payload is
+    returned by address (it holds nvCOMP's array, whose memory is torch's: :class:`_TorchBlock`).
     """
     nv = _nvcomp()
     codec = _codec(stream)
     batch_of = getattr(nv, "as_arrays", None)
     if batch_of is None or len(planes) == 1:  # an nvCOMP without batches: one call (and one wait) per plane
-        return [_as_bytes(codec.encode(nv.as_array(plane)), plane.device) for plane in planes]
+        return [_payload(codec.encode(nv.as_array(plane))) for plane in planes]
     coded = codec.encode(batch_of(planes, cuda_stream=int(stream.cuda_stream)))
-    return [_as_bytes(coded[i], plane.device) for i, plane in enumerate(planes)]
+    return [_payload(coded[i]) for i in range(len(planes))]
 
 
-def _as_bytes(array: Any, device: Any) -> Any:
-    import torch
-
-    return torch.as_tensor(array, device=device).view(torch.uint8).reshape(-1)
+def _payload(array: Any) -> DeviceBytes:
+    face = array.__cuda_array_interface__
+    count = 1
+    for dim in face["shape"]:
+        count *= int(dim)
+    return DeviceBytes(int(face["data"][0]), count * int(face["typestr"][2:]), array)
 
 
 def decode_plane(payload: Any, out: Any, stream: Any) -> None:
-    """Decode an ANS payload (uint8 device tensor) into ``out`` (uint8 device tensor of the plane's length).
+    """Decode an ANS payload into ``out`` (the plane's length); both uint8 device tensors or :class:`DeviceBytes`.
 
     The decode is queued on ``stream`` into ``out`` itself, with the layout taken from the plane's known
     length instead of the payload's header: nvCOMP then never waits for the device, so the reader's
@@ -128,8 +188,9 @@ def decode_plane(payload: Any, out: Any, stream: Any) -> None:
 
     nv = _nvcomp()
     codec = _codec(stream)
+    size = out.nbytes if isinstance(out, DeviceBytes) else out.numel()
     try:
-        config = _known_layout(codec, out.numel())
+        config = _known_layout(codec, size)
         codec.decode(nv.as_array(payload), out=nv.as_array(out), decompression_config=config)
         return
     except (TypeError, AttributeError):  # no out= / config in this nvCOMP
@@ -141,10 +202,10 @@ def decode_plane(payload: Any, out: Any, stream: Any) -> None:
         got = torch.as_tensor(plane, device=out.device).view(torch.uint8).reshape(-1)
     except Exception as exc:
         raise IntegrityError(f"plane codec 3 (nvcomp-ans) payload does not decode: {exc}") from None
-    if got.numel() != out.numel():
-        raise IntegrityError(f"plane codec 3 payload decodes to {got.numel()} bytes, the plane holds {out.numel()}")
+    if got.numel() != size:
+        raise IntegrityError(f"plane codec 3 payload decodes to {got.numel()} bytes, the plane holds {size}")
     with torch.cuda.stream(stream):
-        out.copy_(got)
+        (torch.as_tensor(out, device=got.device) if isinstance(out, DeviceBytes) else out).copy_(got)
 
 
 def _known_layout(codec: Any, plane_bytes: int) -> Any:

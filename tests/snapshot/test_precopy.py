@@ -66,8 +66,8 @@ def test_fingerprints_of_many_regions_equal_one_region_at_a_time() -> None:
 
 @pytest.mark.gpu
 def test_fingerprints_of_many_device_regions_match_the_host_and_one_region_at_a_time() -> None:
-    """On a GPU the whole chunks of all regions go through one gathering launch (snapshot/fp_kernels.py): the
-    same numbers as one region at a time, and as the host computes from the same bytes."""
+    """On a GPU the whole chunks of all regions go through one gathering launch and their short chunks through
+    another (snapshot/fp_kernels.py): the same numbers as one region at a time, and as the host computes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     chunk = 1 << 20  # four programs per chunk
@@ -76,6 +76,9 @@ def test_fingerprints_of_many_device_regions_match_the_host_and_one_region_at_a_
     dev = {name: v.to("cuda") for name, v in host.items()}  # separate allocations: offsets on both sides of one
     dev["slice"] = dev["r1"][4096 : 4096 + 2 * chunk]
     host["slice"] = host["r1"][4096 : 4096 + 2 * chunk]
+    # short chunks of several lengths at odd addresses: all of them in the one tail launch
+    for name, (src, start, n) in {"odd": ("r2", 3, 5_001), "tiny": ("r0", 7, 1), "near": ("r1", 1, chunk - 1)}.items():
+        dev[name], host[name] = dev[src][start : start + n], host[src][start : start + n]
     got = Fingerprints(dev, chunk).to_host()
     assert got == {name: fingerprint_chunks(v, chunk).tolist() for name, v in dev.items()}
     assert got == {name: fingerprint_chunks(v, chunk).tolist() for name, v in host.items()}

@@ -1,0 +1,111 @@
+"""Byte planes of bf16/fp16 chunks on the device, in one Triton launch per batch (plane codec 3, ``gpucodec``).
+
+Per chunk, splitting in torch (``view(-1, 2).t().contiguous()`` and a row view) is three or four calls, and
+merging (a strided copy per plane, or a stack) two or three; each lets the GIL go and queues to take it back
+behind the writer's or reader's other threads: on the lent H100 a 16 GiB capture's one submitting thread
+spent most of its time there. Here :func:`split` addresses a batch's chunks, wherever they lie, by 16-bit word
+offsets from the first one (as ``devhash``'s gathering kernels do) and writes each chunk's low and high plane
+into one buffer; :func:`merge` interleaves two planes given by address into a destination.
+
+Imported only where Triton is (CUDA hosts); the Triton module itself loads on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+BLOCK = 4096  # words per program
+ALIGN = 256  # where each plane starts in the split's buffer (nvCOMP wants 16 at least)
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(src_ptr, meta_ptr, out_ptr, count, BLOCK: tl.constexpr):
+        chunk = tl.program_id(0)
+        block = tl.program_id(1)
+        start = tl.load(meta_ptr + chunk)  # the chunk's first word, in words from src_ptr (may be negative)
+        words = tl.load(meta_ptr + count + chunk)
+        low = tl.load(meta_ptr + 2 * count + chunk)  # its low plane's first byte in out
+        high = tl.load(meta_ptr + 3 * count + chunk)  # and its high plane's
+        idx = block * BLOCK + tl.arange(0, BLOCK)
+        keep = idx < words
+        w = tl.load(src_ptr + start + idx, mask=keep, other=0).to(tl.uint16, bitcast=True)
+        tl.store(out_ptr + low + idx, (w & 0xFF).to(tl.uint8), mask=keep)
+        tl.store(out_ptr + high + idx, (w >> 8).to(tl.uint8), mask=keep)
+
+    return split_kernel
+
+
+@functools.cache
+def _merge_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def merge_kernel(low_ptr, high_ptr, out_ptr, words, BLOCK: tl.constexpr):
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        keep = idx < words
+        lo = tl.load(low_ptr + idx, mask=keep, other=0).to(tl.uint16)
+        hi = tl.load(high_ptr + idx, mask=keep, other=0).to(tl.uint16)
+        tl.store(out_ptr + idx, (lo | (hi << 8)).to(tl.int16, bitcast=True), mask=keep)
+
+    return merge_kernel
+
+
+def split(views: list[Any], stream: Any) -> tuple[Any, list[int], list[int]]:
+    """Split each flat uint8 device view (even length, 2-byte aligned) into its low and high byte planes, all in
+    one new uint8 buffer queued on ``stream``; returns the buffer and each view's low and high plane offsets in
+    it. Every plane starts on a multiple of ALIGN bytes (nvCOMP's batch coder reads them as its inputs)."""
+    import torch
+
+    anchor = views[0]
+    base = anchor.data_ptr()
+    starts = [(v.data_ptr() - base) // 2 for v in views]
+    words = [v.numel() // 2 for v in views]
+    lows: list[int] = []
+    highs: list[int] = []
+    at = 0
+    for n in words:
+        lows.append(at)
+        at += -(-n // ALIGN) * ALIGN
+        highs.append(at)
+        at += -(-n // ALIGN) * ALIGN
+    with torch.cuda.stream(stream):
+        meta = torch.tensor(starts + words + lows + highs, dtype=torch.int64, pin_memory=True)
+        meta = meta.to(anchor.device, non_blocking=True)
+        out = torch.empty(at, dtype=torch.uint8, device=anchor.device)
+        grid = (len(views), -(-max(words) // BLOCK))
+        _kernel()[grid](anchor.view(torch.int16), meta, out, len(views), BLOCK=BLOCK)
+    return out, lows, highs
+
+
+class _Pointer:
+    """A device address as Triton takes a kernel's pointer argument (``data_ptr`` and ``dtype``): no torch view."""
+
+    def __init__(self, address: int, dtype: Any) -> None:
+        self._address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def merge(low: int, high: int, out: Any) -> None:
+    """Interleave the low and high planes at device addresses ``low`` and ``high`` into ``out`` (a contiguous,
+    2-byte aligned flat uint8 device tensor of twice a plane's length), on the current stream: one launch."""
+    import torch
+
+    words = out.numel() // 2
+    grid = (-(-words // BLOCK),)
+    _merge_kernel()[grid](
+        _Pointer(low, torch.uint8),
+        _Pointer(high, torch.uint8),
+        _Pointer(out.data_ptr(), torch.int16),
+        words,
+        BLOCK=BLOCK,
+    )
