@@ -14,6 +14,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -321,6 +322,36 @@ class StoreImageWriter:
             self.bytes_logical += length
         self._progress.add(length)
 
+    def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
+        """:meth:`reuse_chunk` of each (region, index, chunk id) of fixed-size chunks, in order: the same records,
+        checks and errors, under one hold of the lock (a final round reuses some 1,400 chunks while the workload
+        is frozen). A chunk neither in this image nor in its parent goes through :meth:`reuse_chunk` itself,
+        with the lock released: it may ask the store."""
+        self._check_open()
+        todo = iter(chunks)
+        while True:
+            done, missing = 0, None
+            try:
+                with self._lock:
+                    regions, objects, parent = self._regions, self._objects, self._parent_objects
+                    for region, index, chunk_id in todo:
+                        reg = regions.get(region) or self._region(region)
+                        entry = objects.get(chunk_id) or parent.get(chunk_id)
+                        if entry is None:
+                            missing = (region, index, chunk_id)
+                            break
+                        length = self._chunk_length(reg, index)
+                        self._record(reg, index, chunk_id, length)
+                        self._add_object(chunk_id, entry)
+                        self.chunks_reused += 1
+                        self.bytes_logical += length
+                        done += length
+            finally:
+                self._progress.add(done)
+            if missing is None:
+                return
+            self.reuse_chunk(*missing)
+
     def _chunk_length(self, reg: _Region, index: int) -> int:
         start = index * self.chunk_size
         if start >= reg.info.nbytes:
@@ -346,10 +377,12 @@ class StoreImageWriter:
     def _region_doc(self, reg: _Region) -> dict[str, Any]:
         info = reg.info
         count = len(reg.chunks)
-        missing = [i for i in range(count) if i not in reg.chunks]
-        if missing or (count == 0 and info.nbytes > 0):
+        # count distinct indices (none negative: _record) whose largest is count - 1 are exactly 0 .. count - 1;
+        # a larger one leaves some index below count missing
+        if (count and max(reg.chunks) != count - 1) or (count == 0 and info.nbytes > 0):
+            missing = [i for i in range(count) if i not in reg.chunks]
             raise TransferError(f"region {info.name!r} is missing chunks {missing[:10] or [0]}")
-        lengths = [reg.lengths[i] for i in range(count)]
+        lengths = list(map(reg.lengths.__getitem__, range(count)))
         if sum(lengths) != info.nbytes:
             raise TransferError(
                 f"region {info.name!r}: chunks hold {sum(lengths)} bytes, the region declares {info.nbytes}"
@@ -365,7 +398,7 @@ class StoreImageWriter:
             "dtype": info.dtype,
             "shape": list(info.shape) if info.shape is not None else None,
             "device": info.device,
-            "chunks": [reg.chunks[i] for i in range(count)],
+            "chunks": list(map(reg.chunks.__getitem__, range(count))),
             "sizes": None if fixed else lengths,
         }
 
