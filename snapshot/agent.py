@@ -717,7 +717,7 @@ class Agent:
             info = regions[name]
             if info.kind == "blob":
                 continue
-            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != tuple(dst.shape):
+            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != dst.shape:  # torch.Size: a tuple
                 problems.append(
                     f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}"
                 )
