@@ -91,12 +91,13 @@ class StoreImageWriter:
         self.source = source
         self.parent_id = parent_id
         self._parent_objects: dict[str, list[Any]] = dict((parent or {}).get("objects", {}))
-        self._parent_chunks: dict[tuple[str, int], str] = {}
-        for reg in (parent or {}).get("regions", []):
-            for i, cid in enumerate(reg["chunks"]):
-                self._parent_chunks[(reg["name"], i)] = cid
         self.parent_body: dict[str, Any] | None = parent  # the verified parent manifest body, if any
         self._parent_reader = parent_reader if delta else None
+        # The parent's chunk at each index: delta bases, so only a delta writer needs them (one entry per chunk).
+        self._parent_chunks: dict[tuple[str, int], str] = {}
+        for reg in (parent or {}).get("regions", []) if self._parent_reader is not None else ():
+            for i, cid in enumerate(reg["chunks"]):
+                self._parent_chunks[(reg["name"], i)] = cid
         self._listing: dict[str, int] | None = None
         self._regions: dict[str, _Region] = {}
         self._objects: dict[str, list[Any]] = {}
@@ -376,20 +377,25 @@ class StoreImageWriter:
 
     def _region_doc(self, reg: _Region) -> dict[str, Any]:
         info = reg.info
-        count = len(reg.chunks)
+        chunks, lengths = reg.chunks, reg.lengths  # the same indices: _record sets both
+        count = len(chunks)
         # count distinct indices (none negative: _record) whose largest is count - 1 are exactly 0 .. count - 1;
         # a larger one leaves some index below count missing
-        if (count and max(reg.chunks) != count - 1) or (count == 0 and info.nbytes > 0):
-            missing = [i for i in range(count) if i not in reg.chunks]
+        if (count and max(chunks) != count - 1) or (count == 0 and info.nbytes > 0):
+            missing = [i for i in range(count) if i not in chunks]
             raise TransferError(f"region {info.name!r} is missing chunks {missing[:10] or [0]}")
-        lengths = list(map(reg.lengths.__getitem__, range(count)))
-        if sum(lengths) != info.nbytes:
+        if count == 1:  # most regions of a model
+            ids, sizes = [chunks[0]], [lengths[0]]
+        else:
+            ids = list(map(chunks.__getitem__, range(count)))
+            sizes = list(map(lengths.__getitem__, range(count)))
+        if sum(sizes) != info.nbytes:
             raise TransferError(
-                f"region {info.name!r}: chunks hold {sum(lengths)} bytes, the region declares {info.nbytes}"
+                f"region {info.name!r}: chunks hold {sum(sizes)} bytes, the region declares {info.nbytes}"
             )
         # Whole chunks but the last (the sum above fixes the last): one C-level count, not a call per chunk.
-        fixed = count == math.ceil(info.nbytes / self.chunk_size) and lengths[:-1].count(self.chunk_size) == max(
-            0, count - 1
+        fixed = count == math.ceil(info.nbytes / self.chunk_size) and (
+            count < 2 or sizes[:-1].count(self.chunk_size) == count - 1
         )
         return {
             "name": info.name,
@@ -398,8 +404,8 @@ class StoreImageWriter:
             "dtype": info.dtype,
             "shape": list(info.shape) if info.shape is not None else None,
             "device": info.device,
-            "chunks": list(map(reg.chunks.__getitem__, range(count))),
-            "sizes": None if fixed else lengths,
+            "chunks": ids,
+            "sizes": None if fixed else sizes,
         }
 
     def commit(self) -> ImageRef:

@@ -331,3 +331,41 @@ def test_progress_callbacks_reach_the_total(tmp_path: Path, key: bytes) -> None:
         assert done == sorted(done), name
         assert calls[-1][0] == calls[-1][1] > 0, name
     assert seen["pack"][-1][1] == 5 << 20
+
+
+@pytest.mark.parametrize(
+    ("lengths", "fixed"),
+    [
+        ([CHUNK, CHUNK, 100], True),
+        ([100, CHUNK, CHUNK], False),  # the same total, the short chunk first: sizes are listed
+        ([CHUNK, 100, CHUNK], False),
+        ([CHUNK], True),
+        ([CHUNK, CHUNK], True),
+        ([CHUNK // 2, CHUNK // 2], False),  # two chunks where one would do
+        ([7], True),
+    ],
+)
+def test_manifest_lists_chunk_sizes_only_when_they_are_not_whole_chunks_but_the_last(
+    store: str, key: bytes, lengths: list[int], fixed: bool
+) -> None:
+    data = os.urandom(sum(lengths))
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="r", nbytes=len(data)))
+    at = 0
+    for i, n in enumerate(lengths):
+        w.put_chunk("r", i, memoryview(data)[at : at + n])
+        at += n
+    ref = w.commit()
+    reader = open_reader(store, ref.id, key=key)
+    region = reader.body["regions"][0]
+    assert region["sizes"] == (None if fixed else lengths)
+    assert bytes(reader.read_region("r")) == data
+
+
+def test_commit_refuses_chunks_that_do_not_add_up_to_the_region(store: str, key: bytes) -> None:
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="r", nbytes=CHUNK + 10))
+    w.put_chunk("r", 0, memoryview(os.urandom(CHUNK)))
+    w.put_chunk("r", 1, memoryview(os.urandom(9)))
+    with pytest.raises(TransferError, match=r"chunks hold 262153 bytes, the region declares 262154"):
+        w.commit()
