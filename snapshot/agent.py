@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -128,6 +128,7 @@ class Agent:
         self.rounds = 0
         self.last_image: ImageRef | None = None
         self._shipped: dict[str, _Shipped] = {}
+        self._infos: dict[str, RegionInfo] = {}  # the last round's region infos (reused where unchanged)
         self._loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
         self._pipelines: dict[tuple[str, int], Pipeline] = {}
@@ -189,15 +190,17 @@ class Agent:
 
     @staticmethod
     def _info(name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:
-        blob = isinstance(item, tr.BlobItem)
-        return RegionInfo(
-            name=name,
-            nbytes=t.numel() * t.element_size(),
-            kind="blob" if blob else "tensor",
-            dtype=None if blob else tr.dtype_name(t.dtype),
-            shape=None if blob else tuple(t.shape),
-            device=str(t.device),
-        )
+        return RegionInfo(name, *_region_fields(item, t))
+
+    def _region_info(self, name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:
+        """:meth:`_info`, the last round's object where every field is the same (RegionInfo is frozen): making
+        one is most of the cost, and a round's 500 regions are nearly always those of the round before."""
+        fields = _region_fields(item, t)
+        was = self._infos.get(name)
+        if was is not None and (was.nbytes, was.kind, was.dtype, was.shape, was.device) == fields:
+            return was
+        info = self._infos[name] = RegionInfo(name, *fields)
+        return info
 
     def _devices(self, regions: list[RegionInfo]) -> list[str]:
         return sorted({r.device for r in regions if r.kind != "blob" and r.device}) or ["cpu"]
@@ -238,7 +241,7 @@ class Agent:
             raise SnapshotError(f"writer chunk size {cs} is not a positive multiple of 8 bytes")
         live = self._live()
         views = {n: byte_view(t) for n, (_, t) in live.items()}
-        infos = {n: self._info(n, it, t) for n, (it, t) in live.items()}
+        infos = {n: self._region_info(n, it, t) for n, (it, t) in live.items()}
         for info in infos.values():
             writer.add_region(info)
         clock.mark("regions")
@@ -898,6 +901,15 @@ class Agent:
         if self._confirmer is not None:
             self._confirmer.shutdown(wait=True)
             self._confirmer = None
+
+
+def _region_fields(
+    item: tr.Item, t: torch.Tensor
+) -> tuple[int, Literal["tensor", "blob"], str | None, tuple[int, ...] | None, str]:
+    """RegionInfo's fields after the name: nbytes, kind, dtype, shape, device."""
+    if isinstance(item, tr.BlobItem):
+        return t.numel() * t.element_size(), "blob", None, None, str(t.device)
+    return t.numel() * t.element_size(), "tensor", tr.dtype_name(t.dtype), tuple(t.shape), str(t.device)
 
 
 def _jobs(name: str, view: torch.Tensor, indices: Iterable[int], cs: int) -> list[Job]:

@@ -285,3 +285,27 @@ def test_rounds_reuse_unchanged_regions_whole_and_ship_the_changed_chunks_of_the
     check(agent.precopy(store.writer(KEY, chunk_size=cs)), 2)  # frozen: host tensors confirmed by their hash
     assert agent.fingerprint_collisions == 0
     agent.close()
+
+
+def test_each_round_describes_the_regions_as_they_are_then() -> None:
+    """A tracked name whose tensor changes shape, dtype or kind between rounds is described anew each round."""
+    current = {"t": torch.zeros(8, dtype=torch.float32)}
+    store = MemoryStore()
+    agent = Agent(workers=1)
+    agent.track_tensors("s", lambda: current)
+
+    def described() -> tuple[int, str | None, tuple[int, ...] | None]:
+        agent.precopy(store.writer(KEY, chunk_size=4096))
+        assert agent.last_image is not None
+        (info,) = store.reader(agent.last_image.id, KEY).regions()
+        return info.nbytes, info.dtype, info.shape
+
+    assert described() == (32, "float32", (8,))
+    assert described() == (32, "float32", (8,))
+    current["t"] = torch.zeros(2, 4, dtype=torch.float32)
+    assert described() == (32, "float32", (2, 4))
+    current["t"] = torch.zeros(2, 4, dtype=torch.int32)
+    assert described() == (32, "int32", (2, 4))
+    current["t"] = torch.zeros(3, 4, dtype=torch.int32)
+    assert described() == (48, "int32", (3, 4))
+    agent.close()
