@@ -425,7 +425,7 @@ class StoreImageWriter:
             "encryption": "aes-256-gcm" if self.sealer.encrypted else "none",
             "key_id": self.sealer.key_id,
             "regions": regions,
-            "objects": {cid: self._objects[cid] for cid in sorted(self._objects)},
+            "objects": dict(self._objects),  # in any order: the manifest's bytes sort its keys
             "metadata": self._metadata,
         }
         if self.decoders:  # only when needed: images without them keep the manifest of earlier versions
