@@ -10,7 +10,7 @@ new module implementing one Protocol.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -131,6 +131,9 @@ class ImageWriter(Protocol):
 
     def reuse_chunk(self, region: str, index: int, chunk_id: str) -> None:
         """Chunk unchanged since the parent image: reference it without sending bytes."""
+
+    def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
+        """``reuse_chunk(region, index, chunk_id)`` of each, in order (one call for a round's many)."""
 
     def set_metadata(self, key: str, value: Any) -> None:
         """Small JSON-able state (step counters, RNG state, environment facts). Never secrets."""

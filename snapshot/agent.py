@@ -25,10 +25,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -60,6 +60,7 @@ ADVANCE_TIMEOUT_S = 600.0
 FORMAT = 1
 META_KEY = "snapshot"
 
+_V = TypeVar("_V")
 WriterFactory = Callable[[str, Mapping[str, str], "str | None"], ImageWriter]
 ReaderFactory = Callable[[str, str, Mapping[str, str]], ImageReader]
 
@@ -127,6 +128,7 @@ class Agent:
         self.rounds = 0
         self.last_image: ImageRef | None = None
         self._shipped: dict[str, _Shipped] = {}
+        self._infos: dict[str, RegionInfo] = {}  # the last round's region infos (reused where unchanged)
         self._loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
         self._pipelines: dict[tuple[str, int], Pipeline] = {}
@@ -188,15 +190,17 @@ class Agent:
 
     @staticmethod
     def _info(name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:
-        blob = isinstance(item, tr.BlobItem)
-        return RegionInfo(
-            name=name,
-            nbytes=t.numel() * t.element_size(),
-            kind="blob" if blob else "tensor",
-            dtype=None if blob else tr.dtype_name(t.dtype),
-            shape=None if blob else tuple(t.shape),
-            device=str(t.device),
-        )
+        return RegionInfo(name, *_region_fields(item, t))
+
+    def _region_info(self, name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:
+        """:meth:`_info`, the last round's object where every field is the same (RegionInfo is frozen): making
+        one is most of the cost, and a round's 500 regions are nearly always those of the round before."""
+        fields = _region_fields(item, t)
+        was = self._infos.get(name)
+        if was is not None and (was.nbytes, was.kind, was.dtype, was.shape, was.device) == fields:
+            return was
+        info = self._infos[name] = RegionInfo(name, *fields)
+        return info
 
     def _devices(self, regions: list[RegionInfo]) -> list[str]:
         return sorted({r.device for r in regions if r.kind != "blob" and r.device}) or ["cpu"]
@@ -237,7 +241,7 @@ class Agent:
             raise SnapshotError(f"writer chunk size {cs} is not a positive multiple of 8 bytes")
         live = self._live()
         views = {n: byte_view(t) for n, (_, t) in live.items()}
-        infos = {n: self._info(n, it, t) for n, (it, t) in live.items()}
+        infos = {n: self._region_info(n, it, t) for n, (it, t) in live.items()}
         for info in infos.values():
             writer.add_region(info)
         clock.mark("regions")
@@ -260,38 +264,45 @@ class Agent:
         new: dict[str, _Shipped] = {}
         total = dirty_chunks = dirty_bytes = 0
         unchanged: list[Job] = []  # frozen round: reused only once their BLAKE3 confirms the id
+        reused: list[tuple[str, int, str]] = []  # live round: referenced at once
         for name, view in views.items():
             info = infos[name]
             if name in by_hash:  # every chunk is a candidate; the hash sorts them
                 was = self._shipped[name]
-                unchanged.extend(Job(name, i, view[i * cs : (i + 1) * cs]) for i in range(len(was.ids)))
+                unchanged.extend(_jobs(name, view, range(len(was.ids)), cs))
                 total += len(was.ids)
                 new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(was.fingerprints), list(was.ids))
                 continue
             fps = host_fps[name] if host_fps is not None else None
             prev = self._shipped.get(name)
-            # Reuse only against the same layout and the same chunk boundaries.
-            same_shape = (
-                fps is not None
-                and prev is not None
-                and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (info.nbytes, info.dtype, info.shape, cs)
-            )
             count = chunk_count(view.numel(), cs)
-            ids: list[str] = [""] * count
-            for i in range(count):
-                total += 1
-                if same_shape and prev.fingerprints[i] == fps[i]:  # type: ignore[union-attr,index]
-                    ids[i] = prev.ids[i]  # type: ignore[union-attr]
-                    if frozen:
-                        unchanged.append(Job(name, i, view[i * cs : (i + 1) * cs]))
-                    else:
-                        writer.reuse_chunk(name, i, ids[i])
-                    continue
-                piece = view[i * cs : (i + 1) * cs]
-                jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, piece))
-                dirty_chunks += 1
-                dirty_bytes += piece.numel()
+            total += count
+            ids: list[str]
+            kept: Sequence[int]
+            dirty: Sequence[int]
+            # Reuse only against the same layout and the same chunk boundaries.
+            if fps is None or prev is None or not self._same_layout(name, info, cs):
+                ids, kept, dirty = [""] * count, (), range(count)
+            elif prev.fingerprints == fps:  # the whole region is unchanged (most are): no comparison per chunk
+                ids, kept, dirty = list(prev.ids), range(count), ()
+            else:
+                ids = [""] * count
+                kept = [i for i in range(count) if prev.fingerprints[i] == fps[i]]
+                dirty = [i for i in range(count) if prev.fingerprints[i] != fps[i]]
+                for i in kept:
+                    ids[i] = prev.ids[i]
+            if frozen:
+                unchanged.extend(_jobs(name, view, kept, cs))
+            else:
+                reused.extend((name, i, ids[i]) for i in kept)
+            if dirty:
+                pieces = _jobs(name, view, dirty, cs)
+                jobs_by_device.setdefault(str(view.device), []).extend(pieces)
+                dirty_chunks += len(pieces)
+                dirty_bytes += sum(j.data.numel() for j in pieces)
             new[name] = _Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
+        if reused:
+            writer.reuse_chunks(reused)
         clock.mark("plan")
         hasher = None
         if isinstance(writer, DirectImageWriter):
@@ -302,9 +313,8 @@ class Agent:
 
         # The confirmation hashes the unchanged chunks beside the shipping of the dirty ones (another thread, and
         # side streams on a GPU: both only read frozen bytes); a chunk it catches changed ships after it.
-        confirming = self._confirm_beside(
-            [j.data for j in unchanged], [new[j.region].ids[j.index] for j in unchanged], hasher
-        )
+        want = [new[j.region].ids[j.index] for j in unchanged]
+        confirming = self._confirm_beside([j.data for j in unchanged], want, hasher)
         try:
             shipped_fps = self._ship(writer, jobs_by_device, cs, new, frozen=frozen)
         except BaseException:
@@ -321,15 +331,19 @@ class Agent:
             new[job.region].fingerprints[job.index] = fp
         clock.mark("fingerprint")  # a first round reads them back only now, after its copies
         changed: dict[str, list[Job]] = {}  # chunks the hash found changed: shipped now
-        for job, same in zip(unchanged, confirmed, strict=True):
-            if same:
-                writer.reuse_chunk(job.region, job.index, new[job.region].ids[job.index])
-                continue
-            if job.region not in by_hash:  # the fingerprint called it unchanged
-                self._collision(job)
-            changed.setdefault(str(job.data.device), []).append(job)
-            dirty_chunks += 1
-            dirty_bytes += job.data.numel()
+        if unchanged:
+            writer.reuse_chunks(
+                [(j.region, j.index, cid) for j, cid, same in zip(unchanged, want, confirmed, strict=True) if same]
+            )
+        if not all(confirmed):
+            for job, same in zip(unchanged, confirmed, strict=True):
+                if same:
+                    continue
+                if job.region not in by_hash:  # the fingerprint called it unchanged
+                    self._collision(job)
+                changed.setdefault(str(job.data.device), []).append(job)
+                dirty_chunks += 1
+                dirty_bytes += job.data.numel()
         clock.mark("reuse")
         if changed:
             self._ship(writer, changed, cs, new, frozen=True)
@@ -624,9 +638,9 @@ class Agent:
                 moved, filled = self._fill(reader, source, targets, from_source, table, cs, control_key)
                 loaded += moved
             clock.mark("from_source")
+            owned = self._by_item(targets)
             for item in self.items:
-                mine = {k: v for k, v in targets.items() if _owned(item, k)}
-                item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, mine)
+                item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, owned[item.prefix])
             self._loaded = (
                 {} if ready else {k: (targets[k].data_ptr(), list(ids)) for k, ids in table.items() if k in targets}
             )
@@ -686,9 +700,9 @@ class Agent:
 
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
+        owned = self._by_item(regions)
         for item in self.items:
-            mine = {k: v for k, v in regions.items() if _owned(item, k)}
-            targets.update(item.targets(mine, (meta.get("items") or {}).get(item.prefix) or {}))
+            targets.update(item.targets(owned[item.prefix], (meta.get("items") or {}).get(item.prefix) or {}))
         missing = sorted(set(targets) - set(regions))
         extra = sorted(set(regions) - set(targets))
         if missing or extra:
@@ -706,13 +720,31 @@ class Agent:
             info = regions[name]
             if info.kind == "blob":
                 continue
-            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != tuple(dst.shape):
+            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != dst.shape:  # torch.Size: a tuple
                 problems.append(
                     f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}"
                 )
         if problems:
             raise ImageMismatchError("image shapes/dtypes do not match the model: " + "; ".join(problems[:5]))
         return targets
+
+    def _by_item(self, regions: Mapping[str, _V]) -> dict[str, dict[str, _V]]:
+        """``regions`` split by the tracked item that owns each (its prefix, or a path under it), in their order.
+
+        Prefixes never nest (``_add``), so the owner is the one item prefix among the name and its parents: a
+        few lookups per region, where asking every item about every region cost a model's 500 regions times
+        the items, twice on the freeze → ready path."""
+        out: dict[str, dict[str, _V]] = {item.prefix: {} for item in self.items}
+        for name, value in regions.items():
+            owner = name
+            while owner not in out:
+                cut = owner.rfind("/")
+                if cut < 0:
+                    break
+                owner = owner[:cut]
+            else:
+                out[owner][name] = value
+        return out
 
     # ------------------------------------------------------------------ after cutover
     def zeroize(self) -> dict[str, Any]:
@@ -871,8 +903,20 @@ class Agent:
             self._confirmer = None
 
 
-def _owned(item: tr.Item, region: str) -> bool:
-    return region == item.prefix or region.startswith(item.prefix + "/")
+def _region_fields(
+    item: tr.Item, t: torch.Tensor
+) -> tuple[int, Literal["tensor", "blob"], str | None, tuple[int, ...] | None, str]:
+    """RegionInfo's fields after the name: nbytes, kind, dtype, shape, device."""
+    if isinstance(item, tr.BlobItem):
+        return t.numel() * t.element_size(), "blob", None, None, str(t.device)
+    return t.numel() * t.element_size(), "tensor", tr.dtype_name(t.dtype), tuple(t.shape), str(t.device)
+
+
+def _jobs(name: str, view: torch.Tensor, indices: Iterable[int], cs: int) -> list[Job]:
+    """Jobs for chunks ``indices`` of region ``name``: a region of one chunk is its own piece (no slice made)."""
+    if view.numel() <= cs:
+        return [Job(name, i, view) for i in indices]
+    return [Job(name, i, view[i * cs : (i + 1) * cs]) for i in indices]
 
 
 def _chunk_fingerprints(pieces: Sequence[torch.Tensor], chunk_size: int) -> list[int]:

@@ -41,7 +41,9 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor sharing its memory (no copy)."""
     if not tensor.is_contiguous():
         raise ValueError("only contiguous tensors can be captured")
-    flat = tensor.detach().reshape(-1)
+    flat = tensor.detach()
+    if flat.dim() != 1:  # most of a model's tensors are 1-D already (norms, biases): no reshape to make
+        flat = flat.reshape(-1)
     if flat.dtype == torch.uint8:
         return flat
     if flat.numel() == 0:

@@ -19,7 +19,7 @@ import hmac
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -173,6 +173,10 @@ class MemoryWriter:
             raise SnapshotError(f"reuse of chunk {chunk_id[:12]} that the store does not hold")
         with self._lock:
             self._ids[region][index] = chunk_id
+
+    def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
+        for region, index, chunk_id in chunks:
+            self.reuse_chunk(region, index, chunk_id)
 
     def set_metadata(self, key: str, value: Any) -> None:
         self._meta[key] = value

@@ -239,3 +239,76 @@ def test_frozen_round_of_a_host_tensor_ships_the_chunks_its_hash_finds_changed()
     weights[0] += 1.0
     assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 1
     agent.close()
+
+
+def test_rounds_reuse_unchanged_regions_whole_and_ship_the_changed_chunks_of_the_others() -> None:
+    """Regions of several chunks, of one short chunk, and empty ones, across live rounds and a frozen one: each
+    round ships exactly the changed chunks, its ids are those a fresh capture of the same bytes gives, and the
+    image restores bit-identically."""
+    cs = 16 << 10
+    state = {
+        "big": torch.randn(4 * cs // 4),  # 4 chunks
+        "odd": torch.randn(cs // 4 + 3),  # 2 chunks, the second short
+        "small": torch.randn(100),  # one short chunk
+        "empty": torch.zeros(0),
+        "steady": torch.randn(3 * cs // 4),  # never changes
+    }
+    store = MemoryStore()
+    agent = Agent(workers=2)
+    agent.track_tensors("s", state)
+
+    def fresh_ids() -> dict[str, list[str]]:
+        other = Agent(workers=1)
+        other.track_tensors("s", {k: v.clone() for k, v in state.items()})
+        other.precopy(store.writer(KEY, chunk_size=cs))
+        assert other.last_image is not None
+        ids: dict[str, list[str]] = store.reader(other.last_image.id, KEY).metadata()["snapshot"]["chunks"]
+        return ids
+
+    def check(stats: RoundStats, dirty: int) -> None:
+        assert (stats.chunks_total, stats.chunks_dirty) == (10, dirty)
+        assert agent.last_image is not None
+        reader = store.reader(agent.last_image.id, KEY)
+        assert reader.metadata()["snapshot"]["chunks"] == fresh_ids()
+        out = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+        target = Agent(workers=1)
+        target.track_tensors("s", out)
+        target.restore(reader)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+
+    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 10)
+    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 0)
+    state["big"][cs // 4 * 2 + 5] += 1.0  # chunk 2 of 4
+    state["odd"][-1] += 1.0  # the short chunk
+    state["small"][0] += 1.0
+    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 3)
+    state["big"][0] += 1.0
+    state["odd"][0] += 1.0
+    agent.freeze()
+    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 2)  # frozen: host tensors confirmed by their hash
+    assert agent.fingerprint_collisions == 0
+    agent.close()
+
+
+def test_each_round_describes_the_regions_as_they_are_then() -> None:
+    """A tracked name whose tensor changes shape, dtype or kind between rounds is described anew each round."""
+    current = {"t": torch.zeros(8, dtype=torch.float32)}
+    store = MemoryStore()
+    agent = Agent(workers=1)
+    agent.track_tensors("s", lambda: current)
+
+    def described() -> tuple[int, str | None, tuple[int, ...] | None]:
+        agent.precopy(store.writer(KEY, chunk_size=4096))
+        assert agent.last_image is not None
+        (info,) = store.reader(agent.last_image.id, KEY).regions()
+        return info.nbytes, info.dtype, info.shape
+
+    assert described() == (32, "float32", (8,))
+    assert described() == (32, "float32", (8,))
+    current["t"] = torch.zeros(2, 4, dtype=torch.float32)
+    assert described() == (32, "float32", (2, 4))
+    current["t"] = torch.zeros(2, 4, dtype=torch.int32)
+    assert described() == (32, "int32", (2, 4))
+    current["t"] = torch.zeros(3, 4, dtype=torch.int32)
+    assert described() == (48, "int32", (3, 4))
+    agent.close()

@@ -178,3 +178,51 @@ def test_collector_holds_nest_and_overlap_across_threads() -> None:
     release.set()
     worker.join(10)
     assert gc.isenabled()
+
+
+def test_restore_hands_each_item_exactly_its_own_regions() -> None:
+    """Items whose names share beginnings ("a", "ab"), a name with a slash ("x/y", the rng's "rng/torch"):
+    each item's targets() and after_restore() see its own regions, in order, and nothing else."""
+    from collections.abc import Mapping
+    from typing import Any
+
+    from gpumigrate.snapshot import tracked as tr
+
+    class Recording(tr.TensorsItem):
+        def __init__(self, prefix: str, tensors: dict[str, torch.Tensor], seen: dict[str, list[str]]) -> None:
+            super().__init__(prefix, lambda: tensors)
+            self.seen = seen
+
+        def targets(self, regions: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+            self.seen[f"targets {self.prefix}"] = list(regions)
+            return super().targets(regions, meta)
+
+        def after_restore(self, meta: Mapping[str, Any], loaded: Mapping[str, torch.Tensor]) -> None:
+            self.seen[f"after {self.prefix}"] = list(loaded)
+
+    layout = {
+        "a": {"w": 3, "v": 2},
+        "ab": {"": 4},
+        "x/y": {"z": 5, "q/r": 6},
+        "abc/d": {"e": 1},
+    }
+
+    def agent(fill: float, seen: dict[str, list[str]]) -> tuple[Agent, dict[str, dict[str, torch.Tensor]]]:
+        a = Agent()
+        made = {p: {k: torch.full((n,), fill + n) for k, n in parts.items()} for p, parts in layout.items()}
+        for p, tensors in made.items():
+            a.track(Recording(p, tensors, seen))
+        a.track_rng()
+        return a, made
+
+    store, key = MemoryStore(), b"k" * 32
+    src, made = agent(1.0, {})
+    src.freeze()
+    ref = src.final(store.writer(key, chunk_size=4096))
+    seen: dict[str, list[str]] = {}
+    dst, out = agent(-50.0, seen)
+    dst.restore(store.reader(ref.id, key))
+    assert all(torch.equal(out[p][k], made[p][k]) for p in layout for k in layout[p])
+    for p, parts in layout.items():
+        names = [f"{p}/{k}" if k else p for k in parts]
+        assert seen[f"targets {p}"] == names and seen[f"after {p}"] == names

@@ -147,8 +147,78 @@ def test_commit_refuses_an_incomplete_region(store: str, key: bytes) -> None:
     w.add_region(RegionInfo(name="w", nbytes=3 * CHUNK))
     w.put_chunk("w", 0, memoryview(os.urandom(CHUNK)))
     w.put_chunk("w", 2, memoryview(os.urandom(CHUNK)))
-    with pytest.raises(TransferError, match="missing chunks"):
+    with pytest.raises(TransferError, match=r"region 'w' is missing chunks \[1\]"):
         w.commit()
+
+
+def _reuse_both_ways(store: str, key: bytes) -> tuple[dict[str, object], dict[str, object]]:
+    """A child image of two regions written once by reuse_chunk per chunk and once by one reuse_chunks call:
+    chunks from the parent, one held only by the store (another image's), one region of a single short chunk."""
+    from gpumigrate.transfer.writer import committed_body
+
+    data = np.frombuffer(os.urandom(3 * CHUNK + 100), dtype=np.uint8)
+    small = np.frombuffer(os.urandom(1000), dtype=np.uint8)
+    first = open_writer(store, key=key, chunk_size=CHUNK)
+    ids = write_tensor(first, "w", data, "uint8")
+    (small_id,) = write_tensor(first, "s", small, "uint8")
+    parent = first.commit()
+    other = open_writer(store, key=key, chunk_size=CHUNK)  # a chunk in the store that the parent does not hold
+    extra = bytes(reversed(data[:CHUNK].tobytes()))
+    other.add_region(RegionInfo(name="x", nbytes=CHUNK))
+    extra_id = other.put_chunk("x", 0, memoryview(extra))
+    other.commit()
+    plan = [("w", 0, extra_id), ("w", 1, ids[1]), ("s", 0, small_id), ("w", 2, ids[2]), ("w", 3, ids[3])]
+    bodies: list[dict[str, object]] = []
+    for batched in (False, True):
+        seen: list[tuple[int, int]] = []
+        w = open_writer(store, key=key, parent=parent.id, progress=lambda d, t, seen=seen: seen.append((d, t)))
+        w.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="uint8", shape=data.shape, device="cpu"))
+        w.add_region(RegionInfo(name="s", nbytes=small.nbytes, dtype="uint8", shape=small.shape, device="cpu"))
+        if batched:
+            w.reuse_chunks(plan)
+        else:
+            for region, index, cid in plan:
+                w.reuse_chunk(region, index, cid)
+        counts = (w.chunks_reused, w.chunks_new, w.bytes_logical, w.bytes_sent)
+        ref = w.commit()
+        body = dict(committed_body(store, ref.id, w.sealer.key_id) or {})
+        body.pop("created")
+        bodies.append(
+            {"body": body, "counts": counts, "progress": seen[-1], "ref": (ref.bytes_image, ref.bytes_stored)}
+        )
+        reader = open_reader(store, ref.id, key=key)
+        assert bytes(reader.read_region("w")) == extra + data[CHUNK:].tobytes()
+        assert bytes(reader.read_region("s")) == small.tobytes()
+    return bodies[0], bodies[1]
+
+
+def test_reuse_chunks_records_what_reuse_chunk_records(store: str, key: bytes) -> None:
+    one_by_one, batched = _reuse_both_ways(store, key)
+    assert batched == one_by_one
+
+
+def test_reuse_chunks_refuses_what_reuse_chunk_refuses_after_recording_the_chunks_before(
+    store: str, key: bytes
+) -> None:
+    data = np.frombuffer(os.urandom(2 * CHUNK), dtype=np.uint8)
+    first = open_writer(store, key=key, chunk_size=CHUNK)
+    ids = write_tensor(first, "w", data, "uint8")
+    parent = first.commit()
+    for bad, match in [
+        (("nope", 0, ids[0]), "unknown region"),
+        (("w", 2, ids[0]), "past the end"),
+        (("w", 1, "ab" * 32), "neither in the parent"),
+    ]:
+        w = open_writer(store, key=key, parent=parent.id)
+        w.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="uint8"))
+        with pytest.raises(InvalidInputError, match=match):
+            w.reuse_chunks([("w", 0, ids[0]), bad, ("w", 1, ids[1])])
+        assert (w.chunks_reused, w.bytes_logical) == (1, CHUNK)  # the chunk before the refusal, not the one after
+    w = open_writer(store, key=key, parent=parent.id)
+    w.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="uint8"))
+    w.reuse_chunks([])
+    w.reuse_chunks(iter([("w", 1, ids[1]), ("w", 0, ids[0])]))
+    assert bytes(open_reader(store, w.commit().id, key=key).read_region("w")) == data.tobytes()
 
 
 def test_reuse_of_an_unknown_chunk_and_unknown_region_are_refused(store: str, key: bytes) -> None:
@@ -261,3 +331,41 @@ def test_progress_callbacks_reach_the_total(tmp_path: Path, key: bytes) -> None:
         assert done == sorted(done), name
         assert calls[-1][0] == calls[-1][1] > 0, name
     assert seen["pack"][-1][1] == 5 << 20
+
+
+@pytest.mark.parametrize(
+    ("lengths", "fixed"),
+    [
+        ([CHUNK, CHUNK, 100], True),
+        ([100, CHUNK, CHUNK], False),  # the same total, the short chunk first: sizes are listed
+        ([CHUNK, 100, CHUNK], False),
+        ([CHUNK], True),
+        ([CHUNK, CHUNK], True),
+        ([CHUNK // 2, CHUNK // 2], False),  # two chunks where one would do
+        ([7], True),
+    ],
+)
+def test_manifest_lists_chunk_sizes_only_when_they_are_not_whole_chunks_but_the_last(
+    store: str, key: bytes, lengths: list[int], fixed: bool
+) -> None:
+    data = os.urandom(sum(lengths))
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="r", nbytes=len(data)))
+    at = 0
+    for i, n in enumerate(lengths):
+        w.put_chunk("r", i, memoryview(data)[at : at + n])
+        at += n
+    ref = w.commit()
+    reader = open_reader(store, ref.id, key=key)
+    region = reader.body["regions"][0]
+    assert region["sizes"] == (None if fixed else lengths)
+    assert bytes(reader.read_region("r")) == data
+
+
+def test_commit_refuses_chunks_that_do_not_add_up_to_the_region(store: str, key: bytes) -> None:
+    w = open_writer(store, key=key, chunk_size=CHUNK)
+    w.add_region(RegionInfo(name="r", nbytes=CHUNK + 10))
+    w.put_chunk("r", 0, memoryview(os.urandom(CHUNK)))
+    w.put_chunk("r", 1, memoryview(os.urandom(9)))
+    with pytest.raises(TransferError, match=r"chunks hold 262153 bytes, the region declares 262154"):
+        w.commit()
