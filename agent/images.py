@@ -117,6 +117,8 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
             if devhash.available(device):
                 with contextlib.suppress(Exception):
                     devhash.warm(device)
+                with contextlib.suppress(Exception):  # the byte-plane split and merge (capture and restore)
+                    importlib.import_module("gpumigrate.transfer.plane_kernels").warm(device)
             if capture:
                 with contextlib.suppress(Exception):
                     _warm_capture(device)
@@ -131,7 +133,8 @@ _warming: list[threading.Thread] = []
 
 
 def _warm_capture(device: Any) -> None:
-    """One live round of a two-chunk bf16 probe on ``device`` through the real writer into a temporary store.
+    """One live round of a two-chunk bf16 probe (and a short one) on ``device`` through the real writer into a
+    temporary store.
 
     It compiles the chunk fingerprints' kernel (``torch.compile``, seconds, once per process) and sets up the
     writer's device paths (device ids, pinned slots, the codec); then the probe and the store are gone."""
@@ -144,6 +147,7 @@ def _warm_capture(device: Any) -> None:
 
     chunk = _chunk_size() or DEFAULT_CHUNK_SIZE
     probe = torch.randn(chunk, device=device).to(torch.bfloat16)  # two chunks of bf16
+    tail = torch.randn(777, device=device).to(torch.bfloat16)  # one short chunk: the short-chunk fingerprint kernel
     with tempfile.TemporaryDirectory(prefix="gm-warm-") as where:
 
         def writer(store: str, key_ref: Mapping[str, str], parent: str | None, **options: Any) -> ImageWriter:
@@ -155,6 +159,7 @@ def _warm_capture(device: Any) -> None:
         agent = Agent(writer_factory=writer)
         try:
             agent.track_tensor("probe", probe)
+            agent.track_tensor("probe_tail", tail)
             agent.precopy_to(f"file://{where}", {})
         finally:
             agent.close()

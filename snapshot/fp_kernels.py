@@ -56,7 +56,7 @@ def _tail_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["count"])  # one compiled kernel however many short chunks a batch holds
     def tail_shares(base_ptr, meta_ptr, weights_ptr, out_ptr, count, PER: tl.constexpr, BLOCK: tl.constexpr):
         chunk = tl.program_id(0)
         part = tl.program_id(1)

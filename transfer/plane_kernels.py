@@ -24,7 +24,7 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["count"])  # one compiled kernel for every batch size (the warm-up compiles it)
     def split_kernel(src_ptr, meta_ptr, out_ptr, count, BLOCK: tl.constexpr):
         chunk = tl.program_id(0)
         block = tl.program_id(1)
@@ -46,7 +46,7 @@ def _merge_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["words"])
     def merge_kernel(low_ptr, high_ptr, out_ptr, words, BLOCK: tl.constexpr):
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         keep = idx < words
@@ -109,3 +109,17 @@ def merge(low: int, high: int, out: Any) -> None:
         words,
         BLOCK=BLOCK,
     )
+
+
+def warm(device: Any) -> None:
+    """Compile both kernels now (the SDK's warm-up), for planes that start on 16-byte boundaries and for planes
+    that do not (Triton compiles one kernel per alignment): a first capture or restore would compile them
+    inside its timed work."""
+    import torch
+
+    scratch = torch.zeros(3 << 12, dtype=torch.uint8, device=device)
+    stream = torch.cuda.current_stream(device)
+    for at in (0, 2):
+        split([scratch[at : at + 2048]], stream)
+        merge(scratch.data_ptr() + 4096 + at, scratch.data_ptr() + 6144, scratch[8192 + at : 8192 + at + 2048])
+    torch.cuda.synchronize(device)
