@@ -17,7 +17,9 @@ SIBLINGS = ("snapshot", "transfer", "parity", "traffic", "infra")
 # The public SDK (agent/) sits above snapshot and transfer, inside a user's process: it may import
 # them and the core, never the orchestrator's side; and only user programs import it.
 AGENT_MAY_NOT_IMPORT = ("flows", "traffic", "infra", "parity", "workloads", "cli")
-AGENT_IMPORTERS = ("workloads", "examples", "tests")
+# User programs: the reference workloads, the examples, the tests, and benchmarks that stand in for a user's
+# process with the SDK in it (bench/live_round.py is a source's rounds in one process).
+AGENT_IMPORTERS = ("workloads", "examples", "tests", "bench")
 # What importing the SDK into a user's process must not cost.
 HEAVY = ("prefect", "great_expectations", "boto3", "botocore", "google", "envoy")
 
