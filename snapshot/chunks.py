@@ -248,23 +248,33 @@ class Fingerprints:
 
     def to_host(self) -> dict[str, list[int]]:
         """Every region's fingerprints as Python ints: one device→host copy per device."""
-        parts: dict[str, list[torch.Tensor]] = {}
-        for t in [*self.full.values(), *(t for t, _ in self.tails)]:
+        return fingerprints_to_host([self])[0]
+
+
+def fingerprints_to_host(sets: Sequence[Fingerprints]) -> list[dict[str, list[int]]]:
+    """Each set's :meth:`Fingerprints.to_host`, with one device→host copy per device for all the sets (a live
+    round fingerprints each staged batch as a set of its own: one copy and one wait per batch otherwise)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    for one in sets:
+        for t in [*one.full.values(), *(t for t, _ in one.tails)]:
             parts.setdefault(str(t.device), []).append(t)
-        flat: dict[str, list[int]] = {d: torch.cat(ts).cpu().tolist() for d, ts in parts.items()}
-        pos = dict.fromkeys(flat, 0)
+    flat: dict[str, list[int]] = {d: torch.cat(ts).cpu().tolist() for d, ts in parts.items()}
+    pos = dict.fromkeys(flat, 0)
+    found: list[dict[str, list[int]]] = []
+    for one in sets:
         out: dict[str, list[int]] = {}
-        for name, t in self.full.items():
+        for name, t in one.full.items():
             d = str(t.device)
             k = t.numel()
-            out[name] = flat[d][pos[d] : pos[d] + k] + [0] * (self.counts[name] - k)
+            out[name] = flat[d][pos[d] : pos[d] + k] + [0] * (one.counts[name] - k)
             pos[d] += k
-        for t, members in self.tails:
+        for t, members in one.tails:
             d = str(t.device)
             for (name, i), v in zip(members, flat[d][pos[d] : pos[d] + len(members)], strict=True):
                 out[name][i] = v
             pos[d] += len(members)
-        return out
+        found.append(out)
+    return found
 
 
 def host_chunk_ids(pieces: Sequence[torch.Tensor]) -> list[str]:

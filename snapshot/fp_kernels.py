@@ -66,9 +66,8 @@ def _tail_kernel() -> Any:
         for k in range(0, PER, BLOCK):
             idx = part * PER + k + tl.arange(0, BLOCK)
             keep = idx < length
-            x = tl.load(base_ptr + start + idx, mask=keep, other=0).to(
-                tl.int64
-            )  # bytes zero-extended, as the eager sum
+            # bytes zero-extended, as the eager sum
+            x = tl.load(base_ptr + start + idx, mask=keep, other=0).to(tl.int64)
             w = tl.load(weights_ptr + idx, mask=keep, other=0)
             acc += x * w
         tl.store(out_ptr + chunk * tl.num_programs(1) + part, tl.sum(acc, axis=0))

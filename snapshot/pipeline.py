@@ -33,7 +33,7 @@ import torch
 from gpumigrate import cudacalls
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import DirectImageReader, DirectImageWriter, ImageReader, ImageWriter, TensorChunk
-from gpumigrate.snapshot.chunks import Fingerprints, fingerprint_chunks
+from gpumigrate.snapshot.chunks import Fingerprints, fingerprint_chunks, fingerprints_to_host
 
 STAGE_SLOTS = 16  # device staging slots of a live round: one batch handed to a direct writer at a time
 
@@ -217,7 +217,7 @@ class Pipeline:
                     else:
                         staged.copy_(job.data, non_blocking=cuda)
                     batch.append(TensorChunk(job.region, job.index, staged))
-                # The batch's fingerprints in one gathered launch (and its short chunks stacked), queued before the
+                # The batch's fingerprints in two gathered launches (whole chunks, short ones), queued before the
                 # writer's reads and the next batch's copies: per chunk, the eager sum's launches and the GIL
                 # crossings of each torch call held the one submitting thread (H100, 16 GiB: 2.2 s of a 2.3 s round).
                 fps.append(Fingerprints({str(k): c.data for k, c in enumerate(batch)}, self.chunk_size))
@@ -228,8 +228,7 @@ class Pipeline:
             futures.extend(placed)
         ids = [f.result() for f in futures]
         prints: list[int] = []
-        for found in fps:
-            host = found.to_host()
+        for host in fingerprints_to_host(fps):
             prints.extend(v for k in range(len(host)) for v in host[str(k)])
         return ids, prints
 

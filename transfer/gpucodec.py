@@ -135,18 +135,15 @@ class PlaneSplit:
 
 def merges(out: Any) -> bool:
     """Whether ``plane_kernels.merge`` can write ``out`` (Triton here; contiguous, 2-byte aligned, even length)."""
+    from gpumigrate.transfer.devhash import _triton_present
+
     return _triton_present() and out.is_contiguous() and not (out.data_ptr() % 2 or out.numel() % 2)
 
 
 def _splittable(views: list[Any]) -> bool:
+    from gpumigrate.transfer.devhash import _triton_present
+
     return bool(views) and _triton_present() and not any(v.data_ptr() % 2 or v.numel() % 2 for v in views)
-
-
-@functools.cache
-def _triton_present() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 def encode_planes(planes: list[Any], stream: Any) -> list[DeviceBytes]:
@@ -199,7 +196,7 @@ def decode_plane(payload: Any, out: Any, stream: Any) -> None:
         raise IntegrityError(f"plane codec 3 (nvcomp-ans) payload does not decode: {exc}") from None
     try:
         plane = codec.decode(nv.as_array(payload))
-        got = torch.as_tensor(plane, device=out.device).view(torch.uint8).reshape(-1)
+        got = torch.as_tensor(plane, device=stream.device).view(torch.uint8).reshape(-1)  # out may be DeviceBytes
     except Exception as exc:
         raise IntegrityError(f"plane codec 3 (nvcomp-ans) payload does not decode: {exc}") from None
     if got.numel() != size:
