@@ -2,6 +2,7 @@
 each round into a fresh encrypted, compressed ``file://`` image in /dev/shm, timed around ``precopy_to``.
 
     python bench/live_round.py --json [--gib 16] [--rounds live,live2] [--codec auto] [--workers 16]
+    python bench/live_round.py --json --rounds '' --finals 30 --mutable-mb 256 [--profile final.txt]
 
 What ``bench/e2e.py``'s round 1 measures, without a second process, a serving loop or a target starting
 beside it, so the capture path's own speed shows (and runs under a profiler). ``live`` rounds stage and
@@ -9,6 +10,14 @@ fingerprint each batch while the model could change; ``frozen`` rounds read the 
 timing, the SDK's own warm-up at attach runs and is waited for (kernels compiled, a probe captured, slots
 page-locked). Pair it with an older build of the package on the same machine (``PYTHONPATH``) for a
 before/after figure. One JSON line.
+
+``--finals N`` times the source's half of a stop-and-copy: a chain of images in one store (round 1 of
+everything, round 2 after the mutable state changed), then N final rounds of the frozen source, each after
+``--mutable-mb`` of state tracked as ``attach(state=...)`` tracks it changed again (every byte, as the
+reference server's requests change it). Each is ``final_to`` timed around the call, with the agent's own
+phases; the target's restore is not in it (``bench/e2e.py`` measures the whole downtime). ``--profile F``
+records the final rounds alone with py-spy (raw stacks, every thread, idle included) where it is installed;
+``--trace F`` runs one more under ``torch.profiler`` and writes its Chrome trace (device kernels and copies).
 """
 
 from __future__ import annotations
@@ -17,8 +26,12 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import statistics
+import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 from benchlib import gbps
@@ -32,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="auto")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--finals", type=int, default=0, help="final rounds of a frozen source, after a round-1/2 chain")
+    p.add_argument("--mutable-mb", type=float, default=256, help="state each final round finds changed")
+    p.add_argument("--profile", default=None, help="py-spy raw stacks of the final rounds into this file")
+    p.add_argument("--trace", default=None, help="one more final round under torch.profiler: a Chrome trace here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "live_round", "not_run": "needs a CUDA GPU"}))
@@ -54,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"compression": args.codec, "parallelism": args.workers}
     out: dict[str, object] = {"bench": "live_round", "device": torch.cuda.get_device_name(0), "bytes": nbytes}
     out["warmup_wait_s"] = round(warm_s, 2)
-    for label in args.rounds.split(","):
+    for label in filter(None, args.rounds.split(",")):
         store = f"/dev/shm/gm-bench-{label}"
         shutil.rmtree(store, ignore_errors=True)
         agent.forget_shipped()
@@ -68,12 +85,77 @@ def main(argv: list[str] | None = None) -> int:
             "stored_fraction": round(got["image"]["bytes_sent"] / nbytes, 4),
         }
         shutil.rmtree(store, ignore_errors=True)
+    if args.finals:
+        out["finals"] = _finals(agent, key_ref, opts, args)
     out["includes"] = (
         "agent.precopy_to of every chunk (fingerprint, stage, device BLAKE3, GPU planes + nvCOMP, AES-256-GCM, "
         "file:// writes on tmpfs, signed manifest), one process, no serving load"
     )
     print(json.dumps(out))
     return 0
+
+
+def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from gpumigrate.agent import tracking
+
+    mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device="cuda")
+    state: dict[str, Any] = {"mutable": mutable, "served": 0}
+    for item in tracking.state_items(state):
+        agent.track(item)
+    store = "/dev/shm/gm-bench-chain"
+    shutil.rmtree(store, ignore_errors=True)
+    agent.forget_shipped()
+    agent.frozen = False
+    agent.precopy_to(f"file://{store}", key_ref, options=opts)  # round 1: everything
+    mutable.add_(1)
+    agent.precopy_to(f"file://{store}", key_ref, options=opts)  # round 2: the delta, parent = round 1
+    agent.frozen = True  # as freeze() leaves it, without a serving loop to hold
+    spy = _py_spy(args.profile) if args.profile else None
+    runs: list[dict[str, Any]] = []
+    try:
+        for _ in range(args.finals):
+            mutable.add_(1)
+            state["served"] += 1
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            got = agent.final_to(f"file://{store}", key_ref, options=opts)
+            runs.append({"ms": (time.perf_counter() - t) * 1e3, "phases": got["stats"]["phases"]})
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            spy.wait(timeout=60)
+    if args.trace:  # where the device's time goes in one final round: kernels, copies, and who waited on whom
+        mutable.add_(1)
+        torch.cuda.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            agent.final_to(f"file://{store}", key_ref, options=opts)
+        prof.export_chrome_trace(args.trace)
+    shutil.rmtree(store, ignore_errors=True)
+    ms = sorted(r["ms"] for r in runs)
+    phases = {k: round(statistics.median(r["phases"].get(k, 0.0) for r in runs) * 1e3, 2) for k in runs[0]["phases"]}
+    return {
+        "count": len(runs),
+        "mutable_MiB": args.mutable_mb,
+        "ms_median": round(statistics.median(ms), 2),
+        "ms_min": round(ms[0], 2),
+        "ms_max": round(ms[-1], 2),
+        "phases_ms_median": phases,
+        "profiled": bool(args.profile),
+        "includes": "final_to of the frozen source (fingerprint all, BLAKE3 confirmation of the unchanged chunks, "
+        "the changed mutable state shipped: codec, AES-256-GCM, file:// on tmpfs; signed manifest), one process",
+    }
+
+
+def _py_spy(path: str) -> subprocess.Popen[bytes] | None:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("py-spy is not installed: the final rounds run unprofiled", file=sys.stderr)
+        return None
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "1000", "--threads", "--idle"]
+    spy = subprocess.Popen([*cmd, "--output", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the first round
+    return spy
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ new module implementing one Protocol.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -166,6 +166,18 @@ class TensorChunk:
     data: Any
 
 
+@dataclass(frozen=True)
+class ChunkRun:
+    """Chunks of one region that a frozen round expects unchanged: chunk ``indices[k]`` of the region's flat uint8
+    bytes ``view`` (torch, where they live; chunk ``i`` starts at ``i * chunk_size``, the last may be shorter)
+    should still have the id ``ids[k]``. One per region, not one object per chunk: a model has 1,400 of them."""
+
+    region: str
+    view: Any
+    indices: Sequence[int]
+    ids: Sequence[str]
+
+
 @runtime_checkable
 class DirectImageWriter(ImageWriter, Protocol):
     """An ImageWriter that takes chunks as tensors where they live and moves their bytes itself.
@@ -183,10 +195,14 @@ class DirectImageWriter(ImageWriter, Protocol):
         Host tensors may be overwritten once their futures are done.
         """
 
-    def chunk_ids(self, chunks: Sequence[TensorChunk]) -> list[str]:
-        """The chunk id each chunk's bytes would get (BLAKE3, computed where they live); nothing is stored.
+    def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
+        """Start hashing the runs' chunks where they live (BLAKE3, as chunk ids are); nothing is stored.
 
-        The frozen final round confirms with it that chunks its fingerprints call unchanged really are.
+        Returns a function that waits and gives, per run and chunk, whether the bytes still have their id.
+        Device work is ordered after what each device's current stream holds when this is called and runs
+        beside what the caller queues next (the frozen round ships its dirty chunks meanwhile: the bytes
+        confirmed are frozen). The frozen final round confirms with it that chunks its fingerprints call
+        unchanged really are.
         """
 
 

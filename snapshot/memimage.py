@@ -19,7 +19,7 @@ import hmac
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from gpumigrate.errors import IntegrityError, NotFoundError, SnapshotError
-from gpumigrate.interfaces import ImageRef, RegionInfo, TensorChunk
+from gpumigrate.interfaces import ChunkRun, ImageRef, RegionInfo, TensorChunk
 
 _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="gm-memimage")
 
@@ -126,11 +126,21 @@ class MemoryWriter:
             self._serial += 1
             return f"nohash-{id(self)}-{self._serial}"
 
-    def chunk_ids(self, chunks: Sequence[TensorChunk]) -> list[str]:
-        """Chunk ids hashed on the host (this sink has no device hashing; the transfer engine's writer does)."""
+    def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
+        """Chunk ids hashed on the host, on one of the pool's threads (this sink has no device hashing; the
+        transfer engine's writer does)."""
         from gpumigrate.snapshot.chunks import host_chunk_ids
 
-        return host_chunk_ids([c.data for c in chunks])
+        cs = self.chunk_size
+
+        def confirm() -> list[list[bool]]:
+            out = []
+            for run in runs:
+                got = host_chunk_ids([run.view[i * cs : (i + 1) * cs] for i in run.indices])
+                out.append([g == want for g, want in zip(got, run.ids, strict=True)])
+            return out
+
+        return _POOL.submit(confirm).result
 
     def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
         """Each chunk copied once into an arena slice (device chunks on the current stream), then hashed

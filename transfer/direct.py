@@ -5,7 +5,8 @@ Capture (:class:`DirectStoreImageWriter`, the :class:`~gpumigrate.interfaces.Dir
 * device chunks get their ids from the BLAKE3 kernels (``devhash``), batched on a hash stream that
   trails the caller's stream, so the CPU hashes nothing;
 * bf16/fp16 chunks are split into byte planes on the device and the exponent plane is coded there
-  (``gpucodec``, plane codec 3) when nvCOMP is present, so about 0.68 of the bytes cross PCIe;
+  (``gpucodec``, plane codec 3) when nvCOMP is present, so about 0.68 of the bytes cross PCIe; chunks of
+  other dtypes are coded whole by the same coder and kept coded where that is smaller (``gpupayload``);
 * each chunk (coded payload or raw bytes) is copied once, into a page-locked slot, at the offset where
   its payload belongs in the sealed object; a worker thread per core then seals it in place (AES-GCM
   releases the GIL) or, for raw bytes, encodes it with the CPU codec first, and stores it.
@@ -19,17 +20,16 @@ the device against its id. Host tensors go the plain way, into their own memory,
 from __future__ import annotations
 
 import os
-import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from gpumigrate import cudacalls
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
-from gpumigrate.interfaces import TensorChunk
-from gpumigrate.transfer import codecs, gpucodec, plane_kernels
+from gpumigrate.interfaces import ChunkRun, TensorChunk
+from gpumigrate.transfer import codecs, confirm, gpucodec, gpupayload
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
 from gpumigrate.transfer.chunkobj import HEADER_SIZE, TAG_SIZE, chunk_id_of, sealed_size
 from gpumigrate.transfer.reader import StoreImageReader
@@ -42,8 +42,6 @@ CODE_BATCH = 16  # chunks per nvCOMP batch: one wait for their coded sizes, and 
 # Sealing/opening threads: one per core (GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts).
 WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, os.cpu_count() or 2)
 SLOTS = 2 * WORKERS + 8  # a restore holds two per chunk that the CPU decodes; a few more keep the DMA busy
-_PLANE_ENTRY = struct.Struct(">BQ")
-_GPU_PLANES_HEADER = 1 + 2 * _PLANE_ENTRY.size  # k = 2: element size, then (codec, length) per plane
 
 
 class StageClock:
@@ -126,7 +124,9 @@ class _Streams:
         key = (str(device), use)
         stream = found.get(key)
         if stream is None:
-            stream = found[key] = torch.cuda.Stream(device=device)
+            # The chunk ids a capture waits for go first on the device: a frozen round confirms every other chunk
+            # with the same kernels on a default-priority stream meanwhile, and its workers wait for these ids.
+            stream = found[key] = torch.cuda.Stream(device=device, priority=-1 if use == "hash" else 0)
         return stream
 
 
@@ -239,51 +239,23 @@ class DirectStoreImageWriter(StoreImageWriter):
         _log_stages("capture")
         return super().commit()
 
-    def chunk_ids(self, chunks: Sequence[TensorChunk]) -> list[str]:
-        """BLAKE3 ids where the bytes live: CUDA chunks of whole 1 KiB leaves by the device kernels, in
-        batches of one length; the rest on the host, one chunk per core (BLAKE3 releases the GIL)."""
-        out: list[str] = [""] * len(chunks)
-        on_device: dict[tuple[str, int], list[int]] = {}
-        on_host: list[int] = []
-        devhash = _devhash() if any(c.data.is_cuda for c in chunks) else None
-        for k, chunk in enumerate(chunks):
-            if devhash is not None and devhash.eligible(chunk.data) and devhash.available(chunk.data.device):
-                on_device.setdefault((str(chunk.data.device), chunk.data.numel()), []).append(k)
-            else:
-                on_host.append(k)
-        for k, cid in zip(on_host, _pool().map(lambda k: _host_id(chunks[k].data), on_host), strict=True):
-            out[k] = cid
-        launched: list[tuple[list[int], Any]] = []
-        for members in on_device.values():
-            assert devhash is not None  # only CUDA chunks are grouped for the device
-            for start in range(0, len(members), HASH_BATCH):
-                part = members[start : start + HASH_BATCH]
-                launched.append((part, devhash.blake3_device([chunks[k].data for k in part])))
-        # Every batch is queued before any is read back: one wait for the device, not one per batch (the
-        # final round confirms every unchanged chunk this way while the workload is frozen).
-        by_device: dict[str, list[tuple[list[int], Any]]] = {}
-        for part, words in launched:
-            by_device.setdefault(str(words.device), []).append((part, words))
-        for batches in by_device.values():
-            rows = _torch().cat([words for _, words in batches]).cpu().tolist()
-            order = [k for part, _ in batches for k in part]
-            for k, w in zip(order, rows, strict=True):
-                out[k] = devhash.words_hex(w)  # type: ignore[union-attr]
-        return out
+    def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
+        """Device chunks by the BLAKE3 kernels from byte offsets, on one of this writer's threads (``confirm.py``)."""
+        return confirm.start(runs, self.chunk_size, _pool())
 
     def _put_host(self, chunk: TensorChunk) -> str:
         return self.put_chunk(chunk.region, chunk.index, memoryview(chunk.data.numpy()))
 
-    def _gpu_coded(self, chunk: TensorChunk) -> bool:
+    def _gpu_coded(self, chunk: TensorChunk) -> int:
+        """The ``k`` of the GPU payload this chunk gets (``gpupayload.py``): 2 for bf16/fp16 planes, 1 for a chunk of
+        another dtype coded whole (compression ``auto`` only); 0 where it is not coded on the device."""
+        if not (_devhash().eligible(chunk.data) and gpucodec.enabled()):  # a coded chunk's plaintext never reaches
+            return 0  # the host to hash
         k = codecs.float_itemsize(self._region(chunk.region).info.dtype)
-        n = chunk.data.numel()
-        return (
-            self.compression in ("auto", "byteplane")
-            and k in gpucodec.GPU_ELEMENT_SIZES
-            and n % 2 == 0
-            and _devhash().eligible(chunk.data)  # a coded chunk's plaintext never reaches the host to hash
-            and gpucodec.enabled()
-        )
+        if k is None:
+            return 1 if self.compression == "auto" else 0
+        planar = self.compression in ("auto", "byteplane") and k in gpucodec.GPU_ELEMENT_SIZES
+        return 2 if planar and chunk.data.numel() % 2 == 0 else 0
 
     def _put_device(self, chunks: Sequence[TensorChunk], out: list[Any]) -> None:
         import torch
@@ -317,21 +289,27 @@ class DirectStoreImageWriter(StoreImageWriter):
             current.wait_stream(coder)
 
     def _code_on_device(self, chunks: Sequence[TensorChunk], group: range, coder: Any, current: Any) -> dict[int, Any]:
-        """Byte planes of the group's coded chunks (one split launch), the exponent planes ANS-coded in one nvCOMP
-        batch; only chunks that come out smaller than raw are kept (their planes live until the copies that read
-        them). No torch call per chunk: each one queued behind the sealing threads for the GIL."""
-        eligible = [k for k in group if self._gpu_coded(chunks[k])]
-        if not eligible:
+        """The group's coded chunks in one nvCOMP batch: bf16/fp16 chunks split into byte planes (one launch) and
+        their exponent planes ANS-coded, chunks of other dtypes ANS-coded whole. Only chunks that come out
+        smaller than raw are kept (their coded bytes live until the copies that read them). No torch call per
+        chunk: each one queued behind the sealing threads for the GIL."""
+        kinds = {k: self._gpu_coded(chunks[k]) for k in group}
+        planar = [k for k in group if kinds[k] == 2]
+        whole = [k for k in group if kinds[k] == 1]
+        if not planar and not whole:
             return {}
-        split = gpucodec.PlaneSplit([chunks[k].data for k in eligible], coder)
-        his = gpucodec.encode_planes([split.high(i) for i in range(len(eligible))], coder)
+        split = gpucodec.PlaneSplit([chunks[k].data for k in planar], coder) if planar else None
+        inputs = [split.high(i) for i in range(len(planar))] if split is not None else []
+        inputs += [gpucodec.DeviceBytes(chunks[k].data.data_ptr(), chunks[k].data.numel()) for k in whole]
+        his = gpucodec.encode_planes(inputs, coder)
         event = cudacalls.recorded(coder.device, coder)
         _wait(event, current)
         out: dict[int, Any] = {}
-        for i, (k, hi) in enumerate(zip(eligible, his, strict=True)):
+        for i, (k, hi) in enumerate(zip(planar + whole, his, strict=True)):
             n = chunks[k].data.numel()
-            if _GPU_PLANES_HEADER + n // 2 + hi.nbytes < n:
-                out[k] = (split.low(i), hi, event)  # the worker copies both out after ``event``, holding them till then
+            if gpupayload.coded_length(kinds[k], n, hi.nbytes) < n:
+                # the worker copies the planes out after ``event``, holding them till then
+                out[k] = (split.low(i) if kinds[k] == 2 and split is not None else None, hi, event)
         return out
 
     def _queue_device(
@@ -372,7 +350,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         STAGES.add("capture.main.queue", t)
 
     def _finish_coded(self, chunk: TensorChunk, slots: PinnedSlots, ids: DeviceIds, k: int, coded: Any) -> str:
-        """A coded chunk's two planes into a pinned slot, in the layout of a byte-plane payload, then stored."""
+        """A coded chunk's planes into a pinned slot, in the layout of a byte-plane payload, then stored."""
         import torch
 
         low, hi, ready = coded
@@ -385,19 +363,18 @@ class DirectStoreImageWriter(StoreImageWriter):
             stream = _STREAMS.get(chunk.data.device, "copy")
             _wait(ready, stream)
             view = slots.view(slot)
-            at = PAYLOAD_AT + _GPU_PLANES_HEADER
-            view[PAYLOAD_AT] = 2
-            _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1, codecs.NONE, n // 2)
-            _PLANE_ENTRY.pack_into(view, PAYLOAD_AT + 1 + _PLANE_ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, hi.nbytes)
+            planes = 2 if low is not None else 1
+            at = gpupayload.write_header(view, PAYLOAD_AT, planes, n, hi.nbytes)
+            parts = [(at, low), (at + n // 2, hi)] if low is not None else [(at, hi)]
             rt = cudacalls.runtime()
             if rt is not None:
                 device, raw, base = chunk.data.device.index or 0, stream.cuda_stream, slots.address(slot)
-                cudacalls.copy(rt, device, base + at, low.ptr, n // 2, raw)
-                cudacalls.copy(rt, device, base + at + n // 2, hi.ptr, hi.nbytes, raw)
+                for place, part in parts:
+                    cudacalls.copy(rt, device, base + place, part.ptr, part.nbytes, raw)
                 landed: Any = cudacalls.Event(rt, device).record(raw)
             else:
                 with torch.cuda.stream(stream):
-                    for place, part in ((at, low), (at + n // 2, hi)):
+                    for place, part in parts:
                         source = torch.as_tensor(part, device=chunk.data.device)
                         slots.tensor(slot, place, place + part.nbytes).copy_(source, non_blocking=True)
                     landed = torch.cuda.Event()
@@ -408,7 +385,7 @@ class DirectStoreImageWriter(StoreImageWriter):
             self._in_flight.release()
             raise
         STAGES.add("capture.worker.copy_queue", t)
-        length = at + n // 2 + hi.nbytes - PAYLOAD_AT
+        length = gpupayload.coded_length(planes, n, hi.nbytes)
         return self._finish_device(chunk, slots, slot, landed, ids, k, length, coded)
 
     def _finish_device(
@@ -517,8 +494,16 @@ class DirectStoreImageReader(StoreImageReader):
                     if len(payload) != n:
                         raise IntegrityError(f"chunk {chunk_id[:16]}{where} is truncated or padded")
                     _to_device(chunk.data, slots, slot, PAYLOAD_AT, stream)
-                elif hdr.codec == codecs.BYTEPLANE and _gpu_planes(payload, n):
-                    self._decode_on_device(slots, slot, payload, chunk, stream, where)
+                elif hdr.codec == codecs.BYTEPLANE and (k := gpupayload.layout(payload, n)):
+                    gpupayload.decode_on_device(
+                        k,
+                        payload,
+                        PAYLOAD_AT,
+                        lambda dest, start: _to_device(dest, slots, slot, start, stream),
+                        chunk.data,
+                        stream,
+                        where,
+                    )
                 else:  # CPU codecs (and deltas): decoded into a second slot, then one copy
                     plain = slots.take()
                     out = slots.view(plain)
@@ -539,37 +524,6 @@ class DirectStoreImageReader(StoreImageReader):
             slots.give(slot)
             if plain is not None:
                 slots.give(plain)
-
-    def _decode_on_device(
-        self, slots: PinnedSlots, slot: int, payload: memoryview, chunk: TensorChunk, stream: Any, where: str
-    ) -> None:
-        """The two planes cross to the device in one copy (they lie side by side in the slot) into one scratch
-        buffer that also takes the decoded high plane; one kernel interleaves the planes into the destination.
-        Called on ``stream``. Few torch calls per chunk: each one queued behind the other threads for the GIL."""
-        import torch
-
-        n = chunk.data.numel()
-        half = n // 2
-        coded_len = _PLANE_ENTRY.unpack_from(payload, 1 + _PLANE_ENTRY.size)[1]
-        # [decoded high plane | pad | low plane | coded high plane]: nvCOMP wants its output and its input on
-        # 16-byte boundaries, and the low and coded planes arrive in one copy, so the low plane ends on one.
-        low_at = -(-half // 16) * 16 + (-half) % 16
-        scratch = torch.empty(low_at + half + coded_len, dtype=torch.uint8, device=chunk.data.device)
-        base = scratch.data_ptr()
-        landing = scratch[low_at:]
-        _to_device(landing, slots, slot, PAYLOAD_AT + _GPU_PLANES_HEADER, stream)
-        try:
-            gpucodec.decode_plane(
-                gpucodec.DeviceBytes(base + low_at + half, coded_len, scratch),
-                gpucodec.DeviceBytes(base, half, scratch),
-                stream,
-            )
-        except IntegrityError as exc:
-            raise IntegrityError(f"chunk{where}: {exc.message}") from None
-        if gpucodec.merges(chunk.data):
-            plane_kernels.merge(base + low_at, base, chunk.data)
-        else:
-            torch.stack((scratch[low_at : low_at + half], scratch[:half]), dim=1, out=chunk.data.view(-1, 2))
 
     def _fetch_into(self, chunk_id: str, out: memoryview) -> int:
         if not self.store.readable:
@@ -611,19 +565,4 @@ def _to_device(out: Any, slots: PinnedSlots, slot: int, start: int, stream: Any)
         return
     cudacalls.copy(
         rt, out.device.index or 0, out.data_ptr(), slots.address(slot) + start, out.numel(), stream.cuda_stream
-    )
-
-
-def _gpu_planes(payload: memoryview, n: int) -> bool:
-    """A byte-plane payload in the layout the GPU writes: k = 2, raw low plane, plane codec 3 high plane."""
-    if len(payload) < _GPU_PLANES_HEADER or payload[0] != 2:
-        return False
-    low_codec, low_len = _PLANE_ENTRY.unpack_from(payload, 1)
-    high_codec, high_len = _PLANE_ENTRY.unpack_from(payload, 1 + _PLANE_ENTRY.size)
-    return (
-        low_codec == codecs.NONE
-        and low_len == n // 2
-        and high_codec == gpucodec.PLANE_NVCOMP_ANS
-        and _GPU_PLANES_HEADER + low_len + high_len == len(payload)
-        and gpucodec.available()
     )

@@ -9,7 +9,8 @@ nvCOMP is optional (PyPI ``nvidia-nvcomp-cu13`` with ``nvidia-libnvcomp-cu13``) 
 CUDA device: :func:`available` says whether this process can code or decode such planes. Its ANS
 bitstream is nvCOMP's own (no CPU decoder exists), so an image holding such planes lists
 ``"nvcomp-ans"`` under the manifest's ``decoders``, and a reader without nvCOMP and a GPU says so
-instead of misreading. nvCOMP's native bitstream carries its own sizes; it is used as is.
+instead of misreading. nvCOMP's native bitstream carries its own sizes; it is used as is. Chunks of
+other dtypes are coded whole with the same coder, as one-plane payloads (``gpupayload.py``).
 """
 
 from __future__ import annotations

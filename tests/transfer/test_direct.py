@@ -40,6 +40,9 @@ def _tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
         "w": (torch.randn(5 * CHUNK // 2 + 300, generator=g) * 0.02).to(torch.bfloat16).to(device),
         "f": torch.randn(CHUNK // 4 * 2, generator=g).to(device),
         "b": torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=g).to(device),
+        # whole chunks of other dtypes: mostly zero pages (a GPU codes them whole, k = 1), random int8 (stays raw)
+        "z": torch.zeros(2 * CHUNK, dtype=torch.uint8).index_fill_(0, torch.arange(0, 2 * CHUNK, 4099), 7).to(device),
+        "r": torch.randint(-128, 128, (CHUNK,), dtype=torch.int8, generator=g).to(device),
     }
 
 
@@ -177,6 +180,15 @@ def test_plane_codec_3_says_what_it_needs_without_a_gpu() -> None:
         pytest.skip("this host can decode plane codec 3")
     with pytest.raises(Exception, match="nvCOMP"):
         gpucodec.decode_plane_to_host(memoryview(b"\0" * 16), 8)
+    # a chunk of another dtype coded whole on a GPU (k = 1): a CPU reader names what it needs as well
+    from gpumigrate.errors import TransferError
+    from gpumigrate.transfer import codecs, gpupayload
+
+    payload = bytearray(gpupayload.coded_length(1, 4096, 16))
+    gpupayload.write_header(memoryview(payload), 0, 1, 4096, 16)
+    assert gpupayload.layout(memoryview(payload), 4096) == 0  # no GPU here to decode it on
+    with pytest.raises(TransferError, match="nvidia-nvcomp"):
+        codecs.decode_into(codecs.BYTEPLANE, memoryview(payload), 4096, memoryview(bytearray(4096)))
 
 
 def test_e2e_smoke_migrates_bit_identical_between_two_processes(tmp_path: Path) -> None:
@@ -212,6 +224,9 @@ def test_e2e_smoke_migrates_bit_identical_between_two_processes(tmp_path: Path) 
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+CONFIRM_CHUNK = 64 << 10
+
+
 def _cuda() -> str:
     from gpumigrate.transfer import devhash
 
@@ -239,12 +254,46 @@ def test_device_direct_path_matches_the_plain_one(tmp_path: Path, monkeypatch: p
     if codec == "auto" and gpucodec.available():
         assert reader.body.get("decoders") == [gpucodec.DECODER]
         assert reader.objects[reader.chunk_ids("w")[0]][0] < 0.8 * CHUNK  # fewer bytes crossed PCIe
+        zero_page = reader.objects[reader.chunk_ids("z")[0]]
+        assert zero_page[1] == 2 and zero_page[0] < 0.1 * CHUNK  # coded whole on the device (k = 1)
+        assert reader.objects[reader.chunk_ids("r")[0]][1] == 0  # random bytes do not shrink: stored raw
     assert coded
     for name, t in tensors.items():
         assert bytes(reader.read_region(name)) == bytes(t.cpu().contiguous().view(torch.uint8).reshape(-1).numpy())
         out = torch.zeros_like(t).view(torch.uint8).reshape(-1)
         reader.read_tensors([TensorChunk(name, i // CHUNK, out[i : i + CHUNK]) for i in range(0, out.numel(), CHUNK)])
         assert torch.equal(out, t.contiguous().view(torch.uint8).reshape(-1))
+
+
+@pytest.mark.gpu
+def test_device_confirmation_matches_host_ids_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final round's confirmation on the device: whole chunks of several regions in more than one batch,
+    a short tail of whole leaves (kernels), an odd tail and an unaligned region (host), and a wrong id caught."""
+    from gpumigrate.interfaces import ChunkRun
+    from gpumigrate.transfer import confirm
+    from gpumigrate.transfer.chunkobj import chunk_id_of
+
+    dev = _cuda()
+    monkeypatch.setattr(confirm, "NODES_BYTES", 3 * (CONFIRM_CHUNK // 1024) * 32)  # three chunks a batch
+    block = torch.randint(0, 256, (3 * CONFIRM_CHUNK + 8 * 1024 + 5000 + 3,), dtype=torch.uint8, device=dev)
+    regions = {
+        "a": block[: 3 * CONFIRM_CHUNK + 8 * 1024],  # three whole chunks, then a tail of 8 leaves
+        "b": block[3 * CONFIRM_CHUNK + 8 * 1024 : 3 * CONFIRM_CHUNK + 8 * 1024 + 5000],  # one odd chunk
+        "c": block[3:],  # unaligned start: the host hashes it
+    }
+    runs, expect = [], []
+    for name, view in regions.items():
+        count = -(-view.numel() // CONFIRM_CHUNK)
+        ids = [
+            chunk_id_of(view[i * CONFIRM_CHUNK : (i + 1) * CONFIRM_CHUNK].cpu().numpy().tobytes()) for i in range(count)
+        ]
+        if name == "a":
+            ids[1] = ids[0]  # its bytes do not have this id
+        runs.append(ChunkRun(name, view, range(count), ids))
+        expect.append([not (name == "a" and i == 1) for i in range(count)])
+    writer = transfer.open_writer(f"file://{tmp_path / 's'}", key=KEY, chunk_size=CONFIRM_CHUNK)
+    assert writer.confirm_chunks(runs)() == expect
+    writer.abort()
 
 
 @pytest.mark.gpu
@@ -284,20 +333,26 @@ def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(
     assert not cold.ready
 
 
-def test_chunk_ids_hash_without_storing_and_match_the_stored_ids(tmp_path) -> None:
-    """The final round's confirmation hashes through the writer: same ids as a stored chunk, nothing stored."""
+def test_confirm_chunks_hashes_without_storing_and_matches_the_stored_ids(tmp_path) -> None:
+    """The final round's confirmation hashes through the writer: a chunk with its stored id is confirmed, one whose
+    bytes differ from the id it would reuse is not, and nothing is stored."""
     from gpumigrate import transfer
-    from gpumigrate.interfaces import DirectImageWriter, RegionInfo, TensorChunk
+    from gpumigrate.interfaces import ChunkRun, DirectImageWriter, RegionInfo, TensorChunk
     from gpumigrate.transfer.chunkobj import chunk_id_of
 
-    data = torch.arange(4096, dtype=torch.uint8)
+    data = torch.randint(0, 256, (4096 + 100,), dtype=torch.uint8)  # four whole chunks and a short one
     writer = transfer.open_writer("file://" + str(tmp_path / "s"), key=b"k" * 32, chunk_size=1024)
     assert isinstance(writer, DirectImageWriter)
-    pieces = [data[i * 1024 : (i + 1) * 1024] for i in range(4)]
-    ids = writer.chunk_ids([TensorChunk("", i, p) for i, p in enumerate(pieces)])
-    assert ids == [chunk_id_of(p.numpy().tobytes()) for p in pieces]
-    assert not list((tmp_path / "s").rglob("*")) or not any(p.is_file() for p in (tmp_path / "s").rglob("*"))
-    writer.add_region(RegionInfo("r", 4096, dtype="uint8", shape=(4096,)))
+    pieces = [data[i * 1024 : (i + 1) * 1024] for i in range(5)]
+    ids = [chunk_id_of(p.numpy().tobytes()) for p in pieces]
+    wrong = list(ids)
+    wrong[2] = ids[1]
+    check = writer.confirm_chunks(
+        [ChunkRun("r", data, [0, 2, 4], [wrong[0], wrong[2], wrong[4]]), ChunkRun("r", data, [1, 3], ids[1:4:2])]
+    )
+    assert check() == [[True, False, True], [True, True]]
+    assert not any(p.is_file() for p in (tmp_path / "s").rglob("*"))
+    writer.add_region(RegionInfo("r", data.numel(), dtype="uint8", shape=(data.numel(),)))
     stored = [f.result() for f in writer.put_tensors([TensorChunk("r", i, p) for i, p in enumerate(pieces)])]
     assert stored == ids
     writer.abort()
