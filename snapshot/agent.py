@@ -860,7 +860,7 @@ class Agent:
             raise SnapshotError("this agent cannot lend: the workload did not wire the transfer engine")
         if chunk_size <= 0 or chunk_size % 8:
             raise SnapshotError(f"chunk size {chunk_size} is not a positive multiple of 8 bytes")
-        with self._lock:
+        with gc_held(), self._lock:  # the target's final restore waits on this lend: downtime, as final's is
             t0 = time.perf_counter()
             views = {n: byte_view(t) for n, (it, t) in self._live().items() if not isinstance(it, tr.BlobItem)}
             lent = slices(views, runs, chunk_size)
