@@ -862,7 +862,12 @@ class Agent:
             raise SnapshotError(f"chunk size {chunk_size} is not a positive multiple of 8 bytes")
         with gc_held(), self._lock:  # the target's final restore waits on this lend: downtime, as final's is
             t0 = time.perf_counter()
-            views = {n: byte_view(t) for n, (it, t) in self._live().items() if not isinstance(it, tr.BlobItem)}
+            wanted = {run.region for run in runs}  # a final lend names a few of a model's 500 tensors: views of those
+            views = {
+                n: byte_view(t)
+                for n, (it, t) in self._live().items()
+                if n in wanted and not isinstance(it, tr.BlobItem)
+            }
             lent = slices(views, runs, chunk_size)
             done = self.filler.lend(landing, lent, control_key=control_key, tolerate=tolerate)
             return {**done, "bytes_lent": sum(v.numel() for v in lent.values()), "seconds": time.perf_counter() - t0}
