@@ -41,7 +41,9 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor sharing its memory (no copy)."""
     if not tensor.is_contiguous():
         raise ValueError("only contiguous tensors can be captured")
-    flat = tensor.detach()
+    # Detached only where autograd tracks it: state_dict's tensors are detached already, and a second detach per
+    # tensor was a third of a 500-tensor model's region bookkeeping in every round.
+    flat = tensor.detach() if tensor.requires_grad else tensor
     if flat.dim() != 1:  # most of a model's tensors are 1-D already (norms, biases): no reshape to make
         flat = flat.reshape(-1)
     if flat.dtype == torch.uint8:
