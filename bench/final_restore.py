@@ -129,7 +129,15 @@ def _run_tree(pythonpath: str | None, repeat: int, chunk: int) -> dict[str, Any]
         env["PYTHONPATH"] = pythonpath
         env["PYTHONSAFEPATH"] = "1"
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", "--repeat", str(repeat), "--chunk-kb", str(chunk >> 10)],
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--repeat",
+            str(repeat),
+            "--chunk-kb",
+            str(chunk >> 10),
+        ],
         env=env,
         check=True,
         capture_output=True,

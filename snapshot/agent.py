@@ -590,36 +590,33 @@ class Agent:
             env = check_policy(meta.get("environment") or {}, env_facts(), policy)
             regions = {r.name: r for r in reader.regions()}
             cs = int(meta["chunk_size"])
-            table: dict[str, list[str]] = {k: list(v) for k, v in meta["chunks"].items()}
+            # The chunk ids by region, read in place: the manifest's own lists, never changed (no copy of 1,400 ids).
+            table: Mapping[str, list[str]] = meta["chunks"]
             targets = self._targets(regions, meta)
             jobs_by_device: dict[str, list[Job]] = {}
             from_source: list[tuple[str, int]] = []  # chunks the source's memory fills
             skipped = 0
+            before = self._loaded if self._loaded_cs == cs else {}  # ids compare only at the same chunk size
             for name, dst in targets.items():
                 n = chunk_count(dst.numel() * dst.element_size(), cs)
-                if reader.chunk_count(name) != n or len(table.get(name, ())) != n:
+                ids = table.get(name, ())
+                if reader.chunk_count(name) != n or len(ids) != n:
                     raise ImageMismatchError(
                         f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected"
                     )
-                prev = self._loaded.get(name)
+                blob = regions[name].kind == "blob"
+                prev = before.get(name)
                 # Skip a chunk only if it went into this very tensor before and its content id is unchanged.
-                have = (
-                    prev[1]
-                    if prev is not None
-                    and prev[0] == dst.data_ptr()
-                    and self._loaded_cs == cs
-                    and regions[name].kind != "blob"
-                    else None
-                )
-                if have is not None and have == table[name]:  # the whole region is loaded already (most are)
+                have = prev[1] if prev is not None and prev[0] == dst.data_ptr() and not blob else None
+                if have is not None and have == ids:  # the whole region is loaded already (most are)
                     skipped += n
                     continue
                 view = byte_view(dst)
                 for i in range(n):
-                    if have is not None and have[i] == table[name][i]:
+                    if have is not None and have[i] == ids[i]:
                         skipped += 1
                         continue
-                    if source is not None and regions[name].kind != "blob":  # a blob is re-serialized at each read
+                    if source is not None and not blob:  # a blob is re-serialized at each read
                         from_source.append((name, i))
                         continue
                     jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, view[i * cs : (i + 1) * cs]))
@@ -641,8 +638,11 @@ class Agent:
             owned = self._by_item(targets)
             for item in self.items:
                 item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, owned[item.prefix])
+            # the manifest's lists themselves (nothing changes them): what this pre-load put where
             self._loaded = (
-                {} if ready else {k: (targets[k].data_ptr(), list(ids)) for k, ids in table.items() if k in targets}
+                {}
+                if ready
+                else {k: (t.data_ptr(), got) for k, t in targets.items() if (got := table.get(k)) is not None}
             )
             self._loaded_cs = cs
             self.last_image = reader.ref
@@ -701,11 +701,12 @@ class Agent:
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
         owned = self._by_item(regions)
+        items_meta = meta.get("items") or {}
         for item in self.items:
-            targets.update(item.targets(owned[item.prefix], (meta.get("items") or {}).get(item.prefix) or {}))
-        missing = sorted(set(targets) - set(regions))
-        extra = sorted(set(regions) - set(targets))
-        if missing or extra:
+            targets.update(item.targets(owned[item.prefix], items_meta.get(item.prefix) or {}))
+        if targets.keys() != regions.keys():  # one set comparison; the names only when they differ
+            missing = sorted(set(targets) - set(regions))
+            extra = sorted(set(regions) - set(targets))
             raise ImageMismatchError(
                 "image does not fit this workload: "
                 + (
@@ -716,14 +717,16 @@ class Agent:
                 + (f"not tracked here: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "")
             )
         problems = []
+        names: dict[torch.dtype, str] = {}  # dtype -> its name, once per dtype rather than once per region
         for name, dst in targets.items():
             info = regions[name]
             if info.kind == "blob":
                 continue
-            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != dst.shape:  # torch.Size: a tuple
-                problems.append(
-                    f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}"
-                )
+            dtype = dst.dtype
+            dtype_name = names.get(dtype) or names.setdefault(dtype, tr.dtype_name(dtype))
+            shape = info.shape if type(info.shape) is tuple else tuple(info.shape or ())
+            if info.dtype != dtype_name or shape != dst.shape:  # torch.Size: a tuple
+                problems.append(f"{name}: image {info.dtype}{list(shape)}, model {dtype_name}{list(dst.shape)}")
         if problems:
             raise ImageMismatchError("image shapes/dtypes do not match the model: " + "; ".join(problems[:5]))
         return targets
