@@ -47,7 +47,7 @@ from gpumigrate.snapshot.chunks import Fingerprints, byte_view, chunk_count, unc
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.fill import Filler, Run, runs_of, slices
-from gpumigrate.snapshot.gchold import gc_held
+from gpumigrate.snapshot.gchold import gc_held, release_later
 from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
 from gpumigrate.snapshot.ranks import RankGroup
@@ -839,9 +839,12 @@ class Agent:
         with gc_held():  # from the manifest's read on: every pause here is downtime in the final restore
             reader = self.reader_factory(store, image_id, key_ref)
             clock.mark("open")
-            return self.restore(
-                reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
-            )
+            try:
+                return self.restore(
+                    reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
+                )
+            finally:
+                release_later(reader)  # its manifest is freed off the ready path
 
     def lend_to(
         self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool
