@@ -597,17 +597,16 @@ class Agent:
             from_source: list[tuple[str, int]] = []  # chunks the source's memory fills
             skipped = 0
             before = self._loaded if self._loaded_cs == cs else {}  # ids compare only at the same chunk size
+            count, ids_of, loaded_before = reader.chunk_count, table.get, before.get  # bound once: 500 regions
             for name, dst in targets.items():
                 n = chunk_count(dst.numel() * dst.element_size(), cs)
-                ids = table.get(name, ())
-                if reader.chunk_count(name) != n or len(ids) != n:
-                    raise ImageMismatchError(
-                        f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected"
-                    )
+                ids = ids_of(name, ())
+                if count(name) != n or len(ids) != n:
+                    raise ImageMismatchError(f"region {name}: image has {count(name)} chunks, {n} expected")
                 blob = regions[name].kind == "blob"
-                prev = before.get(name)
+                prev = loaded_before(name)
                 # Skip a chunk only if it went into this very tensor before and its content id is unchanged.
-                have = prev[1] if prev is not None and prev[0] == dst.data_ptr() and not blob else None
+                have = prev[1] if prev is not None and not blob and prev[0] == dst.data_ptr() else None
                 if have is not None and have == ids:  # the whole region is loaded already (most are)
                     skipped += n
                     continue
@@ -844,7 +843,10 @@ class Agent:
                     reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
                 )
             finally:
-                release_later(reader)  # its manifest is freed off the ready path
+                # The restore that ends the downtime frees its manifest a second later, off that path. A pre-load frees
+                # its own at once: a second later could land inside the final restore that follows it.
+                if ready:
+                    release_later(reader)
 
     def lend_to(
         self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool

@@ -143,12 +143,15 @@ def _served_target(store: MemoryStore, tensors: dict[str, torch.Tensor], opened:
     return dst
 
 
-def test_restore_from_frees_its_reader_after_it_returns_not_inside(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ready_restore_frees_its_reader_after_it_returns_not_inside(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gchold, "RELEASE_AFTER_S", 0.2)
     store, live = MemoryStore(), _source()
-    _, final = _chain(store, live)
+    pre, final = _chain(store, live)
     opened: list[MemoryReader] = []
     dst = _served_target(store, {k: torch.zeros_like(v) for k, v in live.items()}, opened)
+    dst.restore_from(store.url, pre, {}, ready=False)
+    ref = weakref.ref(opened.pop())
+    assert ref() is None  # a pre-load's reader goes at once: later, it could land inside the final restore
     dst.restore_from(store.url, final, {})
     ref = weakref.ref(opened.pop())
     assert ref() is not None
