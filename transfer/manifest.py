@@ -151,27 +151,38 @@ def _exact(value: Any, raw: bytes, depth: int) -> Any:
     """``json.loads(raw)``, given ``value``, orjson's parse of ``raw``.
 
     ``value`` itself when orjson writes it as ``raw``. Else, for an object laid out canonically, its members
-    are matched against ``raw`` from the front and from the back (each member's bytes followed by its
-    delimiter); the one member left between is parsed again (recursively, ``depth`` levels of objects), the
-    rest is kept. Anything else is json's parse of ``raw``; a ``raw`` that is not one whole JSON value raises."""
+    are matched against ``raw`` from the front and from the back (each member's bytes beside its delimiter,
+    compared where they lie: a 400 KB document is not copied); the one member left between is parsed again
+    (recursively, ``depth`` levels of objects), the rest is kept. Anything else is json's parse of ``raw``; a
+    ``raw`` that is not one whole JSON value raises."""
     if not depth or type(value) is not dict or not value:
         return value if orjson.dumps(value, option=orjson.OPT_SORT_KEYS) == raw else json.loads(raw)
-    keys = sorted(value)  # each member written once, whether the whole matches or not
-    parts = [orjson.dumps(k) + b":" + orjson.dumps(value[k], option=orjson.OPT_SORT_KEYS) for k in keys]
-    if raw == b"{" + b",".join(parts) + b"}":
-        return value
-    if not (raw[:1] == b"{" and raw[-1:] == b"}"):
+    if raw[:1] != b"{" or raw[-1:] != b"}":
         return json.loads(raw)
-    first, at = 0, 1  # members matched from the front: raw[1:at] holds parts[:first], each with its comma
-    while first < len(parts) - 1 and raw.startswith(parts[first] + b",", at):
-        at += len(parts[first]) + 1
-        first += 1
-    last, end = len(parts), len(raw) - 1  # members matched from the back: raw[end:-1] holds parts[last:]
-    while last > first + 1 and raw.endswith(b"," + parts[last - 1], 0, end):
-        end -= len(parts[last - 1]) + 1
-        last -= 1
-    key = orjson.dumps(keys[first]) + b":"
-    if last != first + 1 or not raw.startswith(key, at):  # more than one member differs: parse it all again
+    keys = sorted(value)  # the canonical order
+    members = [(orjson.dumps(k) + b":", orjson.dumps(value[k], option=orjson.OPT_SORT_KEYS)) for k in keys]
+    last = len(members) - 1
+
+    def lies_at(i: int, at: int) -> bool:
+        key, val = members[i]
+        return raw.startswith(key, at) and raw.startswith(val, at + len(key))
+
+    first, at = 0, 1  # raw[1:at] holds members[:first], each followed by its comma (the last by the closing brace)
+    while first <= last and lies_at(first, at):
+        after = at + len(members[first][0]) + len(members[first][1])
+        if raw[after : after + 1] != (b"}" if first == last else b","):
+            break
+        first, at = first + 1, after + 1
+    if first > last:
+        return value if at == len(raw) else json.loads(raw)
+    back, end = last, len(raw) - 1  # raw[end:-1] holds members[back + 1 :], each after its comma
+    while back > first:
+        start = end - len(members[back][0]) - len(members[back][1])
+        if start - 1 < at or raw[start - 1 : start] != b"," or not lies_at(back, start):
+            break
+        back, end = back - 1, start - 1
+    key = members[first][0]
+    if back != first or not raw.startswith(key, at):  # more than one member differs: parse it all again
         return json.loads(raw)
     member = _exact(value[keys[first]], raw[at + len(key) : end], depth - 1)
     return value if member is value[keys[first]] else {**value, keys[first]: member}
