@@ -174,7 +174,9 @@ def main() -> None:
         "includes": "median ms of the final ready=True restore after a ready=False pre-load of rounds 1 and 2: the "
         "agent's phases (open = manifest read + signature check; check = metadata, policy, regions, targets, skip "
         "loop; from_image = the changed chunks; after = restore hooks + bookkeeping), seconds = the agent's total, "
-        "call = the same restore over the signed control channel, outside = call minus the agent's seconds",
+        "call = the same restore over the signed control channel, outside = call minus the agent's seconds; a code "
+        "tree that frees the ready restore's reader a second later does so inside a later repeat's work here, "
+        "where in a migration nothing restores after the final one",
     }
     for name, batches in runs.items():
         merged: dict[str, list[float]] = {}
