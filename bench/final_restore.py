@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
         server.stop()
         src.close()
         tgt.close()
-        subprocess.run(["rm", "-rf", where], check=False)
+        shutil.rmtree(where, ignore_errors=True)
     return {
         "ms": {k: [round(v * 1e3, 3) for v in vs] for k, vs in per.items()},
         "regions": len(tgt._live()),
