@@ -47,7 +47,7 @@ from gpumigrate.snapshot.chunks import Fingerprints, byte_view, chunk_count, unc
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.fill import Filler, Run, runs_of, slices
-from gpumigrate.snapshot.gchold import gc_held
+from gpumigrate.snapshot.gchold import gc_held, release_later
 from gpumigrate.snapshot.lease import Lease, lease_arg
 from gpumigrate.snapshot.pipeline import Job, Pipeline
 from gpumigrate.snapshot.ranks import RankGroup
@@ -599,36 +599,32 @@ class Agent:
             env = check_policy(meta.get("environment") or {}, env_facts(), policy)
             regions = {r.name: r for r in reader.regions()}
             cs = int(meta["chunk_size"])
-            table: dict[str, list[str]] = {k: list(v) for k, v in meta["chunks"].items()}
+            # The chunk ids by region, read in place: the manifest's own lists, never changed (no copy of 1,400 ids).
+            table: Mapping[str, list[str]] = meta["chunks"]
             targets = self._targets(regions, meta)
             jobs_by_device: dict[str, list[Job]] = {}
             from_source: list[tuple[str, int]] = []  # chunks the source's memory fills
             skipped = 0
+            before = self._loaded if self._loaded_cs == cs else {}  # ids compare only at the same chunk size
+            count, ids_of, loaded_before = reader.chunk_count, table.get, before.get  # bound once: 500 regions
             for name, dst in targets.items():
                 n = chunk_count(dst.numel() * dst.element_size(), cs)
-                if reader.chunk_count(name) != n or len(table.get(name, ())) != n:
-                    raise ImageMismatchError(
-                        f"region {name}: image has {reader.chunk_count(name)} chunks, {n} expected"
-                    )
-                prev = self._loaded.get(name)
+                ids = ids_of(name, ())
+                if count(name) != n or len(ids) != n:
+                    raise ImageMismatchError(f"region {name}: image has {count(name)} chunks, {n} expected")
+                blob = regions[name].kind == "blob"
+                prev = loaded_before(name)
                 # Skip a chunk only if it went into this very tensor before and its content id is unchanged.
-                have = (
-                    prev[1]
-                    if prev is not None
-                    and prev[0] == dst.data_ptr()
-                    and self._loaded_cs == cs
-                    and regions[name].kind != "blob"
-                    else None
-                )
-                if have is not None and have == table[name]:  # the whole region is loaded already (most are)
+                have = prev[1] if prev is not None and not blob and prev[0] == dst.data_ptr() else None
+                if have is not None and have == ids:  # the whole region is loaded already (most are)
                     skipped += n
                     continue
                 view = byte_view(dst)
                 for i in range(n):
-                    if have is not None and have[i] == table[name][i]:
+                    if have is not None and have[i] == ids[i]:
                         skipped += 1
                         continue
-                    if source is not None and regions[name].kind != "blob":  # a blob is re-serialized at each read
+                    if source is not None and not blob:  # a blob is re-serialized at each read
                         from_source.append((name, i))
                         continue
                     jobs_by_device.setdefault(str(view.device), []).append(Job(name, i, view[i * cs : (i + 1) * cs]))
@@ -650,8 +646,11 @@ class Agent:
             owned = self._by_item(targets)
             for item in self.items:
                 item.after_restore((meta.get("items") or {}).get(item.prefix) or {}, owned[item.prefix])
+            # the manifest's lists themselves (nothing changes them): what this pre-load put where
             self._loaded = (
-                {} if ready else {k: (targets[k].data_ptr(), list(ids)) for k, ids in table.items() if k in targets}
+                {}
+                if ready
+                else {k: (t.data_ptr(), got) for k, t in targets.items() if (got := table.get(k)) is not None}
             )
             self._loaded_cs = cs
             self.last_image = reader.ref
@@ -710,11 +709,12 @@ class Agent:
     def _targets(self, regions: Mapping[str, RegionInfo], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
         owned = self._by_item(regions)
+        items_meta = meta.get("items") or {}
         for item in self.items:
-            targets.update(item.targets(owned[item.prefix], (meta.get("items") or {}).get(item.prefix) or {}))
-        missing = sorted(set(targets) - set(regions))
-        extra = sorted(set(regions) - set(targets))
-        if missing or extra:
+            targets.update(item.targets(owned[item.prefix], items_meta.get(item.prefix) or {}))
+        if targets.keys() != regions.keys():  # one set comparison; the names only when they differ
+            missing = sorted(set(targets) - set(regions))
+            extra = sorted(set(regions) - set(targets))
             raise ImageMismatchError(
                 "image does not fit this workload: "
                 + (
@@ -725,14 +725,16 @@ class Agent:
                 + (f"not tracked here: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}" if extra else "")
             )
         problems = []
+        names: dict[torch.dtype, str] = {}  # dtype -> its name, once per dtype rather than once per region
         for name, dst in targets.items():
             info = regions[name]
             if info.kind == "blob":
                 continue
-            if info.dtype != tr.dtype_name(dst.dtype) or tuple(info.shape or ()) != dst.shape:  # torch.Size: a tuple
-                problems.append(
-                    f"{name}: image {info.dtype}{list(info.shape or ())}, model {tr.dtype_name(dst.dtype)}{list(dst.shape)}"
-                )
+            dtype = dst.dtype
+            dtype_name = names.get(dtype) or names.setdefault(dtype, tr.dtype_name(dtype))
+            shape = info.shape if type(info.shape) is tuple else tuple(info.shape or ())
+            if info.dtype != dtype_name or shape != dst.shape:  # torch.Size: a tuple
+                problems.append(f"{name}: image {info.dtype}{list(shape)}, model {dtype_name}{list(dst.shape)}")
         if problems:
             raise ImageMismatchError("image shapes/dtypes do not match the model: " + "; ".join(problems[:5]))
         return targets
@@ -845,9 +847,15 @@ class Agent:
         with gc_held():  # from the manifest's read on: every pause here is downtime in the final restore
             reader = self.reader_factory(store, image_id, key_ref)
             clock.mark("open")
-            return self.restore(
-                reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
-            )
+            try:
+                return self.restore(
+                    reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
+                )
+            finally:
+                # The restore that ends the downtime frees its manifest a second later, off that path. A pre-load frees
+                # its own at once: a second later could land inside the final restore that follows it.
+                if ready:
+                    release_later(reader)
 
     def lend_to(
         self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool

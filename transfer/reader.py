@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
@@ -14,7 +16,26 @@ from gpumigrate.transfer.manifest import open_manifest
 from gpumigrate.transfer.stores import Store
 
 BASE_CACHE_BYTES = 64 << 20
+# RegionInfo objects by their fields, shared by the readers of one process: a frozen dataclass costs a fifth of a
+# microsecond per field to make, and the images of one migration (the pre-copy rounds, then the final one) describe
+# the same 500 regions again and again (0.4 ms of the final restore's downtime against 0.2 ms looked up here).
+_INFOS: dict[tuple[Any, ...], RegionInfo] = {}
+_INFOS_MAX = 1 << 16  # a bound, not a tuning: past it the table starts again
+_INT = frozenset({int})
 KNOWN_DECODERS = {gpucodec.DECODER}  # FORMAT.md, "decoders": optional decoders this reader can name
+
+
+def _region_info(fields: tuple[Any, ...]) -> RegionInfo:
+    """A new RegionInfo (positional: a fifth faster than by keyword), kept in ``_INFOS`` if its dimensions are whole
+    numbers (1, 1.0 and True are one key, not one RegionInfo) and its fields hashable."""
+    info = RegionInfo(*fields)
+    shape = fields[4]
+    if not shape or _INT.issuperset(map(type, shape)):
+        if len(_INFOS) >= _INFOS_MAX:
+            _INFOS.clear()
+        with contextlib.suppress(TypeError):  # an unhashable field: not kept
+            _INFOS[fields] = info
+    return info
 
 
 class StoreImageReader:
@@ -40,23 +61,23 @@ class StoreImageReader:
             id=image_id,
             store=store.url,
             parent=self.body.get("parent"),
-            bytes_image=sum(int(r["nbytes"]) for r in self.body["regions"]),
-            bytes_stored=sum(int(e[0]) for e in self.objects.values()),
+            bytes_image=sum(map(int, map(itemgetter("nbytes"), self.body["regions"]))),
+            bytes_stored=sum(map(int, map(itemgetter(0), self.objects.values()))),
         )
 
     def regions(self) -> Sequence[RegionInfo]:
-        # positional: RegionInfo(name, nbytes, kind, dtype, shape, device), a fifth faster than by keyword (500 regions)
-        return [
-            RegionInfo(
-                r["name"],
-                int(r["nbytes"]),
-                r.get("kind", "tensor"),
-                r.get("dtype"),
-                None if (shape := r.get("shape")) is None else tuple(shape),
-                r.get("device"),
-            )
-            for r in self.body["regions"]
-        ]
+        out: list[RegionInfo] = []
+        for r in self.body["regions"]:
+            shape = r.get("shape")
+            if shape is not None:
+                shape = tuple(shape)
+            fields = (r["name"], int(r["nbytes"]), r.get("kind", "tensor"), r.get("dtype"), shape, r.get("device"))
+            try:
+                info = _INFOS.get(fields) if not shape or _INT.issuperset(map(type, shape)) else None
+            except TypeError:  # an unhashable field (a malformed manifest): the agent's checks say what is wrong
+                info = None
+            out.append(info or _region_info(fields))
+        return out
 
     def metadata(self) -> Mapping[str, Any]:
         return dict(self.body.get("metadata") or {})

@@ -177,3 +177,79 @@ def test_a_writers_body_takes_the_fast_path_and_floats_do_not() -> None:
     assert not _plain([[[{"x": [1, {"y": 0.5}]}]]])
     assert not _plain({1: "a"})
     assert _plain({"torch": Version("2.13.0")}) and not _plain({"n": Named.BLUE})
+
+
+# ------------------------------------------------------------------ reading: orjson's parse only where it is json's
+
+
+def _strict(a: Any, b: Any) -> bool:
+    """Equal values of equal types all the way down (1 == 1.0 == True in Python; here they differ), NaN equal to NaN."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_strict(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_strict(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    return bool(a == b)
+
+
+def _parses_as_json(data: bytes) -> None:
+    """_parse gives json.loads's document, or fails as json.loads fails."""
+    from gpumigrate.transfer.manifest import _parse
+
+    try:
+        want: Any = json.loads(data)
+    except ValueError:
+        with pytest.raises(ValueError):
+            _parse(data)
+        return
+    assert _strict(_parse(data), want)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_docs)
+def test_any_json_document_is_read_as_json_reads_it(doc: Any) -> None:
+    for write in (canonical, lambda d: json.dumps(d, indent=1).encode(), lambda d: json.dumps(d).encode()):
+        try:
+            data = write(doc)
+        except (ValueError, UnicodeEncodeError):
+            continue
+        _parses_as_json(data)
+        _parses_as_json(_BODY_AT + data + _rest("gpumigrate-image", {"alg": "none"}, 1))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"a":18446744073709551616}',  # past 64 bits: orjson reads a float, json an int
+        b'{"a":[1,-9223372036854775809]}',
+        b'{"a":{"b":{"c":{"d":{"e":100000000000000000000000000000}}}},"z":1}',
+        b'{"body":{"metadata":{"snapshot":{"items":{"lr":1e-08,"n":123456789012345678901234567890}}},"x":[1]}}',
+        b'{"a":1,"a":2}',  # a repeated key
+        b'{"a":{"b":1},"a":{"b":1}}',
+        b'{"a":{"b":1,"b":2},"c":3}',
+        b'{"b":1,"a":2}',  # not sorted
+        b'{"a":NaN,"b":Infinity,"c":1e400}',
+        b'{"a":"\\ud800"}',  # a lone surrogate
+        b'\xef\xbb\xbf{"a":1}',  # a BOM
+        b'{"a":-0,"b":-0.0,"c":1.0,"d":1E2,"e":"\\u00e9\\/"}',
+        b'{"a":1}{"b":2}',  # trailing data: both refuse
+        b'{"a":1,"b":}',
+        b'{"a": 1 , "b" : [ 2 ] }',
+        b"[]",
+        b"{}",
+        b"7",
+    ],
+)
+def test_documents_orjson_reads_otherwise_are_read_by_json(data: bytes) -> None:
+    _parses_as_json(data)
+
+
+def test_a_training_manifest_reads_as_before_with_its_floats() -> None:
+    sealer = Sealer(b"k" * 32)
+    body = _body(sealer.key_id)
+    body["metadata"]["snapshot"]["items"]["opt"] = {"lr": 1e-05, "eps": 1e-08, "betas": [0.9, 0.999], "big": 2**80}
+    image_id, data = seal_manifest(body, sealer)
+    assert _strict(open_manifest(data, image_id, sealer), json.loads(data)["body"])
