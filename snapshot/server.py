@@ -34,7 +34,7 @@ MAX_LINE = 1 << 20
 MAX_CHUNK_SIZE = 256 << 20  # the transfer engine's largest chunk
 CHANNEL = "agent"
 REFUSALS_KEPT = 20
-GC_HELD_TO_REPLY = frozenset({"restore"})  # commands whose reply is on the downtime's clock
+GC_HELD_TO_REPLY = frozenset({"freeze", "final", "lend", "restore"})  # commands whose reply is on the downtime's clock
 log = logging.getLogger("gpumigrate.agent")
 
 
@@ -208,8 +208,9 @@ class _Handler(socketserver.StreamRequestHandler):
             if not line:
                 return
             reply, nonce, body = self._answer(line)
-            # A restore keeps the cyclic collector off (gchold.py) until its reply is out: the collection that its
-            # allocations made due (a full one at times) runs after the target's word that it is ready, not before.
+            # The downtime's commands (a source's freeze, final round and lend; a target's restore) keep the cyclic
+            # collector off (gchold.py) until their reply is out: the collection that their allocations made due (a
+            # full one at times) runs after the reply, not before it.
             with gc_held() if body is not None and body.get("cmd") in GC_HELD_TO_REPLY else contextlib.nullcontext():
                 if body is not None:
                     reply = self._run(reply["id"], body)
