@@ -333,6 +333,31 @@ def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(
     assert not cold.ready
 
 
+@pytest.mark.gpu
+def test_a_live_round_in_many_staging_batches_round_trips(tmp_path: Path) -> None:
+    """A live round stages a batch of device slots at a time: more chunks than several batches hold, with tails of
+    many lengths, come back bit-identical, and a second round ships only the changed chunk."""
+    from gpumigrate.snapshot import pipeline
+
+    dev = _cuda()
+    chunk = 64 << 10
+    torch.manual_seed(1)
+    w = {f"t{i}": torch.randn(chunk // 2 * (1 + i % 5) + 17 * i, device=dev).to(torch.bfloat16) for i in range(60)}
+    assert sum(-(-v.numel() * 2 // chunk) for v in w.values()) > 2 * pipeline.STAGE_SLOTS
+    url = f"file://{tmp_path / 's'}"
+    src = Agent()
+    src.track_tensors("w", w)
+    src.precopy(transfer.open_writer(url, key=KEY, chunk_size=chunk))
+    w["t7"][5:9].add_(1)
+    stats = src.precopy(transfer.open_writer(url, key=KEY, parent=src.last_image.id, chunk_size=chunk))
+    assert stats.chunks_dirty == 1
+    out = {k: torch.zeros_like(v) for k, v in w.items()}
+    dst = Agent()
+    dst.track_tensors("w", out)
+    dst.restore(transfer.open_reader(url, src.last_image.id, key=KEY))
+    assert all(torch.equal(out[k], w[k]) for k in w)
+
+
 def test_confirm_chunks_hashes_without_storing_and_matches_the_stored_ids(tmp_path) -> None:
     """The final round's confirmation hashes through the writer: a chunk with its stored id is confirmed, one whose
     bytes differ from the id it would reuse is not, and nothing is stored."""
