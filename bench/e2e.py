@@ -29,13 +29,17 @@ Each run is one ``STORE:CODEC`` pair: ``shm`` (/dev/shm) or ``disk`` (``--root``
 Baselines from the same run: a safetensors cold load in a fresh process (load, and with start-up),
 ``torch.save``/``torch.load`` through a file in the same store directory, the CUDA driver checkpoint
 of the source process, and the pinned device→host line rate. The last stdout line is one JSON
-object; every figure says what it includes. ``--smoke`` runs a small CPU migration and exits 1
-unless the state came back bit-identical (CI runs it; it asserts no timings).
+object; every figure says what it includes. Each run also holds ``direct_stages_s``: the agents' own
+stage totals (``transfer.direct.STAGES``, seconds summed over threads) per capture and restore, by role.
+``--target-after-capture`` starts the target after round 1 instead of during it: a diagnostic that
+shows the capture without the target's start-up beside it. ``--smoke`` runs a small CPU migration and
+exits 1 unless the state came back bit-identical (CI runs it; it asserts no timings).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -142,8 +146,12 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
     shutil.rmtree(store_dir, ignore_errors=True)
     store = f"file://{store_dir}"
     env = {"GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb), "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
-    if os.environ.get("GPUMIGRATE_STAGES_LOG"):  # where both agents' direct paths log their stages (transfer/direct.py)
-        env["GPUMIGRATE_STAGES_LOG"] = os.environ["GPUMIGRATE_STAGES_LOG"]
+    # Both agents' direct paths log their stage totals per capture and restore (transfer/direct.py); they go into
+    # this run's JSON, by role (where a migration's threads spend their time, beside the figures they explain).
+    stages_log = store_dir.parent / f"{store_dir.name}-stages.jsonl"
+    stages_log.parent.mkdir(parents=True, exist_ok=True)
+    stages_log.unlink(missing_ok=True)
+    env["GPUMIGRATE_STAGES_LOG"] = str(stages_log)
     key_ref = {"env": KEY_ENV}  # the key itself is in this process's environment, inherited by the hosts
     options = {"compression": "auto", "parallelism": args.workers}
     provider = LocalProvider()
@@ -268,12 +276,37 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
             target = None
             out["driver_checkpoint_of_source"] = driver_checkpoint(source.pid, image_bytes)
     finally:
+        roles = _roles(source=source, target=target)
         for w in (target, source):
             if w is not None:
                 w.close()
         for host in hosts:
             provider.terminate(host)
+    out["direct_stages_s"] = read_stages(stages_log, roles)
     return out
+
+
+def _roles(**workloads: Workload | None) -> dict[int, str]:
+    roles: dict[int, str] = {}
+    for name, w in workloads.items():
+        with contextlib.suppress(KeyError, TypeError, ValueError):  # a workload that never started has no pid
+            if w is not None:
+                roles[w.pid] = name
+    return roles
+
+
+def read_stages(path: Path, roles: dict[int, str]) -> list[dict[str, Any]]:
+    """The agents' stage totals (one line per direct capture or restore, warm-up probes included), in order, each
+    named by the process's role in this run."""
+    found: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return found
+    for line in lines:
+        entry = json.loads(line)
+        found.append({"role": roles.get(entry.get("pid"), "other"), "what": entry.get("what"), **entry["stages"]})
+    return found
 
 
 def wait_warm(workload: Workload, timeout_s: float = 900.0) -> float:
