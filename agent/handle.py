@@ -128,6 +128,7 @@ def attach(
     obj: Any,
     *,
     optimizer: Any = None,
+    lr_scheduler: Any = None,
     state: dict[str, Any] | None = None,
     name: str | None = None,
     process_group: Any = None,
@@ -136,7 +137,8 @@ def attach(
 ) -> Handle:
     """Attach the migration agent to ``obj`` (a torch.nn.Module, a LightningModule, or a dict[str, torch.Tensor]).
 
-    ``optimizer``: its state travels too (a list of optimizers works as well). ``state``: a dict of
+    ``optimizer``: its state travels too (a list of optimizers works as well). ``lr_scheduler``: a
+    ``torch.optim.lr_scheduler`` scheduler (or a list), whose position in its schedule travels. ``state``: a dict of
     extra tensors and plain values (step counters, RNG generators, a KV cache) that travels with it.
     A restore updates the same objects in place. Starts the agent's control server on
     ``GPUMIGRATE_AGENT_ADDR`` (default 127.0.0.1:7070), authenticated with the control key.
@@ -150,13 +152,14 @@ def attach(
     if process_group is None and (on_teardown is not None or on_rebuild is not None):
         raise TypeError("attach(on_teardown=..., on_rebuild=...) go with process_group=...")
     group = None if process_group is None else distributed.rank_group(process_group, on_teardown, on_rebuild)
-    return attach_items(obj, optimizer=optimizer, state=state, name=name, group=group)
+    return attach_items(obj, optimizer=optimizer, lr_scheduler=lr_scheduler, state=state, name=name, group=group)
 
 
 def attach_items(
     obj: Any,
     *,
     optimizer: Any = None,
+    lr_scheduler: Any = None,
     state: dict[str, Any] | None = None,
     name: str | None = None,
     extra: Sequence[tr.Item] = (),
@@ -169,7 +172,14 @@ def attach_items(
     if not isinstance(name, str) or not name or "/" in name or name in tracking.RESERVED:
         raise ValueError(f"name {name!r}: a non-empty string without '/', not one of {', '.join(tracking.RESERVED)}")
     opts = tracking.optimizers(optimizer)
-    items = [tracking.model_item(obj, name), *tracking.optimizer_items(opts), *tracking.state_items(state), *extra]
+    scheds = tracking.scheduler_items(tracking.schedulers(lr_scheduler))
+    items = [
+        tracking.model_item(obj, name),
+        *tracking.optimizer_items(opts),
+        *scheds,
+        *tracking.state_items(state),
+        *extra,
+    ]
     if training is None:
         training = bool(opts) or _is_lightning_module(obj)
     host, port = agent_address()

@@ -2,8 +2,8 @@
 
     trainer = pl.Trainer(..., callbacks=[MigrationCallback()])
 
-At ``on_train_start`` it attaches the agent to the LightningModule with the Trainer's optimizers,
-the loop counters (global step, epoch, batches stepped) and every RNG stream; the safe point is the
+At ``on_train_start`` it attaches the agent to the LightningModule with the Trainer's optimizers and
+LR schedulers, the loop counters (global step, epoch, batches stepped) and every RNG stream; the safe point is the
 optimizer-step boundary (entered at a batch's start, left once the optimizer stepped, so gradient
 accumulation never splits), and each step's loss is reported by itself. In a process started with
 ``GPUMIGRATE_AWAIT_RESTORE=1`` the first step waits until the restore has filled the model.
@@ -70,6 +70,7 @@ class MigrationCallback(pl.Callback):
         self.handle = attach_items(
             pl_module,
             optimizer=list(trainer.optimizers) or None,
+            lr_scheduler=[config.scheduler for config in trainer.lr_scheduler_configs] or None,
             state=self.state,
             name=self.name,
             extra=[counters],

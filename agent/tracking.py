@@ -1,9 +1,11 @@
-"""What ``attach()`` tracks: the user's model or tensors, optimizer(s) and ``state`` dict, as agent items.
+"""What ``attach()`` tracks: the user's model or tensors, optimizer(s), LR scheduler(s) and ``state`` dict,
+as agent items.
 
 Everything is captured from, and restored into, the user's own objects: a module's parameters and
-buffers are copied into in place (same storage), an optimizer is loaded with ``load_state_dict``
-(same object), the tensors of ``state`` are copied into in place and its plain values are put back
-into that very dict. So every reference the user's program holds stays valid across a restore.
+buffers are copied into in place (same storage), an optimizer and an LR scheduler are loaded with
+``load_state_dict`` (same object), the tensors of ``state`` are copied into in place and its plain
+values are put back into that very dict. So every reference the user's program holds stays valid
+across a restore.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from gpumigrate.snapshot import tracked as tr
 
 ALLOWED_OBJECTS = "a torch.nn.Module (a Hugging Face model or a LightningModule included) or a dict[str, torch.Tensor]"
 ALLOWED_VALUES = "torch.Tensor, torch.Generator, or a JSON value (number, string, bool, None, list, dict)"
-RESERVED = ("optimizer", "state", "state.plain", "rng", "progress", "lightning")
+RESERVED = ("optimizer", "lr_scheduler", "state", "state.plain", "rng", "progress", "lightning")
+ALLOWED_SCHEDULERS = "a torch.optim.lr_scheduler scheduler (an LRScheduler or ReduceLROnPlateau) or a list of them"
 
 
 def model_item(obj: Any, name: str) -> tr.Item:
@@ -53,6 +56,48 @@ def optimizer_items(opts: list[torch.optim.Optimizer]) -> list[tr.Item]:
     if len(opts) == 1:
         return [tr.OptimizerItem("optimizer", opts[0])]
     return [tr.OptimizerItem(f"optimizer{i}", opt) for i, opt in enumerate(opts)]
+
+
+def _is_scheduler(obj: Any) -> bool:
+    from torch.optim import lr_scheduler
+
+    return isinstance(obj, lr_scheduler.LRScheduler | lr_scheduler.ReduceLROnPlateau)
+
+
+def schedulers(lr_scheduler: Any) -> list[Any]:
+    """``attach(lr_scheduler=...)`` as a list; TypeError names what is allowed."""
+    if lr_scheduler is None:
+        return []
+    found = list(lr_scheduler) if isinstance(lr_scheduler, Sequence) else [lr_scheduler]
+    bad = [s for s in found if not _is_scheduler(s)]
+    if bad or not found:
+        got = type(bad[0]).__qualname__ if bad else "an empty list"
+        raise TypeError(f"attach(lr_scheduler=...) takes {ALLOWED_SCHEDULERS}; got {got}")
+    return found
+
+
+def scheduler_items(scheds: list[Any]) -> list[tr.Item]:
+    """A scheduler's ``state_dict`` as JSON (its step count, last LRs, a plateau's best value...): without it a
+    moved job's schedule restarts from epoch 0 while its optimizer carries the decayed LR (a silent change)."""
+    if len(scheds) == 1:
+        return [_scheduler_item("lr_scheduler", scheds[0])]
+    return [_scheduler_item(f"lr_scheduler{i}", s) for i, s in enumerate(scheds)]
+
+
+def _scheduler_item(name: str, sched: Any) -> tr.Item:
+    def get() -> dict[str, Any]:
+        state = sched.state_dict()
+        for key, value in state.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise SnapshotError(
+                    f"{name} ({type(sched).__qualname__}) holds {key!r} = a {type(value).__qualname__}: a scheduler's "
+                    "state travels as JSON values only (numbers, strings, bools, None, lists, dicts)"
+                ) from None
+        return dict(state)
+
+    return tr.json_blob(name, get, sched.load_state_dict)
 
 
 def _check_value(key: str, value: Any) -> None:

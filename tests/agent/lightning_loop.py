@@ -30,8 +30,11 @@ class Regressor(pl.LightningModule):
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(self.global_step))
         return torch.nn.functional.mse_loss(self.net(x), x.sum(1, keepdim=True).cos())
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+    def configure_optimizers(self) -> dict[str, object]:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        # stepped every optimizer step: the MigrationCallback carries its position
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10_000)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class PrintSteps(pl.Callback):

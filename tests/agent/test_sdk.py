@@ -60,6 +60,8 @@ def test_awaiting_restore_reads_the_environment(monkeypatch: pytest.MonkeyPatch)
         ({"w": [1.0, 2.0]}, {}, "not str -> torch.Tensor: 'w'"),
         (torch.zeros(2), {}, "got torch.Tensor"),
         (torch.nn.Linear(2, 2), {"optimizer": "adam"}, "takes a torch.optim.Optimizer"),
+        (torch.nn.Linear(2, 2), {"lr_scheduler": "step"}, "lr_scheduler=...\\) takes a torch.optim.lr_scheduler"),
+        (torch.nn.Linear(2, 2), {"lr_scheduler": []}, "lr_scheduler=...\\) takes .* got an empty list"),
         (torch.nn.Linear(2, 2), {"state": [1, 2]}, "state=...\\) takes a dict"),
         (torch.nn.Linear(2, 2), {"state": {"s": {1, 2}}}, "state\\['s'\\] is a set: values in state are"),
     ],
@@ -136,6 +138,58 @@ def test_restore_updates_the_users_own_objects_in_place(
     # The next step: the same batch (the data generator travelled), the same dropout mask (the global RNG
     # travelled), the same Adam moments: the loss the source had.
     assert _train_step(model2, opt2, state2["data"]) == expected_next
+
+
+def _scheduled(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[Any]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)  # its best starts at inf
+    return opt, [steps, plateau]
+
+
+def test_lr_schedulers_travel_and_the_schedule_continues(
+    store: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without its scheduler's state a moved job keeps the decayed LR but restarts the schedule: its next decay
+    comes late, silently. The schedulers' positions travel and the target's next LRs are the source's."""
+    url, key_ref = store
+    torch.manual_seed(2)
+    model = torch.nn.Linear(4, 2)
+    opt, scheds = _scheduled(model)
+    gen = torch.Generator().manual_seed(5)
+    source = gm.attach(model, optimizer=opt, lr_scheduler=scheds)
+    for _ in range(5):
+        with source.safe_point():
+            loss = _train_step(model, opt, gen)
+            scheds[0].step()
+            scheds[1].step(loss)
+    with AgentClient(source.address) as c:
+        assert {"lr_scheduler0", "lr_scheduler1"} <= {r.name for r in c.info().regions}
+        c.call("freeze")
+        image = c.call("final", store=url, key_ref=key_ref)["image"]["id"]
+    source.close()
+
+    def next_lrs(o: torch.optim.Optimizer, s: list[Any], g: torch.Generator) -> list[float]:
+        lrs = []
+        for _ in range(4):
+            loss = _train_step(model if o is opt else model2, o, g)
+            s[0].step()
+            s[1].step(loss)
+            lrs.append(o.param_groups[0]["lr"])
+        return lrs
+
+    before = [s.state_dict() for s in scheds]
+    expected = next_lrs(opt, scheds, torch.Generator().manual_seed(9))
+
+    monkeypatch.setenv("GPUMIGRATE_AWAIT_RESTORE", "1")
+    model2 = torch.nn.Linear(4, 2)
+    opt2, scheds2 = _scheduled(model2)
+    target = gm.attach(model2, optimizer=opt2, lr_scheduler=scheds2)
+    with AgentClient(target.address) as c:
+        assert c.call("restore", store=url, image_id=image, key_ref=key_ref)["ready"]
+    assert [s.state_dict() for s in scheds2] == before  # last_epoch, last LRs, the plateau's best and count
+    assert scheds2[0].last_epoch == 5
+    assert next_lrs(opt2, scheds2, torch.Generator().manual_seed(9)) == expected
 
 
 def test_safe_point_freeze_waits_for_requests_in_flight_and_holds_new_ones() -> None:
