@@ -25,8 +25,17 @@ def _key(key_ref: Mapping[str, str]) -> bytes | None:
     if not key_ref:
         return None
     from gpumigrate import transfer
+    from gpumigrate.errors import InvalidInputError
 
-    key: bytes | None = transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file"))
+    try:
+        key: bytes | None = transfer.resolve_key(env=key_ref.get("env"), file=key_ref.get("file"))
+    except InvalidInputError as exc:
+        # Raised in the workload's process, reported by `migrate`, whose own shell may well have the key.
+        raise InvalidInputError(
+            f"the workload's agent (pid {os.getpid()}) cannot read the image key: {exc.message}",
+            hint="the workload seals and opens its image itself: start it with the image key's variable set "
+            "(or its key file readable), as for `gpumigrate migrate` (agent/README.md, 'The environment contract')",
+        ) from None
     return key
 
 

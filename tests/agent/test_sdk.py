@@ -3,6 +3,7 @@ the safe point under concurrent requests, the ASGI middleware, and the Lightning
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -138,6 +139,22 @@ def test_restore_updates_the_users_own_objects_in_place(
     # The next step: the same batch (the data generator travelled), the same dropout mask (the global RNG
     # travelled), the same Adam moments: the loss the source had.
     assert _train_step(model2, opt2, state2["data"]) == expected_next
+
+
+def test_a_workload_without_the_image_key_says_the_key_belongs_in_its_own_environment(
+    store: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent seals the image in the workload's process: a key only in the shell that runs `migrate` is not
+    enough, and the message says whose environment lacks it (a walkthrough read "not set" while it was set)."""
+    url, key_ref = store
+    monkeypatch.delenv(key_ref["env"])  # the workload started without it
+    handle = gm.attach(torch.nn.Linear(2, 2))
+    with AgentClient(handle.address) as c, pytest.raises(Exception) as caught:
+        c.call("precopy", store=url, key_ref=key_ref)
+    text = str(caught.value)
+    assert f"environment variable {key_ref['env']} is not set or empty" in text
+    assert f"the workload's agent (pid {os.getpid()}) cannot read the image key" in text
+    assert "start it with the image key's variable set" in text
 
 
 def _scheduled(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list[Any]]:
