@@ -30,17 +30,17 @@ from collections.abc import Callable
 from typing import Any
 
 from gpumigrate.environment import compare
-from gpumigrate.errors import InvalidInputError, ParityError, PolicyDeniedError, SnapshotError
+from gpumigrate.errors import InvalidInputError, ParityError, SnapshotError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.facts import workload_facts
 from gpumigrate.flows.freeze_lease import keep_frozen, release, renewals
 from gpumigrate.flows.phases import preflight as common_preflight
+from gpumigrate.flows.plan_checks import training_rules
 from gpumigrate.flows.preload import final_load, precopy_rounds
 from gpumigrate.flows.report import merge_result
 from gpumigrate.flows.undo import undo_source
 from gpumigrate.parity.training import training_parity
-from gpumigrate.plan import Plan
 from gpumigrate.snapshot.client import AgentClient, StepLosses
 from gpumigrate.snapshot.lease import MAX_LEASE_S
 
@@ -50,43 +50,9 @@ STEPS_TIMEOUT_S = 600.0  # for the target's steps to show up (its first after th
 POLL_S = 0.01
 
 
-# ----------------------------------------------------------------------------- the plan's training rules
-def check_plan(plan: Plan) -> None:
-    """What a training plan must (not) say for this flow, beyond what the plan's schema checks (which other
-    tools share: ``gpumigrate snapshot`` moves a job of several ranks). A refusal is a PolicyDeniedError:
-    exit 2, status denied, nothing provisioned."""
-    wl = plan.workload
-    if plan.snapshot.backend != "agent":
-        raise _refused(
-            f"snapshot.backend {plan.snapshot.backend}: a training job moves with the agent backend only (its "
-            "freeze at a step boundary and the parity steps are agent commands); set snapshot.backend: agent"
-        )
-    if not wl.agent:
-        raise _refused("workload.agent: a training job needs its agent's address, such as 127.0.0.1:7070")
-    if wl.ranks != 1:
-        raise _refused(
-            f"workload.ranks {wl.ranks}: the migrate flow moves single-process training jobs; a job of several "
-            "ranks moves with `gpumigrate snapshot` (snapshot/PROTOCOL.md, 'Ranks')"
-        )
-    if "traffic" in plan.model_fields_set:
-        raise _refused(
-            "traffic: a training job has no clients to shift, so no ramp, gates or manual gate; remove the "
-            "traffic section (the cut-over is the target's next steps matching the source's: parity.training)"
-        )
-    if plan.parity.golden_inputs is not None or plan.parity.request is not None:
-        raise _refused(
-            "parity.golden_inputs / parity.request: these ask a service; a training job's parity is "
-            "parity.training (steps, atol, rtol): remove them"
-        )
-
-
-def _refused(message: str) -> PolicyDeniedError:
-    return PolicyDeniedError("the migrate flow's rules for training", message)
-
-
 # ----------------------------------------------------------------------------- the phases
 def preflight(ctx: RunContext) -> dict[str, Any]:
-    check_plan(ctx.plan)
+    training_rules(ctx.plan)
     return common_preflight.run(ctx)
 
 

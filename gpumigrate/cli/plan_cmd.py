@@ -10,8 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from gpumigrate.cli.output import clean, console, emit_json, esc
-from gpumigrate.errors import PlanError, PolicyDeniedError
-from gpumigrate.plan import load_plan
+from gpumigrate.errors import InvalidInputError, PlanError, PolicyDeniedError
+from gpumigrate.plan import load_plan, resolve_relative
 
 app = typer.Typer(help="Check and inspect migration plans.", no_args_is_help=True)
 
@@ -21,16 +21,30 @@ def validate(
     plans: list[Path] = typer.Argument(..., help="One or more plan files."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object as the last line of stdout."),
 ) -> None:
-    """Validate plan files: exit 0 if all are valid, 2 with field paths if any is not."""
+    """Validate plan files: exit 0 if all are valid, 2 with field paths if any is not.
+
+    Beyond the schema and residency, what the migrate flow's preflight checks of the plan alone: a training plan's
+    rules, and that the golden inputs load and fill the plan's request template."""
     results = []
-    errors: list[PlanError | PolicyDeniedError] = []
+    errors: list[PlanError | PolicyDeniedError | InvalidInputError] = []
     for path in plans:
         try:
             plan = load_plan(path)
+            from gpumigrate.flows.plan_checks import check_inputs
             from gpumigrate.infra.residency import policy_audit_log, validate_plan_residency
 
             validate_plan_residency(plan, record=policy_audit_log().append)  # exit 2 on a forbidden region
-            results.append({"plan": str(path), "valid": True, "workload": plan.workload.name})
+            golden = plan.parity.golden_inputs
+            try:
+                checked = check_inputs(plan, resolve_relative(path, golden) if golden else None)
+            except InvalidInputError as exc:  # golden inputs that do not load or fill the request template
+                errors.append(exc)
+                problem = {"field": "parity.golden_inputs", "message": str(exc)}
+                results.append({"plan": str(path), "valid": False, "problems": [problem]})
+                console.print(f"[red]invalid[/] {esc(path)}")
+                console.print(f"  [bold]parity.golden_inputs[/]: {esc(exc)}", soft_wrap=True)
+                continue
+            results.append({"plan": str(path), "valid": True, "workload": plan.workload.name, **checked})
             console.print(f"[green]valid[/] {esc(path)}")
         except PlanError as exc:
             errors.append(exc)

@@ -212,3 +212,48 @@ def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str]) -> None:
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["valid"] is False
     assert doc["plans"][0]["problems"][0]["field"] == "traffic.stages[0].weight"
+
+
+def _validate(cli_cmd: list[str], plan: Path, home: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = {**os.environ, "GPUMIGRATE_HOME": str(home)}
+    out = subprocess.run([*cli_cmd, "plan", "validate", str(plan), "--json"], capture_output=True, text=True, env=env)
+    assert "Traceback" not in out.stderr
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_validate_loads_the_golden_inputs_and_fills_the_request_from_each_case(
+    tmp_path: Path, cli_cmd: list[str]
+) -> None:
+    """What the parity phase would find only after the source froze is exit 2 at `plan validate` (the flow's
+    preflight runs the same check): a golden file that is missing, a case that cannot fill the template."""
+    byo = yaml.safe_load((REPO / "examples" / "byo" / "plan.yaml").read_text())
+    (tmp_path / "golden.jsonl").write_text('{"id": "a", "text": "hi"}\n{"id": "b", "words": "no text here"}\n')
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(byo))
+    out, doc = _validate(cli_cmd, plan, tmp_path / "home")
+    assert out.returncode == 2 and doc["valid"] is False
+    problem = doc["plans"][0]["problems"][0]
+    assert problem["field"] == "parity.golden_inputs"
+    assert (
+        problem["message"]
+        == "golden case b: parity.request.body uses {text}, and the case has no 'text' (it has id, words)"
+    )
+
+    (tmp_path / "golden.jsonl").write_text('{"id": "a", "text": "hi"}\n')
+    out, doc = _validate(cli_cmd, plan, tmp_path / "home")
+    assert out.returncode == 0 and doc["plans"][0]["golden_cases"] == 1
+
+    (tmp_path / "golden.jsonl").unlink()
+    out, doc = _validate(cli_cmd, plan, tmp_path / "home")
+    assert out.returncode == 2 and "no such file" in doc["plans"][0]["problems"][0]["message"]
+    assert str(tmp_path / "golden.jsonl") in out.stdout + out.stderr
+
+
+def test_validate_applies_the_flows_rules_for_a_training_plan(tmp_path: Path, cli_cmd: list[str]) -> None:
+    train = yaml.safe_load((REPO / "examples" / "train" / "plan.yaml").read_text())
+    train["traffic"] = {"stages": [{"weight": 100, "hold_s": 1}]}
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(train))
+    out, doc = _validate(cli_cmd, plan, tmp_path / "home")
+    assert out.returncode == 2 and doc["valid"] is False
+    assert "a training job has no clients to shift" in doc["plans"][0]["denied"]["message"]
