@@ -736,7 +736,13 @@ class Agent:
             if info.dtype != dtype_name or shape != dst.shape:  # torch.Size: a tuple
                 problems.append(f"{name}: image {info.dtype}{list(shape)}, model {dtype_name}{list(dst.shape)}")
         if problems:
-            raise ImageMismatchError("image shapes/dtypes do not match the model: " + "; ".join(problems[:5]))
+            raise ImageMismatchError(
+                "image shapes/dtypes do not match the model: "
+                + "; ".join(problems[:5])
+                + " (the target allocates its own tensors, so each must have the source's shape and dtype when it "
+                "moves: build the model from the same config, and allocate state that grows, such as an appended "
+                "cache, at its full size, e.g. a ring buffer with a fill count in state)"
+            )
         return targets
 
     def _by_item(self, regions: Mapping[str, _V]) -> dict[str, dict[str, _V]]:
