@@ -145,13 +145,16 @@ def rolled_back_or_not(ctx: RunContext, status: str, error: str) -> tuple[str, s
 
 
 def _source_lost_target_serves(ctx: RunContext) -> bool:
-    """A restored inference target answers while the source does not (the source asked a few times)."""
+    """A restored inference target answers while the source does not (the source asked a few times).
+
+    The source is asked whether it lives (its health path), the target whether it serves (its ready path): a
+    target that was started but never restored lives and answers 503 there, and keeping it would leave a GPU
+    host running that serves nobody (a resumed run whose source had stopped did, in a README walkthrough)."""
     plan, rt = ctx.plan, ctx.runtime
     if plan.workload.kind != "inference" or not plan.workload.endpoint or not rt.target_endpoint:
         return False
     if rt.target_torn_down or rt.source_zeroized:
         return False
-    path = plan.workload.health_path
-    if answers(plan.workload.endpoint, path=path, timeout_s=2.0, tries=3):
+    if answers(plan.workload.endpoint, path=plan.workload.health_path, timeout_s=2.0, tries=3):
         return False
-    return answers(rt.target_endpoint, path=path, timeout_s=2.0)
+    return answers(rt.target_endpoint, path=plan.workload.ready_path, timeout_s=2.0)

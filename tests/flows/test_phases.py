@@ -40,13 +40,16 @@ class Workload:
     """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info; and /ready
     as an Envoy admin does (the front door the source's plan names points its admin URL here)."""
 
-    def __init__(self, info: dict[str, Any]) -> None:
+    def __init__(self, info: dict[str, Any], *, ready: bool = True) -> None:
         info_body = json.dumps(info).encode()
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
                 body = {"/v1/info": info_body, "/ready": b"LIVE"}.get(self.path, b"{}")
-                self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info", "/ready") else 404)
+                if self.path == "/readyz" and not ready:  # started, awaiting its restore
+                    self.send_response(503)
+                else:
+                    self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info", "/ready") else 404)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -453,6 +456,25 @@ def test_undo_keeps_the_target_and_its_traffic_when_the_source_is_gone(
     result = roll_back_here(w.ctx, reason="operator asked", actor="sre", trigger="manual", after="ramp")
     assert result.status == "failed" and "not rolled back" in (result.error or "")
     assert w.ctx.migration.read()["status"] == "failed" and "rollback.completed" not in w.events()
+
+
+def test_undo_tears_down_a_target_that_never_served_when_the_source_is_gone(
+    world: WorldMaker, source: Workload
+) -> None:
+    """A target that lives but was never restored (its ready path answers 503) serves nobody: with the source gone
+    it is torn down, not kept as if it were the only process serving."""
+    doc = plan_doc(source)
+    doc["workload"]["endpoint"] = "http://127.0.0.1:9"  # the source stopped
+    w = world(doc)
+    waiting = Workload(FACTS, ready=False)
+    try:
+        provision.run(w.ctx)
+        w.ctx.update(target_endpoint=waiting.url)
+        undo_all(w.ctx, reason="snapshot failed: the source's agent does not answer")
+    finally:
+        waiting.stop()
+    assert "terminate tgt" in w.provider.calls and w.ctx.runtime.target_torn_down
+    assert "rollback.refused_source_lost" not in w.events() and not w.ctx.runtime.rollback_refused
 
 
 def test_undo_never_raises_when_a_step_fails(world: WorldMaker, source: Workload) -> None:
