@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from gpumigrate.cli.output import console, emit_json
+from gpumigrate.cli.output import console, emit_json, esc
 from gpumigrate.errors import InvalidInputError, NotFoundError
 
 
@@ -249,3 +249,6 @@ def load(
             f"{report.total} requests, {report.failed} failed {report.errors or ''}; p50 {report.p50_ms} ms, "
             f"p99 {report.p99_ms} ms, downtime {report.downtime_ms} ms, {report.achieved_rps} req/s"
         )
+    if report.total and report.failed == report.total:  # a load that reached nothing is not a load test
+        console.print(f"[red]no request succeeded[/]: is {esc(url)} the right URL, and does it answer?")
+        raise typer.Exit(1)

@@ -174,3 +174,12 @@ def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) 
         serve.terminate()
         serve.wait(timeout=10)
     assert serve.returncode == 0
+
+
+def test_a_load_that_reaches_nothing_exits_1_saying_so(cli_cmd: list[str]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1/generate"  # nothing listens there
+    out = _run(cli_cmd, "load", dead, "--rps", "20", "--seconds", "0.5", "--json")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["total"] > 0 and report["failed"] == report["total"]
+    assert "no request succeeded" in out.stdout + out.stderr
