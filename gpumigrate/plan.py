@@ -7,9 +7,11 @@ The plan never holds secrets: encryption keys are named by reference (an env var
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import re
 import string
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -585,6 +587,33 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return path or "(plan)"
 
 
+def _unknown_field(loc: tuple[int | str, ...]) -> str:
+    """An unknown field's message: the fields allowed where it stands, and the closest one."""
+    model: Any = Plan
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list: _model_in already took the list's item model
+            continue
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+    if model is None:
+        return "unknown field (check the spelling; see examples/ for the allowed fields)"
+    allowed = sorted(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown field: {hint}allowed here: {', '.join(allowed)}"
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model an annotation holds (itself, or inside Optional/list/Annotated), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
 _NAMED_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+): (.+)$", re.DOTALL)
 
 
@@ -602,7 +631,7 @@ def parse_plan(data: object, source: str = "<plan>") -> Plan:
             msg = err["msg"].removeprefix("Value error, ")
             loc = _loc(err["loc"])
             if err["type"] == "extra_forbidden":
-                msg = "unknown field (check the spelling; see examples/ for the allowed fields)"
+                msg = _unknown_field(err["loc"])
             elif err["type"] == "missing":
                 msg = "required field is missing"
             elif loc == "(plan)" and (named := _NAMED_FIELD.match(msg)):
@@ -638,7 +667,9 @@ def load_plan(path: str | Path) -> Plan:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_PlanLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise PlanError(str(p), [("(yaml)", f"not valid YAML: {first}")]) from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise PlanError(str(p), [("(yaml)", f"not valid YAML{where}: {first}")]) from None
     except RecursionError:
         raise PlanError(str(p), [("(yaml)", "nested too deeply to be a plan")]) from None
     return parse_plan(data, str(p))

@@ -257,3 +257,23 @@ def test_validate_applies_the_flows_rules_for_a_training_plan(tmp_path: Path, cl
     out, doc = _validate(cli_cmd, plan, tmp_path / "home")
     assert out.returncode == 2 and doc["valid"] is False
     assert "a training job has no clients to shift" in doc["plans"][0]["denied"]["message"]
+
+
+def test_an_unknown_field_names_the_closest_allowed_one_and_lists_them(tmp_path: Path) -> None:
+    doc = copy.deepcopy(BASE)
+    doc["workload"]["kindd"] = doc["workload"].pop("kind")
+    doc["traffic"] = {"stages": [{"weight": 10, "hld_s": 3}]}
+    with pytest.raises(PlanError) as info:
+        parse_plan(doc)
+    problems = dict(info.value.problems)
+    assert problems["workload.kindd"].startswith("unknown field: did you mean 'kind'? allowed here: agent,")
+    assert problems["traffic.stages[0].hld_s"] == "unknown field: did you mean 'hold_s'? allowed here: hold_s, weight"
+
+
+def test_a_yaml_error_names_its_line_and_column(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nworkload:\n  name: x\n   kind: [inference\n")
+    with pytest.raises(PlanError) as info:
+        load_plan(bad)
+    assert info.value.problems[0][0] == "(yaml)"
+    assert info.value.problems[0][1].startswith("not valid YAML (line 4, column 8): ")
