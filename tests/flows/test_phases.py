@@ -20,8 +20,16 @@ import pytest
 import yaml
 
 from gpumigrate.atomic import atomic_write_json
+from gpumigrate.control import AuthError
 from gpumigrate.environment import collect_facts
-from gpumigrate.errors import InvalidInputError, PolicyDeniedError, ResidencyError, RolledBackError, SnapshotError
+from gpumigrate.errors import (
+    InvalidInputError,
+    ParityError,
+    PolicyDeniedError,
+    ResidencyError,
+    RolledBackError,
+    SnapshotError,
+)
 from gpumigrate.flows.context import RunContext, Siblings
 from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
 from gpumigrate.flows.rollback import roll_back_here
@@ -298,6 +306,38 @@ def test_preflight_refuses_the_cuda_driver_backend_before_anything_moves(world: 
     with pytest.raises(InvalidInputError, match="no second endpoint") as info:
         preflight.run(replace(w.ctx, siblings=real))
     assert info.value.exit_code == 2 and asked == []  # nothing suspended, nothing asked of the source host
+
+
+def test_preflight_with_the_source_not_answering_is_bad_input_naming_it_not_a_rollback(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    """Nothing moved: exit 2 (never 3, "rolled back"), naming the source's URL and agent and what to check."""
+    dead = "http://127.0.0.1:9"
+    doc = plan_doc(source, endpoint=dead, agent="127.0.0.1:9")
+    w = world(doc)
+    atomic_write_json(tmp_path / "traffic" / FRONTDOOR, {"admin_urls": [source.url], "source": dead})
+    with pytest.raises(InvalidInputError) as info:
+        preflight.run(w.ctx)
+    msg = str(info.value)
+    assert info.value.exit_code == 2 and not isinstance(info.value, ParityError)
+    assert msg.startswith(f"the source workload svc at {dead} did not answer (its agent at 127.0.0.1:9:")
+    assert "nothing was moved" in msg and "check that the source is running" in msg and "control key" in msg
+    assert w.backend.steps == []
+
+
+def test_preflight_with_a_source_agent_refusing_the_control_key_is_bad_input(
+    world: WorldMaker, source: Workload
+) -> None:
+    """The service answers its /v1/info, its agent refuses this control key: exit 2, the key named."""
+    w = world()
+
+    def refuse() -> dict[str, Any]:
+        raise AuthError("the snapshot agent at 127.0.0.1:7070 refused 'ping': bad signature")
+
+    w.backend.check = refuse  # type: ignore[method-assign]
+    with pytest.raises(InvalidInputError, match="refused 'ping'") as info:
+        preflight.run(w.ctx)
+    assert info.value.exit_code == 2 and "GPUMIGRATE_CONTROL_KEY_FILE" in str(info.value)
 
 
 # ----------------------------------------------------------------------------- provision
