@@ -516,3 +516,35 @@ def test_runtime_facts_survive_a_new_process_and_unknown_names_are_bugs(world: W
         w.ctx.update(image_id="abc")
     with pytest.raises(InvalidInputError, match="the target endpoint is not known yet"):
         w.ctx.target_endpoint()
+
+
+def test_resume_runs_with_the_plan_it_was_started_with(world: WorldMaker, tmp_path: Path) -> None:
+    w = world()
+    again = RunContext.create(tmp_path / "plan.yaml", migration_id="m-unit", resume=True)
+    assert again.migration.id == "m-unit" and again.runtime.plan_dir == str(tmp_path.resolve())
+    assert RunContext.create(tmp_path / "plan.yaml", migration_id="m-unit", resume=None).migration.id == "m-unit"
+    assert "migration.created" in w.events()
+
+
+def test_resume_with_another_plan_file_is_refused_naming_both(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    """The stored plan would run with the other file's folder as its plan_dir: refused, exit 2, nothing changed."""
+    import hashlib
+
+    w = world()
+    before = w.ctx.migration.read()
+    doc = plan_doc(source)
+    doc["snapshot"]["precopy_rounds"] = 2
+    other = tmp_path / "other" / "plan.yaml"
+    other.parent.mkdir()
+    other.write_text(yaml.safe_dump(doc))
+    given = hashlib.sha256(other.read_bytes()).hexdigest()[:16]
+    recorded = hashlib.sha256((tmp_path / "plan.yaml").read_bytes()).hexdigest()[:16]
+    for resume in (True, None):  # --resume, and the deployment's resume of an existing id
+        with pytest.raises(InvalidInputError) as info:
+            RunContext.create(other, migration_id="m-unit", resume=resume)
+        msg = str(info.value)
+        assert info.value.exit_code == 2 and "migration m-unit was started with another plan" in msg
+        assert f"{other} has sha256 {given}" in msg and f"{w.ctx.migration.plan_path} has sha256 {recorded}" in msg
+    assert w.ctx.migration.read() == before
