@@ -548,3 +548,13 @@ def test_resume_with_another_plan_file_is_refused_naming_both(
         assert info.value.exit_code == 2 and "migration m-unit was started with another plan" in msg
         assert f"{other} has sha256 {given}" in msg and f"{w.ctx.migration.plan_path} has sha256 {recorded}" in msg
     assert w.ctx.migration.read() == before
+
+
+def test_the_ramps_figures_give_the_result_its_p50_beside_its_p99(world: WorldMaker) -> None:
+    from gpumigrate.flows.phases.ramp import record_figures
+    from gpumigrate.flows.report import build_result
+
+    w = world()
+    record_figures(w.ctx, {"requests": 40, "failures": 0, "p50_ms": 3.2, "p99_ms": 9.9, "downtime_ms": 0.0})
+    rq = build_result(w.ctx.migration).requests
+    assert (rq.total, rq.p50_ms, rq.p99_ms, rq.measured_by) == (40, 3.2, 9.9, "envoy")
