@@ -86,7 +86,7 @@ class Handle:
         return self.gate.steps
 
     def reason(self) -> str | None:
-        """Why the workload is not ready ("frozen", "awaiting restore"), or None."""
+        """Why the workload is not ready ("frozen", "awaiting restore", "retired: state zeroized"), or None."""
         return self.gate.reason()
 
     @contextmanager

@@ -24,7 +24,7 @@ from gpumigrate.flows.report import Sample
 from gpumigrate.interfaces import Host, HostActions, ImageRef, Provider, SnapshotBackend
 from gpumigrate.plan import Plan, load_plan, resolve_relative
 from gpumigrate.snapshot.backends import Setup, snapshot_backend
-from gpumigrate.state import Migration, new_migration_id
+from gpumigrate.state import Migration, new_migration_id, plan_sha256
 from gpumigrate.traffic.frontdoor import find_dir
 
 T = TypeVar("T")
@@ -137,6 +137,7 @@ class RunContext:
             if not migration_id:
                 raise InvalidInputError("--resume needs --id: the id of the migration to continue")
             m = Migration.open(migration_id)
+            _same_plan(m, plan_path)
             if m.read().get("status") == "rolled_back" and m.rollback_requested():
                 # Resuming a rolled-back migration is a new attempt: the old request must not stop it again.
                 m.clear_rollback_request()
@@ -262,3 +263,17 @@ def same_endpoint(a: str, b: str) -> bool:
     """Whether two service URLs reach one listener (scheme, host and port; a path does not count)."""
     pa, pb = urlsplit(a), urlsplit(b)
     return (pa.scheme, pa.hostname, pa.port or 80) == (pb.scheme, pb.hostname, pb.port or 80)
+
+
+def _same_plan(m: Migration, plan_path: str | Path) -> None:
+    """A resume runs the plan the migration was created with: refused (exit 2) when the plan file given is
+    another (its content hash differs from the one recorded at creation), naming both."""
+    given = plan_sha256(Path(plan_path).read_text())
+    recorded = m.recorded_plan_sha256()
+    if given != recorded:
+        raise InvalidInputError(
+            f"migration {m.id} was started with another plan: {plan_path} has sha256 {given[:16]}, the "
+            f"migration's plan {m.plan_path} has sha256 {recorded[:16]}",
+            hint=f"resume with the plan it was started with ({m.plan_path}), or start a new migration "
+            "with another --id",
+        )

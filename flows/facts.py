@@ -10,13 +10,26 @@ same check.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from gpumigrate.errors import GpumigrateError, ParityError
 from gpumigrate.parity.environment import fetch_info
+from gpumigrate.parity.urls import redact_url
 from gpumigrate.snapshot.client import AgentClient
 
 AGENT_TIMEOUT_S = 30.0
+
+
+class FactsUnavailableError(ParityError):
+    """Neither the workload's service nor its agent answered for its facts. ``tried`` holds (what was asked,
+    why it failed) pairs, the agent first: every workload embeds the agent, a service may have no info path."""
+
+    def __init__(self, side: str, tried: list[tuple[str, str]]) -> None:
+        reasons = "; ".join(f"{what}: {why}" for what, why in tried) or "no endpoint and no agent address"
+        super().__init__(f"the {side} did not answer for its environment facts: {reasons}")
+        self.side = side
+        self.tried = tried
 
 
 def workload_facts(endpoint: str | None, agent: str | None, *, side: str) -> dict[str, Any]:
@@ -24,22 +37,25 @@ def workload_facts(endpoint: str | None, agent: str | None, *, side: str) -> dic
 
     ``endpoint``'s ``/v1/info`` (when it answers a JSON object) overlaid with the environment its agent at
     ``agent`` reports: the agent's facts are collected by gpumigrate's own collector, so they win over
-    whatever a service's own info path says under the same names. Raises ParityError naming both attempts
-    when neither answers.
+    whatever a service's own info path says under the same names. Raises FactsUnavailableError (a
+    ParityError) naming both attempts, the agent's first, when neither answers.
     """
     facts: dict[str, Any] = {}
-    tried: list[str] = []
+    tried: list[tuple[str, str]] = []
+    agent_facts: Mapping[str, Any] = {}
+    if agent:
+        try:
+            with AgentClient(agent, timeout_s=AGENT_TIMEOUT_S) as client:
+                agent_facts = client.info().environment
+        except GpumigrateError as exc:
+            tried.append((f"its agent at {agent}", str(exc)))
     if endpoint:
         try:
             facts.update(fetch_info(endpoint))
         except ParityError as exc:
-            tried.append(str(exc))
-    if agent:
-        try:
-            with AgentClient(agent, timeout_s=AGENT_TIMEOUT_S) as client:
-                facts.update(client.info().environment)
-        except GpumigrateError as exc:
-            tried.append(f"its agent at {agent}: {exc}")
+            why = str(exc).removeprefix("environment facts: ")
+            tried.append((f"its service at {redact_url(endpoint)}", why))
+    facts.update(agent_facts)
     if not facts:
-        raise ParityError(f"the {side}'s environment facts: {'; '.join(tried) or 'no endpoint and no agent address'}")
+        raise FactsUnavailableError(side, tried)
     return facts

@@ -180,7 +180,8 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
             else []
         ),
         f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
-        f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}, detected in {_fmt(rb.seconds_to_detect)} s",
+        f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}"
+        + (f", detected in {_fmt(rb.seconds_to_detect)} s" if rb.seconds_to_detect is not None else ""),
     ]
     lines += _provenance(result)
     lines += _window(migration.id, state, result.status)

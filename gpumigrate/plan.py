@@ -661,6 +661,8 @@ class _PlanLoader(yaml.SafeLoader):
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file."""
     p = Path(path)
+    if p.is_dir():
+        raise PlanError(str(p), [("(file)", "is a directory: give a plan file (YAML) inside it")])
     if not p.is_file():
         raise PlanError(str(p), [("(file)", "no such file")])
     try:

@@ -67,7 +67,7 @@ class Migration:
 
         atomic_write_bytes(m.dir / "plan.yaml", plan_text.encode())
         m._write({"id": migration_id, "created": time.time(), "status": "running", "phases": {}, "result": {}})
-        m.record("migration.created", {"plan_sha256": _sha256(plan_text)})
+        m.record("migration.created", {"plan_sha256": plan_sha256(plan_text)})
         return m
 
     @classmethod
@@ -90,6 +90,14 @@ class Migration:
     @property
     def plan_path(self) -> Path:
         return self.dir / "plan.yaml"
+
+    def recorded_plan_sha256(self) -> str:
+        """The sha256 of the plan this migration was created with: as its audit recorded it at creation, else
+        (an audit without that record) of its stored copy."""
+        for rec in self.audit.records():
+            if rec.get("event") == "migration.created" and (rec.get("data") or {}).get("plan_sha256"):
+                return str(rec["data"]["plan_sha256"])
+        return plan_sha256(self.plan_path.read_text())
 
     # -- state ----------------------------------------------------------------------
     def read(self) -> dict[str, Any]:
@@ -203,7 +211,8 @@ def list_migrations(root: Path | None = None) -> list[str]:
     return sorted(p.name for p in base.iterdir() if (p / "state.json").exists())
 
 
-def _sha256(text: str) -> str:
+def plan_sha256(text: str) -> str:
+    """A plan's content hash, as a migration's audit records it."""
     import hashlib
 
     return hashlib.sha256(text.encode()).hexdigest()

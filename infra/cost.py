@@ -86,7 +86,7 @@ class CostEstimate:
         return self.migration_cost_usd / self.hourly_savings_usd
 
     def to_dict(self) -> dict[str, Any]:
-        r = lambda x: None if x is None else round(x, 4)  # noqa: E731 - money in JSON, 4 decimals
+        r = lambda x: None if x is None else round(x, 4) + 0.0  # noqa: E731 - money in JSON, 4 decimals, never -0.0
         return {
             "source": self.source.label,
             "target": self.target.label,
@@ -302,7 +302,13 @@ def evaluate_move(
     net, be = est.net_savings_usd, est.break_even_hours
     floor = plan.cost.min_savings_usd
     if be is None:
-        reason = f"{best.target.label} costs {-est.hourly_savings_usd:.2f} USD/h more than the source: no savings"
+        more = round(-est.hourly_savings_usd, 2)
+        reason = (
+            f"{best.target.label} costs {more:.2f} USD/h more than the source: no savings"
+            if more > 0
+            else f"{best.target.label} costs the same per hour as the source "
+            f"({est.target_hourly_usd:.2f} USD/h): no savings"
+        )
         return CostDecision(net, None, False, reason, best.target.label, est)
     if net <= 0 or net < floor:
         reason = (

@@ -541,7 +541,15 @@ class Agent:
     def metrics(self, since: int = 0) -> dict[str, Any]:
         """Safe points completed (steps), the recent losses reported after step ``since``, the gate."""
         if self.freezer is None:
-            return {"steps": 0, "losses": [], "in_flight": 0, "held": 0, "frozen": self.frozen, "ready": self.ready}
+            return {
+                "steps": 0,
+                "losses": [],
+                "in_flight": 0,
+                "held": 0,
+                "frozen": self.frozen,
+                "ready": self.ready,
+                "retired": False,
+            }
         return self.freezer.metrics(since)
 
     def final(self, writer: ImageWriter) -> ImageRef:
@@ -769,6 +777,8 @@ class Agent:
         with self._lock:
             if self.set_ready is not None:
                 self.set_ready(False)  # zeros are not a model: stop answering before the first byte changes
+            if self.freezer is not None:
+                self.freezer.retire()  # and for good: /readyz says so, requests fail at once (no wait)
             t0 = time.perf_counter()
             regions = 0
             nbytes = 0

@@ -9,7 +9,9 @@ the orchestrator gets the source's next losses for the steps a restored target a
 
 The gate also counts completed safe points (``steps``: training steps, or requests served) and
 keeps the last losses the workload reported with them; both travel in the image (``progress``).
-A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one.
+A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one. A retired
+gate (``retire()``: the source after a migration, its state zeroized) holds none: each safe point, and
+each one held when it retires, fails at once (503), for the workload will not serve again.
 
 Ranks of one process group (``torch.distributed``) freeze together, in two moves, because a step
 holds collectives: a rank parked while a peer is inside step k would leave that peer waiting in
@@ -31,6 +33,7 @@ from typing import Any
 from gpumigrate.errors import SnapshotError
 
 HISTORY = 1024  # reported losses kept (and shipped in the image)
+RETIRED = "retired: state zeroized"  # the reason a retired gate gives (readiness, refused safe points)
 
 
 class SafePointUnavailable(SnapshotError):
@@ -57,6 +60,7 @@ class SafePointGate:
         self._frozen = False
         self._budget = 0  # safe points a frozen gate still admits (advance)
         self._ready = ready
+        self._retired = False
         self.steps = 0
         self._losses: deque[tuple[int, float]] = deque(maxlen=history)
 
@@ -70,6 +74,10 @@ class SafePointGate:
         return self._ready
 
     @property
+    def retired(self) -> bool:
+        return self._retired
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
 
@@ -79,12 +87,24 @@ class SafePointGate:
         return self._waiting
 
     def set_ready(self, ready: bool) -> None:
+        """Raise or drop readiness; raised (a restore loaded state again), a retired gate serves again."""
         with self._cond:
             self._ready = ready
+            self._retired = self._retired and not ready
+            self._cond.notify_all()
+
+    def retire(self) -> None:
+        """The workload's state is zeroized (it was migrated): unready for good, and every safe point, held
+        ones included, fails at once instead of waiting out its timeout. Idempotent."""
+        with self._cond:
+            self._retired = True
+            self._ready = False
             self._cond.notify_all()
 
     def reason(self) -> str | None:
-        """Why a safe point would wait now, or None when it would pass."""
+        """Why a safe point would wait (or, retired, fail) now, or None when it would pass."""
+        if self._retired:
+            return RETIRED
         if self._frozen:
             return "frozen"
         if not self._ready:
@@ -100,6 +120,8 @@ class SafePointGate:
         final round) into a burst of "no healthy upstream" errors. Only a process that cannot serve
         (awaiting its restore, zeroized) answers 503.
         """
+        if self._retired:
+            return 503, {"status": "retired", "reason": RETIRED}
         if not self._ready:
             return 503, {"status": "not ready", "reason": "awaiting restore"}
         if self._frozen:
@@ -111,21 +133,31 @@ class SafePointGate:
         return self._ready and (not self._frozen or self._budget > 0)
 
     def enter(self, timeout_s: float | None = None) -> None:
-        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on)."""
+        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on), or at once
+        when the gate is (or, while waiting, becomes) retired."""
         with self._cond:
             if not self._admissible():
                 self._waiting += 1
                 try:
-                    if not self._cond.wait_for(self._admissible, timeout=timeout_s):
+                    self._refuse_retired()
+                    if not self._cond.wait_for(lambda: self._admissible() or self._retired, timeout=timeout_s):
                         raise SafePointUnavailable(
                             f"waited {timeout_s:g}s at the safe point ({self.reason() or 'busy'})",
                             hint="the process is being migrated or is not restored yet; retry",
                         )
+                    self._refuse_retired()
                 finally:
                     self._waiting -= 1
             if self._frozen:
                 self._budget -= 1
             self._in_flight += 1
+
+    def _refuse_retired(self) -> None:
+        if self._retired:
+            raise SafePointUnavailable(
+                f"this workload is {RETIRED}: it was migrated and its state wiped, so it serves no more",
+                hint="send requests to the migration's target",
+            )
 
     def leave(self, report: StepReport | None = None, *, completed: bool = True) -> None:
         with self._cond:
@@ -229,6 +261,7 @@ class SafePointGate:
                 "held": self._waiting,
                 "frozen": self._frozen,
                 "ready": self._ready,
+                "retired": self._retired,
             }
 
     def progress(self) -> dict[str, Any]:

@@ -361,13 +361,14 @@ def client_figures(per_envoy: list[ClientFigures]) -> dict[str, Any]:
             if not buckets
             else [(ub, n + m) for (ub, n), (_, m) in zip(buckets, f.buckets, strict=False)]
         )
-    p99 = percentile_from_buckets(buckets, 0.99)
+    p50, p99 = percentile_from_buckets(buckets, 0.5), percentile_from_buckets(buckets, 0.99)
     return {
         "source": "envoy",
         "envoys": len(per_envoy),
         "requests": sum(f.requests for f in per_envoy),
         "answered": sum(f.answered for f in per_envoy),
         "failures": sum(f.failures for f in per_envoy),
+        "p50_ms": None if p50 is None else round(p50, 2),
         "p99_ms": None if p99 is None else round(p99, 2),
         "downtime_ms": round(1000 * max((f.downtime() for f in per_envoy), default=0.0), 1),
         "downtime_resolution_ms": round(1000 * max((f.longest_window_s for f in per_envoy), default=0.0), 1),

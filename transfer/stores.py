@@ -357,7 +357,13 @@ class FileStore(Store):
         try:
             return self._path(manifest_key(image_id)).read_bytes()
         except FileNotFoundError:
-            raise NotFoundError(f"no image {image_id} in {self.url}") from None
+            raise self.missing() or NotFoundError(f"no image {image_id} in {self.url}") from None
+
+    def missing(self) -> NotFoundError | None:
+        """The error for a store whose directory does not exist (None when it does)."""
+        if self.root.is_dir():
+            return None
+        return NotFoundError(f"the store {self.url} does not exist (no directory {self.root})")
 
     def list_manifests(self) -> list[str]:
         base = self.root / "manifests"
@@ -467,7 +473,13 @@ def resolve_image_id(store: Store, image: str | None) -> str:
     if image and len(image) == 64:
         return image
     ids = store.list_manifests()
+    if not ids:
+        missing = store.missing() if isinstance(store, FileStore) else None
+        if missing is not None:
+            raise missing
     if not image or image == "latest":
+        if not ids:
+            raise NotFoundError(f"{store.url} holds no images")
         if len(ids) == 1:
             return ids[0]
         raise InvalidInputError(

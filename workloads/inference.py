@@ -118,11 +118,11 @@ class InferenceApp:
             prompt, n = parse_generate(await request.body())
         except InvalidInputError as exc:
             return _error(400, exc.message)
-        if not self.state.loaded:
+        if not self.state.loaded and not self.state.safe_point.retired:  # retired: the safe point says why
             return _error(503, "not ready: weights not loaded yet (waiting for restore)")
         try:
             status, body = await asyncio.get_running_loop().run_in_executor(self.pool, self._run_generate, prompt, n)
-        except GpumigrateError as exc:  # held too long at a frozen safe point
+        except GpumigrateError as exc:  # held too long at a frozen safe point, or a retired one
             return _error(503, str(exc))
         return JSONResponse(body, status_code=status)
 

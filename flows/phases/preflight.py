@@ -11,12 +11,13 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpumigrate.control import KEY_FILE_ENV, AuthError
 from gpumigrate.environment import EnvironmentReport, collect_facts, compare
-from gpumigrate.errors import PolicyDeniedError, TrafficError
+from gpumigrate.errors import InvalidInputError, PolicyDeniedError, SnapshotError, TrafficError
 from gpumigrate.flows import target_store
 from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
-from gpumigrate.flows.facts import workload_facts
+from gpumigrate.flows.facts import FactsUnavailableError, workload_facts
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.placement import check_zones
 from gpumigrate.infra.residency import (
@@ -43,8 +44,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
     provider = ctx.provider()
     zones = check_capacity(ctx, provider, spec)
     decisions += check_store_and_keys(ctx, provider)
-    wl = plan.workload
-    source = workload_facts(wl.endpoint, wl.agent, side="source") if wl.endpoint or wl.agent else {}
+    source = _source_facts(ctx)
     ctx.update(source_facts=_scalars(source))
     report = _host_environment(ctx, source)
     record: dict[str, Any] = (
@@ -55,7 +55,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
     emit(m, "parity.environment.preflight", record)
     if report is not None:
         report.raise_if_forbidden()  # a policy denial: exit 2, nothing provisioned
-    found = ctx.backend().check()
+    found = _check_backend(ctx)
     ctx.update(backend_facts=_scalars(found))
     emit(m, "snapshot.checked", {"backend": plan.snapshot.backend, **_scalars(found)})
     return {
@@ -66,6 +66,46 @@ def run(ctx: RunContext) -> dict[str, Any]:
         "environment": "match" if report is not None else "deferred",
         "source_weights_digest": str(source.get("weights_digest", ""))[:64] or None,
     }
+
+
+class SourceNotAnsweringError(InvalidInputError):
+    """Preflight could not reach the source workload (not running, or another control key): nothing moved, so
+    this is the plan's or the source's set-up to fix (exit 2), never a rollback."""
+
+
+def _source_not_answering(ctx: RunContext, tried: list[tuple[str, str]]) -> SourceNotAnsweringError:
+    wl = ctx.plan.workload
+    url = redact_url(wl.endpoint) if wl.endpoint else None
+    parts = [f"its service at {url}" if url else "", f"its agent at {wl.agent}" if wl.agent else ""]
+    reasons = "; ".join(f"{what}: {why}" for what, why in tried)
+    return SourceNotAnsweringError(
+        f"the source workload {wl.name}{f' at {url}' if url else ''} did not answer ({reasons}); nothing was moved",
+        hint=f"check that the source is running ({', '.join(p for p in parts if p)}) and that it was started "
+        f"with the control key gpumigrate uses ({KEY_FILE_ENV}, or the plan's workload.control_key)",
+    )
+
+
+def _source_facts(ctx: RunContext) -> dict[str, Any]:
+    """The source's environment facts (its agent's, over its service's /v1/info if it has one); exit 2 naming
+    what did not answer when neither does."""
+    wl = ctx.plan.workload
+    if not (wl.endpoint or wl.agent):
+        return {}
+    try:
+        return workload_facts(wl.endpoint, wl.agent, side="source")
+    except FactsUnavailableError as exc:
+        raise _source_not_answering(ctx, exc.tried) from None
+
+
+def _check_backend(ctx: RunContext) -> dict[str, Any]:
+    """The snapshot backend works on the source; a source agent that cannot be reached, or that refuses this
+    control key, is the source not answering (exit 2), as in :func:`_source_facts`."""
+    try:
+        return ctx.backend().check()
+    except (AuthError, SnapshotError) as exc:
+        if ctx.plan.snapshot.backend != "agent" and not isinstance(exc, AuthError):
+            raise
+        raise _source_not_answering(ctx, [(f"its agent at {ctx.plan.workload.agent}", str(exc))]) from None
 
 
 def _front_door(ctx: RunContext) -> None:

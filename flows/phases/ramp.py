@@ -114,6 +114,7 @@ def record_figures(ctx: RunContext, figures: Mapping[str, Any] | None) -> None:
         requests={
             "total": figures.get("requests"),
             "failed": figures.get("failures"),
+            "p50_ms": figures.get("p50_ms"),
             "p99_ms": figures.get("p99_ms"),
             "measured_by": "envoy",
         },

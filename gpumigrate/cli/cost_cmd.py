@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _usd(x: float | None) -> str:
-    return "-" if x is None else f"${x:,.2f}"
+    """Dollars and cents; an amount that rounds to zero is $0.00, never $-0.00."""
+    return "-" if x is None else f"${round(x, 2) + 0.0:,.2f}"
 
 
 def cost(

@@ -371,7 +371,8 @@ def receive_stop(
     state_dir: Path = typer.Option(..., "--state-dir", help="the receiver's state directory"),
     timeout: float = typer.Option(30.0, "--timeout", min=1, help="seconds to wait for it to stop"),
 ) -> None:
-    """Stop the receiver of STATE_DIR (an authenticated request; it flushes its store first) and print its counts."""
+    """Stop the receiver started with `receive --detach --state-dir DIR` (an authenticated request; it flushes its
+    store first) and print its counts."""
     from gpumigrate.transfer.receiver_host import stop_receiver
 
     info = stop_receiver(state_dir, timeout_s=timeout)

@@ -132,9 +132,11 @@ def summary(result: MigrationResult) -> None:
         console.print(f"  {result.error}", soft_wrap=True)
     rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
     if rq.total is not None:
+        latency = "".join(
+            f", {name} {ms} ms" for name, ms in (("p50", rq.p50_ms), ("p99", rq.p99_ms)) if ms is not None
+        )
         console.print(
-            f"  requests: {rq.total} total, {rq.failed} failed, p50 {rq.p50_ms} ms, p99 {rq.p99_ms} ms; "
-            f"downtime {result.downtime_ms} ms",
+            f"  requests: {rq.total} total, {rq.failed} failed{latency}; downtime {result.downtime_ms} ms",
             soft_wrap=True,
         )
     if by.image is not None:
@@ -144,7 +146,8 @@ def summary(result: MigrationResult) -> None:
             f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}"
         )
     if rb.triggered:
-        console.print(f"  rollback: {rb.reason} (detected in {rb.seconds_to_detect} s)", soft_wrap=True)
+        detected = f" (detected in {rb.seconds_to_detect} s)" if rb.seconds_to_detect is not None else ""
+        console.print(f"  rollback: {rb.reason}{detected}", soft_wrap=True)
     # soft_wrap: a path must stay on one line, copy-pasteable.
     if result.report:
         console.print(f"  report: {result.report}", soft_wrap=True, highlight=False)

@@ -278,6 +278,33 @@ def test_the_middleware_answers_readiness_and_turns_held_too_long_into_503(monke
     assert client.post("/v1/answer").status_code == 200
 
 
+def test_a_zeroized_service_reads_retired_and_fails_requests_at_once() -> None:
+    """After `retire` (the agent's zeroize): /readyz 503 "retired", never "awaiting restore", and a request
+    gets its 503 at once instead of waiting out the service's 30 s safe-point timeout."""
+
+    async def answer(request: Any) -> JSONResponse:
+        def work() -> int:
+            with gm.current().safe_point():  # the default wait of a service: 30 s
+                return 42
+
+        return JSONResponse({"answer": await run_in_threadpool(work)})
+
+    app = Starlette(routes=[Route("/v1/answer", answer, methods=["POST"])])
+    app.add_middleware(gm.ReadinessMiddleware)
+    client = TestClient(app)
+    handle = gm.attach(torch.nn.Linear(2, 2))
+    assert client.post("/v1/answer").json() == {"answer": 42}
+    with AgentClient(handle.address) as c:
+        assert c.zeroize().verified
+        assert c.call("metrics")["retired"] is True
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.json() == {"status": "retired", "reason": "retired: state zeroized"}
+    assert not handle.ready and handle.reason() == "retired: state zeroized"
+    t0 = time.monotonic()
+    r = client.post("/v1/answer")
+    assert r.status_code == 503 and "serves no more" in r.json()["error"] and time.monotonic() - t0 < 5
+
+
 def test_the_lightning_callback_counts_optimizer_steps_and_reports_losses(tmp_path: Path) -> None:
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader

@@ -196,6 +196,10 @@ def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as info:
         load_plan(tmp_path / "missing.yaml")
     assert "no such file" in info.value.problems[0][1]
+    with pytest.raises(PlanError) as info:
+        load_plan(tmp_path)
+    assert info.value.exit_code == 2
+    assert info.value.problems == [("(file)", "is a directory: give a plan file (YAML) inside it")]
 
 
 def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str]) -> None:
@@ -212,6 +216,9 @@ def test_cli_validate_exit_codes(tmp_path: Path, cli_cmd: list[str]) -> None:
     doc = json.loads(out.stdout.strip().splitlines()[-1])
     assert doc["valid"] is False
     assert doc["plans"][0]["problems"][0]["field"] == "traffic.stages[0].weight"
+    folder = subprocess.run([*cli_cmd, "plan", "validate", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert folder.returncode == 2 and "is a directory" in folder.stderr and "no such file" not in folder.stderr
+    assert "Traceback" not in folder.stderr
 
 
 def _validate(cli_cmd: list[str], plan: Path, home: Path) -> tuple[subprocess.CompletedProcess[str], dict]:

@@ -74,3 +74,42 @@ def test_the_chart_travels_as_a_data_uri_and_the_report_never_links_a_local_file
     assert "![traffic ramp](ramp.png)" in on_disk and "file://" not in on_disk  # beside report.md
     assert "from Envoy's own stats" in in_ui  # what the request figures include
     assert "rolled back by: manual (sre-ana)" in in_ui
+
+
+def test_the_summary_and_report_leave_out_figures_nobody_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No "p50 None ms" and no "(detected in None s)": a parity or preflight rollback has no detection time."""
+    from gpumigrate.cli.live import summary
+    from gpumigrate.cli.output import console
+    from gpumigrate.flows.report import summary_markdown
+    from gpumigrate.state import Migration
+
+    def shown(result: MigrationResult) -> str:
+        with console.capture() as cap:
+            summary(result)
+        return cap.get()
+
+    rolled = MigrationResult(
+        migration_id="m-1",
+        status="rolled_back",
+        requests=Requests(total=10, failed=0, p99_ms=12.5),
+        downtime_ms=0.0,
+        rollback=RollbackSummary(triggered=True, reason="parity failed", trigger="parity"),
+    )
+    text = shown(rolled)
+    assert "None" not in text and "detected in" not in text
+    assert "requests: 10 total, 0 failed, p99 12.5 ms; downtime" in text and "rollback: parity failed" in text
+    timed = rolled.model_copy(
+        update={
+            "requests": Requests(total=10, failed=0, p50_ms=3.0, p99_ms=12.5),
+            "rollback": RollbackSummary(triggered=True, reason="gate", seconds_to_detect=1.5),
+        }
+    )
+    assert "p50 3.0 ms, p99 12.5 ms" in shown(timed) and "rollback: gate (detected in 1.5 s)" in shown(timed)
+
+    monkeypatch.setenv("GPUMIGRATE_HOME", str(tmp_path / "home"))
+    m = Migration.create("report-none", "version: 1\n", root=tmp_path / "state")
+    report = summary_markdown(m, rolled.model_copy(update={"migration_id": m.id}))
+    assert "- rollback: triggered True, reason parity failed\n" in report and "detected in" not in report
+    assert "detected in 1.5 s" in summary_markdown(m, timed.model_copy(update={"migration_id": m.id}))

@@ -52,3 +52,45 @@ def test_migrate_denied_by_residency_moves_nothing(
     assert (
         audit.returncode == 0 and json.loads(audit.stdout.strip().splitlines()[-1])["residency"][0]["verdict"] == "deny"
     )
+
+
+def test_migrate_with_the_source_not_answering_exits_2_not_rolled_back(
+    cli_cmd: list[str], gm_home: Path, prefect_api: str, tmp_path: Path
+) -> None:
+    """Preflight cannot reach the source (not running, or another control key): nothing moved, so exit 2 and
+    status denied, audited like any preflight refusal, naming the source's URL and what to check."""
+    dead = "http://127.0.0.1:9"
+    plan = {
+        "workload": {
+            "name": "svc",
+            "kind": "training",
+            "source_host": "local-a",
+            "endpoint": dead,
+            "agent": "127.0.0.1:9",
+            "launch": {"argv": ["{python}", "train.py"]},
+        },
+        "target": {"provider": "local", "region": "local-b", "host": "never-started"},
+        "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
+        "transfer": {"store": "file://store"},
+    }
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api}
+    out = subprocess.run(
+        [*cli_cmd, "migrate", str(path), "--id", "nosource-1", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "rolled_back" not in out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["status"] == "denied" and result["rollback"]["triggered"] is not True
+    assert result["error"].startswith(f"the source workload svc at {dead} did not answer")
+    assert "check that the source is running" in result["error"]
+    assert result["phases"]["preflight"]["status"] == "failed" and "provision" not in result["phases"]
+    records = [json.loads(x) for x in (gm_home / "migrations" / "nosource-1" / "audit.jsonl").read_text().splitlines()]
+    events = [r["event"] for r in records]
+    assert "migration.denied" in events and "migration.rolled_back" not in events
+    assert not (tmp_path / "store").exists()  # no byte moved

@@ -20,8 +20,16 @@ import pytest
 import yaml
 
 from gpumigrate.atomic import atomic_write_json
+from gpumigrate.control import AuthError
 from gpumigrate.environment import collect_facts
-from gpumigrate.errors import InvalidInputError, PolicyDeniedError, ResidencyError, RolledBackError, SnapshotError
+from gpumigrate.errors import (
+    InvalidInputError,
+    ParityError,
+    PolicyDeniedError,
+    ResidencyError,
+    RolledBackError,
+    SnapshotError,
+)
 from gpumigrate.flows.context import RunContext, Siblings
 from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
 from gpumigrate.flows.rollback import roll_back_here
@@ -303,6 +311,38 @@ def test_preflight_refuses_the_cuda_driver_backend_before_anything_moves(world: 
     assert info.value.exit_code == 2 and asked == []  # nothing suspended, nothing asked of the source host
 
 
+def test_preflight_with_the_source_not_answering_is_bad_input_naming_it_not_a_rollback(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    """Nothing moved: exit 2 (never 3, "rolled back"), naming the source's URL and agent and what to check."""
+    dead = "http://127.0.0.1:9"
+    doc = plan_doc(source, endpoint=dead, agent="127.0.0.1:9")
+    w = world(doc)
+    atomic_write_json(tmp_path / "traffic" / FRONTDOOR, {"admin_urls": [source.url], "source": dead})
+    with pytest.raises(InvalidInputError) as info:
+        preflight.run(w.ctx)
+    msg = str(info.value)
+    assert info.value.exit_code == 2 and not isinstance(info.value, ParityError)
+    assert msg.startswith(f"the source workload svc at {dead} did not answer (its agent at 127.0.0.1:9:")
+    assert "nothing was moved" in msg and "check that the source is running" in msg and "control key" in msg
+    assert w.backend.steps == []
+
+
+def test_preflight_with_a_source_agent_refusing_the_control_key_is_bad_input(
+    world: WorldMaker, source: Workload
+) -> None:
+    """The service answers its /v1/info, its agent refuses this control key: exit 2, the key named."""
+    w = world()
+
+    def refuse() -> dict[str, Any]:
+        raise AuthError("the snapshot agent at 127.0.0.1:7070 refused 'ping': bad signature")
+
+    w.backend.check = refuse  # type: ignore[method-assign]
+    with pytest.raises(InvalidInputError, match="refused 'ping'") as info:
+        preflight.run(w.ctx)
+    assert info.value.exit_code == 2 and "GPUMIGRATE_CONTROL_KEY_FILE" in str(info.value)
+
+
 # ----------------------------------------------------------------------------- provision
 def test_provision_starts_the_plans_launch_awaiting_the_restore(
     world: WorldMaker, source: Workload, target: Workload, tmp_path: Path, gm_home: Path
@@ -498,3 +538,45 @@ def test_runtime_facts_survive_a_new_process_and_unknown_names_are_bugs(world: W
         w.ctx.update(image_id="abc")
     with pytest.raises(InvalidInputError, match="the target endpoint is not known yet"):
         w.ctx.target_endpoint()
+
+
+def test_resume_runs_with_the_plan_it_was_started_with(world: WorldMaker, tmp_path: Path) -> None:
+    w = world()
+    again = RunContext.create(tmp_path / "plan.yaml", migration_id="m-unit", resume=True)
+    assert again.migration.id == "m-unit" and again.runtime.plan_dir == str(tmp_path.resolve())
+    assert RunContext.create(tmp_path / "plan.yaml", migration_id="m-unit", resume=None).migration.id == "m-unit"
+    assert "migration.created" in w.events()
+
+
+def test_resume_with_another_plan_file_is_refused_naming_both(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    """The stored plan would run with the other file's folder as its plan_dir: refused, exit 2, nothing changed."""
+    import hashlib
+
+    w = world()
+    before = w.ctx.migration.read()
+    doc = plan_doc(source)
+    doc["snapshot"]["precopy_rounds"] = 2
+    other = tmp_path / "other" / "plan.yaml"
+    other.parent.mkdir()
+    other.write_text(yaml.safe_dump(doc))
+    given = hashlib.sha256(other.read_bytes()).hexdigest()[:16]
+    recorded = hashlib.sha256((tmp_path / "plan.yaml").read_bytes()).hexdigest()[:16]
+    for resume in (True, None):  # --resume, and the deployment's resume of an existing id
+        with pytest.raises(InvalidInputError) as info:
+            RunContext.create(other, migration_id="m-unit", resume=resume)
+        msg = str(info.value)
+        assert info.value.exit_code == 2 and "migration m-unit was started with another plan" in msg
+        assert f"{other} has sha256 {given}" in msg and f"{w.ctx.migration.plan_path} has sha256 {recorded}" in msg
+    assert w.ctx.migration.read() == before
+
+
+def test_the_ramps_figures_give_the_result_its_p50_beside_its_p99(world: WorldMaker) -> None:
+    from gpumigrate.flows.phases.ramp import record_figures
+    from gpumigrate.flows.report import build_result
+
+    w = world()
+    record_figures(w.ctx, {"requests": 40, "failures": 0, "p50_ms": 3.2, "p99_ms": 9.9, "downtime_ms": 0.0})
+    rq = build_result(w.ctx.migration).requests
+    assert (rq.total, rq.p50_ms, rq.p99_ms, rq.measured_by) == (40, 3.2, 9.9, "envoy")

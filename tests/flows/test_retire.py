@@ -74,7 +74,11 @@ def test_retire_waits_for_the_window_then_zeroizes(cut_over: dict[str, Any], cli
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["source"] == "retired"
     assert httpx.get(url + "/v1/info", timeout=10).json()["weights_digest"] != before  # zeros now
-    assert httpx.get(url + "/readyz", timeout=10).status_code == 503  # a zeroized source answers nothing
+    ready = httpx.get(url + "/readyz", timeout=10)  # a zeroized source answers nothing, and says why
+    assert ready.status_code == 503 and ready.json()["status"] == "retired", ready.text
+    t0 = time.monotonic()
+    answer = httpx.post(url + "/v1/generate", json={"prompt": "x", "max_new_tokens": 1}, timeout=60)
+    assert answer.status_code == 503 and "retired" in answer.text and time.monotonic() - t0 < 5  # at once
     names = _events(m)
     assert "source.zeroized" in names and "source.retired" in names
     zero = next(r for r in m.audit.records() if r["event"] == "source.zeroized")["data"]

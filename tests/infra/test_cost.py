@@ -142,6 +142,34 @@ def test_evaluate_move_go_and_no_go() -> None:
     assert not forbidden.go and forbidden.target is None and "outside the allowed" in forbidden.reason
 
 
+def test_no_difference_per_hour_reads_the_same_never_minus_zero(
+    tmp_path: Path, gm_home: Path, cli_cmd: list[str]
+) -> None:
+    same = {
+        "workload__source_region": "us-east-1",
+        "target__region": "us-east-2",
+        "target__zone": "us-east-2a",
+        "data__allowed_jurisdictions": ["US"],
+        "transfer__store": "s3://images-us-east-2/svc",
+        "transfer__store_region": "us-east-2",
+    }
+    decision = evaluate_move(make_plan(**same), image_bytes=10**10)
+    assert not decision.go and "-0.00" not in decision.reason
+    assert (
+        decision.reason == "aws:us-east-2:p4d.24xlarge costs the same per hour as the source (21.96 USD/h): no savings"
+    )
+    dearer = evaluate_move(make_plan(workload__source_region="us-east-1"), image_bytes=10**10)
+    assert (
+        dearer.reason
+        == f"aws:eu-west-1:p4d.24xlarge costs {DST_HOURLY - 21.96:.2f} USD/h more than the source: no savings"
+    )
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan_data(**same)))
+    out = subprocess.run([*cli_cmd, "cost", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "costs the same per hour" in out.stderr, out.stderr
+    assert "-0.00" not in out.stderr and "$0.00" in out.stderr  # the savings over the horizon
+
+
 def test_cli_cost_json(tmp_path: Path, gm_home: Path, cli_cmd: list[str]) -> None:
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan_data(cost__candidates=["aws:eu-west-1", "aws:us-east-1"])))

@@ -43,6 +43,18 @@ def test_an_outage_is_the_stretch_of_failing_samples_plus_the_failed_share_of_it
     assert out["downtime_resolution_ms"] == 1000.0
 
 
+def test_p50_and_p99_come_from_the_same_latency_buckets() -> None:
+    """Every answer's downstream_rq_time, as bucket diffs: the median and the tail, both measured."""
+    fig = ClientFigures()
+    fig.add(IngressCounters(0.0, 0, 0, 0, 0, [(10.0, 0), (100.0, 0), (1000.0, 0)]))
+    fig.add(IngressCounters(1.0, 100, 100, 0, 0, [(10.0, 60), (100.0, 95), (1000.0, 100)]))
+    fig.close()
+    out = client_figures([fig])
+    assert out["p50_ms"] == pytest.approx(50 / 60 * 10.0, abs=0.01)  # inside the first bucket
+    assert out["p99_ms"] == pytest.approx(100.0 + 900.0 * 4 / 5, abs=0.01)
+    assert client_figures([_run([(0.0, 0, 0, 0, 0), (1.0, 0, 0, 0, 0)])])["p50_ms"] is None  # no answers
+
+
 def test_slow_answers_are_latency_not_downtime_and_a_hang_is_downtime_once_it_fails() -> None:
     # A 2 s generation at 1 request per 2 s: windows with a request waiting and none answered, no failure.
     slow = _run([(t * 0.5, t // 4 + 1, (t + 1) // 4, 0, t // 4 + 1 - (t + 1) // 4) for t in range(16)])

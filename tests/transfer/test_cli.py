@@ -84,6 +84,26 @@ def test_exit_codes(cli_cmd: list[str], env: dict[str, str], tmp_path: Path) -> 
     assert "Traceback" not in corrupt.stderr
 
 
+def test_a_missing_store_is_named_as_missing(cli_cmd: list[str], env: dict[str, str], tmp_path: Path) -> None:
+    """Not "holds 0 images ... (ids: )": the store does not exist (exit 2, like any missing store), with or
+    without an image id; an existing store without images says so."""
+    store = f"file://{tmp_path / 'nope'}"
+    for url in (store, f"{store}#abc", f"{store}#{'a' * 64}"):
+        out = run(cli_cmd, env, "verify", url, "--no-key")
+        assert out.returncode == 2 and f"the store {store} does not exist" in out.stderr, out.stderr
+        assert "ids:" not in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "nope").exists()
+    (tmp_path / "empty").mkdir()
+    empty = run(cli_cmd, env, "verify", f"file://{tmp_path / 'empty'}", "--no-key")
+    assert empty.returncode == 2 and "holds no images" in empty.stderr and "ids:" not in empty.stderr
+
+
+def test_receive_stop_help_names_the_option_it_needs(cli_cmd: list[str], env: dict[str, str]) -> None:
+    out = run(cli_cmd, {**env, "COLUMNS": "200"}, "receive-stop", "--help")
+    assert out.returncode == 0 and "STATE_DIR" not in out.stdout
+    assert "receive --detach --state-dir DIR" in out.stdout
+
+
 def test_killed_push_resumes_without_resending(
     cli_cmd: list[str], env: dict[str, str], tmp_path: Path, procs: list
 ) -> None:

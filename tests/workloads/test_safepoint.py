@@ -100,3 +100,39 @@ def test_restore_in_place_then_set_ready() -> None:
         assert _gen(srv.url, "x").status_code == 200
     finally:
         srv.stop()
+
+
+def test_a_retired_source_says_so_and_refuses_requests_at_once(running) -> None:
+    """After `retire` zeroized it: /readyz 503 "retired" (not "awaiting restore"), and a request fails with 503
+    at once instead of waiting out the 30 s a target awaiting its restore holds it."""
+    sp = running.state.safe_point
+    sp.freeze(timeout_s=5)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_gen, running.url, "held")
+        deadline = time.monotonic() + 10
+        while sp.waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sp.retire()  # a request held by the freeze is refused too, not left to time out
+        assert held.result(timeout=5).status_code == 503
+    ready = httpx.get(f"{running.url}/readyz")
+    assert ready.status_code == 503 and ready.json()["status"] == "retired"
+    assert ready.json()["reason"] == "retired: state zeroized"
+    t0 = time.monotonic()
+    answer = _gen(running.url, "x")
+    assert answer.status_code == 503 and time.monotonic() - t0 < 5
+    assert "retired" in answer.text and "serves no more" in answer.text
+    assert running.state.reason() == "retired: state zeroized" and sp.metrics()["retired"] is True
+    sp.set_ready(True)  # a restore loaded state into it again: it serves again
+    sp.resume()
+    assert _gen(running.url, "x").status_code == 200 and not sp.retired
+
+
+def test_the_agents_zeroize_retires_its_safe_point() -> None:
+    from gpumigrate.snapshot.agent import Agent
+
+    gate = SafePointGate()
+    agent = Agent(freezer=gate, set_ready=gate.set_ready)
+    assert agent.zeroize()["verified"] is True
+    assert gate.retired and gate.readiness() == (503, {"status": "retired", "reason": "retired: state zeroized"})
+    with pytest.raises(SnapshotError, match="serves no more"):
+        gate.enter(timeout_s=30)
