@@ -288,6 +288,26 @@ def test_preflight_without_a_front_door_says_how_to_start_it_and_touches_nothing
     assert w.provider.calls == [] and w.backend.steps == []
 
 
+def test_preflight_refuses_golden_inputs_that_do_not_load_before_anything_is_provisioned(
+    world: WorldMaker, source: Workload, tmp_path: Path
+) -> None:
+    """The parity phase would find a missing golden file only after the source froze; preflight finds it first."""
+    doc = plan_doc(source)
+    doc.setdefault("parity", {}).update(
+        {
+            "golden_inputs": str(tmp_path / "missing.jsonl"),
+            "request": {"method": "POST", "path": "/v1/generate", "compare": [{"field": "tokens", "kind": "exact"}]},
+        }
+    )
+    w = world(doc)
+    with pytest.raises(InvalidInputError, match="missing.jsonl: no such file") as info:
+        preflight.run(w.ctx)
+    assert info.value.exit_code == 2
+    assert w.provider.calls == [] and w.backend.steps == []
+    (tmp_path / "missing.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    assert preflight.run(w.ctx)["golden_cases"] == 1
+
+
 def test_preflight_refuses_a_front_door_of_another_service(world: WorldMaker, tmp_path: Path) -> None:
     w = world()
     door = json.loads((tmp_path / "traffic" / FRONTDOOR).read_text())
