@@ -92,6 +92,8 @@ def test_a_missing_store_is_named_as_missing(cli_cmd: list[str], env: dict[str, 
         out = run(cli_cmd, env, "verify", url, "--no-key")
         assert out.returncode == 2 and f"the store {store} does not exist" in out.stderr, out.stderr
         assert "ids:" not in out.stderr and "Traceback" not in out.stderr
+    listed = run(cli_cmd, env, "ls", store)
+    assert listed.returncode == 2 and f"the store {store} does not exist" in listed.stderr
     assert not (tmp_path / "nope").exists()
     (tmp_path / "empty").mkdir()
     empty = run(cli_cmd, env, "verify", f"file://{tmp_path / 'empty'}", "--no-key")
