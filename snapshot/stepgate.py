@@ -10,8 +10,9 @@ the orchestrator gets the source's next losses for the steps a restored target a
 The gate also counts completed safe points (``steps``: training steps, or requests served) and
 keeps the last losses the workload reported with them; both travel in the image (``progress``).
 A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one. A retired
-gate (``retire()``: the source after a migration, its state zeroized) holds none: each safe point, and
-each one held when it retires, fails at once (503), for the workload will not serve again.
+gate (``retire()``: the source after a migration, its state zeroized) fails each request's safe point (one
+with a timeout), and each one held when it retires, at once (503), for the workload will not serve again;
+a training step's (no timeout) stays parked, as on a frozen gate, until the operator stops the job.
 
 Ranks of one process group (``torch.distributed``) freeze together, in two moves, because a step
 holds collectives: a rank parked while a peer is inside step k would leave that peer waiting in
@@ -133,19 +134,26 @@ class SafePointGate:
         return self._ready and (not self._frozen or self._budget > 0)
 
     def enter(self, timeout_s: float | None = None) -> None:
-        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on), or at once
-        when the gate is (or, while waiting, becomes) retired."""
+        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on). A safe point
+        with a timeout (a service's request) fails at once when the gate is (or, while waiting, becomes)
+        retired; one without (a training loop's step) stays parked: a wiped job must take no further step, and
+        failing it would crash the user's loop, and with it the process the flow still talks to."""
         with self._cond:
             if not self._admissible():
                 self._waiting += 1
+                serves = timeout_s is not None
                 try:
-                    self._refuse_retired()
-                    if not self._cond.wait_for(lambda: self._admissible() or self._retired, timeout=timeout_s):
+                    if serves:
+                        self._refuse_retired()
+                    if not self._cond.wait_for(
+                        lambda: self._admissible() or (serves and self._retired), timeout=timeout_s
+                    ):
                         raise SafePointUnavailable(
                             f"waited {timeout_s:g}s at the safe point ({self.reason() or 'busy'})",
                             hint="the process is being migrated or is not restored yet; retry",
                         )
-                    self._refuse_retired()
+                    if serves:
+                        self._refuse_retired()
                 finally:
                     self._waiting -= 1
             if self._frozen:

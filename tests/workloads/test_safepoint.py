@@ -136,3 +136,32 @@ def test_the_agents_zeroize_retires_its_safe_point() -> None:
     assert gate.retired and gate.readiness() == (503, {"status": "retired", "reason": "retired: state zeroized"})
     with pytest.raises(SnapshotError, match="serves no more"):
         gate.enter(timeout_s=30)
+
+
+def test_a_retired_gate_parks_a_training_step_instead_of_failing_it() -> None:
+    """A training loop's safe point has no timeout: on a zeroized source it stays parked (no step on wiped state,
+    and no exception that would end the user's loop and the process the flow still talks to)."""
+    import threading
+
+    gate = SafePointGate()
+    gate.freeze()
+    outcome: list[str] = []
+
+    def step() -> None:
+        try:
+            with gate.safe_point():
+                outcome.append("stepped")
+        except SnapshotError as exc:
+            outcome.append(f"failed: {exc}")
+
+    worker = threading.Thread(target=step, daemon=True)
+    worker.start()
+    gate.retire()
+    worker.join(0.3)
+    assert worker.is_alive() and outcome == []  # parked, as on a frozen gate
+    with pytest.raises(SnapshotError, match="serves no more"):
+        gate.enter(timeout_s=5)  # a request fails at once
+    gate.set_ready(True)  # only a restore that loads state again lets it on
+    gate.resume()
+    worker.join(5)
+    assert outcome == ["stepped"]
