@@ -71,6 +71,10 @@ class Store:
     def get_chunk(self, chunk_id: str) -> bytes:
         raise NotImplementedError
 
+    def missing(self) -> NotFoundError | None:
+        """The error for a store that does not exist, where the store can tell (a directory); None otherwise."""
+        return None
+
     def get_chunk_into(self, chunk_id: str, out: memoryview) -> int:
         """Read a chunk object into ``out`` (e.g. a pinned buffer); return its length."""
         data = self.get_chunk(chunk_id)
@@ -473,10 +477,8 @@ def resolve_image_id(store: Store, image: str | None) -> str:
     if image and len(image) == 64:
         return image
     ids = store.list_manifests()
-    if not ids:
-        missing = store.missing() if isinstance(store, FileStore) else None
-        if missing is not None:
-            raise missing
+    if not ids and (missing := store.missing()) is not None:
+        raise missing
     if not image or image == "latest":
         if not ids:
             raise NotFoundError(f"{store.url} holds no images")

@@ -390,11 +390,10 @@ def ls(
     """List the images in a store (unverified: use `image verify` before trusting one)."""
     import json as _json
 
-    from gpumigrate.transfer.stores import FileStore, open_store
+    from gpumigrate.transfer.stores import open_store
 
     st = open_store(_parses(store), endpoint_url=endpoint_url)
-    missing = st.missing() if isinstance(st, FileStore) else None
-    if missing is not None:  # a mistyped path is not an empty store
+    if (missing := st.missing()) is not None:  # a mistyped path is not an empty store
         raise missing
     rows: list[dict[str, Any]] = []
     for image_id in st.list_manifests():
