@@ -17,11 +17,17 @@ from gpumigrate.plan import Plan
 
 
 def check_inputs(plan: Plan, golden: Path | None) -> dict[str, Any]:
-    """The training rules (for a training plan) and the golden cases at ``golden`` (the plan's
-    ``parity.golden_inputs`` resolved against its folder): each loads, and the request template fills from
-    each; an InvalidInputError names the line or case. Returns what was checked."""
+    """Everything the flow's preflight checks of the plan alone (``plan validate``): the training rules, for a
+    training plan (the training flow's preflight runs them first), and :func:`check_golden`."""
     if plan.workload.kind == "training":
         training_rules(plan)
+    return check_golden(plan, golden)
+
+
+def check_golden(plan: Plan, golden: Path | None) -> dict[str, Any]:
+    """The golden cases at ``golden`` (the plan's ``parity.golden_inputs`` resolved against its folder): each
+    loads, and the request template fills from each; an InvalidInputError names the line or case. Returns what
+    was checked."""
     if golden is None:
         return {"golden_cases": 0}
     cases = load_golden(golden)

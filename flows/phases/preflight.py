@@ -18,7 +18,7 @@ from gpumigrate.flows import target_store
 from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.facts import FactsUnavailableError, workload_facts
-from gpumigrate.flows.plan_checks import check_inputs
+from gpumigrate.flows.plan_checks import check_golden
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.placement import check_zones
 from gpumigrate.infra.residency import (
@@ -38,9 +38,10 @@ from gpumigrate.transfer.push import ensure_bucket, store_region
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     decisions = validate_plan_residency(plan, record=m.record)
-    # What `plan validate` checks of the plan alone (golden cases that load and fill the request template):
-    # found here, a mistake is exit 2 before anything is provisioned; found by the parity phase, after a freeze.
-    inputs = check_inputs(plan, ctx.golden_inputs())
+    # What `plan validate` checks of the plan alone (golden cases that load and fill the request template; the
+    # training flow's preflight ran the training rules before this): found here, a mistake is exit 2 before
+    # anything is provisioned; found by the parity phase, after a freeze.
+    inputs = check_golden(plan, ctx.golden_inputs())
     if plan.workload.kind == "inference":
         _front_door(ctx)
     check_transport(ctx)
