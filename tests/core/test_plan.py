@@ -189,6 +189,11 @@ def test_not_yaml_and_not_mapping(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as info:
         load_plan(broken)
     assert info.value.problems[0][0] == "(yaml)"
+    broken.write_text("version: 1\nworkload:\n  name: x\n   kind: [inference\n")
+    with pytest.raises(PlanError) as info:
+        load_plan(broken)
+    assert info.value.problems[0][0] == "(yaml)"
+    assert info.value.problems[0][1].startswith("not valid YAML (line 4, column 8): ")  # where it is
     listy = tmp_path / "list.yaml"
     listy.write_text("- a\n- b\n")
     with pytest.raises(PlanError):
@@ -275,12 +280,3 @@ def test_an_unknown_field_names_the_closest_allowed_one_and_lists_them(tmp_path:
     problems = dict(info.value.problems)
     assert problems["workload.kindd"].startswith("unknown field: did you mean 'kind'? allowed here: agent,")
     assert problems["traffic.stages[0].hld_s"] == "unknown field: did you mean 'hold_s'? allowed here: hold_s, weight"
-
-
-def test_a_yaml_error_names_its_line_and_column(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("version: 1\nworkload:\n  name: x\n   kind: [inference\n")
-    with pytest.raises(PlanError) as info:
-        load_plan(bad)
-    assert info.value.problems[0][0] == "(yaml)"
-    assert info.value.problems[0][1].startswith("not valid YAML (line 4, column 8): ")

@@ -6,8 +6,24 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+
+def _migrate(
+    cli_cmd: list[str], gm_home: Path, prefect_api: str, tmp_path: Path, plan: dict[str, Any], migration_id: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    """`gpumigrate migrate` of ``plan`` (written beside the test) in this state root; its run and environment."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api}
+    cmd = [*cli_cmd, "migrate", str(path), "--id", migration_id, "--json"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180), env
+
+
+def _audit(gm_home: Path, migration_id: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (gm_home / "migrations" / migration_id / "audit.jsonl").read_text().splitlines()]
 
 
 def test_migrate_denied_by_residency_moves_nothing(
@@ -26,21 +42,12 @@ def test_migrate_denied_by_residency_moves_nothing(
         "data": {"classification": "restricted", "allowed_jurisdictions": ["EU"]},
         "transfer": {"store": "file://store"},
     }
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api}
-    out = subprocess.run(
-        [*cli_cmd, "migrate", str(path), "--id", "denied-1", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out, env = _migrate(cli_cmd, gm_home, prefect_api, tmp_path, plan, "denied-1")
     assert out.returncode == 2, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["status"] == "denied" and "data-residency" in result["error"] and "local-b" in result["error"]
     assert result["phases"]["preflight"]["status"] == "failed" and "provision" not in result["phases"]
-    records = [json.loads(x) for x in (gm_home / "migrations" / "denied-1" / "audit.jsonl").read_text().splitlines()]
+    records = _audit(gm_home, "denied-1")
     deny = [r["data"] for r in records if r["event"] == "residency.deny"]
     assert deny and deny[0]["region"] == "local-b" and deny[0]["rule"] == "data-residency"
     assert not list((gm_home / "hosts").glob("*/host.json")) if (gm_home / "hosts").exists() else True
@@ -73,16 +80,7 @@ def test_migrate_with_the_source_not_answering_exits_2_not_rolled_back(
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
         "transfer": {"store": "file://store"},
     }
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(plan))
-    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api}
-    out = subprocess.run(
-        [*cli_cmd, "migrate", str(path), "--id", "nosource-1", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out, _ = _migrate(cli_cmd, gm_home, prefect_api, tmp_path, plan, "nosource-1")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "rolled_back" not in out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -90,7 +88,7 @@ def test_migrate_with_the_source_not_answering_exits_2_not_rolled_back(
     assert result["error"].startswith(f"the source workload svc at {dead} did not answer")
     assert "check that the source is running" in result["error"]
     assert result["phases"]["preflight"]["status"] == "failed" and "provision" not in result["phases"]
-    records = [json.loads(x) for x in (gm_home / "migrations" / "nosource-1" / "audit.jsonl").read_text().splitlines()]
+    records = _audit(gm_home, "nosource-1")
     events = [r["event"] for r in records]
     assert "migration.denied" in events and "migration.rolled_back" not in events
     assert not (tmp_path / "store").exists()  # no byte moved
