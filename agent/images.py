@@ -63,10 +63,23 @@ def open_writer(
     return writer
 
 
+# Where the tracked state lives on a GPU. Each chunk costs the capture's one queueing thread a fixed round of
+# launches, and the sealing threads a round of system calls; those thread switches, not the bytes, set the pace:
+# on the lent H100 (16 GiB bf16 in 521 tensors) 32 MiB chunks captured at 11.0-16.3 GB/s in one process against
+# 6.2-11.2 at 16 MiB, and the migration's capture and restore ran at 13.0 / 17.8 GB/s against 8.5 / 11.7
+# (snapshot/BENCHMARKS.md, tenth session). The image format's 4 MiB stays for state in host memory.
+GPU_CHUNK_SIZE = 32 << 20
+_state_on_gpu = threading.Event()  # set by warm_device_kernels: the attach found tracked state on a GPU
+
+
 def _chunk_size() -> int | None:
-    """``GPUMIGRATE_SNAPSHOT_CHUNK_MB``: larger chunks suit GPU capture (fewer per-chunk launches); unset, the
-    transfer engine's default (4 MiB)."""
-    return (int(os.environ.get("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "0")) << 20) or None
+    """``GPUMIGRATE_SNAPSHOT_CHUNK_MB`` where set; else :data:`GPU_CHUNK_SIZE` where the tracked state lives on a GPU;
+    else None (the transfer engine's default, 4 MiB). One process always picks the same: every round of a migration
+    cuts its tensors at the same offsets, which is what lets a round reuse the chunks of the one before."""
+    mb = int(os.environ.get("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "0") or 0)
+    if mb:
+        return mb << 20
+    return GPU_CHUNK_SIZE if _state_on_gpu.is_set() else None
 
 
 def open_reader(store: str, image_id: str, key_ref: Mapping[str, str]) -> ImageReader:
@@ -104,6 +117,7 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
     """
     if not devices:
         return None
+    _state_on_gpu.set()  # before the warm-up below, which page-locks slots and captures a probe at the chunk size
     from gpumigrate.transfer import devhash
 
     def compile_all() -> None:

@@ -9,7 +9,7 @@ In one process: bf16 tensors on the device are captured frozen through ``DirectS
 device BLAKE3 check), then restored again by a fresh process warmed as the SDK warms a target
 (``restore_fresh_process_*``): a migration's target is another process, and the two-process e2e
 restore measured 1.6× more time per byte in every stage than this one-process restore. ``stages`` sums the seconds each stage took over all threads
-(``transfer.direct.STAGES``). Before each timed run, what the SDK's warm-up does (kernels compiled,
+(``transfer.STAGES``). Before each timed run, what the SDK's warm-up does (kernels compiled,
 slots page-locked) and one small capture and restore: without it a fresh host's first run measured
 1.3 GB/s of capture, mostly compiling. Ceilings from the same run: AES-256-GCM on 1, 4 and all
 threads, and writing new files into the store's filesystem on 1 and all threads. The last stdout
@@ -34,6 +34,7 @@ from benchlib import gbps
 
 from gpumigrate import transfer
 from gpumigrate.interfaces import RegionInfo, TensorChunk
+from gpumigrate.stageclock import STAGES
 from gpumigrate.transfer import direct
 
 KEY = bytes(range(32))
@@ -118,13 +119,13 @@ def run(codec: str, gb: float, chunk: int, store: Path) -> dict[str, Any]:
         flat = t.view(torch.uint8)
         chunks += [TensorChunk(f"w{i}", k // chunk, flat[k : k + chunk]) for k in range(0, PIECE, chunk)]
     torch.cuda.synchronize()
-    direct.STAGES.take()
+    STAGES.take()
     t0 = time.perf_counter()
     for f in writer.put_tensors(chunks):
         f.result()
     ref = writer.commit()
     capture = time.perf_counter() - t0
-    capture_stages = direct.STAGES.take()
+    capture_stages = STAGES.take()
     outs = [torch.zeros_like(t) for t in tensors]
     back = []
     for i, t in enumerate(outs):
@@ -135,7 +136,7 @@ def run(codec: str, gb: float, chunk: int, store: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     reader.read_tensors(back)
     restore = time.perf_counter() - t0
-    restore_stages = direct.STAGES.take()
+    restore_stages = STAGES.take()
     ok = all(torch.equal(a, b) for a, b in zip(tensors, outs, strict=True))
     del outs, back
     torch.cuda.empty_cache()
@@ -181,12 +182,12 @@ def restore_only(codec: str, url: str, image_id: str, pieces: int, chunk: int, s
         back += [TensorChunk(f"w{i}", k // chunk, flat[k : k + chunk]) for k in range(0, PIECE, chunk)]
     reader = transfer.open_reader(url, image_id, key=KEY)
     torch.cuda.synchronize()
-    direct.STAGES.take()
+    STAGES.take()
     t0 = time.perf_counter()
     reader.read_tensors(back)
     seconds = time.perf_counter() - t0
     shutil.rmtree(scratch, ignore_errors=True)
-    return {"restore_GBps": gbps(pieces * PIECE, seconds), "restore_stages_s": direct.STAGES.take()}
+    return {"restore_GBps": gbps(pieces * PIECE, seconds), "restore_stages_s": STAGES.take()}
 
 
 def main(argv: list[str] | None = None) -> int:

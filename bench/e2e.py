@@ -1,6 +1,6 @@
 """End-to-end migration benchmark: the product path between two processes, beside its baselines.
 
-    python bench/e2e.py --json [--gb 16] [--mutable-mb 256] [--chunk-mb 16] [--device cuda]
+    python bench/e2e.py --json [--gb 16] [--mutable-mb 256] [--chunk-mb N] [--device cuda]
                         [--runs shm:auto,disk:auto,shm:cpu] [--root DIR] [--out FILE]
 
 Source: the reference inference server (``--params-mb``, ``--device``, bf16, ``--mutable-mb``: state
@@ -30,7 +30,7 @@ Baselines from the same run: a safetensors cold load in a fresh process (load, a
 ``torch.save``/``torch.load`` through a file in the same store directory, the CUDA driver checkpoint
 of the source process, and the pinned device→host line rate. The last stdout line is one JSON
 object; every figure says what it includes. Each run also holds ``direct_stages_s``: the agents' own
-stage totals (``transfer.direct.STAGES``, seconds summed over threads) per capture and restore, by role.
+stage totals (``gpumigrate.stageclock.STAGES``, seconds summed over threads) per capture and restore, by role.
 ``--target-after-capture`` starts the target after round 1 instead of during it: a diagnostic that
 shows the capture without the target's start-up beside it. ``--smoke`` runs a small CPU migration and
 exits 1 unless the state came back bit-identical (CI runs it; it asserts no timings).
@@ -145,7 +145,9 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
     source``, snapshot/fill.py), each chunk checked against the image; the image is still written."""
     shutil.rmtree(store_dir, ignore_errors=True)
     store = f"file://{store_dir}"
-    env = {"GPUMIGRATE_SNAPSHOT_CHUNK_MB": str(args.chunk_mb), "GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
+    env = {"GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
+    if args.chunk_mb:  # else the SDK's own choice (agent/images.py: 32 MiB for state on a GPU, 4 MiB in host memory)
+        env["GPUMIGRATE_SNAPSHOT_CHUNK_MB"] = str(args.chunk_mb)
     # Both agents' direct paths log their stage totals per capture and restore (transfer/direct.py); they go into
     # this run's JSON, by role (where a migration's threads spend their time, beside the figures they explain).
     stages_log = store_dir.parent / f"{store_dir.name}-stages.jsonl"
@@ -456,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="(always on) print the result as JSON on the last line")
     p.add_argument("--gb", type=float, default=None, help="model weights in GiB (default 16 on a GPU, 0.03 on CPU)")
     p.add_argument("--mutable-mb", type=float, default=None, help="state each request changes (256 on a GPU)")
-    p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--chunk-mb", type=int, default=None, help="capture chunk size (default: the SDK's own choice)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
     p.add_argument(
         "--runs",
@@ -503,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "weights_GiB": args.gb,
         "mutable_MiB": args.mutable_mb,
-        "chunk_MiB": args.chunk_mb,
+        "chunk_MiB": args.chunk_mb or ("32 (the SDK's default for GPU state)" if gpu else "4 (the SDK's default)"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "runs": {},
     }

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", default="live,live2", help="comma-separated: live*, frozen*")
     p.add_argument("--codec", default="auto")
     p.add_argument("--workers", type=int, default=16)
-    p.add_argument("--chunk-mb", type=int, default=16)
+    p.add_argument("--chunk-mb", type=int, default=None, help="capture chunk size (default: the SDK's own choice)")
     p.add_argument("--finals", type=int, default=0, help="final rounds of a frozen source, after a round-1/2 chain")
     p.add_argument("--mutable-mb", type=float, default=256, help="state each final round finds changed")
     p.add_argument("--profile", default=None, help="py-spy raw stacks of the final rounds into this file")
@@ -53,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "live_round", "not_run": "needs a CUDA GPU"}))
         return 0
-    os.environ.setdefault("GPUMIGRATE_SNAPSHOT_CHUNK_MB", str(args.chunk_mb))
+    if args.chunk_mb:  # else the SDK's own choice for GPU state (agent/images.py)
+        os.environ.setdefault("GPUMIGRATE_SNAPSHOT_CHUNK_MB", str(args.chunk_mb))
     from gpumigrate import transfer
     from gpumigrate.agent import images
     from gpumigrate.agent.images import make_agent
+    from gpumigrate.stageclock import STAGES
     from gpumigrate.workloads.model import build_model
 
     os.environ["GM_BENCH_KEY"] = transfer.generate_key()
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(store, ignore_errors=True)
         agent.forget_shipped()
         agent.frozen = label.startswith("frozen")
+        STAGES.take()
         t = time.perf_counter()
         got = agent.precopy_to(f"file://{store}", key_ref, options=opts)
         seconds = time.perf_counter() - t
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(seconds, 3),
             "GBps": gbps(nbytes, seconds),
             "stored_fraction": round(got["image"]["bytes_sent"] / nbytes, 4),
+            "phases": got["stats"].get("phases"),
+            "stages_s": STAGES.take(),  # seconds per stage summed over threads (gpumigrate/stageclock.py)
         }
         shutil.rmtree(store, ignore_errors=True)
     if args.finals:

@@ -34,6 +34,7 @@ from gpumigrate import cudacalls
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import DirectImageReader, DirectImageWriter, ImageReader, ImageWriter, TensorChunk
 from gpumigrate.snapshot.chunks import Fingerprints, fingerprint_chunks, fingerprints_to_host
+from gpumigrate.stageclock import STAGES, both_now
 
 STAGE_SLOTS = 16  # device staging slots of a live round: one batch handed to a direct writer at a time
 
@@ -202,6 +203,9 @@ class Pipeline:
         rt = cudacalls.runtime() if cuda else None
         futures: list[Future[str]] = []
         fps: list[Fingerprints] = []  # one set per batch, in job order
+        # This thread sets a live round's pace (it queues every device step); its stages, wall and CPU time apart,
+        # say whether it works or waits (GPUMIGRATE_STAGES_LOG, bench/e2e.py).
+        t = both_now()
         for start in range(0, len(jobs), len(slots)):
             batch: list[TensorChunk] = []
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -217,19 +221,24 @@ class Pipeline:
                     else:
                         staged.copy_(job.data, non_blocking=cuda)
                     batch.append(TensorChunk(job.region, job.index, staged))
+                t = STAGES.add_both("capture.submit.stage", t)
                 # The batch's fingerprints in two gathered launches (whole chunks, short ones), queued before the
                 # writer's reads and the next batch's copies: per chunk, the eager sum's launches and the GIL
                 # crossings of each torch call held the one submitting thread (H100, 16 GiB: 2.2 s of a 2.3 s round).
                 fps.append(Fingerprints({str(k): c.data for k, c in enumerate(batch)}, self.chunk_size))
+                t = STAGES.add_both("capture.submit.fingerprint", t)
                 placed = writer.put_tensors(batch)
+                t = STAGES.add_both("capture.submit.put", t)
             if not cuda:
                 for f in placed:
                     f.result()
             futures.extend(placed)
         ids = [f.result() for f in futures]
+        t = STAGES.add_both("capture.submit.ids_wait", t)
         prints: list[int] = []
         for host in fingerprints_to_host(fps):
             prints.extend(v for k in range(len(host)) for v in host[str(k)])
+        STAGES.add_both("capture.submit.fingerprints_to_host", t)
         return ids, prints
 
     # ------------------------------------------------------------------ restore

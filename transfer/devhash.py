@@ -319,8 +319,8 @@ def warm(device: torch.device) -> None:
     or a restore: the hash of a list of views, of a block of chunks, and the copy that hashes where it lands.
 
     Triton compiles one variant per argument shape (sizes divisible by 16 or not, equal to 1 or not), so
-    each is run at the chunk sizes the transfer engine uses (4 MiB default, 16 MiB on GPUs), one and two
-    chunks at a time, and at a tail of two leaves."""
+    each is run at two chunk sizes (4 MiB, the default for host state; 16 MiB, whose variants are those of the 32 MiB
+    chunks the SDK cuts state on a GPU into), one and two chunks at a time, and at a tail of two leaves."""
     blake3_device([torch.zeros(2 * LEAF, dtype=torch.uint8, device=device)])
     for chunk in (4 << 20, 16 << 20):
         probe = torch.zeros(2 * chunk, dtype=torch.uint8, device=device)

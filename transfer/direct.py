@@ -29,6 +29,7 @@ from typing import Any
 from gpumigrate import cudacalls
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ChunkRun, TensorChunk
+from gpumigrate.stageclock import STAGES, log_stages
 from gpumigrate.transfer import codecs, confirm, gpucodec, gpupayload
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
 from gpumigrate.transfer.chunkobj import HEADER_SIZE, TAG_SIZE, chunk_id_of, sealed_size
@@ -42,42 +43,6 @@ CODE_BATCH = 16  # chunks per nvCOMP batch: one wait for their coded sizes, and 
 # Sealing/opening threads: one per core (GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts).
 WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, os.cpu_count() or 2)
 SLOTS = 2 * WORKERS + 8  # a restore holds two per chunk that the CPU decodes; a few more keep the DMA busy
-
-
-class StageClock:
-    """Seconds spent per stage, summed over threads: where a direct capture or restore waits and works.
-
-    Cheap enough to stay on (a lock and an add per stage per chunk); ``bench/direct.py`` reads it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.totals: dict[str, float] = {}
-
-    def add(self, stage: str, since: float) -> float:
-        now = time.perf_counter()
-        with self._lock:
-            self.totals[stage] = self.totals.get(stage, 0.0) + now - since
-        return now
-
-    def take(self) -> dict[str, float]:
-        with self._lock:
-            out, self.totals = self.totals, {}
-        return {k: round(v, 4) for k, v in sorted(out.items())}
-
-
-STAGES = StageClock()
-
-
-def _log_stages(what: str) -> None:
-    """Append this process's stage totals to ``GPUMIGRATE_STAGES_LOG`` (one JSON line), if set: how
-    ``bench/e2e.py`` sees where a source's capture and a target's restore spent their threads' time."""
-    path = os.environ.get("GPUMIGRATE_STAGES_LOG")
-    if path:
-        import json
-
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "what": what, "stages": STAGES.take()}) + "\n")
 
 
 def _devhash() -> Any:
@@ -236,7 +201,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         if failed:
             self.abort()
             raise TransferError(f"storing chunks in {self.store.url} failed: {failed[0]}") from failed[0]
-        _log_stages("capture")
+        log_stages("capture")
         return super().commit()
 
     def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
@@ -460,7 +425,7 @@ class DirectStoreImageReader(StoreImageReader):
         t = time.perf_counter()
         self._verify_on_device([c for c in chunks if c.data.is_cuda])
         STAGES.add("restore.main.verify", t)
-        _log_stages("restore")
+        log_stages("restore")
         return total
 
     def _load_host(self, chunk: TensorChunk) -> int:

@@ -210,7 +210,8 @@ class FileStore(Store):
         self._made_dirs: set[str] = set()
         # In memory (tmpfs, /dev/shm) fallocate allocates and zeroes every page that write() then fills again:
         # 28% of a GPU host's sealing threads' time in a 16 GiB capture. Only real disks get it.
-        self._preallocate = filesystem_of(root) not in MEMORY_FILESYSTEMS
+        self._in_memory = filesystem_of(root) in MEMORY_FILESYSTEMS
+        self._preallocate = not self._in_memory
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -279,7 +280,7 @@ class FileStore(Store):
             fsync_dir(marker.parent)
 
     def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        if self.sync == "chunk":
+        if self.sync == "chunk" and not self._in_memory:
             # Written now (the caller's buffer is free on return); fdatasync and then the rename run
             # on the sync threads, so disk flushes overlap the next chunks' CPU work instead of
             # holding an upload slot each, and a chunk's name never exists before its data is on
@@ -287,6 +288,9 @@ class FileStore(Store):
             tmp, path = self._write(chunk_key(chunk_id), blob, durable=False, rename=False)
             self._background(self._sync_then_install, tmp, path)
             return
+        # In memory (tmpfs) the page cache is the store and fdatasync does nothing: renamed at once, on this thread.
+        # The sync threads' opens, syncs and renames were a third of a GPU capture's thread switches, each one a
+        # wait for the GIL that the thread queueing the device work shared with them (snapshot/BENCHMARKS.md).
         self._write(chunk_key(chunk_id), blob, durable=False)
         if self.sync == "deferred":
             # Deferred mode (the stream receiver): the name appears at once (a delta's base must be

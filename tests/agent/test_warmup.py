@@ -36,3 +36,19 @@ def test_captures_wait_for_the_warm_up_and_say_how_long(monkeypatch: pytest.Monk
     waited = images.wait_for_kernels()
     assert not thread.is_alive() and waited >= 0.1
     assert images.wait_for_kernels() < 0.05  # once done, nothing to wait for
+
+
+def test_the_chunk_size_follows_where_the_state_lives_unless_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """32 MiB chunks for state on a GPU (set when the attach warms a device's kernels), the image format's default
+    for host memory, and GPUMIGRATE_SNAPSHOT_CHUNK_MB over both."""
+    from gpumigrate.agent import images
+
+    monkeypatch.delenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", raising=False)
+    monkeypatch.setattr(images, "_state_on_gpu", threading.Event())
+    assert images.warm_device_kernels([]) is None and images._chunk_size() is None  # host memory: 4 MiB
+    images._state_on_gpu.set()  # what warm_device_kernels([0]) records first, on a GPU host
+    assert images._chunk_size() == images.GPU_CHUNK_SIZE == 32 << 20
+    monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "8")
+    assert images._chunk_size() == 8 << 20

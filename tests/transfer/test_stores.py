@@ -141,6 +141,8 @@ def test_a_file_store_in_memory_skips_preallocation_and_stores_the_same_bytes(tm
         for where in (Path(root), tmp_path):
             store = FileStore(where / "s", f"file://{where / 's'}")
             store.put_chunk("ab" * 32, blob)
+            if where == Path(root):  # in memory: renamed on the caller's thread, no sync threads
+                assert store.get_chunk("ab" * 32) == blob and store._syncer is None
             store.flush()
             stores[where] = (store, store.get_chunk("ab" * 32))
         in_memory = stores[Path(root)][0]
