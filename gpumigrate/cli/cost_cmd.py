@@ -23,8 +23,11 @@ def register(app: typer.Typer) -> None:
 
 
 def _usd(x: float | None) -> str:
-    """Dollars and cents; an amount that rounds to zero is $0.00, never $-0.00."""
-    return "-" if x is None else f"${round(x, 2) + 0.0:,.2f}"
+    """Dollars and cents, the sign first (-$67.70, not $-67.70); an amount that rounds to zero is $0.00, never -$0.00."""
+    if x is None:
+        return "-"
+    cents = round(x, 2) + 0.0
+    return f"-${-cents:,.2f}" if cents < 0 else f"${cents:,.2f}"
 
 
 def cost(

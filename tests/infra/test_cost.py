@@ -168,6 +168,10 @@ def test_no_difference_per_hour_reads_the_same_never_minus_zero(
     out = subprocess.run([*cli_cmd, "cost", str(path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "costs the same per hour" in out.stderr, out.stderr
     assert "-0.00" not in out.stderr and "$0.00" in out.stderr  # the savings over the horizon
+    path.write_text(yaml.safe_dump(plan_data(workload__source_region="us-east-1")))
+    out = subprocess.run([*cli_cmd, "cost", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "more than the source" in out.stderr, out.stderr
+    assert "-$" in out.stderr and "$-" not in out.stderr  # a loss reads -$67.70, its sign before the dollar
 
 
 def test_cli_cost_json(tmp_path: Path, gm_home: Path, cli_cmd: list[str]) -> None:
