@@ -288,9 +288,10 @@ class FileStore(Store):
             tmp, path = self._write(chunk_key(chunk_id), blob, durable=False, rename=False)
             self._background(self._sync_then_install, tmp, path)
             return
-        # In memory (tmpfs) the page cache is the store and fdatasync does nothing: renamed at once, on this thread.
-        # The sync threads' opens, syncs and renames were a third of a GPU capture's thread switches, each one a
-        # wait for the GIL that the thread queueing the device work shared with them (snapshot/BENCHMARKS.md).
+        # Renamed at once, on this thread: sync=none, sync=deferred (below), and sync=chunk in memory (tmpfs), where the
+        # page cache is the store and fdatasync does nothing. There the sync threads' open, fdatasync, close and
+        # rename per object only added GIL hand-offs, which the thread queueing a GPU capture's device work waited
+        # behind (snapshot/BENCHMARKS.md, tenth session).
         self._write(chunk_key(chunk_id), blob, durable=False)
         if self.sync == "deferred":
             # Deferred mode (the stream receiver): the name appears at once (a delta's base must be
