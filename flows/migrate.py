@@ -55,7 +55,13 @@ Phase = Callable[[RunContext], dict[str, Any]]
 
 
 def still_valid(ctx: RunContext, name: str) -> bool:
-    """A completed phase is skipped on resume unless the world it left is gone (a dead target)."""
+    """A completed phase is skipped on resume unless the world it left is gone (a dead target), or unless it is the
+    preflight of a migration that never provisioned its target: time has passed, and the source, its facts, the
+    capacity and the store are checked again before anything is launched. Once a target holds the capacity the
+    preflight would count it against itself, so from then on it stands."""
+    if name == "preflight" and ctx.migration.phase("provision").get("status") != "completed":
+        emit(ctx.migration, "phase.preflight.recheck", {"reason": "resumed before a target was provisioned"})
+        return False
     if name in ("provision", "restore"):
         endpoint = ctx.runtime.target_endpoint
         if not endpoint or not answers(endpoint, path=ctx.plan.workload.health_path):

@@ -568,6 +568,19 @@ def test_resume_runs_with_the_plan_it_was_started_with(world: WorldMaker, tmp_pa
     assert "migration.created" in w.events()
 
 
+def test_a_resume_checks_the_preflight_again_until_a_target_was_provisioned(world: WorldMaker) -> None:
+    """Resumed later, a migration that never launched its target runs its preflight again (the source's facts, the
+    capacity, the store); once the target exists, its own capacity would deny it, so the preflight stands."""
+    from gpumigrate.flows.migrate import still_valid
+
+    w = world()
+    m = w.ctx.migration
+    m.set_phase("preflight", "completed", result={"residency": "allow"})
+    assert still_valid(w.ctx, "preflight") is False and "phase.preflight.recheck" in w.events()
+    m.set_phase("provision", "completed", result={})
+    assert still_valid(w.ctx, "preflight") is True
+
+
 def test_resume_with_another_plan_file_is_refused_naming_both(
     world: WorldMaker, source: Workload, tmp_path: Path
 ) -> None:
