@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Any
+
+
+def threaded(n: int, fn: Any) -> float:
+    """Seconds for ``fn(0)`` … ``fn(n - 1)`` on n threads at once, from the first start to the last join."""
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -9,7 +9,7 @@ In one process: bf16 tensors on the device are captured frozen through ``DirectS
 device BLAKE3 check), then restored again by a fresh process warmed as the SDK warms a target
 (``restore_fresh_process_*``): a migration's target is another process, and the two-process e2e
 restore measured 1.6× more time per byte in every stage than this one-process restore. ``stages`` sums the seconds each stage took over all threads
-(``transfer.STAGES``). Before each timed run, what the SDK's warm-up does (kernels compiled,
+(``gpumigrate.stageclock.STAGES``). Before each timed run, what the SDK's warm-up does (kernels compiled,
 slots page-locked) and one small capture and restore: without it a fresh host's first run measured
 1.3 GB/s of capture, mostly compiling. Ceilings from the same run: AES-256-GCM on 1, 4 and all
 threads, and writing new files into the store's filesystem on 1 and all threads. The last stdout
@@ -24,13 +24,12 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import gbps
+from benchlib import gbps, threaded
 
 from gpumigrate import transfer
 from gpumigrate.interfaces import RegionInfo, TensorChunk
@@ -39,16 +38,6 @@ from gpumigrate.transfer import direct
 
 KEY = bytes(range(32))
 PIECE = 256 << 20
-
-
-def threaded(n: int, fn: Any) -> float:
-    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
 
 
 def aes_ceiling(threads: int, per_thread: int = 24) -> float:

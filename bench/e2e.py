@@ -56,6 +56,7 @@ import httpx
 from benchlib import gbps, pinned_d2h_GBps
 
 from gpumigrate import control
+from gpumigrate.agent.images import GPU_CHUNK_SIZE
 from gpumigrate.infra.launch import service_url
 from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import Host, HostSpec
@@ -505,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "weights_GiB": args.gb,
         "mutable_MiB": args.mutable_mb,
-        "chunk_MiB": args.chunk_mb or ("32 (the SDK's default for GPU state)" if gpu else "4 (the SDK's default)"),
+        "chunk_MiB": args.chunk_mb
+        or (f"{GPU_CHUNK_SIZE >> 20} (the SDK's default for GPU state)" if gpu else "4 (the SDK's default)"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "runs": {},
     }

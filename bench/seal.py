@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import gbps
+from benchlib import gbps, threaded
 
 from gpumigrate.transfer.chunkobj import HEADER, HEADER_SIZE, MAGIC, TAG_SIZE, Sealer, sealed_size
 from gpumigrate.transfer.stores import FileStore
@@ -77,15 +77,13 @@ def streamed_object(sealer: Sealer, chunk_id: str, slot: memoryview, fd: int, bu
 
 
 def run(mode: str, threads: int, gib: float, store_dir: Path, slots: list[memoryview]) -> dict[str, Any]:
-    if mode in ("read", "open"):
-        shutil.rmtree(store_dir, ignore_errors=True)
-        _threaded("product", threads, gib, store_dir, slots, keep=True)  # the objects to read back
-        return _threaded(mode, threads, gib, store_dir, slots)
     shutil.rmtree(store_dir, ignore_errors=True)
-    return _threaded(mode, threads, gib, store_dir, slots)
+    if mode in ("read", "open"):
+        _measure("product", threads, gib, store_dir, slots, keep=True)  # the objects to read back
+    return _measure(mode, threads, gib, store_dir, slots)
 
 
-def _threaded(
+def _measure(
     mode: str, threads: int, gib: float, store_dir: Path, slots: list[memoryview], *, keep: bool = False
 ) -> dict[str, Any]:
     store = FileStore(store_dir, f"file://{store_dir}")
@@ -127,12 +125,8 @@ def _threaded(
                     os.close(fd)
                 os.replace(tmp, path / chunk_id)
 
-    pool = [threading.Thread(target=work, args=(w,)) for w in range(threads)]
     t0 = time.perf_counter()
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    threaded(threads, work)
     store.flush()
     seconds = time.perf_counter() - t0
     if not keep:
