@@ -5,7 +5,7 @@ its own tensors that the restore must fill, with the chunk ids from the image's 
 asks the source's agent (``lend`` on its signed control channel) to move the same slices into it:
 
 * device memory: ``lend_all``. The source sends CUDA IPC handles; the target copies device to device and
-  hashes every chunk where it landed (``DeviceLanding._lend``). No NIXL agent is started on either side.
+  hashes every chunk on the device as it copies it into place (``DeviceLanding._lend``). No NIXL agent is started on either side.
 * host memory: ``pull_all``. The target READs through NIXL (UCX over shared memory or TCP) and hashes on
   the CPU. This is how CI runs the whole path.
 

@@ -1,15 +1,16 @@
 """The device landing on a model's state: what `transfer.restore_from: source` moves on one GPU, measured alone.
 
-    python bench/lend_model.py --json [--gib 16] [--chunk-mib 16] [--batch 4096 1024] [--reps 3]
+    python bench/lend_model.py --json [--gib 16] [--chunk-mib 32] [--batch 4096] [--reps 3]
 
-The state is the reference model's tensors at ``--gib`` (about 520 regions at 16 GiB, each its own
-allocation, as a served model holds them), not one tensor. The source process lends them through
+The state is the reference model's tensors at ``--gib`` (about 520 regions at 16 GiB, in about 90 allocations,
+as a served model holds them), not one tensor. The source process lends them through
 ``DeviceSender.lend_all`` (CUDA IPC handles over the signed channel, no NIXL agent: what the agent's fill
-uses); a landing in a second process (``DeviceLanding``, ``nixl=False``) opens them, copies every chunk and
-hashes it where it landed with the BLAKE3 kernels, and compares each hash with the chunk's id before it
-replies. ``lend_GBps`` counts that whole call, from the source's request to the landing's reply that every
-chunk verified: sharing the handles, opening them, copies, checks, release. ``landing_phases`` splits the
-landing's side of it. Baselines from the same run, same bytes: one plain device copy of one tensor, and a
+uses); a fresh landing in a second process per pass (``DeviceLanding``, ``nixl=False``, as the fill opens one
+per restore) maps them, copies every chunk with the BLAKE3 kernel that hashes what it stores, and compares
+each hash with the chunk's id before it replies. ``lend_GBps`` counts that whole call, from the source's
+request to the landing's reply that every chunk verified: sharing the handles, signing, mapping, copies,
+checks. Connecting and the landing's unmapping (after its reply) are reported beside it. ``landing_phases``
+splits the landing's side of it. Baselines from the same run, same bytes: one plain device copy of one tensor, and a
 plain copy per region. The last stdout line is one JSON object.
 """
 
@@ -26,16 +27,20 @@ from typing import Any
 import torch
 
 TARGET = r"""
-import json, sys, torch
-from gpumigrate import control
+import json, sys, time, torch
 from gpumigrate.transfer.devhash import blake3_chunks, warm
 from gpumigrate.transfer.nixl_device import DeviceLanding
 job = json.loads(sys.stdin.readline())
 warm(torch.device("cuda"))
 regions = {name: torch.zeros(n, dtype=torch.uint8, device="cuda") for name, n in job["sizes"].items()}
-landing = DeviceLanding(regions, chunk_size=job["chunk"], control_key=bytes.fromhex(job["key"]), hasher=blake3_chunks, nixl=False)
-print(json.dumps({"address": landing.address}), flush=True)
-print(json.dumps({"result": landing.wait().__dict__}), flush=True)
+for _ in range(job["passes"]):  # a fresh landing per pass, as a migration's fill opens one per restore
+    landing = DeviceLanding(regions, chunk_size=job["chunk"], control_key=bytes.fromhex(job["key"]),
+                            hasher=blake3_chunks, nixl=False, expected=job["ids"])
+    print(json.dumps({"address": landing.address}), flush=True)
+    result = landing.wait()
+    t0 = time.perf_counter()
+    landing.close()
+    print(json.dumps({"result": result.__dict__, "closing": time.perf_counter() - t0}), flush=True)
 """
 
 
@@ -85,14 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="(always on)")
     p.add_argument("--gib", type=float, default=16)
-    p.add_argument("--chunk-mib", type=int, default=16)
-    p.add_argument("--batch", type=int, nargs="+", default=[4096, 1024])
+    p.add_argument("--chunk-mib", type=int, default=32, help="the SDK cuts GPU state into 32 MiB chunks")
+    p.add_argument("--batch", type=int, nargs="+", default=[4096])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "lend_model", "not_run": "needs a CUDA GPU"}))
         return 0
+    from gpumigrate.stageclock import STAGES
     from gpumigrate.transfer.devhash import warm
     from gpumigrate.transfer.nixl_device import DeviceSender
 
@@ -102,38 +108,47 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(t.numel() for t in state.values())
     ids = chunk_ids(state, chunk)
     key = os.urandom(32)
-    job = {"sizes": {k: t.numel() for k, t in state.items()}, "chunk": chunk, "key": key.hex()}
+    passes = 1 + args.reps * len(args.batch)  # the first warms the landing's process up (kernels, allocator)
+    job = {"sizes": {k: t.numel() for k, t in state.items()}, "chunk": chunk, "key": key.hex(), "ids": ids}
+    job["passes"] = passes
     child = subprocess.Popen([sys.executable, "-c", TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
     child.stdin.write(json.dumps(job) + "\n")
     child.stdin.flush()
-    line = child.stdout.readline()
-    while not line.startswith('{"address"'):
+
+    def line_of(prefix: str) -> dict[str, Any]:
         line = child.stdout.readline()
-    sender = DeviceSender(json.loads(line)["address"], state, control_key=key, nixl=False)
-    sender.expect(ids)
-    sender.lend_all(batch=args.batch[0])  # warm-up: the landing's first pass allocates and loads its kernels
+        while line and not line.startswith(prefix):
+            line = child.stdout.readline()
+        if not line:
+            raise SystemExit(f"the landing process ended early (exit {child.wait()})")
+        return json.loads(line)
+
+    def one_pass(batch: int) -> dict[str, float]:
+        address = line_of('{"address"')["address"]
+        t0 = time.perf_counter()
+        sender = DeviceSender(address, state, control_key=key, nixl=False)
+        connect = time.perf_counter() - t0
+        replies: list[dict[str, Any]] = []
+        took = timed(lambda: replies.append(sender.lend_all(batch=batch)))
+        sender.close()
+        landed = line_of('{"result"')
+        return {
+            "seconds": round(took, 4),
+            "connect": round(connect, 4),
+            "source_sharing": round(replies[0]["seconds_sharing"], 4),
+            "opening": round(landed["result"]["seconds_opening"], 4),
+            "landing_pass": round(landed["result"]["seconds_passes"], 4),
+            "landing_close": round(landed["closing"], 4),
+            "failed": landed["result"]["chunks_failed"],
+        }
+
+    one_pass(args.batch[0])
+    STAGES.take()  # the source's own stages (gpumigrate.stageclock), from here on: the measured passes only
     runs: dict[str, list[dict[str, float]]] = {}
-    before = sender.call({"op": "done"})
     for batch in args.batch:
         for _ in range(args.reps):
-            replies: list[dict[str, Any]] = []
-            took = timed(lambda b=batch, out=replies: out.append(sender.lend_all(batch=b)))
-            after = replies[0]
-            runs.setdefault(str(batch), []).append(
-                {
-                    "seconds": round(took, 4),
-                    "source_sharing": round(after["seconds_sharing"], 4),
-                    "opening": round(after["seconds_opening"] - before["seconds_opening"], 4),
-                    "landing_pass": round(after["seconds_passes"] - before["seconds_passes"], 4),
-                    "failed": after["chunks_failed"] - before["chunks_failed"],
-                }
-            )
-            before = after
-    sender.close()
-    out_line = child.stdout.readline()
-    while out_line and not out_line.startswith('{"result"'):
-        out_line = child.stdout.readline()
+            runs.setdefault(str(batch), []).append(one_pass(batch))
     child.wait(timeout=60)
     plain = one_tensor_copy(nbytes, args.reps)
     copies = {k: torch.empty_like(t) for k, t in state.items()}
@@ -148,19 +163,20 @@ def main(argv: list[str] | None = None) -> int:
         "regions": len(state),
         "chunk_bytes": chunk,
         "chunks": sum(len(v) for v in ids.values()),
-        "includes": "lend_GBps: DeviceSender.lend_all into a DeviceLanding in another process (nixl=False, as the "
-        "agent's fill from the source): the source's CUDA IPC handles for every region, the landing opening them, "
-        "copying every chunk with the kernel that hashes where it lands (short tails copied plainly, hashed "
-        "together), every hash compared with the manifest's id on the device, the handles released, the reply; "
-        "best of reps after a warm-up pass. landing_phases: opening = mapping the handles, landing_pass = the "
-        "landing's whole pass (opening included)",
+        "includes": "lend_GBps: DeviceSender.lend_all into a fresh DeviceLanding in another process per pass "
+        "(nixl=False, as the agent's fill from the source opens one per restore), from the source's request to the "
+        "landing's reply: the source's CUDA IPC handles for every region, the landing mapping them, copying every "
+        "chunk with the kernel that hashes what it copies (short tails copied plainly, hashed together), every hash "
+        "compared with the manifest's id on the device, the reply; best of reps after a warm-up pass. Outside it, "
+        "reported beside: connect (TCP and the signed channel), landing_close (unmapping, after the reply). "
+        "landing_phases: opening = mapping the handles, landing_pass = the landing's whole pass (opening included)",
         "GBps": {
             **{f"lend_batch{b}": gbps(s) for b, s in best.items()},
             "plain_device_copy_one_tensor": gbps(plain),
             "plain_device_copy_per_region": gbps(per_region),
         },
         "landing_phases": runs,
-        "landing_result": json.loads(out_line)["result"] if out_line else None,
+        "source_stages_per_pass": {k: round(v / sum(map(len, runs.values())), 4) for k, v in STAGES.take().items()},
         "targets": {"lend_GBps": ">= 700 (issue 15, counting the verification)"},
     }
     text = json.dumps(result)

@@ -14,9 +14,11 @@ in every driver, and a GPU host needs no extra package for them.
 Lifetime: the source keeps its tensors alive and unchanged until the landing replies (``lend_all`` waits for
 that reply), and the target unmaps (:meth:`Mapped.close`) when its landing closes.
 
-Wire form (inside the landing's signed ``lend`` message, ``transfer/nixl_device.py``):
-``{"allocations": [{"handle": base64 of the 64-byte cudaIpcMemHandle, "bytes": n}, ...],
-"regions": {name: {"allocation": k, "offset": byte offset into allocation k, "nbytes": n}}}``.
+Wire form (inside the landing's signed ``lend`` message, ``transfer/nixl_device.py``), packed so that signing
+and checking the message (canonical JSON, HMAC) stays cheap at hundreds of regions:
+``{"handles": base64 of the allocations' 64-byte cudaIpcMemHandles back to back, "sizes": [bytes of allocation
+k, ...], "names": [region, ...], "places": base64 of little-endian int64 triples (allocation k, byte offset into
+it, nbytes), one per name}``.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from __future__ import annotations
 import base64
 import ctypes
 import functools
+import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 _LAZY_ENABLE_PEER_ACCESS = 1
+# Threads that map a lend's allocations ahead of the landing's copies (Mapped.map_ahead). One: on an H100, four
+# made each mapping call 3-4x slower (the driver serializes them) and slowed the copies running meanwhile.
+MAP_THREADS = 1
 _HANDLE_BYTES = 64
 
 
@@ -89,24 +95,36 @@ def share(tensors: Mapping[str, Any]) -> dict[str, Any] | None:
 
     device = next(iter(tensors.values())).device
     torch.cuda.set_device(device)  # the driver calls run in this thread's context: the device's primary one
-    allocations: list[dict[str, Any]] = []
-    at: dict[int, int] = {}
-    regions: dict[str, dict[str, int]] = {}
-    for name, tensor in tensors.items():
+    handles: list[bytes] = []
+    sizes: list[int] = []
+    bases: list[int] = []  # allocation k starts at bases[k]
+    places: list[int] = []  # (allocation, offset, nbytes) per tensor, flat
+    base, size, handle = ctypes.c_uint64(), ctypes.c_size_t(), _Handle()
+    k = -1
+    for tensor in tensors.values():
         if tensor.device != device:
             return None
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        if calls["range"](ctypes.byref(base), ctypes.byref(size), tensor.data_ptr()) != 0:
-            return None
-        k = at.get(base.value)
-        if k is None:
-            handle = _Handle()
-            if calls["get"](ctypes.byref(handle), base.value) != 0:
+        address, nbytes = tensor.data_ptr(), tensor.numel()
+        # A tensor inside the allocation of the one before it needs no driver call: live allocations never
+        # overlap, and that one cannot go away while its tensors are alive (most of a model's 521 tensors).
+        if not (k >= 0 and bases[k] <= address and address + nbytes <= bases[k] + sizes[k]):
+            if calls["range"](ctypes.byref(base), ctypes.byref(size), address) != 0:
                 return None
-            k = at[base.value] = len(allocations)
-            allocations.append({"handle": base64.b64encode(handle.raw()).decode(), "bytes": size.value})
-        regions[name] = {"allocation": k, "offset": tensor.data_ptr() - base.value, "nbytes": tensor.numel()}
-    return {"allocations": allocations, "regions": regions}
+            k = bases.index(base.value) if base.value in bases else -1
+            if k < 0:
+                if calls["get"](ctypes.byref(handle), base.value) != 0:
+                    return None
+                k = len(bases)
+                bases.append(base.value)
+                sizes.append(size.value)
+                handles.append(handle.raw())
+        places += (k, address - bases[k], nbytes)
+    return {
+        "handles": base64.b64encode(b"".join(handles)).decode(),
+        "sizes": sizes,
+        "names": list(tensors),
+        "places": base64.b64encode(struct.pack(f"<{len(places)}q", *places)).decode(),
+    }
 
 
 class Mapped:
@@ -118,24 +136,72 @@ class Mapped:
             raise RuntimeError("the CUDA driver library (libcuda.so.1) is not loadable here")
         self._calls = calls
         self.device = device
-        self.allocations = [(base64.b64decode(str(a["handle"])), int(a["bytes"])) for a in list(message["allocations"])]
-        self.regions = {
-            str(name): (int(r["allocation"]), int(r["offset"]), int(r["nbytes"]))
-            for name, r in dict(message["regions"]).items()
-        }
+        raw = base64.b64decode(str(message["handles"]), validate=True)
+        sizes = [int(n) for n in message["sizes"]]
+        if len(raw) != _HANDLE_BYTES * len(sizes):
+            raise ValueError(f"{len(raw)} bytes of handles for {len(sizes)} allocations")
+        self.allocations = [(raw[i * _HANDLE_BYTES : (i + 1) * _HANDLE_BYTES], n) for i, n in enumerate(sizes)]
+        names = [str(name) for name in message["names"]]
+        packed = base64.b64decode(str(message["places"]), validate=True)
+        if len(packed) != 24 * len(names):
+            raise ValueError(f"{len(packed)} bytes of places for {len(names)} regions")
+        places = struct.unpack(f"<{3 * len(names)}q", packed)
+        self.regions = {name: (places[3 * i], places[3 * i + 1], places[3 * i + 2]) for i, name in enumerate(names)}
         for name, (k, offset, nbytes) in self.regions.items():
-            if not 0 <= k < len(self.allocations) or offset < 0 or offset + nbytes > self.allocations[k][1]:
+            if not 0 <= k < len(self.allocations) or offset < 0 or nbytes < 0 or offset + nbytes > sizes[k]:
                 raise ValueError(f"region {name}: outside the allocation it names")
-            if len(self.allocations[k][0]) != _HANDLE_BYTES:
-                raise ValueError(f"region {name}: a handle of {len(self.allocations[k][0])} bytes")
         self._mapped: dict[int, int] = {}  # allocation -> its address here
-        self._views: dict[int, Any] = {}  # allocation -> a uint8 tensor over it
+        self._views: dict[int, Any] = {}  # allocation -> a uint8 tensor over it, made when first asked for
         self._lock = threading.Lock()
-        self.seconds_opening = 0.0
+        self._ready: dict[int, threading.Event] = {}  # allocations the mapping threads were given
+        self._failed: dict[int, str] = {}
+        self._threads: list[threading.Thread] = []
+        self.seconds_opening = 0.0  # time the caller waited for mappings (its own, or the threads' not yet done)
+        self.seconds_mapping = 0.0  # time spent in the driver's mapping call, summed over threads
+
+    def map_ahead(self, names: Sequence[str], threads: int = MAP_THREADS) -> None:
+        """Map the allocations of regions ``names``, in that order, on ``threads`` background threads, so the
+        caller's work on the first regions (launching their copies) runs while the later ones are mapped.
+        :meth:`address` and :meth:`tensor` wait for an allocation still being mapped."""
+        order: list[int] = []
+        for name in names:
+            k = self.regions[name][0]
+            if k not in self._mapped and k not in self._ready:
+                self._ready[k] = threading.Event()
+                order.append(k)
+        todo = iter(order)
+        take = threading.Lock()
+
+        def work() -> None:
+            try:
+                import torch
+
+                torch.cuda.set_device(self.device)  # the driver's calls run in this thread's current context
+                trouble = ""
+            except Exception as exc:  # noqa: BLE001 - reported for each allocation this thread was to map
+                trouble = f"{type(exc).__name__}: {exc}"
+            while True:
+                with take:
+                    k = next(todo, None)
+                if k is None:
+                    return
+                try:
+                    if trouble:
+                        raise RuntimeError(trouble)
+                    self._map(k)
+                except Exception as exc:  # noqa: BLE001 - raised in the caller's thread, at its address()
+                    self._failed[k] = str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+                finally:
+                    self._ready[k].set()
+
+        for _ in range(max(1, min(threads, len(order)))):
+            thread = threading.Thread(target=work, name="gm-ipc-map", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def address(self, name: str) -> int:
         """Where region ``name`` of the source's memory lies in this process (mapping its allocation now if it is
-        the first region there)."""
+        the first region there and no mapping thread has it)."""
         k, offset, _ = self.regions[name]
         return self._base(k) + offset
 
@@ -143,17 +209,36 @@ class Mapped:
         """Region ``name`` of the source's memory as a flat uint8 tensor of this process (a view of its
         allocation's, which is made once)."""
         k, offset, nbytes = self.regions[name]
-        self._base(k)
-        return self._views[k][offset : offset + nbytes]
+        base = self._base(k)
+        with self._lock:
+            view = self._views.get(k)
+            if view is None:
+                import torch
+
+                view = self._views[k] = torch.as_tensor(_Device(base, self.allocations[k][1]), device=self.device)
+        return view[offset : offset + nbytes]
 
     def _base(self, k: int) -> int:
         base = self._mapped.get(k)
         if base is not None:
             return base
-        import torch
-
         t0 = time.perf_counter()
-        torch.cuda.set_device(self.device)
+        ready = self._ready.get(k)
+        if ready is not None:
+            ready.wait()
+            if k in self._failed:
+                raise RuntimeError(self._failed[k])
+            base = self._mapped[k]
+        else:
+            import torch
+
+            torch.cuda.set_device(self.device)
+            base = self._map(k)
+        self.seconds_opening += time.perf_counter() - t0
+        return base
+
+    def _map(self, k: int) -> int:
+        t0 = time.perf_counter()
         handle = _Handle.of(self.allocations[k][0])
         address = ctypes.c_uint64()
         code = self._calls["open"](ctypes.byref(address), handle, _LAZY_ENABLE_PEER_ACCESS)
@@ -161,14 +246,16 @@ class Mapped:
             raise RuntimeError(f"cuIpcOpenMemHandle failed (CUresult {code}) for allocation {k}")
         with self._lock:
             self._mapped[k] = address.value
-            self._views[k] = torch.as_tensor(_Device(address.value, self.allocations[k][1]), device=self.device)
-        self.seconds_opening += time.perf_counter() - t0
+            self.seconds_mapping += time.perf_counter() - t0
         return address.value
 
     def close(self) -> None:
         """Unmap every allocation mapped here; nothing of the source's may be used afterwards."""
         import torch
 
+        for thread in self._threads:  # a mapping still being made is unmapped below, not leaked
+            thread.join()
+        self._threads = []
         with self._lock:
             mapped, self._mapped = self._mapped, {}
             self._views = {}  # no view may outlive its mapping

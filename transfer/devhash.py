@@ -8,7 +8,8 @@ is computed by two Triton kernels, one thread per 1 KiB leaf:
 * ``_leaf_kernel``: the 16 compressions of a leaf (flags CHUNK_START / CHUNK_END, counter = leaf
   index within its own input, ROOT when the input is one leaf);
 * ``_parent_kernel``: one tree level, pairing nodes left to right within each input; an odd last
-  node moves up unchanged, which yields BLAKE3's left-balanced tree; ROOT on the last level.
+  node moves up unchanged, which yields BLAKE3's left-balanced tree; ROOT on the last level
+  (``parent2_kernel`` runs two such levels per launch).
 
 Inputs must be device tensors of one length, a multiple of 1024 bytes (whole leaves), 4-byte
 aligned; anything else stays on the CPU (``eligible``). ``blake3_reference`` is the same algorithm
@@ -131,6 +132,12 @@ def _kernels():  # noqa: ANN202 - the Triton module, imported only where it runs
 
 LEAF_BLOCK = 128
 PARENT_BLOCK = 256
+# The copy that hashes (leaf_copy_gather_kernel): leaves per program and warps; a sweep on an H100 put 32 leaves
+# on one warp ahead (1,093 GB/s, against 1,031-1,057 for 64-256 leaves on 1-8 warps).
+GATHER_BLOCK = 32
+GATHER_WARPS = 1
+# Lengths off the 32 KiB grid (a region's short last chunk: 8 KiB of a layer norm's weights) take programs of 8.
+GATHER_SMALL_BLOCK = 8
 # Which leaf kernel reads the data (devhash_kernels.py): "v4" (16-byte loads), "tile" (one coalesced tile per
 # 64-byte block), "scalar" (4-byte loads, the first version). The wide ones need 16-byte-aligned inputs.
 LEAF_KERNELS = ("v4", "tile", "scalar")
@@ -207,38 +214,23 @@ def _tree(base: torch.Tensor, offsets: torch.Tensor, count: int, size: int, alig
 
 
 def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Copy ``src`` into ``dst`` and return the BLAKE3 words ``[n, 8]`` of each ``chunk``-byte piece copied.
-
-    One kernel: each block of leaves is copied, then hashed where it landed (``dst``, through L2), so
-    memory sees one read of the source and one write of the destination. Both contiguous device uint8 tensors of one size, whole
-    chunks, 16-byte aligned (``src`` may be another process's memory opened through CUDA IPC).
-    """
+    """Copy ``src`` into ``dst`` and return the BLAKE3 words ``[n, 8]`` of each ``chunk``-byte piece copied:
+    :func:`blake3_copy_gather` over two contiguous device uint8 tensors of one size, whole chunks, 16-byte
+    aligned (``src`` may be another process's memory opened through CUDA IPC)."""
     n = src.numel() // chunk if chunk else 0
     same = src.numel() == dst.numel() == n * chunk and src.is_contiguous() and dst.is_contiguous()
-    if not (n and same and eligible(src[:chunk]) and dst.is_cuda and dst.dtype == torch.uint8):
-        raise ValueError("blake3_copy_chunks: two contiguous device uint8 tensors of one size, whole chunks")
-    if src.data_ptr() % 16 or dst.data_ptr() % 16 or chunk % 16:
-        raise ValueError("blake3_copy_chunks: both tensors 16-byte aligned")
-    k = _kernels()
-    leaves = chunk // LEAF
-    total = n * leaves
-    nodes = torch.empty(total * 8, dtype=torch.int32, device=src.device)
-    k.leaf_copy_kernel[(triton_cdiv(total, LEAF_BLOCK),)](
-        src.view(torch.int32),
-        dst.view(torch.int32),
-        dst.data_ptr(),
-        nodes,
-        total,
-        leaves,
-        ROOT if leaves == 1 else 0,
-        BLOCK=LEAF_BLOCK,
-    )
-    return _parents(nodes, n, leaves)
+    if not (n and same and gather_takes(src, dst, chunk)):
+        raise ValueError(
+            "blake3_copy_chunks: two contiguous 16-byte aligned device uint8 tensors of one size, whole chunks "
+            f"of a multiple of {LEAF * GATHER_SMALL_BLOCK} bytes"
+        )
+    at = [i * chunk for i in range(n)]
+    return blake3_copy_gather(src, at, dst, at, chunk)
 
 
 def gather_chunk(chunk: int) -> bool:
     """Whether :func:`blake3_copy_gather` copies chunks of this size (a whole number of its blocks of leaves)."""
-    return chunk > 0 and chunk % (LEAF * LEAF_BLOCK) == 0
+    return chunk > 0 and chunk % (LEAF * GATHER_SMALL_BLOCK) == 0
 
 
 def gather_takes(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> bool:
@@ -259,15 +251,15 @@ def blake3_copy_gather(
     src: torch.Tensor, src_at: Sequence[int], dst: torch.Tensor, dst_at: Sequence[int], chunk: int
 ) -> torch.Tensor:
     """Copy ``chunk`` bytes from ``src_at[i]`` bytes past ``src``'s start to ``dst_at[i]`` bytes past ``dst``'s,
-    for every ``i``, and return the BLAKE3 words ``[len(src_at), 8]`` of each chunk copied, in one kernel.
+    for every ``i``, and return the BLAKE3 words ``[len(src_at), 8]`` of each chunk copied, in one kernel that
+    hashes the very words it stores (devhash_kernels.leaf_copy_gather_kernel), then one launch per tree level.
 
-    :func:`blake3_copy_chunks` for chunks scattered over many tensors (a model's state: hundreds of regions,
-    each its own allocation, on both sides). The chunks are addressed by byte offsets from one tensor of each
-    side, so they may lie in other allocations (negative offsets included): the caller computes them from
-    ``data_ptr`` arithmetic, with no per-chunk tensor views (their Python cost matched the copy's at 1,000
-    chunks). The caller vouches that every chunk lies in memory it owns or opened (the source's may be
-    another process's memory opened through CUDA IPC); :func:`gather_takes` says which regions qualify,
-    and every offset must be a multiple of 16.
+    For chunks scattered over many tensors (a model's state: hundreds of regions, each its own allocation, on
+    both sides). The chunks are addressed by byte offsets from one tensor of each side, so they may lie in other
+    allocations (negative offsets included): the caller computes them from ``data_ptr`` arithmetic, with no
+    per-chunk tensor views (their Python cost matched the copy's at 1,000 chunks). The caller vouches that every
+    chunk lies in memory it owns or opened (the source's may be another process's memory opened through CUDA
+    IPC); :func:`gather_takes` says which regions qualify, and every offset must be a multiple of 16.
     """
     count = len(src_at)
     if not count or len(dst_at) != count or not gather_takes(src, dst, chunk):
@@ -280,33 +272,43 @@ def blake3_copy_gather(
     leaves = chunk // LEAF
     total = count * leaves
     nodes = torch.empty(total * 8, dtype=torch.int32, device=dst.device)
-    k.leaf_copy_gather_kernel[(total // LEAF_BLOCK,)](
+    block = GATHER_BLOCK if leaves % GATHER_BLOCK == 0 else GATHER_SMALL_BLOCK
+    k.leaf_copy_gather_kernel[(total // block,)](
         src.view(torch.int32),
         dst.view(torch.int32),
-        dst.data_ptr(),
         table[0],
         table[1],
         nodes,
         total,
         leaves,
-        ROOT if leaves == 1 else 0,
-        BLOCK=LEAF_BLOCK,
+        BLOCK=block,
+        num_warps=GATHER_WARPS,
     )
     return _parents(nodes, count, leaves)
 
 
 def _parents(nodes: torch.Tensor, count: int, leaves: int) -> torch.Tensor:
-    """The tree above the leaves' chaining values, one launch per level; the roots as ``[count, 8]``."""
+    """The tree above the leaves' chaining values, two levels per launch while more than two nodes remain, into
+    one buffer for all levels; the roots as ``[count, 8]``."""
     k = _kernels()
-    device = nodes.device
+    levels: list[int] = []  # the node count per input after each launch
     c = leaves
     while c > 1:
-        up = (c + 1) // 2
-        out = torch.empty(count * up * 8, dtype=torch.int32, device=device)
-        k.parent_kernel[(triton_cdiv(count * up, PARENT_BLOCK),)](
-            nodes, out, count * up, c, up, PARENT | (ROOT if c == 2 else 0), BLOCK=PARENT_BLOCK
-        )
-        nodes, c = out, up
+        c = (c + 3) // 4 if c > 2 else 1
+        levels.append(c)
+    if not levels:
+        return nodes.view(count, 8)
+    room = torch.empty(count * sum(levels) * 8, dtype=torch.int32, device=nodes.device)
+    c, at = leaves, 0
+    for up in levels:
+        out = room[at : at + count * up * 8]
+        grid = (triton_cdiv(count * up, PARENT_BLOCK),)
+        if c > 2:
+            top = ROOT if up == 1 else 0
+            k.parent2_kernel[grid](nodes, out, count * up, c, up, top, BLOCK=PARENT_BLOCK)
+        else:
+            k.parent_kernel[grid](nodes, out, count * up, c, up, PARENT | ROOT, BLOCK=PARENT_BLOCK)
+        nodes, c, at = out, up, at + count * up * 8
     return nodes.view(count, 8)
 
 
@@ -316,7 +318,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def warm(device: torch.device) -> None:
     """Compile the kernels now (seconds, once per host: Triton caches them on disk) rather than inside a capture
-    or a restore: the hash of a list of views, of a block of chunks, and the copy that hashes where it lands.
+    or a restore: the hash of a list of views, of a block of chunks, and the copy that hashes what it stores.
 
     Triton compiles one variant per argument shape (sizes divisible by 16 or not, equal to 1 or not), so
     each is run at two chunk sizes (4 MiB, the default for host state; 16 MiB, whose variants are those of the 32 MiB
@@ -329,9 +331,10 @@ def warm(device: torch.device) -> None:
             block = probe[: count * chunk]
             words = blake3_chunks(block, chunk)
             landed = torch.empty_like(block)
-            blake3_copy_chunks(block, landed, chunk)
             pieces = list(range(0, count * chunk, chunk))
             blake3_copy_gather(block, pieces, landed, pieces[::-1], chunk)
+            small = GATHER_SMALL_BLOCK * LEAF  # a short last chunk's copy (device_lend)
+            blake3_copy_gather(block, [0, small][:count], landed, [small, 0][:count], small)
         del probe
     # The comparison a landing runs on the words (nixl_device): PyTorch loads each of its kernels on first use,
     # and a fresh target's first restore spent about 40 ms loading these.

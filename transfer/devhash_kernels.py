@@ -267,6 +267,117 @@ def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, 
     )
 
 
+@triton.jit(do_not_specialize=["total_out", "count_in", "count_out", "top_flags"])
+def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, BLOCK: tl.constexpr):
+    """Two tree levels in one launch: node j of an input = the subtree over its nodes 4j..4j+3, by
+    :func:`parent_kernel`'s rule at each level (a node without a pair goes up unchanged); ``top_flags`` (ROOT or
+    0) marks the upper level's parents. Halves the launches of a chunk's tree (15 levels at 32 MiB): the Python
+    side of a launch costs more than the GPU's work on the upper levels.
+
+    The three compressions (nodes 0+1, nodes 2+3, then the two results) run as one loop with one compression in
+    it: three copies of it made Triton's compile of this kernel 38 s instead of a few."""
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = j < total_out
+    which = j // count_out
+    k = j - which * count_out
+    first = in_ptr + (which * count_in + 4 * k).to(tl.int64) * 8
+    has1 = mask & (4 * k + 1 < count_in)
+    has2 = mask & (4 * k + 2 < count_in)
+    has3 = mask & (4 * k + 3 < count_in)
+    zero = tl.zeros([BLOCK], tl.uint32)
+    i0, i1, i2, i3, i4, i5, i6, i7 = _iv([BLOCK])
+    A0, A1, A2, A3, A4, A5, A6, A7 = zero, zero, zero, zero, zero, zero, zero, zero
+    B0, B1, B2, B3, B4, B5, B6, B7 = zero, zero, zero, zero, zero, zero, zero, zero
+    T0, T1, T2, T3, T4, T5, T6, T7 = zero, zero, zero, zero, zero, zero, zero, zero
+    for step in range(3):
+        p = first + step * 16
+        lo = (step < 2) & tl.where(step == 0, mask, has2)  # step 0 reads nodes 0 and 1, step 1 nodes 2 and 3
+        hi = (step < 2) & tl.where(step == 0, has1, has3)
+        late = step == 2  # step 2 compresses the two results
+        m0 = tl.where(late, A0, _w(p + 0, lo))
+        m1 = tl.where(late, A1, _w(p + 1, lo))
+        m2 = tl.where(late, A2, _w(p + 2, lo))
+        m3 = tl.where(late, A3, _w(p + 3, lo))
+        m4 = tl.where(late, A4, _w(p + 4, lo))
+        m5 = tl.where(late, A5, _w(p + 5, lo))
+        m6 = tl.where(late, A6, _w(p + 6, lo))
+        m7 = tl.where(late, A7, _w(p + 7, lo))
+        m8 = tl.where(late, B0, _w(p + 8, hi))
+        m9 = tl.where(late, B1, _w(p + 9, hi))
+        m10 = tl.where(late, B2, _w(p + 10, hi))
+        m11 = tl.where(late, B3, _w(p + 11, hi))
+        m12 = tl.where(late, B4, _w(p + 12, hi))
+        m13 = tl.where(late, B5, _w(p + 13, hi))
+        m14 = tl.where(late, B6, _w(p + 14, hi))
+        m15 = tl.where(late, B7, _w(p + 15, hi))
+        flags = zero + (4 | tl.where(late, top_flags, 0)).to(tl.uint32)
+        r0, r1, r2, r3, r4, r5, r6, r7 = _compress(
+            i0,
+            i1,
+            i2,
+            i3,
+            i4,
+            i5,
+            i6,
+            i7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            zero,
+            flags,
+        )
+        # a node without its pair goes up as it is (the first node read in that step)
+        paired = tl.where(step == 0, has1, tl.where(step == 1, has3, has2))
+        r0 = tl.where(paired, r0, m0)
+        r1 = tl.where(paired, r1, m1)
+        r2 = tl.where(paired, r2, m2)
+        r3 = tl.where(paired, r3, m3)
+        r4 = tl.where(paired, r4, m4)
+        r5 = tl.where(paired, r5, m5)
+        r6 = tl.where(paired, r6, m6)
+        r7 = tl.where(paired, r7, m7)
+        A0, A1, A2, A3 = (
+            tl.where(step == 0, r0, A0),
+            tl.where(step == 0, r1, A1),
+            tl.where(step == 0, r2, A2),
+            tl.where(step == 0, r3, A3),
+        )
+        A4, A5, A6, A7 = (
+            tl.where(step == 0, r4, A4),
+            tl.where(step == 0, r5, A5),
+            tl.where(step == 0, r6, A6),
+            tl.where(step == 0, r7, A7),
+        )
+        B0, B1, B2, B3 = (
+            tl.where(step == 1, r0, B0),
+            tl.where(step == 1, r1, B1),
+            tl.where(step == 1, r2, B2),
+            tl.where(step == 1, r3, B3),
+        )
+        B4, B5, B6, B7 = (
+            tl.where(step == 1, r4, B4),
+            tl.where(step == 1, r5, B5),
+            tl.where(step == 1, r6, B6),
+            tl.where(step == 1, r7, B7),
+        )
+        T0, T1, T2, T3 = r0, r1, r2, r3
+        T4, T5, T6, T7 = r4, r5, r6, r7
+    _store8(out_ptr + j.to(tl.int64) * 8, mask, T0, T1, T2, T3, T4, T5, T6, T7)
+
+
 @triton.jit
 def _words16(p, mask, BLOCK: tl.constexpr):
     """The 16 message words at ``p`` (one 64-byte block per lane), read as one [BLOCK, 16] tile.
@@ -276,6 +387,12 @@ def _words16(p, mask, BLOCK: tl.constexpr):
     load instruction touch 32 different cache lines, and the kernel waited on its loads."""
     cols = tl.arange(0, 16)
     tile = tl.load(p[:, None] + cols[None, :], mask=mask[:, None], other=0).to(tl.uint32, bitcast=True)
+    return _split16(tile, BLOCK)
+
+
+@triton.jit
+def _split16(tile, BLOCK: tl.constexpr):
+    """A [BLOCK, 16] tile's 16 columns, one [BLOCK] vector each (the compiler moves them through shared memory)."""
     t = tl.reshape(tile, [BLOCK, 2, 2, 2, 2])  # word w = 8i + 4j + 2k + l at [lane, i, j, k, l]
     l0, l1 = tl.split(t)
     l0k0, l0k1 = tl.split(l0)
@@ -412,129 +529,53 @@ def leaf_kernel_v4(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_inp
     _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
-@triton.jit
-def _ld4_landed(addr):
-    """:func:`_ld4` through L2 (``.cg``), not the read-only path: this kernel stored these bytes itself."""
-    return tl.inline_asm_elementwise(
-        "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        [addr],
-        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
-def leaf_copy_kernel(
-    src_ptr, dst_ptr, dst_addr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr
-):
-    """Copy ``BLOCK`` leaves from ``src`` to ``dst`` (contiguous inputs), then hash them where they landed.
-
-    Each program first copies its ``BLOCK`` KiB with coalesced 16-byte loads and stores, waits for its
-    threads (a CTA barrier makes their global stores visible to each other), then runs
-    :func:`leaf_kernel_v4`'s hashing over ``dst``, reading through L2 where the copy just put the bytes.
-    Memory sees one read of the source and one write of the destination; a separate copy and check read
-    the destination a second time."""
-    first = tl.program_id(0) * BLOCK
-    words = tl.arange(0, BLOCK * 16)
-    base = first.to(tl.int64) * 256
-    limit = total_leaves.to(tl.int64) * 256
-    for t in range(16):
-        offs = base + t * (BLOCK * 16) + words
-        keep = offs < limit
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=keep), mask=keep)
-    tl.debug_barrier()
-    leaf = first + tl.arange(0, BLOCK)
-    mask = leaf < total_leaves
-    which = leaf // leaves_per_input
-    index = leaf - which * leaves_per_input
-    addr = tl.where(mask, dst_addr + leaf.to(tl.int64) * 1024, dst_addr)
-    counter = index.to(tl.uint32)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
-    for b in range(16):
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
-            tl.uint32
-        )
-        q = addr + b * 64
-        m0, m1, m2, m3 = _ld4_landed(q)
-        m4, m5, m6, m7 = _ld4_landed(q + 16)
-        m8, m9, m10, m11 = _ld4_landed(q + 32)
-        m12, m13, m14, m15 = _ld4_landed(q + 48)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
-            c0,
-            c1,
-            c2,
-            c3,
-            c4,
-            c5,
-            c6,
-            c7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            counter,
-            flags,
-        )
-    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
-
-
-@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input"])
 def leaf_copy_gather_kernel(
     src_ptr,
     dst_ptr,
-    dst_addr,
     src_offsets_ptr,
     dst_offsets_ptr,
     out_ptr,
     total_leaves,
     leaves_per_input,
-    last_flags,
     BLOCK: tl.constexpr,
 ):
-    """:func:`leaf_copy_kernel` over inputs anywhere in memory: input ``i`` is copied from word
-    ``src_offsets[i]`` of ``src`` to word ``dst_offsets[i]`` of ``dst`` (both multiples of 4: 16-byte aligned),
-    then hashed where it landed. ``leaves_per_input`` is a multiple of ``BLOCK``, so a program's leaves all
-    sit in one input: the chunks of a model's hundreds of tensors go in a few launches, not a launch chain each."""
+    """Copy input ``i`` from word ``src_offsets[i]`` of ``src`` to word ``dst_offsets[i]`` of ``dst`` (both
+    multiples of 4: 16-byte aligned) and return the chaining value of every 1 KiB leaf copied, hashing the very
+    words it stores. ``leaves_per_input`` is a multiple of ``BLOCK``, so a program's leaves all sit in one input:
+    the chunks of a model's hundreds of tensors go in a few launches, not a launch chain each.
+
+    Each program walks its ``BLOCK`` leaves one 64-byte block at a time. A block of all its leaves is loaded as
+    one [BLOCK, 16] tile (neighbouring threads read neighbouring 16-byte pieces: whole 32-byte sectors), stored
+    as that tile (whole sectors again), and handed to the lanes, one leaf's row each, through shared memory
+    (:func:`_split16`) to be compressed. The next block's tile is loaded before this one is compressed, so
+    memory works while the lanes hash. Memory sees one read of the source and one write of the destination.
+
+    Measured on an H100 (16 GiB, 32 MiB chunks; bench/results/kernel-h100-s11.json), leaves only: 1,093 GB/s
+    with 32 leaves and one warp per program against 811-823 GB/s for the previous kernel, which copied 128
+    leaves, then read them back through L2 to hash them (copy and hash took turns); 390 GB/s for the lanes
+    storing their own rows with 16-byte stores (every store instruction half-filled 32 sectors); 940-950 GB/s
+    without the early load of the next tile."""
     first = tl.program_id(0) * BLOCK
     which = first // leaves_per_input
     index0 = first - which * leaves_per_input
     src_at = tl.multiple_of(tl.load(src_offsets_ptr + which), 4)
     dst_at = tl.multiple_of(tl.load(dst_offsets_ptr + which), 4)
-    words = tl.arange(0, BLOCK * 16)
-    base = index0.to(tl.int64) * 256
-    for t in range(16):
-        at = tl.multiple_of(base + t * (BLOCK * 16), 16)
-        tl.store(dst_ptr + dst_at + at + words, tl.load(src_ptr + src_at + at + words))
-    tl.debug_barrier()
     lane = tl.arange(0, BLOCK)
     leaf = index0 + lane
-    mask = first + lane < total_leaves
-    addr = dst_addr + dst_at * 4 + leaf.to(tl.int64) * 1024
+    cols = tl.arange(0, 16)
+    ps = src_ptr + src_at + leaf.to(tl.int64)[:, None] * 256 + cols[None, :]
+    pd = dst_ptr + dst_at + leaf.to(tl.int64)[:, None] * 256 + cols[None, :]
     counter = leaf.to(tl.uint32)
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
+    tile = tl.load(ps)
     for b in range(16):
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
-            tl.uint32
+        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2, 0)).to(tl.uint32)
+        ahead = tl.load(ps + (b + 1) * 16, mask=b < 15)
+        tl.store(pd + b * 16, tile)
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(
+            tile.to(tl.uint32, bitcast=True), BLOCK
         )
-        q = addr + b * 64
-        m0, m1, m2, m3 = _ld4_landed(q)
-        m4, m5, m6, m7 = _ld4_landed(q + 16)
-        m8, m9, m10, m11 = _ld4_landed(q + 32)
-        m12, m13, m14, m15 = _ld4_landed(q + 48)
         c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
             c0,
             c1,
@@ -563,4 +604,5 @@ def leaf_copy_gather_kernel(
             counter,
             flags,
         )
-    _store8(out_ptr + (first + lane).to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
+        tile = ahead
+    _store8(out_ptr + (first + lane).to(tl.int64) * 8, lane < BLOCK, c0, c1, c2, c3, c4, c5, c6, c7)

@@ -14,10 +14,10 @@ image's signed manifest; or the target is given them itself), then moves them on
 * ``pull_all``: the source ``offer``s its agent metadata and addresses, and the target READs with
   NIXL, checking each batch while its next READ moves (one process: the two can run side by side).
   UCX leaves cuda_ipc READs off on GPUs without NVLink; the agents here turn them on (``LANDING_UCX``).
-* ``lend_all``: the source sends its tensors' CUDA IPC handles (PyTorch's sharing of CUDA tensors)
-  and the target copies them itself with the kernel that copies a block of chunks and hashes it
-  where it landed (``devhash.blake3_copy_chunks``): one pass over memory instead of two. Device
-  memory only.
+* ``lend_all``: the source sends CUDA IPC handles of its allocations (``cuda_ipc``; PyTorch's
+  per-tensor sharing where the driver cannot export one) and the target copies the regions itself
+  with the kernel that hashes the words it stores (``device_lend``, ``devhash.blake3_copy_gather``):
+  one pass over memory instead of two. Device memory only.
 
 All three check every chunk on the target and name the ones that still fail after their retries.
 TRANSPORTS.md compares them (bench/transfer_link.py gpu).
@@ -35,6 +35,7 @@ import base64
 import contextlib
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -44,6 +45,8 @@ from typing import Any
 
 from gpumigrate import control
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
+from gpumigrate.stageclock import STAGES, log_stages
+from gpumigrate.transfer.device_lend import Hashed, copy_and_hash
 from gpumigrate.transfer.nixl import make_agent
 from gpumigrate.transfer.stream import CHANNEL, parse_listen
 
@@ -51,7 +54,6 @@ from gpumigrate.transfer.stream import CHANNEL, parse_listen
 # multiple of ``chunk`` → [pieces, 8] int32 words (little-endian), computed where the block lives.
 Hasher = Callable[[Any, int], Any]
 MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
-LAUNCH_CHUNKS = 64  # whole chunks per gathering copy of a lend: copies start while later allocations are mapped
 log = logging.getLogger(__name__)
 HASH_GROUP = 256  # chunks per hash launch over plainly copied chunks (its tree's scratch: 32 B per KiB hashed)
 READ_TIMEOUT_S = 60.0  # one READ of a batch; a transfer that stalls fails instead of hanging its source
@@ -184,6 +186,9 @@ class _TorchLent:
     def tensor(self, name: str) -> Any:
         return self._lent[name]
 
+    def map_ahead(self, names: Sequence[str]) -> None:
+        """Nothing: every tensor was mapped when this was made."""
+
     def address(self, name: str) -> int:
         return int(self._lent[name].data_ptr())
 
@@ -195,9 +200,9 @@ class _TorchLent:
 
 
 def _lent_memory(body: Mapping[str, Any], device: Any) -> Any:
-    """The source's memory a ``lend`` names: by allocation through the driver (``allocations`` present,
+    """The source's memory a ``lend`` names: by allocation through the driver (``handles`` present,
     :mod:`cuda_ipc`), else PyTorch's per-tensor handles."""
-    if "allocations" in body:
+    if "handles" in body:
         from gpumigrate.transfer import cuda_ipc
 
         return cuda_ipc.Mapped(body, device)
@@ -229,15 +234,6 @@ class _Channel:
 
 
 # ----------------------------------------------------------------------------- target
-@dataclass
-class Hashed:
-    """BLAKE3 words ``[n, 8]`` computed where chunks landed, the ``(region, index)`` of each, and their bytes."""
-
-    words: Any
-    keys: list[tuple[str, int]]
-    nbytes: int
-
-
 @dataclass
 class LandingResult:
     chunks_verified: int = 0
@@ -271,6 +267,7 @@ class DeviceLanding:
         ucx_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.regions = {name: _flat(t) for name, t in regions.items()}
+        self._device_sizes = {name: t.numel() for name, t in self.regions.items() if t.is_cuda}  # what lend takes
         self.chunk_size = chunk_size
         self.key = control_key
         self.hasher = hasher or cpu_hasher
@@ -328,13 +325,21 @@ class DeviceLanding:
         channel = _Channel(conn, self.key)
         try:
             while True:  # one source, until it closes the connection
+                t = time.perf_counter()
                 message = channel.receive()
+                t = STAGES.add("landing.read", t)
                 try:
                     body, nonce = control.verify_request(self.key, CHANNEL, message, self._guard)
                 except control.AuthError as exc:
                     channel.send({"error": exc.message})  # unsigned: the client treats it as a failure
                     return
-                channel.send(control.sign_reply(self.key, CHANNEL, nonce, self._answer(body)))
+                t = STAGES.add("landing.verify", t)
+                answer = self._answer(body)
+                t = time.perf_counter()
+                channel.send(control.sign_reply(self.key, CHANNEL, nonce, answer))
+                STAGES.add("landing.reply", t)
+                if body.get("op") == "lend":
+                    log_stages("lend")  # where GPUMIGRATE_STAGES_LOG asks for them
         except (OSError, ConnectionError, ValueError):
             return
         finally:
@@ -367,10 +372,13 @@ class DeviceLanding:
             try:
                 if op == "lend":
                     with self._passing:
-                        return self._lend(body)
-                return self._pull(max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2))))
+                        reply = self._lend(body)
+                else:
+                    reply = self._pull(max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2))))
             finally:
                 self.result.seconds_passes += time.perf_counter() - t0
+            # the counts so far ride on the pass's reply: the source needs no second round trip for them
+            return {**reply, **self.result.__dict__} if "bad" in reply else reply
         if op == "done":  # the end of one pass; the counts are cumulative over the connection
             return {"ok": True, **self.result.__dict__}
         return {"error": f"unknown op {str(op)[:20]!r}"}
@@ -378,75 +386,51 @@ class DeviceLanding:
     def _lend(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """Copy every region out of the source's own memory, opened through CUDA IPC, and check it on the way.
 
-        Every whole chunk of every region goes through the kernel of ``devhash.blake3_copy_gather``, ``batch``
-        chunks per launch whichever regions they belong to: it copies a block of a chunk and hashes it where
-        it landed in one pass over memory. A model's state is hundreds of tensors; per-region launch chains left
-        the GPU idle between them (H100, 16 GiB in 521 regions: 241-325 GB/s against 700+ for one tensor). A
-        region's short last chunk is copied plainly, and those are hashed together (:meth:`_hash_landed`). All
-        hashes are compared at the end, one wait for the device (:meth:`_compare`). Chunks that fail are copied
-        again, ``retries`` times at most; the reply names those that still fail."""
+        The allocations are mapped on a thread in region order while the copies of the first regions run
+        (``cuda_ipc.Mapped.map_ahead``); :func:`device_lend.copy_and_hash` copies every chunk with the kernel
+        that hashes what it stores, many regions per launch. All hashes are compared at the end, one wait for the
+        device (:meth:`_compare`). Chunks that fail are copied again, ``retries`` times at most; the reply names
+        those that still fail."""
         import torch
 
-        from gpumigrate.transfer import devhash
-
         batch, retries = max(1, int(body.get("batch", 256))), max(0, int(body.get("retries", 2)))
+        t_start = time.perf_counter()
         self._release_lent()  # a previous pass's mappings (the same allocations may come again)
+        t = STAGES.add("lend.release", t_start)
         size = self.chunk_size
+        timing = bool(os.environ.get("GPUMIGRATE_STAGES_LOG"))
         try:
             source = _lent_memory(body, next(iter(self.regions.values())).device)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             return {"error": f"cannot open the lent memory ({type(exc).__name__}: {str(exc)[:120]})"}
         self._lent.append(source)
-        for name, region in self.regions.items():
-            lent_bytes = source.regions[name][2] if name in source.regions else 0
-            if lent_bytes != region.numel() or not region.is_cuda:
-                return {
-                    "error": f"region {name}: the source lent {lent_bytes} bytes of device memory, {region.numel()} here"
-                }
-        hashed: list[Hashed] = []  # computed where the chunks landed, compared at the end
-        pending: list[
-            tuple[str, int, int, int]
-        ] = []  # regions' whole chunks to copy: (region, count, src, dst address)
-        tails: list[tuple[str, int]] = []  # (region, first chunk copied plainly)
-        launch = min(batch, LAUNCH_CHUNKS)
-        kernels = devhash.available(next(iter(self.regions.values())).device) and devhash.gather_chunk(size)
+        source.map_ahead(list(self.regions))  # mapped in region order on other threads while this one copies
+        lent = source.regions
+        wrong = next((name for name, n in self._device_sizes.items() if lent.get(name, (0, 0, -1))[2] != n), None)
+        if wrong is not None or len(self._device_sizes) != len(self.regions):
+            name = wrong or next(name for name in self.regions if name not in self._device_sizes)
+            lent_bytes = lent[name][2] if name in lent else 0
+            return {
+                "error": f"region {name}: the source lent {lent_bytes} bytes of device memory, "
+                f"{self.regions[name].numel()} here"
+            }
+        gpu_marks: list[Any] = []
 
-        def copy_pending() -> None:
-            """One gathering copy of the pending regions' whole chunks, offsets from the first one's addresses."""
-            if not pending:
-                return
-            first = pending[0][0]
-            src0, dst0 = source.tensor(first), self.regions[first]
-            s0, d0 = pending[0][2], pending[0][3]
-            src_at = [s - s0 + i * size for _, count, s, _ in pending for i in range(count)]
-            dst_at = [d - d0 + i * size for _, count, _, d in pending for i in range(count)]
-            keys = [(name, i) for name, count, _, _ in pending for i in range(count)]
-            words = devhash.blake3_copy_gather(src0, src_at, dst0, dst_at, size)
-            hashed.append(Hashed(words, keys, len(keys) * size))
-            pending.clear()
+        def mark_first_launch() -> None:
+            if timing:
+                STAGES.add("lend.until_first_launch", t_start)
+                gpu_marks.append(torch.cuda.Event(enable_timing=True))
+                gpu_marks[0].record()
 
-        # Region by region, with addresses only (a tensor view per region cost more than the copy, at 521 regions):
-        # an allocation is mapped when its first region comes, while the GPU copies the regions before it.
-        queued = 0
-        for name, region in self.regions.items():
-            n, src, dst = region.numel(), source.address(name), region.data_ptr()
-            whole = n // size if kernels and src % 16 == 0 and dst % 16 == 0 else 0
-            if whole:
-                pending.append((name, whole, src, dst))
-                queued += whole
-                if queued >= launch:
-                    copy_pending()
-                    queued = 0
-            if n > whole * size:  # a short last chunk, or a region the kernel does not take: copied plainly
-                tails.append((name, whole))
-        copy_pending()
-        landed: list[tuple[str, int, Any]] = []  # chunks copied plainly, hashed together: (region, index, view)
-        for name, whole in tails:
-            region = self.regions[name]
-            region[whole * size :].copy_(source.tensor(name)[whole * size :])
-            landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(whole, -(-region.numel() // size))]
+        t = STAGES.add("lend.open_memory", t)
+        hashed = copy_and_hash(self.regions, source, self.chunk_size, batch, self._hash_landed, mark_first_launch)
+        if gpu_marks:
+            gpu_marks.append(torch.cuda.Event(enable_timing=True))
+            gpu_marks[1].record()
         self.result.seconds_opening += source.seconds_opening
-        failed = self._compare([*hashed, *self._hash_landed(landed)])
+        t = time.perf_counter()
+        failed = self._compare(hashed)
+        t = STAGES.add("lend.compare", t)
 
         def copy_again(name: str, i: int) -> None:
             a, b = i * size, min((i + 1) * size, self.regions[name].numel())
@@ -456,6 +440,12 @@ class DeviceLanding:
         torch.cuda.synchronize()  # every copy landed before the source hears the reply
         if isinstance(source, _TorchLent):
             self._release_lent()
+        STAGES.add("lend.retry_sync", t)
+        if timing:
+            STAGES.totals["lend.opening"] = source.seconds_opening
+            STAGES.totals["lend.mapping"] = getattr(source, "seconds_mapping", 0.0)
+            if len(gpu_marks) == 2:
+                STAGES.totals["lend.gpu_gather"] = gpu_marks[0].elapsed_time(gpu_marks[1]) / 1000
         return reply
 
     def _release_lent(self) -> None:
@@ -708,7 +698,12 @@ class DeviceSender:
 
     def call(self, body: Mapping[str, Any]) -> dict[str, Any]:
         self.collect()
-        return self._reply(self._post(body))
+        t = time.perf_counter()
+        nonce = self._post(body)
+        t = STAGES.add("sender.post", t)
+        reply = self._reply(nonce)
+        STAGES.add("sender.reply", t)
+        return reply
 
     def expect(self, ids: Mapping[str, Sequence[str]]) -> None:
         self.call({"op": "expect", "ids": {k: list(v) for k, v in ids.items()}})
@@ -775,8 +770,9 @@ class DeviceSender:
             raise InvalidInputError("lend_all needs device tensors (CUDA IPC); host memory goes by send_all")
         shared = cuda_ipc.share(self.tensors) or {"regions": {name: _lend_spec(t) for name, t in self.tensors.items()}}
         sharing = time.perf_counter() - t0
+        STAGES.add("sender.share", t0)
         done = self._landing_pass({"op": "lend", **shared}, batch, retries, timeout_s, "copies", tolerate)
-        by = "allocations" if "allocations" in shared else "tensors"  # one handle per allocation, or per tensor
+        by = "allocations" if "handles" in shared else "tensors"  # one handle per allocation, or per tensor
         return {**done, "seconds_sharing": sharing, "shared_by": by}
 
     def pull_all(
@@ -807,7 +803,7 @@ class DeviceSender:
                 f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} {again}: "
                 + ", ".join(reply["bad"][:5])
             )
-        return {**self.call({"op": "done"}), "chunks_resent": reply["chunks_resent"]}
+        return reply
 
     def _reply_one(self) -> list[tuple[str, int]]:
         nonce, name = self._waiting.pop(0)

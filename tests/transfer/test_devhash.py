@@ -130,7 +130,7 @@ def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flip
 def test_the_gathering_copy_moves_chunks_between_many_tensors_and_hashes_what_it_stored() -> None:
     if not devhash.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")
-    chunk = 256 * 1024  # two of the kernel's blocks of leaves
+    chunk = 64 * 1024  # two of the kernel's blocks of leaves
     srcs = [_inputs(chunk // 1024, n, "cuda") for n in (3, 1, 2)]  # three allocations: offsets on both sides of one
     dsts = [torch.zeros_like(s) for s in reversed(srcs)]  # chunks land in other tensors, in another order
     pairs = [(s, i) for s in srcs for i in range(s.numel() // chunk)]
@@ -149,7 +149,8 @@ def test_the_gathering_copy_moves_chunks_between_many_tensors_and_hashes_what_it
     assert got == [_want(s[i * chunk : (i + 1) * chunk], 1)[0] for s, i in pairs]
     with pytest.raises(ValueError, match="multiple of 16"):
         devhash.blake3_copy_gather(src0, [4], dst0, [0], chunk)
-    assert not devhash.gather_takes(src0, dst0, 64 * 1024)  # half a block of leaves: copied plainly by callers
+    assert devhash.gather_takes(src0, dst0, 8 * 1024)  # the smaller programs: a short last chunk's length
+    assert not devhash.gather_takes(src0, dst0, 4 * 1024)  # half of them: copied plainly by callers
 
 
 @pytest.mark.gpu
@@ -164,3 +165,7 @@ def test_the_fused_copy_stores_every_byte_and_hashes_what_it_stored() -> None:
     assert got == _want(src, count)
     with pytest.raises(ValueError, match="one size"):
         devhash.blake3_copy_chunks(src, dst[:chunk], chunk)
+    small = devhash.blake3_copy_chunks(src[: 40 * 1024], dst[: 40 * 1024], 8 * 1024)  # programs of 8 leaves
+    assert [devhash.words_hex(w) for w in small.cpu().tolist()] == _want(src[: 40 * 1024], 5)
+    with pytest.raises(ValueError, match="multiple of 8192"):
+        devhash.blake3_copy_chunks(src[: 12 * 1024], dst[: 12 * 1024], 12 * 1024)

@@ -6,8 +6,10 @@ the same code on CUDA tensors (cuda_ipc) with the device BLAKE3 kernels.
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
+import struct
 from typing import Any
 
 import blake3
@@ -221,7 +223,13 @@ def test_a_lend_naming_memory_outside_its_allocation_is_refused() -> None:
 
     t = torch.zeros(CHUNK, dtype=torch.uint8, device="cuda")
     shared = cuda_ipc.share({"w": t})
-    assert shared is not None and shared["regions"]["w"]["nbytes"] == CHUNK
-    shared["regions"]["w"]["offset"] = shared["allocations"][0]["bytes"]  # past its allocation's end
+    assert shared is not None and shared["names"] == ["w"]
+    k, _, nbytes = struct.unpack("<3q", base64.b64decode(shared["places"]))
+    assert nbytes == CHUNK
+    past_the_end = struct.pack("<3q", k, shared["sizes"][k], nbytes)  # starts at its allocation's end
+    shared["places"] = base64.b64encode(past_the_end).decode()
     with pytest.raises(ValueError, match="outside the allocation"):
+        cuda_ipc.Mapped(shared, t.device)
+    shared["places"] = base64.b64encode(past_the_end[:16]).decode()  # a truncated table
+    with pytest.raises(ValueError, match="bytes of places"):
         cuda_ipc.Mapped(shared, t.device)
