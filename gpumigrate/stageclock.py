@@ -37,6 +37,11 @@ class StageClock:
             self.totals[key] = self.totals.get(key, 0.0) + now[1] - since[1]
         return now
 
+    def set(self, stage: str, seconds: float) -> None:
+        """Record ``stage`` as ``seconds`` (a figure measured elsewhere: a device timer, a driver call's total)."""
+        with self._lock:
+            self.totals[stage] = seconds
+
     def take(self) -> dict[str, float]:
         with self._lock:
             out, self.totals = self.totals, {}

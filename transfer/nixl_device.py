@@ -442,10 +442,10 @@ class DeviceLanding:
             self._release_lent()
         STAGES.add("lend.retry_sync", t)
         if timing:
-            STAGES.totals["lend.opening"] = source.seconds_opening
-            STAGES.totals["lend.mapping"] = getattr(source, "seconds_mapping", 0.0)
+            STAGES.set("lend.opening", source.seconds_opening)
+            STAGES.set("lend.mapping", getattr(source, "seconds_mapping", 0.0))
             if len(gpu_marks) == 2:
-                STAGES.totals["lend.gpu_gather"] = gpu_marks[0].elapsed_time(gpu_marks[1]) / 1000
+                STAGES.set("lend.gpu_gather", gpu_marks[0].elapsed_time(gpu_marks[1]) / 1000)
         return reply
 
     def _release_lent(self) -> None:
