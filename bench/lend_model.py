@@ -1,6 +1,6 @@
 """The device landing on a model's state: what `transfer.restore_from: source` moves on one GPU, measured alone.
 
-    python bench/lend_model.py --json [--gib 16] [--chunk-mib 32] [--batch 4096] [--reps 3]
+    python bench/lend_model.py --json [--gib 16] [--chunk-mib 32] [--batch 4096] [--reps 3] [--layout model|one]
 
 The state is the reference model's tensors at ``--gib`` (about 520 regions at 16 GiB, in about 90 allocations,
 as a served model holds them), not one tensor. The source process lends them through
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=32, help="the SDK cuts GPU state into 32 MiB chunks")
     p.add_argument("--batch", type=int, nargs="+", default=[4096])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument(
+        "--layout", choices=["model", "one"], default="model", help="the reference model's tensors, or one tensor"
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     warm(torch.device("cuda"))
     chunk = args.chunk_mib << 20
-    state = model_state(args.gib)
+    if args.layout == "model":
+        state = model_state(args.gib)
+    else:  # the transport benchmark's layout (bench/transfer_link.py gpu): the same bytes in one tensor
+        state = {"state": torch.empty(int(args.gib * (1 << 30)), dtype=torch.uint8, device="cuda").random_(0, 256)}
     nbytes = sum(t.numel() for t in state.values())
     ids = chunk_ids(state, chunk)
     key = os.urandom(32)
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "bench/lend_model.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": torch.cuda.get_device_name(0),
         "bytes": nbytes,
+        "layout": args.layout,
         "regions": len(state),
         "chunk_bytes": chunk,
         "chunks": sum(len(v) for v in ids.values()),
