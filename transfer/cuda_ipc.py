@@ -33,9 +33,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 _LAZY_ENABLE_PEER_ACCESS = 1
-# Threads that map a lend's allocations ahead of the landing's copies (Mapped.map_ahead). One: on an H100, four
-# made each mapping call 3-4x slower (the driver serializes them) and slowed the copies running meanwhile.
-MAP_THREADS = 1
 _HANDLE_BYTES = 64
 
 
@@ -98,6 +95,7 @@ def share(tensors: Mapping[str, Any]) -> dict[str, Any] | None:
     handles: list[bytes] = []
     sizes: list[int] = []
     bases: list[int] = []  # allocation k starts at bases[k]
+    at: dict[int, int] = {}  # an allocation's start -> k
     places: list[int] = []  # (allocation, offset, nbytes) per tensor, flat
     base, size, handle = ctypes.c_uint64(), ctypes.c_size_t(), _Handle()
     k = -1
@@ -110,11 +108,11 @@ def share(tensors: Mapping[str, Any]) -> dict[str, Any] | None:
         if not (k >= 0 and bases[k] <= address and address + nbytes <= bases[k] + sizes[k]):
             if calls["range"](ctypes.byref(base), ctypes.byref(size), address) != 0:
                 return None
-            k = bases.index(base.value) if base.value in bases else -1
+            k = at.get(base.value, -1)
             if k < 0:
                 if calls["get"](ctypes.byref(handle), base.value) != 0:
                     return None
-                k = len(bases)
+                k = at[base.value] = len(bases)
                 bases.append(base.value)
                 sizes.append(size.value)
                 handles.append(handle.raw())
@@ -153,24 +151,23 @@ class Mapped:
         self._mapped: dict[int, int] = {}  # allocation -> its address here
         self._views: dict[int, Any] = {}  # allocation -> a uint8 tensor over it, made when first asked for
         self._lock = threading.Lock()
-        self._ready: dict[int, threading.Event] = {}  # allocations the mapping threads were given
+        self._ready: dict[int, threading.Event] = {}  # allocations given to a mapping thread
         self._failed: dict[int, str] = {}
         self._threads: list[threading.Thread] = []
         self.seconds_opening = 0.0  # time the caller waited for mappings (its own, or the threads' not yet done)
         self.seconds_mapping = 0.0  # time spent in the driver's mapping call, summed over threads
 
-    def map_ahead(self, names: Sequence[str], threads: int = MAP_THREADS) -> None:
-        """Map the allocations of regions ``names``, in that order, on ``threads`` background threads, so the
-        caller's work on the first regions (launching their copies) runs while the later ones are mapped.
-        :meth:`address` and :meth:`tensor` wait for an allocation still being mapped."""
+    def map_ahead(self, names: Sequence[str]) -> None:
+        """Map the allocations of regions ``names``, in that order, on a thread of its own, so the caller's work on
+        the first regions (launching their copies) runs while the later ones are mapped. :meth:`address` and
+        :meth:`tensor` wait for an allocation still being mapped. One thread: on an H100, four made each driver
+        call 3-4x slower (the driver serializes them) and slowed the copies running meanwhile."""
         order: list[int] = []
         for name in names:
             k = self.regions[name][0]
             if k not in self._mapped and k not in self._ready:
                 self._ready[k] = threading.Event()
                 order.append(k)
-        todo = iter(order)
-        take = threading.Lock()
 
         def work() -> None:
             try:
@@ -180,11 +177,7 @@ class Mapped:
                 trouble = ""
             except Exception as exc:  # noqa: BLE001 - reported for each allocation this thread was to map
                 trouble = f"{type(exc).__name__}: {exc}"
-            while True:
-                with take:
-                    k = next(todo, None)
-                if k is None:
-                    return
+            for k in order:
                 try:
                     if trouble:
                         raise RuntimeError(trouble)
@@ -194,7 +187,7 @@ class Mapped:
                 finally:
                     self._ready[k].set()
 
-        for _ in range(max(1, min(threads, len(order)))):
+        if order:
             thread = threading.Thread(target=work, name="gm-ipc-map", daemon=True)
             thread.start()
             self._threads.append(thread)

@@ -267,6 +267,21 @@ def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, 
     )
 
 
+@triton.jit
+def _pick8(which, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """Eight words, each ``a`` where ``which`` holds and ``b`` where it does not (a chaining value chosen per lane)."""
+    return (
+        tl.where(which, a0, b0),
+        tl.where(which, a1, b1),
+        tl.where(which, a2, b2),
+        tl.where(which, a3, b3),
+        tl.where(which, a4, b4),
+        tl.where(which, a5, b5),
+        tl.where(which, a6, b6),
+        tl.where(which, a7, b7),
+    )
+
+
 @triton.jit(do_not_specialize=["total_out", "count_in", "count_out", "top_flags"])
 def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, BLOCK: tl.constexpr):
     """Two tree levels in one launch: node j of an input = the subtree over its nodes 4j..4j+3, by
@@ -294,22 +309,44 @@ def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, B
         lo = (step < 2) & tl.where(step == 0, mask, has2)  # step 0 reads nodes 0 and 1, step 1 nodes 2 and 3
         hi = (step < 2) & tl.where(step == 0, has1, has3)
         late = step == 2  # step 2 compresses the two results
-        m0 = tl.where(late, A0, _w(p + 0, lo))
-        m1 = tl.where(late, A1, _w(p + 1, lo))
-        m2 = tl.where(late, A2, _w(p + 2, lo))
-        m3 = tl.where(late, A3, _w(p + 3, lo))
-        m4 = tl.where(late, A4, _w(p + 4, lo))
-        m5 = tl.where(late, A5, _w(p + 5, lo))
-        m6 = tl.where(late, A6, _w(p + 6, lo))
-        m7 = tl.where(late, A7, _w(p + 7, lo))
-        m8 = tl.where(late, B0, _w(p + 8, hi))
-        m9 = tl.where(late, B1, _w(p + 9, hi))
-        m10 = tl.where(late, B2, _w(p + 10, hi))
-        m11 = tl.where(late, B3, _w(p + 11, hi))
-        m12 = tl.where(late, B4, _w(p + 12, hi))
-        m13 = tl.where(late, B5, _w(p + 13, hi))
-        m14 = tl.where(late, B6, _w(p + 14, hi))
-        m15 = tl.where(late, B7, _w(p + 15, hi))
+        m0, m1, m2, m3, m4, m5, m6, m7 = _pick8(
+            late,
+            A0,
+            A1,
+            A2,
+            A3,
+            A4,
+            A5,
+            A6,
+            A7,
+            _w(p + 0, lo),
+            _w(p + 1, lo),
+            _w(p + 2, lo),
+            _w(p + 3, lo),
+            _w(p + 4, lo),
+            _w(p + 5, lo),
+            _w(p + 6, lo),
+            _w(p + 7, lo),
+        )
+        m8, m9, m10, m11, m12, m13, m14, m15 = _pick8(
+            late,
+            B0,
+            B1,
+            B2,
+            B3,
+            B4,
+            B5,
+            B6,
+            B7,
+            _w(p + 8, hi),
+            _w(p + 9, hi),
+            _w(p + 10, hi),
+            _w(p + 11, hi),
+            _w(p + 12, hi),
+            _w(p + 13, hi),
+            _w(p + 14, hi),
+            _w(p + 15, hi),
+        )
         flags = zero + (4 | tl.where(late, top_flags, 0)).to(tl.uint32)
         r0, r1, r2, r3, r4, r5, r6, r7 = _compress(
             i0,
@@ -341,37 +378,12 @@ def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, B
         )
         # a node without its pair goes up as it is (the first node read in that step)
         paired = tl.where(step == 0, has1, tl.where(step == 1, has3, has2))
-        r0 = tl.where(paired, r0, m0)
-        r1 = tl.where(paired, r1, m1)
-        r2 = tl.where(paired, r2, m2)
-        r3 = tl.where(paired, r3, m3)
-        r4 = tl.where(paired, r4, m4)
-        r5 = tl.where(paired, r5, m5)
-        r6 = tl.where(paired, r6, m6)
-        r7 = tl.where(paired, r7, m7)
-        A0, A1, A2, A3 = (
-            tl.where(step == 0, r0, A0),
-            tl.where(step == 0, r1, A1),
-            tl.where(step == 0, r2, A2),
-            tl.where(step == 0, r3, A3),
+        r0, r1, r2, r3, r4, r5, r6, r7 = _pick8(paired, r0, r1, r2, r3, r4, r5, r6, r7, m0, m1, m2, m3, m4, m5, m6, m7)
+        A0, A1, A2, A3, A4, A5, A6, A7 = _pick8(
+            step == 0, r0, r1, r2, r3, r4, r5, r6, r7, A0, A1, A2, A3, A4, A5, A6, A7
         )
-        A4, A5, A6, A7 = (
-            tl.where(step == 0, r4, A4),
-            tl.where(step == 0, r5, A5),
-            tl.where(step == 0, r6, A6),
-            tl.where(step == 0, r7, A7),
-        )
-        B0, B1, B2, B3 = (
-            tl.where(step == 1, r0, B0),
-            tl.where(step == 1, r1, B1),
-            tl.where(step == 1, r2, B2),
-            tl.where(step == 1, r3, B3),
-        )
-        B4, B5, B6, B7 = (
-            tl.where(step == 1, r4, B4),
-            tl.where(step == 1, r5, B5),
-            tl.where(step == 1, r6, B6),
-            tl.where(step == 1, r7, B7),
+        B0, B1, B2, B3, B4, B5, B6, B7 = _pick8(
+            step == 1, r0, r1, r2, r3, r4, r5, r6, r7, B0, B1, B2, B3, B4, B5, B6, B7
         )
         T0, T1, T2, T3 = r0, r1, r2, r3
         T4, T5, T6, T7 = r4, r5, r6, r7

@@ -267,7 +267,8 @@ class DeviceLanding:
         ucx_settings: Mapping[str, str] | None = None,
     ) -> None:
         self.regions = {name: _flat(t) for name, t in regions.items()}
-        self._device_sizes = {name: t.numel() for name, t in self.regions.items() if t.is_cuda}  # what lend takes
+        # what a lend must find at the source for each region: its size, or -1 (never lent) for host memory
+        self._lend_sizes = {name: t.numel() if t.is_cuda else -1 for name, t in self.regions.items()}
         self.chunk_size = chunk_size
         self.key = control_key
         self.hasher = hasher or cpu_hasher
@@ -404,15 +405,13 @@ class DeviceLanding:
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             return {"error": f"cannot open the lent memory ({type(exc).__name__}: {str(exc)[:120]})"}
         self._lent.append(source)
-        source.map_ahead(list(self.regions))  # mapped in region order on other threads while this one copies
-        lent = source.regions
-        wrong = next((name for name, n in self._device_sizes.items() if lent.get(name, (0, 0, -1))[2] != n), None)
-        if wrong is not None or len(self._device_sizes) != len(self.regions):
-            name = wrong or next(name for name in self.regions if name not in self._device_sizes)
-            lent_bytes = lent[name][2] if name in lent else 0
+        source.map_ahead(list(self.regions))  # mapped in region order on another thread while this one copies
+        lent = {name: nbytes for name, (_, _, nbytes) in source.regions.items()}
+        wrong = next((name for name, n in self._lend_sizes.items() if lent.get(name) != n), None)
+        if wrong is not None:
             return {
-                "error": f"region {name}: the source lent {lent_bytes} bytes of device memory, "
-                f"{self.regions[name].numel()} here"
+                "error": f"region {wrong}: the source lent {lent.get(wrong, 0)} bytes of device memory, "
+                f"{self.regions[wrong].numel()} here"
             }
         gpu_marks: list[Any] = []
 
@@ -423,7 +422,7 @@ class DeviceLanding:
                 gpu_marks[0].record()
 
         t = STAGES.add("lend.open_memory", t)
-        hashed = copy_and_hash(self.regions, source, self.chunk_size, batch, self._hash_landed, mark_first_launch)
+        hashed = copy_and_hash(self.regions, source, size, batch, self._hash_landed, mark_first_launch)
         if gpu_marks:
             gpu_marks.append(torch.cuda.Event(enable_timing=True))
             gpu_marks[1].record()
