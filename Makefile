@@ -13,8 +13,8 @@ export DO_NOT_TRACK ?= 1
 setup: $(STAMP)
 
 # torch==2.13.0 is installed on its own first: pip takes the CPU build from this machine class's disk.
-# The editable install also compiles transfer/_huffplane.c (gcc and Python's headers), hence its place above.
-$(STAMP): pyproject.toml constraints.txt setup.py transfer/_huffplane.c
+# The editable install also compiles transfer/format/_huffplane.c (gcc and Python's headers), hence its place above.
+$(STAMP): pyproject.toml constraints.txt setup.py transfer/format/_huffplane.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0

@@ -5,6 +5,10 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         # transfer/FORMAT.md, plane codec 2: the byte-plane Huffman coder (why it is C: _huffplane.c)
-        Extension("gpumigrate.transfer._huffplane", ["transfer/_huffplane.c"], extra_compile_args=["-O3", "-std=c11"]),
+        Extension(
+            "gpumigrate.transfer.format._huffplane",
+            ["transfer/format/_huffplane.c"],
+            extra_compile_args=["-O3", "-std=c11"],
+        ),
     ],
 )

@@ -1,6 +1,6 @@
 """The transfer engine's two ends of a fill from the source (``snapshot/fill.py``), wired into the agent.
 
-The target's agent opens a :class:`~gpumigrate.transfer.nixl_device.DeviceLanding` over the slices of
+The target's agent opens a :class:`~gpumigrate.transfer.device.landing.DeviceLanding` over the slices of
 its own tensors that the restore must fill, with the chunk ids from the image's signed manifest, and
 asks the source's agent (``lend`` on its signed control channel) to move the same slices into it:
 
@@ -56,12 +56,12 @@ def _transport(way: str) -> dict[str, Any]:
 
 
 def _hasher(tensors: Mapping[str, Any]) -> Any:
-    from gpumigrate.transfer.nixl_device import cpu_hasher
+    from gpumigrate.transfer.device.devhash import cpu_hasher
 
     first = next(iter(tensors.values()))
     if not first.is_cuda:
         return cpu_hasher
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     return devhash.blake3_chunks if devhash.available(first.device) else cpu_hasher
 
@@ -109,7 +109,7 @@ class SourceFill:
         control_key: bytes,
         phases: dict[str, float],
     ) -> list[tuple[str, int]]:
-        from gpumigrate.transfer.nixl_device import DeviceLanding
+        from gpumigrate.transfer.device.landing import DeviceLanding
 
         started = time.perf_counter()
         ids = {run.name: list(expected[run.region][run.first : run.first + run.count]) for run in runs}
@@ -151,7 +151,7 @@ class SourceFill:
         return failed_chunks(landing.last_bad, runs)
 
     def lend(self, landing: str, tensors: Mapping[str, Any], *, control_key: bytes, tolerate: bool) -> dict[str, Any]:
-        from gpumigrate.transfer.nixl_device import DeviceSender
+        from gpumigrate.transfer.device.sender import DeviceSender
 
         way = _way(tensors)
         t0 = time.perf_counter()

@@ -118,19 +118,19 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
     if not devices:
         return None
     _state_on_gpu.set()  # before the warm-up below, which page-locks slots and captures a probe at the chunk size
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     def compile_all() -> None:
         import torch
 
         with contextlib.suppress(Exception):
             importlib.import_module("gpumigrate.transfer.api")
-            importlib.import_module("gpumigrate.transfer.gpucodec").available()
+            importlib.import_module("gpumigrate.transfer.device.gpucodec").available()
         with contextlib.suppress(Exception):
             # a fill from the source (either side of it): the landing and its sender, and the driver's IPC calls,
             # loaded here rather than inside the first lend (which spent ~35 ms outside its connect and its pass)
-            importlib.import_module("gpumigrate.transfer.nixl_device")
-            importlib.import_module("gpumigrate.transfer.cuda_ipc")._driver()
+            importlib.import_module("gpumigrate.transfer.device.landing")
+            importlib.import_module("gpumigrate.transfer.device.cuda_ipc")._driver()
         with contextlib.suppress(Exception):
             from gpumigrate.transfer.writer import DEFAULT_CHUNK_SIZE
 
@@ -141,7 +141,7 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
                 with contextlib.suppress(Exception):
                     devhash.warm(device)
                 with contextlib.suppress(Exception):  # the byte-plane split and merge (capture and restore)
-                    importlib.import_module("gpumigrate.transfer.plane_kernels").warm(device)
+                    importlib.import_module("gpumigrate.transfer.device.plane_kernels").warm(device)
             if capture:
                 with contextlib.suppress(Exception):
                     _warm_capture(device)

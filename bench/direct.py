@@ -72,7 +72,7 @@ def write_ceiling(where: Path, threads: int, per_thread: int = 32) -> float:
 def warm(chunk: int, store: Path) -> None:
     """What the SDK's warm-up does before a source or target is timed (agent/images.py): compile the device
     kernels, page-lock the slots), then one small capture and restore."""
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     devhash.warm(torch.device("cuda"))
     direct.warm_slots(chunk)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from gpumigrate.snapshot.world import World
-from gpumigrate.transfer.keys import generate_key
+from gpumigrate.transfer.format.keys import generate_key
 from gpumigrate.workloads.worlds import LocalWorld, start_world
 
 DP = "gpumigrate.workloads.dp_training"

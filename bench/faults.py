@@ -269,7 +269,7 @@ def _live(admin_url: str) -> dict[str, int] | None:
 def _image_ok(mid: str) -> bool | None:
     """Does the committed image verify in the store the target reads (None: no image was committed)?"""
     from gpumigrate.flows.context import RunContext
-    from gpumigrate.transfer.keys import resolve_key
+    from gpumigrate.transfer.format.keys import resolve_key
     from gpumigrate.transfer.push import verify
 
     try:
@@ -659,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     work = out / "run" / "cells"
     work.mkdir(parents=True, exist_ok=True)
     from gpumigrate.atomic import atomic_write_bytes, atomic_write_json
-    from gpumigrate.transfer.keys import generate_key
+    from gpumigrate.transfer.format.keys import generate_key
 
     key_file = out / "run" / "transfer.key"
     if not key_file.exists():

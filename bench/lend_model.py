@@ -28,8 +28,8 @@ import torch
 
 TARGET = r"""
 import json, sys, time, torch
-from gpumigrate.transfer.devhash import blake3_chunks, warm
-from gpumigrate.transfer.nixl_device import DeviceLanding
+from gpumigrate.transfer.device.devhash import blake3_chunks, warm
+from gpumigrate.transfer.device.landing import DeviceLanding
 job = json.loads(sys.stdin.readline())
 warm(torch.device("cuda"))
 regions = {name: torch.zeros(n, dtype=torch.uint8, device="cuda") for name, n in job["sizes"].items()}
@@ -59,7 +59,7 @@ def chunk_ids(state: dict[str, torch.Tensor], chunk: int) -> dict[str, list[str]
     """What the image's manifest names: BLAKE3 of every chunk (device kernels; short tails on the CPU)."""
     import blake3
 
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     out: dict[str, list[str]] = {}
     for name, t in state.items():
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"bench": "lend_model", "not_run": "needs a CUDA GPU"}))
         return 0
     from gpumigrate.stageclock import STAGES
-    from gpumigrate.transfer.devhash import warm
-    from gpumigrate.transfer.nixl_device import DeviceSender
+    from gpumigrate.transfer.device.devhash import warm
+    from gpumigrate.transfer.device.sender import DeviceSender
 
     warm(torch.device("cuda"))
     chunk = args.chunk_mib << 20

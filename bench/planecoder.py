@@ -47,7 +47,7 @@ def best_cpu(fn: Any, repeat: int) -> float:
 def measure(planes: np.ndarray, repeat: int) -> dict[str, Any]:
     import zstandard
 
-    from gpumigrate.transfer import planehuff, planezstd
+    from gpumigrate.transfer.format import planehuff, planezstd
 
     chunks = [planes[i : i + CHUNK_PLANE] for i in range(0, len(planes), CHUNK_PLANE)]
     total = len(planes)
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256, help="MiB of plane per distribution (default 256)")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    from gpumigrate.transfer import planehuff
+    from gpumigrate.transfer.format import planehuff
 
     if not planehuff.AVAILABLE:
         print(

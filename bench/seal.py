@@ -32,8 +32,8 @@ from typing import Any
 
 from benchlib import gbps, threaded
 
-from gpumigrate.transfer.chunkobj import HEADER, HEADER_SIZE, MAGIC, TAG_SIZE, Sealer, sealed_size
-from gpumigrate.transfer.stores import FileStore
+from gpumigrate.transfer.format.chunkobj import HEADER, HEADER_SIZE, MAGIC, TAG_SIZE, Sealer, sealed_size
+from gpumigrate.transfer.stores.file import FileStore
 
 KEY = bytes(range(32))
 OBJECT = 11 << 20

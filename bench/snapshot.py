@@ -32,7 +32,7 @@ from benchlib import gbps, pinned_d2h_GBps
 from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
 from gpumigrate.snapshot.memimage import MemoryStore
-from gpumigrate.transfer import devhash
+from gpumigrate.transfer.device import devhash
 from gpumigrate.transfer.direct import HASH_BATCH as DEVICE_HASH_BATCH
 
 KEY = b"bench-key-not-secret-0123456789ab"

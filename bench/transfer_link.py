@@ -459,12 +459,12 @@ def _hasher(device: str) -> Any:
     """hasher(block, chunk) for nixl_device: the BLAKE3 kernels on a GPU (compiled now, not inside the
     timing), blake3 on the CPU (a smoke run)."""
     if device == "cpu":
-        from gpumigrate.transfer.nixl_device import cpu_hasher
+        from gpumigrate.transfer.device.devhash import cpu_hasher
 
         return cpu_hasher
     import torch
 
-    from gpumigrate.transfer.devhash import blake3_chunks, warm
+    from gpumigrate.transfer.device.devhash import blake3_chunks, warm
 
     warm(torch.device(device))
     return blake3_chunks
@@ -475,7 +475,7 @@ def _gpu_target(nbytes: int, chunk: int, device: str) -> None:
     import torch
 
     from gpumigrate import control
-    from gpumigrate.transfer.nixl_device import DeviceLanding
+    from gpumigrate.transfer.device.landing import DeviceLanding
 
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     hasher = _hasher(device)
@@ -488,7 +488,7 @@ def _gpu_target(nbytes: int, chunk: int, device: str) -> None:
 def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device: str = "cuda") -> dict[str, object]:
     import torch
 
-    from gpumigrate.transfer.nixl_device import DeviceSender
+    from gpumigrate.transfer.device.sender import DeviceSender
 
     nbytes, chunk = int(gib * (1 << 30)), chunk_mib << 20
     key = os.urandom(32)
@@ -527,7 +527,7 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
     by_kernel = {}  # each leaf kernel of devhash_kernels.py alone, same data (the landing uses the default)
     wrong = []
     if device != "cpu":
-        from gpumigrate.transfer.devhash import LEAF_KERNELS, leaf_kernel_name, warm
+        from gpumigrate.transfer.device.devhash import LEAF_KERNELS, leaf_kernel_name, warm
 
         chosen = leaf_kernel_name()
         for kind in LEAF_KERNELS:
@@ -600,7 +600,7 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
     overlap = [timed(one_process) for _ in range(reps)] if device != "cpu" else []
     fused_one: list[float] = []
     if device != "cpu":
-        from gpumigrate.transfer.devhash import blake3_copy_chunks
+        from gpumigrate.transfer.device.devhash import blake3_copy_chunks
 
         def fused() -> None:
             for start in range(0, src.numel(), batch * chunk):

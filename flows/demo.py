@@ -157,7 +157,7 @@ def run_demo(*, fault: str | None = None, watch: Watch | None = None) -> Migrati
     if fault is not None and fault not in FAULTS:
         raise InvalidInputError(f"--fault {fault!r} is not one of {', '.join(FAULTS)}")
     from gpumigrate.traffic.loadgen import LoadProcess
-    from gpumigrate.transfer.keys import generate_key
+    from gpumigrate.transfer.format.keys import generate_key
 
     mid = new_migration_id(WORKLOAD)
     suffix = mid.rsplit("-", 1)[-1]

@@ -32,7 +32,7 @@ def deployment_name(host: str) -> str:
 
 def _transfer_files() -> ImageFiles:
     """The transfer engine as the host-level backends' packer (content-defined chunks, sealed with the key)."""
-    from gpumigrate.transfer.keys import resolve_key
+    from gpumigrate.transfer.format.keys import resolve_key
     from gpumigrate.transfer.pack import pack_paths, unpack
 
     def key(ref: Mapping[str, str]) -> bytes | None:

@@ -31,7 +31,7 @@ from gpumigrate.interfaces import ImageRef, Restored, Round, SnapshotBackend
 from gpumigrate.parity.urls import redact_url
 from gpumigrate.snapshot.client import parse_address
 from gpumigrate.snapshot.precopy import Convergence, converge
-from gpumigrate.transfer.keys import resolve_key
+from gpumigrate.transfer.format.keys import resolve_key
 from gpumigrate.transfer.push import check_landed
 
 TARGET_AGENT_WAIT_S = 60.0  # for the target's agent to accept connections before the first round

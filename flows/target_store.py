@@ -35,14 +35,15 @@ from gpumigrate.infra import start_on_host
 from gpumigrate.infra.launch import last_lines, netloc
 from gpumigrate.infra.residency import check_store
 from gpumigrate.interfaces import Host, Provider
-from gpumigrate.transfer.receiver_host import (
+from gpumigrate.transfer.receiver.host import (
     ReceiverInfo,
     ReceiverOptions,
     read_receiver_info,
     receiver_argv,
     stop_receiver,
 )
-from gpumigrate.transfer.stream import PinnedCertificateError, StreamStore
+from gpumigrate.transfer.stores.connections import PinnedCertificateError
+from gpumigrate.transfer.stores.stream import StreamStore
 
 RECEIVERS = ("stream", "nixl")
 ON_TARGET = "target"  # the host part of stream://target, nixl://target

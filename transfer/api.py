@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from gpumigrate.transfer.chunkobj import Sealer
-from gpumigrate.transfer.direct import DirectStoreImageReader, DirectStoreImageWriter
+from gpumigrate.transfer.direct_reader import DirectStoreImageReader
+from gpumigrate.transfer.direct_writer import DirectStoreImageWriter
+from gpumigrate.transfer.format.chunkobj import Sealer
 from gpumigrate.transfer.progress import ProgressCallback
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, open_store, resolve_image_id

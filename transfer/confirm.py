@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gpumigrate.interfaces import ChunkRun
-from gpumigrate.transfer.chunkobj import chunk_id_of
+from gpumigrate.transfer.format.chunkobj import chunk_id_of
+
+if TYPE_CHECKING:
+    import torch
 
 # Device memory for one batch's leaf chaining values: 32 bytes per KiB hashed, so 128 chunks of 16 MiB. The
 # parents' levels take half as much again at most. Fewer, larger launches; a bounded share of a full GPU.
@@ -37,12 +40,12 @@ def start(runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor) -
     for r, run in enumerate(runs):
         view = run.view
         n = view.numel()
-        hashable = view.is_cuda and _kernels_run(view.device)
-        base = view.data_ptr() if hashable else 0
+        wide = _kernel_alignment(view.device) if view.is_cuda else 0  # 0: no device kernels for this view
+        base = view.data_ptr() if wide else 0
         for k, i in enumerate(run.indices):
             length = min(chunk_size, n - i * chunk_size)
             at = base + i * chunk_size
-            if hashable and length > 0 and length % _LEAF == 0 and at % 4 == 0:
+            if wide and length > 0 and length % _LEAF == 0 and at % wide == 0:
                 on_device.setdefault((view.device, length), []).append((r, k, at, view))
             else:
                 on_host.append((r, k))
@@ -83,7 +86,7 @@ def _confirm(
 
 def _hash(members: list[tuple[int, int, int, Any]], length: int) -> tuple[Any, Any]:
     """BLAKE3 words of ``members`` (all ``length`` bytes, one device) on the current stream, in batches."""
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     torch = _torch()
     # The anchor: the lowest chunk, as a tensor (the kernels take a base pointer; the others are offsets from it).
@@ -99,10 +102,11 @@ def _hash(members: list[tuple[int, int, int, Any]], length: int) -> tuple[Any, A
     return (parts[0] if len(parts) == 1 else torch.cat(parts)), torch.cuda.current_stream()
 
 
-def _kernels_run(device: Any) -> bool:
-    from gpumigrate.transfer import devhash
+def _kernel_alignment(device: torch.device) -> int:
+    """The device kernels' input alignment in bytes where they run on ``device``; 0 where they do not."""
+    from gpumigrate.transfer.device import devhash
 
-    return devhash.available(device)
+    return devhash.WIDE if devhash.available(device) else 0
 
 
 def _torch() -> Any:

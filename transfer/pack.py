@@ -25,9 +25,9 @@ import pyfastcdc
 
 from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
-from gpumigrate.transfer import codecs
 from gpumigrate.transfer.api import open_reader, open_writer
 from gpumigrate.transfer.buffers import POOL
+from gpumigrate.transfer.format import codecs
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.reader import StoreImageReader
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from gpumigrate.errors import GpumigrateError, IntegrityError
 from gpumigrate.transfer.api import _store
-from gpumigrate.transfer.chunkobj import Sealer, parse_header
+from gpumigrate.transfer.format.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import BucketStore, Store, resolve_image_id, split_url

@@ -10,9 +10,9 @@ from typing import Any
 
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
-from gpumigrate.transfer import gpucodec
-from gpumigrate.transfer.chunkobj import Sealer, parse_header
-from gpumigrate.transfer.manifest import open_manifest
+from gpumigrate.transfer.device import gpucodec
+from gpumigrate.transfer.format.chunkobj import Sealer, parse_header
+from gpumigrate.transfer.format.manifest import open_manifest
 from gpumigrate.transfer.stores import Store
 
 BASE_CACHE_BYTES = 64 << 20

@@ -18,16 +18,19 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumigrate.errors import InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
-from gpumigrate.transfer import codecs
 from gpumigrate.transfer.buffers import POOL
-from gpumigrate.transfer.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
-from gpumigrate.transfer.manifest import seal_manifest
+from gpumigrate.transfer.format import codecs
+from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
+from gpumigrate.transfer.format.manifest import seal_manifest
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.stores import Store
+
+if TYPE_CHECKING:
+    from gpumigrate.transfer.reader import StoreImageReader
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 # Encoding scratch and sealed objects live in recycled buffers (buffers.py says why).
@@ -72,7 +75,7 @@ class StoreImageWriter:
         *,
         parent: dict[str, Any] | None = None,
         parent_id: str | None = None,
-        parent_reader: Any = None,
+        parent_reader: StoreImageReader | None = None,
         compression: str = "auto",
         parallelism: int = 4,
         chunk_size: int | None = None,
@@ -115,6 +118,10 @@ class StoreImageWriter:
         self.chunks_reused = 0
         self._progress = ProgressCounter(progress, 0)
         self.decoders: set[str] = set()  # optional decoders a reader needs (FORMAT.md, "decoders")
+        self._opened()
+
+    def _opened(self) -> None:
+        """A subclass's own set-up, once the writer is ready (the direct writer's slots and queue)."""
 
     # -- regions and metadata
 
@@ -159,7 +166,7 @@ class StoreImageWriter:
         size = self._stored_size(chunk_id)
         if size is None:
             return None
-        header = parse_header(self.store.chunk_header(chunk_id), chunk_id)
+        header = parse_header(self.store.chunk_header(chunk_id, HEADER_SIZE), chunk_id)
         return [size, header.codec, header.base]
 
     def _add_object(self, chunk_id: str, entry: list[Any]) -> None:

@@ -31,8 +31,8 @@ from gpumigrate.infra.residency import (
 from gpumigrate.interfaces import HostSpec, Provider
 from gpumigrate.parity.urls import redact_url
 from gpumigrate.traffic import frontdoor
-from gpumigrate.transfer.nixl import load_nixl
 from gpumigrate.transfer.push import ensure_bucket, store_region
+from gpumigrate.transfer.stores.nixl_agent import load_nixl
 
 
 def run(ctx: RunContext) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from gpumigrate.flows.prefect_artifacts import Progress
 from gpumigrate.flows.report import merge_result
 from gpumigrate.infra.residency import check_store
 from gpumigrate.parity.urls import redact_url
-from gpumigrate.transfer.keys import resolve_key
+from gpumigrate.transfer.format.keys import resolve_key
 from gpumigrate.transfer.progress import TransferStats
 from gpumigrate.transfer.push import check_landed, push
 

@@ -69,7 +69,7 @@ def parse_rate(text: str | None) -> float | None:
 def _key(key_env: str | None, key_file: Path | None, no_key: bool) -> bytes | None:
     import os
 
-    from gpumigrate.transfer.keys import resolve_key
+    from gpumigrate.transfer.format.keys import resolve_key
 
     if no_key:
         if key_env or key_file:
@@ -152,7 +152,7 @@ def keygen(
     """Write a fresh random image key to a file (never to the terminal)."""
     import os
 
-    from gpumigrate.transfer.keys import derive_keys, generate_key
+    from gpumigrate.transfer.format.keys import derive_keys, generate_key
 
     key_hex = generate_key()
     try:
@@ -343,7 +343,7 @@ def receive(
     Only clients holding the control key (GPUMIGRATE_CONTROL_KEY_FILE) are served. Prints one JSON
     line with the URL to push to (certificate pinned) once listening, and the counts when it stops.
     """
-    from gpumigrate.transfer.receiver_host import ReceiverOptions, run_receiver, start_receiver
+    from gpumigrate.transfer.receiver.host import ReceiverOptions, run_receiver, start_receiver
 
     key = _key(key_env, key_file, no_key)
     options = ReceiverOptions(
@@ -373,7 +373,7 @@ def receive_stop(
 ) -> None:
     """Stop the receiver started with `receive --detach --state-dir DIR` (an authenticated request; it flushes its
     store first) and print its counts."""
-    from gpumigrate.transfer.receiver_host import stop_receiver
+    from gpumigrate.transfer.receiver.host import stop_receiver
 
     info = stop_receiver(state_dir, timeout_s=timeout)
     emit_json({"state": info.state, **info.stats})

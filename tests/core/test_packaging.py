@@ -38,7 +38,7 @@ def test_wheel_installs_into_fresh_venv_and_runs(tmp_path: Path) -> None:
         assert f"gpumigrate/{sub}/__init__.py" in names, f"{sub}/ is not mapped into the wheel"
     assert "gpumigrate/cli/__init__.py" in names
     # the huff plane coder is compiled into the wheel (setup.py); without it images pack with zstd planes
-    assert any(n.startswith("gpumigrate/transfer/_huffplane") and n.endswith(".so") for n in names), names
+    assert any(n.startswith("gpumigrate/transfer/format/_huffplane") and n.endswith(".so") for n in names), names
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -69,7 +69,7 @@ def test_wheel_installs_into_fresh_venv_and_runs(tmp_path: Path) -> None:
         [
             str(venv / "bin" / "python"),
             "-c",
-            "import gpumigrate.transfer.planehuff as h, gpumigrate; assert h.AVAILABLE, 'no huff coder'; print(gpumigrate.__file__)",
+            "import gpumigrate.transfer.format.planehuff as h, gpumigrate; assert h.AVAILABLE, 'no huff coder'; print(gpumigrate.__file__)",
         ],
         capture_output=True,
         text=True,

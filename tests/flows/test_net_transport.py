@@ -138,7 +138,7 @@ def test_migration_over_a_receiver_the_flow_starts_on_the_target(
     source: Source, migrate_under_load: Any, tmp_path: Path, scheme: str
 ) -> None:
     if scheme == "nixl":
-        from gpumigrate.transfer.nixl import load_nixl
+        from gpumigrate.transfer.stores.nixl_agent import load_nixl
 
         load_nixl()  # the nixl extra is part of `make setup`: missing, this fails with the package's name
     target = target_host(source, f"net-tgt-{scheme}")
@@ -168,7 +168,7 @@ def test_migration_over_a_receiver_the_flow_starts_on_the_target(
     # The target restored from the receiver's store on its own host.
     runtime = json.loads((source.home / "migrations" / mid / "state.json").read_text())["runtime"]
     assert runtime["target_store"] == started["store"] and runtime["receiver_stopped"] is True
-    from gpumigrate.transfer.receiver_host import read_receiver_info
+    from gpumigrate.transfer.receiver.host import read_receiver_info
 
     assert read_receiver_info(runtime["receiver_dir"]).state == "stopped"
 
@@ -178,7 +178,7 @@ def test_a_plan_pinning_the_wrong_certificate_is_refused_before_anything_moves(
 ) -> None:
     """A receiver the operator runs, pinned in the plan by a fingerprint that is not its certificate's."""
     from gpumigrate import control
-    from gpumigrate.transfer.receiver_host import ReceiverOptions, start_receiver, stop_receiver
+    from gpumigrate.transfer.receiver.host import ReceiverOptions, start_receiver, stop_receiver
 
     state = tmp_path / "receiver"  # a receiver the operator runs on this machine
     info = start_receiver(state, ReceiverOptions(listen="127.0.0.1:0"), key_ref={"file": str(source.key_file)})

@@ -86,10 +86,10 @@ def test_fingerprints_are_64_bit_and_see_paired_sign_flips() -> None:
 @pytest.mark.gpu
 def test_planted_collision_on_cuda_is_caught_by_the_device_hash(tmp_path) -> None:
     """On CUDA the final round hashes the "unchanged" chunks where they live: the transfer engine's
-    direct writer computes their ids with its device BLAKE3 kernels (transfer/devhash.py)."""
+    direct writer computes their ids with its device BLAKE3 kernels (transfer/device/devhash.py)."""
     from gpumigrate import transfer
     from gpumigrate.interfaces import DirectImageWriter
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     positions = [7, 200, 640, 1001, 1022]
     data = torch.zeros(2 * CHUNK // 4, dtype=torch.int32, device="cuda")

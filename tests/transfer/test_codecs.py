@@ -9,7 +9,7 @@ import pytest
 from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError
-from gpumigrate.transfer import codecs
+from gpumigrate.transfer.format import codecs
 
 
 def roundtrip(data: bytes, **kw: object) -> tuple[int, int]:

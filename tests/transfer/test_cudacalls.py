@@ -48,7 +48,7 @@ def test_the_plane_split_kernel_matches_torch_for_chunks_anywhere() -> None:
     """One launch splits chunks of different lengths in different allocations (before and after the first)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from gpumigrate.transfer import gpucodec
+    from gpumigrate.transfer.device import gpucodec
 
     g = torch.Generator(device="cuda").manual_seed(5)
     blocks = [
@@ -71,7 +71,7 @@ def test_the_plane_split_kernel_matches_torch_for_chunks_anywhere() -> None:
 def test_the_plane_merge_kernel_interleaves_planes_by_address() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from gpumigrate.transfer import gpucodec, plane_kernels
+    from gpumigrate.transfer.device import gpucodec, plane_kernels
 
     plane_kernels.warm(torch.device("cuda"))  # the SDK's warm-up compiles both kernels, both alignments
     src = (torch.randn(300_001, device="cuda") * 3).to(torch.bfloat16).view(torch.uint8)

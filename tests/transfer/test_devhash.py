@@ -1,4 +1,4 @@
-"""BLAKE3 on the device (transfer/devhash.py): the reference algorithm on CPU in CI, the Triton
+"""BLAKE3 on the device (transfer/device/devhash.py): the reference algorithm on CPU in CI, the Triton
 kernels and the device-hashed capture and verified restore on the GPU machine."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from gpumigrate import transfer
 from gpumigrate.errors import IntegrityError
 from gpumigrate.snapshot.agent import Agent
-from gpumigrate.transfer import devhash
+from gpumigrate.transfer.device import devhash
 
 # One leaf (ROOT on the leaf), two (ROOT on the parent), and odd counts whose last node moves up
 # unpaired: the left-balanced tree.
@@ -52,14 +52,10 @@ def test_only_whole_leaf_device_views_are_eligible() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", devhash.LEAF_KERNELS)
 @pytest.mark.parametrize(("leaves", "count"), [*SHAPES, (16384, 4)])
-def test_kernels_match_the_blake3_package(
-    leaves: int, count: int, kernel: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_kernels_match_the_blake3_package(leaves: int, count: int) -> None:
     if not devhash.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")
-    monkeypatch.setenv("GPUMIGRATE_BLAKE3_LEAF", kernel)
     data = _inputs(leaves, count, "cuda")
     size = leaves * 1024
     views = [data[i * size : (i + 1) * size] for i in range(count)][::-1]  # offsets below the first view too
@@ -70,24 +66,14 @@ def test_kernels_match_the_blake3_package(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", devhash.LEAF_KERNELS)
-def test_wide_kernels_fall_back_on_inputs_that_are_not_16_byte_aligned(
-    kernel: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_wide_kernels_fall_back_on_inputs_that_are_not_16_byte_aligned() -> None:
     if not devhash.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")
-    monkeypatch.setenv("GPUMIGRATE_BLAKE3_LEAF", kernel)
     data = _inputs(3, 3, "cuda")
     views = [data[4 : 4 + 3072], data[3076 : 3076 + 3072]]  # 4-byte aligned only
     got = [devhash.words_hex(w) for w in devhash.blake3_device(views).cpu().tolist()]
     host = data.cpu().numpy()
     assert got == [blake3.blake3(host[o : o + 3072].tobytes()).hexdigest() for o in (4, 3076)]
-
-
-def test_an_unknown_leaf_kernel_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GPUMIGRATE_BLAKE3_LEAF", "fast")
-    with pytest.raises(ValueError, match="GPUMIGRATE_BLAKE3_LEAF='fast': expected one of v4, tile, scalar"):
-        devhash.leaf_kernel_name()
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ from typing import Any
 import blake3
 import pytest
 
-from gpumigrate.transfer.device_lend import Hashed, copy_and_hash
+from gpumigrate.transfer.device.lend import Hashed, copy_and_hash
 
 torch = pytest.importorskip("torch")
 CHUNK = 64 * 1024

@@ -21,7 +21,8 @@ from gpumigrate import transfer
 from gpumigrate.errors import DecryptionError, IntegrityError
 from gpumigrate.interfaces import DirectImageReader, DirectImageWriter, RegionInfo, TensorChunk
 from gpumigrate.snapshot.agent import Agent
-from gpumigrate.transfer import gpucodec, writer
+from gpumigrate.transfer import writer
+from gpumigrate.transfer.device import gpucodec
 
 KEY = bytes(range(32))
 REPO = Path(__file__).resolve().parents[2]
@@ -182,7 +183,8 @@ def test_plane_codec_3_says_what_it_needs_without_a_gpu() -> None:
         gpucodec.decode_plane_to_host(memoryview(b"\0" * 16), 8)
     # a chunk of another dtype coded whole on a GPU (k = 1): a CPU reader names what it needs as well
     from gpumigrate.errors import TransferError
-    from gpumigrate.transfer import codecs, gpupayload
+    from gpumigrate.transfer.device import gpupayload
+    from gpumigrate.transfer.format import codecs
 
     payload = bytearray(gpupayload.coded_length(1, 4096, 16))
     gpupayload.write_header(memoryview(payload), 0, 1, 4096, 16)
@@ -228,7 +230,7 @@ CONFIRM_CHUNK = 64 << 10
 
 
 def _cuda() -> str:
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     if not devhash.available(torch.device("cuda")):
         pytest.skip("Triton is not importable here")
@@ -271,7 +273,7 @@ def test_device_confirmation_matches_host_ids_in_batches(tmp_path: Path, monkeyp
     a short tail of whole leaves (kernels), an odd tail and an unaligned region (host), and a wrong id caught."""
     from gpumigrate.interfaces import ChunkRun
     from gpumigrate.transfer import confirm
-    from gpumigrate.transfer.chunkobj import chunk_id_of
+    from gpumigrate.transfer.format.chunkobj import chunk_id_of
 
     dev = _cuda()
     monkeypatch.setattr(confirm, "NODES_BYTES", 3 * (CONFIRM_CHUNK // 1024) * 32)  # three chunks a batch
@@ -363,7 +365,7 @@ def test_confirm_chunks_hashes_without_storing_and_matches_the_stored_ids(tmp_pa
     bytes differ from the id it would reuse is not, and nothing is stored."""
     from gpumigrate import transfer
     from gpumigrate.interfaces import ChunkRun, DirectImageWriter, RegionInfo, TensorChunk
-    from gpumigrate.transfer.chunkobj import chunk_id_of
+    from gpumigrate.transfer.format.chunkobj import chunk_id_of
 
     data = torch.randint(0, 256, (4096 + 100,), dtype=torch.uint8)  # four whole chunks and a short one
     writer = transfer.open_writer("file://" + str(tmp_path / "s"), key=b"k" * 32, chunk_size=1024)

@@ -14,8 +14,9 @@ from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import TransferError
 from gpumigrate.interfaces import RegionInfo
-from gpumigrate.transfer import codecs, open_reader, open_writer, planehuff, planezstd
-from gpumigrate.transfer.chunkobj import HEADER_SIZE, Sealer, chunk_id_of, sealed_size
+from gpumigrate.transfer import open_reader, open_writer
+from gpumigrate.transfer.format import codecs, planehuff, planezstd
+from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, Sealer, chunk_id_of, sealed_size
 
 
 def planes_of(payload: bytes | memoryview) -> list[tuple[int, int]]:

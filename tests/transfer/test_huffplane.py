@@ -8,7 +8,7 @@ import pytest
 from transfer_helpers import bf16_weights
 
 from gpumigrate.errors import IntegrityError
-from gpumigrate.transfer import planehuff, planezstd
+from gpumigrate.transfer.format import planehuff, planezstd
 
 pytestmark = pytest.mark.skipif(not planehuff.AVAILABLE, reason="the compiled extension is not built")
 

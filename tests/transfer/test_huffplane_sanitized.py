@@ -81,7 +81,7 @@ def test_coder_is_clean_under_address_and_undefined_behaviour_sanitizers(tmp_pat
             "-fno-sanitize-recover=undefined",
             "-fno-omit-frame-pointer",
             f"-I{sysconfig.get_paths()['include']}",
-            str(REPO / "transfer" / "_huffplane.c"),
+            str(REPO / "transfer" / "format" / "_huffplane.c"),
             "-o",
             str(lib),
         ],

@@ -13,7 +13,7 @@ from transfer_helpers import bf16_weights
 from gpumigrate.errors import DecryptionError, IntegrityError, InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageReader, ImageWriter, RegionInfo
 from gpumigrate.transfer import generate_key, open_reader, open_writer, resolve_key
-from gpumigrate.transfer.manifest import UnsignedImageError
+from gpumigrate.transfer.format.manifest import UnsignedImageError
 
 CHUNK = 256 * 1024
 
@@ -121,7 +121,7 @@ def test_a_parent_this_process_committed_is_not_read_back(
 ) -> None:
     """The next round's writer takes its parent from the manifest this process just signed (no read, no
     re-check); under another key it still reads the parent and refuses it, as before."""
-    from gpumigrate.transfer.stores import FileStore
+    from gpumigrate.transfer.stores.file import FileStore
 
     data = np.frombuffer(os.urandom(2 * CHUNK), dtype=np.uint8)
     first = open_writer(store, key=key, chunk_size=CHUNK)

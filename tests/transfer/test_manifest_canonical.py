@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumigrate.transfer.chunkobj import Sealer
-from gpumigrate.transfer.manifest import _BODY_AT, _rest, canonical, canonical_fast, open_manifest, seal_manifest
+from gpumigrate.transfer.format.chunkobj import Sealer
+from gpumigrate.transfer.format.manifest import _BODY_AT, _rest, canonical, canonical_fast, open_manifest, seal_manifest
 
 
 def _same(obj: Any) -> None:
@@ -170,7 +170,7 @@ def test_sealed_manifest_is_the_canonical_document_as_before(key: bytes | None) 
 
 
 def test_a_writers_body_takes_the_fast_path_and_floats_do_not() -> None:
-    from gpumigrate.transfer.manifest import _plain
+    from gpumigrate.transfer.format.manifest import _plain
 
     assert _plain({**_body("k"), "metadata": {"snapshot": {"round": 2, "final": True, "chunks": {"a": ["0" * 64]}}}})
     assert not _plain(_body("k"))  # its metadata holds a float
@@ -197,7 +197,7 @@ def _strict(a: Any, b: Any) -> bool:
 
 def _parses_as_json(data: bytes) -> None:
     """_parse gives json.loads's document, or fails as json.loads fails."""
-    from gpumigrate.transfer.manifest import _parse
+    from gpumigrate.transfer.format.manifest import _parse
 
     try:
         want: Any = json.loads(data)

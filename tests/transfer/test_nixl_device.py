@@ -22,7 +22,9 @@ needs_nixl = pytest.mark.skipif(
 
 from gpumigrate.control import AuthError  # noqa: E402
 from gpumigrate.errors import IntegrityError, InvalidInputError  # noqa: E402
-from gpumigrate.transfer.nixl_device import DeviceLanding, DeviceSender, cpu_hasher  # noqa: E402
+from gpumigrate.transfer.device.devhash import cpu_hasher  # noqa: E402
+from gpumigrate.transfer.device.landing import DeviceLanding  # noqa: E402
+from gpumigrate.transfer.device.sender import DeviceSender  # noqa: E402
 
 CHUNK = 1 << 20
 
@@ -115,7 +117,7 @@ def test_a_source_without_the_control_key_gets_nothing() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["write", "pull"])
 def test_device_to_device_with_the_blake3_kernels(mode: str) -> None:
-    from gpumigrate.transfer.devhash import blake3_chunks
+    from gpumigrate.transfer.device.devhash import blake3_chunks
 
     src = regions("cuda")
     dst = {k: torch.zeros_like(v) for k, v in src.items()}
@@ -141,8 +143,8 @@ def test_lending_host_memory_is_refused_by_name() -> None:
 LANDING_PROCESS = """
 import json, os, sys
 import torch
-from gpumigrate.transfer.devhash import blake3_chunks
-from gpumigrate.transfer.nixl_device import DeviceLanding
+from gpumigrate.transfer.device.devhash import blake3_chunks
+from gpumigrate.transfer.device.landing import DeviceLanding
 job = json.loads(sys.stdin.readline())
 dst = {k: torch.zeros(n, dtype=torch.uint8, device="cuda") for k, n in job["sizes"].items()}
 landing = DeviceLanding(dst, chunk_size=job["chunk"], control_key=bytes.fromhex(job["key"]),
@@ -190,7 +192,7 @@ def lend_to_another_process(src: dict[str, Any], ids: dict[str, list[str]], **le
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared_by", ["allocations", "tensors"])
 def test_a_landing_copies_lent_device_memory_verified(shared_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumigrate.transfer import cuda_ipc
+    from gpumigrate.transfer.device import cuda_ipc
 
     if shared_by == "tensors":  # where the driver cannot export an allocation: PyTorch's sharing, per tensor
         monkeypatch.setattr(cuda_ipc, "share", lambda tensors: None)
@@ -219,7 +221,7 @@ def test_a_lent_source_that_differs_from_the_manifest_never_passes() -> None:
 
 @pytest.mark.gpu
 def test_a_lend_naming_memory_outside_its_allocation_is_refused() -> None:
-    from gpumigrate.transfer import cuda_ipc
+    from gpumigrate.transfer.device import cuda_ipc
 
     t = torch.zeros(CHUNK, dtype=torch.uint8, device="cuda")
     shared = cuda_ipc.share({"w": t})

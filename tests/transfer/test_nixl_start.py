@@ -14,7 +14,7 @@ import pytest
 
 from gpumigrate import control
 from gpumigrate.transfer import open_store, pack_paths, serve_stream
-from gpumigrate.transfer.nixl import _ucx_environment, load_nixl
+from gpumigrate.transfer.stores.nixl_agent import _ucx_environment, load_nixl
 
 KEY_ENV = "GM_TEST_IMAGE_KEY"
 

@@ -12,7 +12,7 @@ import yaml
 
 from gpumigrate.errors import InvalidInputError, TransferError
 from gpumigrate.transfer import pack_paths, push, serve_stream, verify
-from gpumigrate.transfer.receiver_host import read_receiver_info, stop_receiver
+from gpumigrate.transfer.receiver.host import read_receiver_info, stop_receiver
 
 KEY_ENV = "GM_TEST_IMAGE_KEY"
 

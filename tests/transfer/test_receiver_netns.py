@@ -23,7 +23,7 @@ from gpumigrate.infra import netns as netns_lib
 from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import Host, HostSpec
 from gpumigrate.transfer import ReceiverOptions, pack_paths, read_receiver_info, receiver_argv, stop_receiver, verify
-from gpumigrate.transfer.stores import file_root
+from gpumigrate.transfer.stores.file import file_root
 
 _ok, _why = netns_lib.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")]
@@ -217,7 +217,7 @@ def _raw(address: tuple[str, int], frame: bytes) -> tuple[int | None, bytes, boo
     import socket
     import ssl
 
-    from gpumigrate.transfer.stream import REPLY
+    from gpumigrate.transfer.stores.wire import REPLY
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
@@ -250,8 +250,8 @@ def test_an_unauthenticated_client_gets_nothing(
     hosts: tuple[LocalProvider, Host, Host], tmp_path: Path, image_key: bytes
 ) -> None:
     from gpumigrate import control
-    from gpumigrate.transfer.chunkobj import Sealer, chunk_id_of
-    from gpumigrate.transfer.stream import (
+    from gpumigrate.transfer.format.chunkobj import Sealer, chunk_id_of
+    from gpumigrate.transfer.stores.wire import (
         DENIED,
         FLUSH,
         GET_MANIFEST,

@@ -13,8 +13,8 @@ from transfer_fake_gcs import FakeGcs
 from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError
 from gpumigrate.interfaces import RegionInfo
 from gpumigrate.transfer import open_reader, open_writer, pack_paths, push, store_region, unpack, verify
-from gpumigrate.transfer.s3store import S3Store
 from gpumigrate.transfer.stores import chunk_key, open_store
+from gpumigrate.transfer.stores.s3 import S3Store
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_file_store_chunk_mode_names_a_chunk_only_once_its_data_is_synced(tmp_pa
 
 def test_a_file_store_in_memory_skips_preallocation_and_stores_the_same_bytes(tmp_path: Path) -> None:
     """tmpfs zeroes what fallocate reserves, then write() fills it again: a store there writes without it."""
-    from gpumigrate.transfer.stores import MEMORY_FILESYSTEMS, FileStore, filesystem_of
+    from gpumigrate.transfer.stores.file import MEMORY_FILESYSTEMS, FileStore, filesystem_of
 
     shm = Path("/dev/shm")
     if filesystem_of(shm) not in MEMORY_FILESYSTEMS:

@@ -14,8 +14,8 @@ from transfer_helpers import bf16_weights
 from gpumigrate.errors import IntegrityError, TransferError
 from gpumigrate.interfaces import RegionInfo
 from gpumigrate.transfer import Receiver, open_reader, open_writer, pack_paths, push, serve_stream, verify
-from gpumigrate.transfer.chunkobj import Sealer
-from gpumigrate.transfer.stream import StreamStore
+from gpumigrate.transfer.format.chunkobj import Sealer
+from gpumigrate.transfer.stores.stream import StreamStore
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_receiver_rejects_a_tampered_chunk_and_an_early_manifest(
     key: bytes, receiver: Receiver, tmp_path: Path
 ) -> None:
     sealer = Sealer(key)
-    from gpumigrate.transfer.chunkobj import chunk_id_of
+    from gpumigrate.transfer.format.chunkobj import chunk_id_of
 
     plain = os.urandom(4096)
     cid = chunk_id_of(plain)
@@ -177,7 +177,7 @@ def test_delta_image_pushed_over_pipelined_stream_verifies_every_delta_against_i
 def test_small_window_pipelines_many_chunks_and_reports_a_rejection(key: bytes, receiver: Receiver) -> None:
     """A window smaller than two chunks forces the sender to wait for acknowledgements mid-stream;
     a rejected chunk is raised by flush (before any manifest), and take_rejected names it for a resend."""
-    from gpumigrate.transfer.chunkobj import chunk_id_of
+    from gpumigrate.transfer.format.chunkobj import chunk_id_of
 
     sealer = Sealer(key)
     sender = StreamStore(receiver.url, connections=2, window_bytes=100_000)

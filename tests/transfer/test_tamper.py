@@ -11,7 +11,8 @@ import pytest
 
 from gpumigrate.errors import DecryptionError, IntegrityError
 from gpumigrate.transfer import open_reader, pack_paths, push, unpack, verify
-from gpumigrate.transfer.stores import chunk_key, file_root, manifest_key
+from gpumigrate.transfer.stores import chunk_key, manifest_key
+from gpumigrate.transfer.stores.file import file_root
 
 
 @pytest.fixture
@@ -162,8 +163,8 @@ def test_manifest_signature_covers_the_body_bytes_as_stored(key: bytes) -> None:
     """A sealed manifest is the canonical JSON of the whole document (the body's bytes lie in it verbatim and
     are what the signature covers); a document laid out otherwise opens only through its canonical form,
     and a second "body" key spliced in after the signed one is refused."""
-    from gpumigrate.transfer.chunkobj import Sealer
-    from gpumigrate.transfer.manifest import canonical, open_manifest, seal_manifest
+    from gpumigrate.transfer.format.chunkobj import Sealer
+    from gpumigrate.transfer.format.manifest import canonical, open_manifest, seal_manifest
 
     sealer = Sealer(key)
     body = {"key_id": sealer.key_id, "encryption": "aes-256-gcm", "regions": [{"name": "w", "chunks": ["ab"]}], "ü": 1}

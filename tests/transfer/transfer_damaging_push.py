@@ -12,7 +12,7 @@ import os
 import sys
 
 from gpumigrate.transfer import push
-from gpumigrate.transfer.stores import FileStore, file_root
+from gpumigrate.transfer.stores.file import FileStore, file_root
 
 
 class DamagingStore(FileStore):

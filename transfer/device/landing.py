@@ -1,9 +1,9 @@
 """Tensors moved straight into the target's tensors on one host, each chunk's BLAKE3 checked where it landed.
 
 For two processes on one GPU host. The target (:class:`DeviceLanding`) holds its destination
-tensors and serves a small control channel: JSON lines over TCP, every request signed with the
-control key and every reply signed and bound to it (``gpumigrate.control``, channel ``receiver``).
-The source (:class:`DeviceSender`) names the chunk ids the bytes must hash to (``expect``: from the
+tensors and serves a small control channel (``channel.py``): JSON lines over TCP, every request signed
+with the control key and every reply signed and bound to it (``gpumigrate.control``, channel ``receiver``).
+The source (:class:`~.sender.DeviceSender`, ``sender.py``) names the chunk ids the bytes must hash to (``expect``: from the
 image's signed manifest; or the target is given them itself), then moves them one of three ways:
 
 * ``send_all``: the source WRITEs chunk ranges with NIXL (UCX picks ``cuda_ipc``: device to device,
@@ -16,7 +16,7 @@ image's signed manifest; or the target is given them itself), then moves them on
   UCX leaves cuda_ipc READs off on GPUs without NVLink; the agents here turn them on (``LANDING_UCX``).
 * ``lend_all``: the source sends CUDA IPC handles of its allocations (``cuda_ipc``; PyTorch's
   per-tensor sharing where the driver cannot export one) and the target copies the regions itself
-  with the kernel that hashes the words it stores (``device_lend``, ``devhash.blake3_copy_gather``):
+  with the kernel that hashes the words it stores (``lend.py``, ``devhash.blake3_copy_gather``):
   one pass over memory instead of two. Device memory only.
 
 All three check every chunk on the target and name the ones that still fail after their retries.
@@ -31,9 +31,7 @@ through shared memory or TCP), which is how CI runs this module.
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -41,199 +39,27 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumigrate import control
 from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
 from gpumigrate.stageclock import STAGES, log_stages
-from gpumigrate.transfer.device_lend import Hashed, copy_and_hash
-from gpumigrate.transfer.nixl import make_agent
-from gpumigrate.transfer.stream import CHANNEL, parse_listen
+from gpumigrate.transfer.device import cuda_ipc, devhash
+from gpumigrate.transfer.device.channel import Channel, PairedLists, chunk_spans, describe, flat, pair_lists, ucx_for
+from gpumigrate.transfer.device.devhash import Hasher, cpu_hasher, ids_to_words
+from gpumigrate.transfer.device.lend import Hashed, copy_and_hash
+from gpumigrate.transfer.stores.nixl_agent import NixlAgent, XferHandle, make_agent
+from gpumigrate.transfer.stores.wire import CHANNEL, parse_listen
 
-# hasher(block, chunk): BLAKE3 of each ``chunk``-byte piece of a contiguous uint8 tensor whose length is a
-# multiple of ``chunk`` → [pieces, 8] int32 words (little-endian), computed where the block lives.
-Hasher = Callable[[Any, int], Any]
-MAX_LINE = 64 << 20  # one control message (the expected ids of a large image fit)
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 HASH_GROUP = 256  # chunks per hash launch over plainly copied chunks (its tree's scratch: 32 B per KiB hashed)
 READ_TIMEOUT_S = 60.0  # one READ of a batch; a transfer that stalls fails instead of hanging its source
-# UCX leaves cuda_ipc GETs off ("auto") on GPUs without NVLink, where it found concurrent reads slow;
-# between two processes on one GPU its READs then took a path through the host at 0.4 GB/s (H100).
-LANDING_UCX = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+PendingRead = tuple[XferHandle, str, float]  # a posted READ: its handle, its state when last asked, when it was posted
 
 
-def cpu_hasher(block: Any, chunk: int) -> Any:
-    """BLAKE3 on the CPU, in the device kernels' output shape: for CPU tensors and pieces the kernels refuse."""
-    import blake3
-    import torch
-
-    data = block.contiguous().cpu().numpy()
-    digests = b"".join(blake3.blake3(data[o : o + chunk]).digest() for o in range(0, len(data), chunk))
-    return torch.frombuffer(bytearray(digests), dtype=torch.int32).view(-1, 8)
-
-
-def ids_to_words(ids: Sequence[str], device: Any) -> Any:
-    """Hex BLAKE3 ids → [n, 8] int32 words on ``device`` (what the hash kernels produce)."""
-    import torch
-
-    raw = bytearray(b"".join(bytes.fromhex(i) for i in ids))
-    return torch.frombuffer(raw, dtype=torch.int32).view(len(ids), 8).to(device)
-
-
-def _flat(tensor: Any) -> Any:
-    import torch
-
-    if not tensor.is_contiguous():
-        raise InvalidInputError("a NIXL region must be a contiguous tensor")
-    return tensor.view(-1).view(torch.uint8)
-
-
-def _chunks(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(o, min(chunk_size, nbytes - o)) for o in range(0, nbytes, chunk_size)]
-
-
-def _describe(agent: Any, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """What the other side needs to move bytes to or from ``tensors``: this agent and the tensors' addresses."""
-    return {
-        "agent": agent.name,
-        "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
-        "mem": "VRAM" if next(iter(tensors.values())).is_cuda else "DRAM",
-        "regions": {n: [t.data_ptr(), t.numel(), max(t.get_device(), 0)] for n, t in tensors.items()},
-    }
-
-
-def _pair_lists(
-    agent: Any, tensors: Mapping[str, Any], other: Mapping[str, Any], chunk_size: int, side: str
-) -> dict[str, tuple[Any, Any, int]]:
-    """Chunk by chunk, each local tensor beside the other side's (its :func:`_describe`): the prepared
-    descriptor lists of a WRITE or a READ, and the chunk count, by region name."""
-    agent.add_remote_agent(base64.b64decode(str(other["metadata"])))
-    lists = {}
-    for name, t in tensors.items():
-        addr, nbytes, dev = other["regions"][name]
-        if int(nbytes) != t.numel():
-            raise InvalidInputError(f"region {name}: {t.numel()} bytes here, {nbytes} at the {side}")
-        spans = _chunks(t.numel(), chunk_size)
-        here = [(t.data_ptr() + o, n, max(t.get_device(), 0)) for o, n in spans]
-        there = [(int(addr) + o, n, int(dev)) for o, n in spans]
-        lists[name] = (
-            agent.prep_xfer_dlist("NIXL_INIT_AGENT", here, "VRAM" if t.is_cuda else "DRAM"),
-            agent.prep_xfer_dlist(str(other["agent"]), there, str(other["mem"])),
-            len(spans),
-        )
-    return lists
-
-
-def _ucx_for(tensors: Any, extra: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """LANDING_UCX where device memory moves; nothing on host memory (UCX warns, on stdout, about a
-    variable of a transport it did not load); then the caller's ``extra`` settings."""
-    wanted = {**(LANDING_UCX if any(t.is_cuda for t in tensors) else {}), **(extra or {})}
-    return wanted or None
-
-
-def _lend_spec(flat: Any) -> dict[str, Any]:
-    """A device tensor's CUDA IPC handle and place, as plain fields (PyTorch's own sharing of CUDA tensors)."""
-    if not flat.is_cuda:
-        raise InvalidInputError("lend_all needs device tensors (CUDA IPC); host memory goes by send_all")
-    device, handle, storage_bytes, storage_offset, ref, ref_offset, event, event_sync = (
-        flat.untyped_storage()._share_cuda_()
-    )
-    b64 = lambda raw: base64.b64encode(bytes(raw)).decode()  # noqa: E731
-    return {
-        "device": int(device),
-        "handle": b64(handle),
-        "storage_bytes": int(storage_bytes),
-        "storage_offset": int(storage_offset),
-        "ref": b64(ref),
-        "ref_offset": int(ref_offset),
-        "event": b64(event),
-        "event_sync": bool(event_sync),
-        "offset": int(flat.storage_offset()),
-        "nbytes": int(flat.numel()),
-    }
-
-
-def _open_lent(spec: Mapping[str, Any]) -> Any:
-    """The source's tensor from :func:`_lend_spec`, mapped into this process (as PyTorch rebuilds a shared one)."""
-    import torch
-
-    raw = lambda key: base64.b64decode(str(spec[key]))  # noqa: E731
-    storage = torch.UntypedStorage._new_shared_cuda(
-        int(spec["device"]),
-        raw("handle"),
-        int(spec["storage_bytes"]),
-        int(spec["storage_offset"]),
-        raw("ref"),
-        int(spec["ref_offset"]),
-        raw("event"),
-        bool(spec["event_sync"]),
-    )
-    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
-    return torch._utils._rebuild_tensor(typed, int(spec["offset"]), (int(spec["nbytes"]),), (1,))
-
-
-class _TorchLent:
-    """The source's tensors shared PyTorch's way (one handle per tensor, :func:`_lend_spec`), all mapped now; the
-    same reading interface as :class:`cuda_ipc.Mapped`. Released right after the pass: PyTorch's sharing counts
-    references, and the source's allocator may reuse a block only once the target let it go."""
-
-    def __init__(self, specs: Mapping[str, Any]) -> None:
-        t0 = time.perf_counter()
-        self._lent = {str(name): _open_lent(spec) for name, spec in specs.items()}
-        self.seconds_opening = time.perf_counter() - t0
-        self.regions = {name: (0, 0, t.numel()) for name, t in self._lent.items()}
-
-    def tensor(self, name: str) -> Any:
-        return self._lent[name]
-
-    def map_ahead(self, names: Sequence[str]) -> None:
-        """Nothing: every tensor was mapped when this was made."""
-
-    def address(self, name: str) -> int:
-        return int(self._lent[name].data_ptr())
-
-    def close(self) -> None:
-        import torch
-
-        self._lent.clear()  # the opened tensors go before ipc_collect, which then releases them
-        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
-
-
-def _lent_memory(body: Mapping[str, Any], device: Any) -> Any:
-    """The source's memory a ``lend`` names: by allocation through the driver (``handles`` present,
-    :mod:`cuda_ipc`), else PyTorch's per-tensor handles."""
-    if "handles" in body:
-        from gpumigrate.transfer import cuda_ipc
-
-        return cuda_ipc.Mapped(body, device)
-    return _TorchLent(dict(body["regions"]))
-
-
-class _Channel:
-    """Signed JSON lines over one TCP connection (CONTROL.md), one thread at a time per direction."""
-
-    def __init__(self, sock: socket.socket, key: bytes) -> None:
-        self.sock, self.key = sock, key
-        self.reader = sock.makefile("rb")
-
-    def send(self, obj: Mapping[str, Any]) -> None:
-        self.sock.sendall(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
-
-    def receive(self) -> dict[str, Any]:
-        line = self.reader.readline(MAX_LINE + 1)
-        if not line:
-            raise ConnectionError("control channel closed")
-        if len(line) > MAX_LINE:
-            raise ConnectionError("control message too large")
-        return json.loads(line)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.reader.close()
-            self.sock.close()
-
-
-# ----------------------------------------------------------------------------- target
 @dataclass
 class LandingResult:
     chunks_verified: int = 0
@@ -255,7 +81,7 @@ class DeviceLanding:
 
     def __init__(
         self,
-        regions: Mapping[str, Any],
+        regions: Mapping[str, torch.Tensor],
         *,
         chunk_size: int,
         control_key: bytes,
@@ -266,29 +92,29 @@ class DeviceLanding:
         nixl: bool = True,
         ucx_settings: Mapping[str, str] | None = None,
     ) -> None:
-        self.regions = {name: _flat(t) for name, t in regions.items()}
+        self.regions = {name: flat(t) for name, t in regions.items()}
         # what a lend must find at the source for each region: its size, or -1 (never lent) for host memory
         self._lend_sizes = {name: t.numel() if t.is_cuda else -1 for name, t in self.regions.items()}
         self.chunk_size = chunk_size
         self.key = control_key
         self.hasher = hasher or cpu_hasher
         # nixl=False: a landing for lend only (CUDA IPC), with no NIXL agent to start (0.1-0.4 s) or memory to register
-        self.agent: Any = (
-            make_agent("land", transports=transports, ucx_settings=_ucx_for(self.regions.values(), ucx_settings))
+        self.agent: NixlAgent | None = (
+            make_agent("land", transports=transports, ucx_settings=ucx_for(self.regions.values(), ucx_settings))
             if nixl
             else None
         )
         self._reg = self.agent.register_memory(list(self.regions.values())) if self.agent is not None else None
-        self._expected: dict[str, Any] = {}  # region -> its rows of the expected words (a view into _table)
+        self._expected: dict[str, torch.Tensor] = {}  # region -> its rows of the expected words (a view into _table)
         self._expected_ids: dict[str, list[str]] = {}
-        self._table: Any = None
+        self._table: torch.Tensor | None = None
         self._rows: dict[str, int] = {}  # region -> its first row in _table
         if expected is not None:
             self._expect(expected)
         self.result = LandingResult()
         self.last_bad: list[str] = []  # the chunks the last lend or pull left failing, after its retries
-        self._pull_lists: dict[str, tuple[Any, Any, int]] = {}
-        self._lent: list[Any] = []  # the source's memory mapped by lend passes, until released
+        self._pull_lists: dict[str, PairedLists] = {}
+        self._lent: list[cuda_ipc.LentMemory] = []  # the source's memory mapped by lend passes, until released
         self._passing = threading.Lock()  # held by a lend pass: its mappings are not released under it
         self._done = threading.Event()
         self._guard = control.ReplayGuard()
@@ -303,7 +129,7 @@ class DeviceLanding:
         device (a copy per region cost 20 ms at 521 regions), each region's rows a view into it."""
         for name, ids in expected.items():
             region = self.regions.get(name)
-            if region is None or len(ids) != len(_chunks(region.numel(), self.chunk_size)):
+            if region is None or len(ids) != len(chunk_spans(region.numel(), self.chunk_size)):
                 raise IntegrityError(f"expected ids for region {name!r} do not match its chunks")
         if not expected:
             return
@@ -323,7 +149,7 @@ class DeviceLanding:
             conn, _ = self._sock.accept()
         except OSError:
             return
-        channel = _Channel(conn, self.key)
+        channel = Channel(conn, self.key)
         try:
             while True:  # one source, until it closes the connection
                 t = time.perf_counter()
@@ -359,7 +185,7 @@ class DeviceLanding:
     def _handle(self, body: Mapping[str, Any]) -> dict[str, Any]:
         op = body.get("op")
         if op == "open":
-            described = _describe(self.agent, self.regions) if self.agent is not None else {}
+            described = describe(self.agent, self.regions) if self.agent is not None else {}
             return {**described, "chunk_size": self.chunk_size}
         if op == "expect":
             self._expect(body["ids"])
@@ -401,7 +227,7 @@ class DeviceLanding:
         size = self.chunk_size
         timing = bool(os.environ.get("GPUMIGRATE_STAGES_LOG"))
         try:
-            source = _lent_memory(body, next(iter(self.regions.values())).device)
+            source = cuda_ipc.open_lent(body, next(iter(self.regions.values())).device)
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             return {"error": f"cannot open the lent memory ({type(exc).__name__}: {str(exc)[:120]})"}
         self._lent.append(source)
@@ -413,7 +239,7 @@ class DeviceLanding:
                 "error": f"region {wrong}: the source lent {lent.get(wrong, 0)} bytes of device memory, "
                 f"{self.regions[wrong].numel()} here"
             }
-        gpu_marks: list[Any] = []
+        gpu_marks: list[torch.cuda.Event] = []
 
         def mark_first_launch() -> None:
             if timing:
@@ -437,7 +263,7 @@ class DeviceLanding:
 
         reply = self._retry(failed, retries, copy_again)
         torch.cuda.synchronize()  # every copy landed before the source hears the reply
-        if isinstance(source, _TorchLent):
+        if isinstance(source, cuda_ipc.TorchLent):
             self._release_lent()
         STAGES.add("lend.retry_sync", t)
         if timing:
@@ -482,7 +308,7 @@ class DeviceLanding:
         if self.agent is None:
             return {"error": "this landing takes lend only (opened without NIXL)"}
         try:
-            self._pull_lists = _pair_lists(self.agent, self.regions, body, self.chunk_size, "source")
+            self._pull_lists = pair_lists(self.agent, self.regions, body, self.chunk_size, "source")
         except InvalidInputError as exc:
             return {"error": exc.message}
         except (KeyError, TypeError, ValueError) as exc:
@@ -502,7 +328,7 @@ class DeviceLanding:
         with self._hash_stream():
             for name, (local, remote, n) in self._pull_lists.items():
                 spans = [(i, min(batch, n - i)) for i in range(0, n, batch)]
-                pending: tuple[Any, str, float] | None = self._read(local, remote, spans[0])
+                pending: PendingRead | None = self._read(local, remote, spans[0])
                 for k, (first, count) in enumerate(spans):
                     self._finish(pending, name, first, count)
                     pending = self._read(local, remote, spans[k + 1]) if k + 1 < len(spans) else None
@@ -523,12 +349,19 @@ class DeviceLanding:
 
         return torch.cuda.stream(torch.cuda.Stream(device=region.device))
 
-    def _read(self, local: Any, remote: Any, span: tuple[int, int]) -> tuple[Any, str, float]:
-        indices = list(range(span[0], span[0] + span[1]))
-        handle = self.agent.make_prepped_xfer("READ", local, indices, remote, indices)
-        return handle, self.agent.transfer(handle), time.monotonic()
+    def _nixl(self) -> NixlAgent:
+        """The landing's NIXL agent (a READ is offered only where there is one: :meth:`_accept_offer`)."""
+        if self.agent is None:
+            raise TransferError("this landing takes lend only (opened without NIXL)")
+        return self.agent
 
-    def _finish(self, pending: tuple[Any, str, float] | None, name: str, first: int, count: int) -> None:
+    def _read(self, local: object, remote: object, span: tuple[int, int]) -> PendingRead:
+        indices = list(range(span[0], span[0] + span[1]))
+        agent = self._nixl()
+        handle = agent.make_prepped_xfer("READ", local, indices, remote, indices)
+        return handle, agent.transfer(handle), time.monotonic()
+
+    def _finish(self, pending: PendingRead | None, name: str, first: int, count: int) -> None:
         """Wait for one READ; a READ that neither completes nor fails within READ_TIMEOUT_S is an error."""
         if pending is None:
             return
@@ -539,7 +372,7 @@ class DeviceLanding:
                     raise TransferError(
                         f"NIXL READ of {name}[{first}:{first + count}] still pending after {READ_TIMEOUT_S} s"
                     )
-                state = self.agent.check_xfer_state(handle)
+                state = self._nixl().check_xfer_state(handle)
         finally:
             handle.release()
         if state != "DONE":
@@ -572,13 +405,11 @@ class DeviceLanding:
         self.result.failures += [f"{name}[{i}]" for i in bad]
         return bad
 
-    def _hash_landed(self, landed: Sequence[tuple[str, int, Any]]) -> list[Hashed]:
+    def _hash_landed(self, landed: Sequence[tuple[str, int, torch.Tensor]]) -> list[Hashed]:
         """BLAKE3 of chunks copied plainly, ``(region, index, view)``: device chunks of one length in launches of
         ``HASH_GROUP`` chunks (``devhash.blake3_device`` takes views anywhere in this process's memory), the
         rest one by one with the landing's hasher."""
-        from gpumigrate.transfer import devhash
-
-        groups: dict[int, list[tuple[str, int, Any]]] = {}
+        groups: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
         out: list[Hashed] = []
         for name, i, view in landed:
             if view.is_cuda and devhash.available(view.device) and devhash.eligible(view):
@@ -605,6 +436,7 @@ class DeviceLanding:
         if missing:
             raise IntegrityError(f"no expected ids for region {missing[0]!r}: nothing landed there can be trusted")
         expected = self._table
+        assert expected is not None  # made with the first expected ids, which every region named here has
         rows = torch.tensor([self._rows[name] + i for name, i in keys], dtype=torch.int64, pin_memory=expected.is_cuda)
         rows = rows.to(expected.device, non_blocking=True)
         got = torch.cat([h.words.to(expected.device) for h in hashed])
@@ -617,7 +449,7 @@ class DeviceLanding:
         self.result.failures += [f"{name}[{i}]" for name, i in bad]
         return bad
 
-    def _hash(self, block: Any, chunk: int) -> Any:
+    def _hash(self, block: torch.Tensor, chunk: int) -> torch.Tensor:
         """The device hasher where its kernels apply (whole 1 KiB leaves), else the CPU."""
         return (self.hasher if chunk % 1024 == 0 else cpu_hasher)(block, chunk)
 
@@ -635,181 +467,6 @@ class DeviceLanding:
                 self._release_lent()
             finally:
                 self._passing.release()
-        if self.agent is not None:
-            with contextlib.suppress(Exception):
-                self.agent.deregister_memory(self._reg)
-
-
-# ----------------------------------------------------------------------------- source
-class DeviceSender:
-    """The source: WRITEs its tensors' chunks into a :class:`DeviceLanding` at ``address`` (host:port)."""
-
-    def __init__(
-        self,
-        address: str,
-        tensors: Mapping[str, Any],
-        *,
-        control_key: bytes,
-        transports: str | None = None,
-        nixl: bool = True,
-        ucx_settings: Mapping[str, str] | None = None,
-    ) -> None:
-        host, port = parse_listen(address)
-        self.key = control_key
-        self.tensors = {name: _flat(t) for name, t in tensors.items()}
-        # nixl=False: lend_all only (CUDA IPC handles), no NIXL agent
-        self.agent: Any = (
-            make_agent("push", transports=transports, ucx_settings=_ucx_for(self.tensors.values(), ucx_settings))
-            if nixl
-            else None
-        )
-        self._reg = self.agent.register_memory(list(self.tensors.values())) if self.agent is not None else None
-        try:
-            sock = socket.create_connection((host, port), timeout=30)
-        except OSError as exc:
-            raise TransferError(f"cannot reach the device landing at {address}: {exc}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.channel = _Channel(sock, control_key)
-        self._waiting: list[tuple[str, str]] = []  # (nonce, region) of ``landed`` notices whose replies are unread
-        self._offered = False  # the target holds this side's agent and addresses (pull_all)
-        offer = self.call({"op": "open"})
-        self.chunk_size = int(offer["chunk_size"])
-        self.remote = offer.get("agent")
-        both = self.agent is not None and self.remote is not None  # both ends run NIXL: WRITEs and READs can move
-        self._lists = _pair_lists(self.agent, self.tensors, offer, self.chunk_size, "target") if both else {}
-
-    def _post(self, body: Mapping[str, Any]) -> str:
-        request = control.sign_request(self.key, CHANNEL, body)
-        self.channel.send(request)
-        return str(request["auth"]["nonce"])
-
-    def _reply(self, nonce: str) -> dict[str, Any]:
-        message = self.channel.receive()
-        try:
-            body = control.verify_reply(self.key, CHANNEL, nonce, message)
-        except (control.AuthError, KeyError, TypeError):
-            raise control.AuthError(
-                f"the device landing refused or failed: {message.get('error', 'bad reply')}"
-            ) from None
-        if "error" in body:
-            raise TransferError(f"the device landing failed: {body['error']}")
-        return body
-
-    def call(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        self.collect()
-        t = time.perf_counter()
-        nonce = self._post(body)
-        t = STAGES.add("sender.post", t)
-        reply = self._reply(nonce)
-        STAGES.add("sender.reply", t)
-        return reply
-
-    def expect(self, ids: Mapping[str, Sequence[str]]) -> None:
-        self.call({"op": "expect", "ids": {k: list(v) for k, v in ids.items()}})
-
-    def write(self, name: str, first: int, count: int, *, announce: bool = True) -> None:
-        """WRITE chunks ``first .. first+count-1`` of a region, then announce them (the reply is read later).
-
-        ``announce=False`` only copies (a benchmark's baseline: nothing is checked, nothing trusted)."""
-        if not self._lists:
-            raise TransferError("a WRITE needs NIXL at both ends; this transfer was opened for lend_all only")
-        local, remote, _ = self._lists[name]
-        indices = list(range(first, first + count))
-        handle = self.agent.make_prepped_xfer("WRITE", local, indices, remote, indices)
-        try:
-            state = self.agent.transfer(handle)
-            while state == "PROC":
-                state = self.agent.check_xfer_state(handle)
-        finally:
-            handle.release()
-        if state != "DONE":
-            raise TransferError(f"NIXL WRITE of {name}[{first}:{first + count}] failed ({state})")
-        if announce:
-            self.announce(name, first, count)
-
-    def announce(self, name: str, first: int, count: int) -> None:
-        """Tell the target these chunks landed; it checks them (the reply, read later, names failures)."""
-        self._waiting.append((self._post({"op": "landed", "region": name, "first": first, "count": count}), name))
-
-    def collect(self) -> list[tuple[str, int]]:
-        """Read every outstanding ``landed`` reply; return the chunks that failed their check."""
-        bad: list[tuple[str, int]] = []
-        waiting, self._waiting = self._waiting, []
-        for nonce, name in waiting:
-            bad += [(name, int(i)) for i in self._reply(nonce)["bad"]]
-        return bad
-
-    def send_all(self, *, batch: int = 256, retries: int = 2) -> dict[str, Any]:
-        """Every chunk of every region, ``batch`` chunks per WRITE; failed chunks are sent again."""
-        todo = [(name, i, min(batch, n - i)) for name, (_, _, n) in self._lists.items() for i in range(0, n, batch)]
-        resent = 0
-        for _attempt in range(retries + 1):
-            failed: list[tuple[str, int]] = []
-            for name, first, count in todo:
-                self.write(name, first, count)
-                if len(self._waiting) > 1:  # one check stays in flight behind the next WRITE
-                    failed += self._reply_one()
-            failed += self.collect()
-            if not failed:
-                return {**self.call({"op": "done"}), "chunks_resent": resent}
-            resent += len(failed)
-            todo = [(name, i, 1) for name, i in failed]
-        raise IntegrityError(f"{len(todo)} chunks still failed their BLAKE3 check after {retries} resends")
-
-    def lend_all(
-        self, *, batch: int = 4096, retries: int = 2, timeout_s: float = 300.0, tolerate: bool = False
-    ) -> dict[str, Any]:
-        """Every chunk of every region, copied by the target itself out of this process's memory (CUDA IPC
-        handles sent over the signed channel) and checked as it lands (:meth:`DeviceLanding._lend`). One GPU
-        host only; the tensors stay alive and unchanged until this returns."""
-        from gpumigrate.transfer import cuda_ipc
-
-        t0 = time.perf_counter()
-        if any(not t.is_cuda for t in self.tensors.values()):
-            raise InvalidInputError("lend_all needs device tensors (CUDA IPC); host memory goes by send_all")
-        shared = cuda_ipc.share(self.tensors) or {"regions": {name: _lend_spec(t) for name, t in self.tensors.items()}}
-        sharing = time.perf_counter() - t0
-        STAGES.add("sender.share", t0)
-        done = self._landing_pass({"op": "lend", **shared}, batch, retries, timeout_s, "copies", tolerate)
-        by = "allocations" if "handles" in shared else "tensors"  # one handle per allocation, or per tensor
-        return {**done, "seconds_sharing": sharing, "shared_by": by}
-
-    def pull_all(
-        self, *, batch: int = 256, retries: int = 2, timeout_s: float = 300.0, tolerate: bool = False
-    ) -> dict[str, Any]:
-        """Every chunk of every region, READ by the target itself (``batch`` chunks per READ) and checked
-        there while its next READ moves; chunks that fail are read again (:meth:`DeviceLanding._pull`)."""
-        if self.agent is None:
-            raise TransferError("pull_all needs NIXL at the source; this sender was opened for lend_all only")
-        if not self._offered:
-            self.call({"op": "offer", **_describe(self.agent, self.tensors)})
-            self._offered = True
-        return self._landing_pass({"op": "pull"}, batch, retries, timeout_s, "re-reads", tolerate)
-
-    def _landing_pass(
-        self, request: Mapping[str, Any], batch: int, retries: int, timeout_s: float, again: str, tolerate: bool
-    ) -> dict[str, Any]:
-        """One pass the target drives (``lend`` or ``pull``): its reply comes when every chunk moved and was
-        checked; chunks that still fail after ``retries`` ``again`` are an IntegrityError, unless ``tolerate``
-        (the reply's ``bad`` then names them: a pre-load leaves them to the final load)."""
-        self.channel.sock.settimeout(timeout_s)
-        try:
-            reply = self.call({**request, "batch": batch, "retries": retries})
-        finally:
-            self.channel.sock.settimeout(30)
-        if reply["bad"] and not tolerate:
-            raise IntegrityError(
-                f"{len(reply['bad'])} chunks still failed their BLAKE3 check after {retries} {again}: "
-                + ", ".join(reply["bad"][:5])
-            )
-        return reply
-
-    def _reply_one(self) -> list[tuple[str, int]]:
-        nonce, name = self._waiting.pop(0)
-        return [(name, int(i)) for i in self._reply(nonce)["bad"]]
-
-    def close(self) -> None:
-        self.channel.close()
         if self.agent is not None:
             with contextlib.suppress(Exception):
                 self.agent.deregister_memory(self._reg)

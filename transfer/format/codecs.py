@@ -16,8 +16,9 @@ import numpy as np
 import zstandard
 
 from gpumigrate.errors import IntegrityError, InvalidInputError
-from gpumigrate.transfer import gpucodec, planehuff
-from gpumigrate.transfer.planezstd import compress_plane
+from gpumigrate.transfer.device import gpucodec
+from gpumigrate.transfer.format import planehuff
+from gpumigrate.transfer.format.planezstd import compress_plane
 
 NONE = 0
 ZSTD = 1

@@ -1,6 +1,6 @@
 """One lend pass of a device landing: every region copied out of the source's memory and hashed on the way.
 
-:class:`~gpumigrate.transfer.nixl_device.DeviceLanding` opens the source's memory (CUDA IPC, by allocation) and
+:class:`~gpumigrate.transfer.device.landing.DeviceLanding` opens the source's memory (CUDA IPC, by allocation) and
 hands it here with its own regions; :func:`copy_and_hash` issues the copies and hashes on the current CUDA
 stream and returns the hashes without waiting for them (the landing compares them all with one wait).
 
@@ -64,7 +64,7 @@ def copy_and_hash(
     """Copy every region of ``regions`` (this process's device tensors) from the same-named region of ``source``
     (``cuda_ipc.Mapped`` or the landing's per-tensor fallback: ``address(name)``, ``tensor(name)``) and return the
     hashes of every chunk, computed on the way (still being computed: nothing here waits for the device)."""
-    from gpumigrate.transfer import devhash
+    from gpumigrate.transfer.device import devhash
 
     device = next(iter(regions.values())).device
     kernels = devhash.available(device)

@@ -7,14 +7,15 @@ fake of the JSON and upload APIs on loopback); with an endpoint set, anonymous c
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Self
 
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
-from gpumigrate.transfer.chunkobj import HEADER_SIZE
-from gpumigrate.transfer.stores import BucketStore, chunk_key, query_param, split_url
+from gpumigrate.transfer.stores.base import BucketStore, StoreOptions, chunk_key, query_param, split_url
 
 
 class GcsStore(BucketStore):
+    """Objects under ``gs://bucket/prefix``, through google-cloud-storage (``?endpoint=``)."""
+
     def __init__(self, url: str, *, endpoint_url: str | None = None) -> None:
         from google.cloud import storage
 
@@ -37,6 +38,10 @@ class GcsStore(BucketStore):
             raise InvalidInputError(f"cannot open {url}: {exc}") from None
         self._bucket = self._client.bucket(bucket)
 
+    @classmethod
+    def from_url(cls, url: str, options: StoreOptions) -> Self:
+        return cls(url, endpoint_url=options.endpoint_url)
+
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
 
@@ -54,17 +59,24 @@ class GcsStore(BucketStore):
         except Exception as exc:
             raise self._err(exc, what) from None
 
-    def _get(self, rel: str, what: str, **kwargs: Any) -> bytes:
+    def _get(self, rel: str, what: str, head: int | None = None) -> bytes:
+        """The object at ``rel``, or its first ``head`` bytes (a ranged read, no checksum: the checksum covers the whole)."""
+        blob = self._bucket.blob(self._key(rel))
         try:
-            return self._bucket.blob(self._key(rel)).download_as_bytes(**kwargs)
+            data: bytes = (
+                blob.download_as_bytes()
+                if head is None
+                else blob.download_as_bytes(start=0, end=head - 1, checksum=None)
+            )
+            return data
         except Exception as exc:
             err = self._err(exc, what)
             if isinstance(err, NotFoundError) and what.startswith("chunk"):
                 raise TransferError(err.message) from None
             raise err from None
 
-    def chunk_header(self, chunk_id: str) -> bytes:
-        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}", start=0, end=HEADER_SIZE - 1, checksum=None)
+    def chunk_header(self, chunk_id: str, nbytes: int) -> bytes:
+        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}", head=nbytes)
 
     def chunk_size(self, chunk_id: str) -> int | None:
         try:

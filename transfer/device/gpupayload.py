@@ -8,7 +8,7 @@
   of 256 MiB of a frozen source's changed state took 141 thread-milliseconds inside the downtime, and the
   GPU codes such a batch at about 150 GB/s.
 
-Both are ordinary byte-plane payloads (codec 2), so a CPU reader decodes them through ``codecs.py`` (the
+Both are ordinary byte-plane payloads (codec 2), so a CPU reader decodes them through ``format/codecs.py`` (the
 ANS plane on a GPU). The direct reader decodes them on the destination device: :func:`decode_on_device`.
 """
 
@@ -18,7 +18,7 @@ import struct
 from typing import Any
 
 from gpumigrate.errors import IntegrityError
-from gpumigrate.transfer import codecs, gpucodec, plane_kernels
+from gpumigrate.transfer.device import gpucodec, plane_kernels
 
 _ENTRY = struct.Struct(">BQ")
 HEADER = {2: 1 + 2 * _ENTRY.size, 1: 1 + _ENTRY.size}  # k, then (plane codec, length) per plane
@@ -33,7 +33,7 @@ def write_header(view: memoryview, at: int, k: int, n: int, coded: int) -> int:
     """The payload's header at ``view[at:]``; returns where the planes start (the raw low plane first when k = 2)."""
     view[at] = k
     if k == 2:
-        _ENTRY.pack_into(view, at + 1, codecs.NONE, n // 2)
+        _ENTRY.pack_into(view, at + 1, gpucodec.PLANE_RAW, n // 2)
         _ENTRY.pack_into(view, at + 1 + _ENTRY.size, gpucodec.PLANE_NVCOMP_ANS, coded)
     else:
         _ENTRY.pack_into(view, at + 1, gpucodec.PLANE_NVCOMP_ANS, coded)
@@ -48,7 +48,7 @@ def layout(payload: memoryview, n: int) -> int:
     if k == 2:
         low_codec, low_len = _ENTRY.unpack_from(payload, 1)
         high_codec, high_len = _ENTRY.unpack_from(payload, 1 + _ENTRY.size)
-        fits = low_codec == codecs.NONE and low_len == n // 2 and n % 2 == 0
+        fits = low_codec == gpucodec.PLANE_RAW and low_len == n // 2 and n % 2 == 0
         return (
             2
             if fits and high_codec == gpucodec.PLANE_NVCOMP_ANS and HEADER[2] + low_len + high_len == len(payload)

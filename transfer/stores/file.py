@@ -1,9 +1,10 @@
-"""Chunk stores behind one interface: where the objects of FORMAT.md live.
+"""``file://DIR``: a directory. Objects are written to a hidden temp file and renamed; fsynced before a manifest.
 
-``open_store(url)`` picks the backend by scheme: ``file://`` (here), ``s3://`` (s3store),
-``gs://`` (gcsstore), ``stream://`` (stream) and ``nixl://`` (nixl), write-only towards a receiver
-(receiver.py). Every put is atomic:
-an object is either absent or complete.
+``?sync=`` (or ``open_store(..., sync=)``) says when chunk data reaches the disk: ``chunk`` (default) fdatasyncs each
+chunk before its rename; ``deferred`` syncs on a background thread that ``flush()`` waits for (flush always precedes
+a manifest, so a crash can only leave short chunks, caught by push's size check, and no manifest naming them: the
+stream receiver uses it so acknowledgements do not wait for the disk); ``none`` leaves it to the page cache, like cp
+and rsync (benchmarks, scratch stores). Manifests are always fsynced.
 """
 
 from __future__ import annotations
@@ -12,165 +13,31 @@ import errno
 import itertools
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from typing import Self
 
 from gpumigrate.atomic import fsync_dir
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
+from gpumigrate.transfer.stores.base import (
+    STORE_MARKER,
+    STORE_MARKER_BODY,
+    Store,
+    StoreOptions,
+    chunk_key,
+    manifest_key,
+    query_param,
+    split_url,
+)
 
-SCHEMES = ("file", "s3", "gs", "stream", "nixl")
 SYNC_MODES = ("chunk", "deferred", "none")
-STORE_MARKER = "gpumigrate-store.json"
 # Concurrent fdatasyncs let the filesystem commit several files' data in one journal transaction.
 SYNC_THREADS = 4
 _TMP_SERIAL = itertools.count()
-STORE_MARKER_BODY = b'{"format": "gpumigrate-store", "version": 1}\n'
 # Objects at least this big get their blocks allocated before the write (FileStore._reserve).
 PREALLOCATE_BYTES = 256 << 10
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
-
-
-def _header_size() -> int:
-    # Imported here, not at the top: the receivers' senders (stream://, nixl://) and the device path
-    # import this module without the codec and cipher stack that chunkobj brings.
-    from gpumigrate.transfer.chunkobj import HEADER_SIZE
-
-    return HEADER_SIZE
-
-
-def chunk_key(chunk_id: str) -> str:
-    return f"chunks/{chunk_id[:2]}/{chunk_id}"
-
-
-def manifest_key(image_id: str) -> str:
-    return f"manifests/{image_id}"
-
-
-class Store:
-    """The operations the writer, reader and push need. Subclasses implement the ``_`` primitives."""
-
-    url: str
-    readable = True
-    # True when the far side authenticates and BLAKE3-checks every chunk before storing it and lists
-    # only chunks it verified (a stream:// or nixl:// receiver): push then trusts its listing instead
-    # of reading existing chunks back to verify them.
-    verifies_on_arrival = False
-    # True when one listing is cheaper than a size query per chunk (remote stores): the writer then
-    # lists once instead of asking about every chunk it has not seen.
-    prefers_listing = False
-    # True when put_chunk is a cheap local write that never waits on a network: the writer then
-    # stores each object on the thread that sealed it (its bytes still hot in that core's cache)
-    # instead of handing it to an upload thread.
-    writes_inline = False
-
-    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        raise NotImplementedError
-
-    def get_chunk(self, chunk_id: str) -> bytes:
-        raise NotImplementedError
-
-    def missing(self) -> NotFoundError | None:
-        """The error for a store that does not exist, where the store can tell (a directory); None otherwise."""
-        return None
-
-    def get_chunk_into(self, chunk_id: str, out: memoryview) -> int:
-        """Read a chunk object into ``out`` (e.g. a pinned buffer); return its length."""
-        data = self.get_chunk(chunk_id)
-        if len(data) > len(out):
-            raise TransferError(f"chunk {chunk_id[:16]} is {len(data)} bytes, more than the {len(out)} expected")
-        out[: len(data)] = data
-        return len(data)
-
-    def chunk_size(self, chunk_id: str) -> int | None:
-        """Stored size of a chunk object, or None when the store does not hold it."""
-        raise NotImplementedError
-
-    def chunk_header(self, chunk_id: str) -> bytes:
-        """The first HEADER_SIZE bytes of a chunk object (codec, base) without reading the rest."""
-        return self.get_chunk(chunk_id)[: _header_size()]
-
-    def list_chunks(self) -> dict[str, int]:
-        """Every chunk id the store holds, with its stored size (one listing, not one call per chunk)."""
-        raise NotImplementedError
-
-    def put_manifest(self, image_id: str, data: bytes) -> None:
-        raise NotImplementedError
-
-    def get_manifest(self, image_id: str) -> bytes:
-        raise NotImplementedError
-
-    def list_manifests(self) -> list[str]:
-        raise NotImplementedError
-
-    def flush(self) -> None:
-        """Make every put so far durable (before a manifest that names the chunks is written)."""
-
-    def take_rejected(self) -> list[str]:
-        """Chunks the far side refused after checking them (a receiver), to send again; none for a store."""
-        return []
-
-    def region(self) -> str | None:
-        """Where the store's data lives (cloud region), for residency checks; None when not a cloud."""
-        return None
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class BucketStore(Store):
-    """Object stores (S3, GCS): the layout of TRANSPORTS.md on top of three primitives.
-
-    Subclasses provide ``_put(rel, data, what)``, ``_get(rel, what)`` (raising NotFoundError when the
-    object is absent) and ``_list(rel_prefix) -> {name: size}``; keys are relative to the store's prefix.
-    """
-
-    prefers_listing = True
-    _marker_done = False
-
-    def _put(self, rel: str, data: bytes | bytearray | memoryview, what: str) -> None:
-        raise NotImplementedError
-
-    def _get(self, rel: str, what: str) -> bytes:
-        raise NotImplementedError
-
-    def _list(self, rel_prefix: str) -> dict[str, int]:
-        raise NotImplementedError
-
-    def ensure_bucket(self, location: str) -> str:
-        """The bucket's region, creating the bucket (private) in ``location`` when it does not exist."""
-        raise NotImplementedError
-
-    def put_chunk(self, chunk_id: str, blob: bytes | bytearray | memoryview) -> None:
-        self._put(chunk_key(chunk_id), blob, f"chunk {chunk_id[:16]}")
-
-    def get_chunk(self, chunk_id: str) -> bytes:
-        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}")
-
-    def list_chunks(self) -> dict[str, int]:
-        return self._list("chunks/")
-
-    def put_manifest(self, image_id: str, data: bytes) -> None:
-        if not self._marker_done:
-            self._put(STORE_MARKER, STORE_MARKER_BODY, "store marker")
-            self._marker_done = True
-        self._put(manifest_key(image_id), data, f"manifest {image_id[:16]}")
-
-    def get_manifest(self, image_id: str) -> bytes:
-        try:
-            return self._get(manifest_key(image_id), f"image {image_id}")
-        except NotFoundError:
-            raise NotFoundError(f"no image {image_id} in {self.url}") from None
-
-    def list_manifests(self) -> list[str]:
-        return sorted(self._list("manifests/"))
 
 
 def filesystem_of(path: Path) -> str:
@@ -212,6 +79,11 @@ class FileStore(Store):
         # 28% of a GPU host's sealing threads' time in a 16 GiB capture. Only real disks get it.
         self._in_memory = filesystem_of(root) in MEMORY_FILESYSTEMS
         self._preallocate = not self._in_memory
+
+    @classmethod
+    def from_url(cls, url: str, options: StoreOptions) -> Self:
+        query_sync = query_param(split_url(url)[3], "sync")
+        return cls(file_root(url), url, sync=options.sync or query_sync or "chunk")
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -286,7 +158,7 @@ class FileStore(Store):
             # holding an upload slot each, and a chunk's name never exists before its data is on
             # disk: a crash leaves whole chunks or hidden temp files. flush() waits for them all.
             tmp, path = self._write(chunk_key(chunk_id), blob, durable=False, rename=False)
-            self._background(self._sync_then_install, tmp, path)
+            self._background(lambda: self._sync_then_install(tmp, path))
             return
         # Renamed at once, on this thread: sync=none, sync=deferred (below), and sync=chunk in memory (tmpfs), where the
         # page cache is the store and fdatasync does nothing. There the sync threads' open, fdatasync, close and
@@ -296,13 +168,14 @@ class FileStore(Store):
         if self.sync == "deferred":
             # Deferred mode (the stream receiver): the name appears at once (a delta's base must be
             # readable before the next chunk arrives) and the data follows on the sync threads.
-            self._background(_fdatasync_path, self._path(chunk_key(chunk_id)))
+            written = self._path(chunk_key(chunk_id))
+            self._background(lambda: _fdatasync_path(written))
 
-    def _background(self, fn: Any, *args: Any) -> None:
+    def _background(self, job: Callable[[], None]) -> None:
         with self._lock:
             if self._syncer is None:
                 self._syncer = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gm-fsync")
-            self._sync_futures.append(self._syncer.submit(fn, *args))
+            self._sync_futures.append(self._syncer.submit(job))
 
     def remove_chunk(self, chunk_id: str) -> None:
         """Delete a damaged chunk (a receiver's check of what an earlier run left)."""
@@ -331,10 +204,10 @@ class FileStore(Store):
                 raise TransferError(f"chunk {chunk_id[:16]} is more than the {len(out)} bytes expected")
             return got
 
-    def chunk_header(self, chunk_id: str) -> bytes:
+    def chunk_header(self, chunk_id: str, nbytes: int) -> bytes:
         try:
             with open(self._path(chunk_key(chunk_id)), "rb") as fh:
-                return fh.read(_header_size())
+                return fh.read(nbytes)
         except FileNotFoundError:
             raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
 
@@ -415,85 +288,8 @@ def _fdatasync_path(path: Path) -> None:
         os.close(fd)
 
 
-def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
-    """(scheme, netloc, path, query) of a store URL, with a clear error for anything else."""
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES or "://" not in url:
-        raise InvalidInputError(
-            f"unsupported store URL {url!r}",
-            hint="allowed: file:///abs/dir, file://relative/dir, s3://bucket/prefix, gs://bucket/prefix, "
-            "stream://host:port, nixl://host:port",
-        )
-    return parts.scheme, parts.netloc, parts.path, parse_qs(parts.query)
-
-
-def query_param(query: dict[str, list[str]], name: str) -> str | None:
-    """The first value of ``name`` in a parsed URL query (:func:`split_url`), or None."""
-    values = query.get(name)
-    return values[0] if values else None
-
-
 def file_root(url: str) -> Path:
     rest = url[len("file://") :].split("?", 1)[0]
     if not rest:
         raise InvalidInputError(f"store URL {url!r} names no directory")
     return Path(rest).expanduser().resolve()
-
-
-def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 4, sync: str | None = None) -> Store:
-    """Open the store a URL names. Creates nothing until the first write.
-
-    ``sync`` (file:// only; also ``?sync=`` in the URL) says when chunk data reaches the disk:
-    ``chunk`` (default) fdatasyncs each chunk before its rename; ``deferred`` syncs on a background
-    thread that ``flush()`` waits for (flush always precedes a manifest, so a crash can only leave
-    short chunks, caught by push's size check, and no manifest naming them: the stream receiver
-    uses it so acknowledgements do not wait for the disk); ``none`` leaves it to the page cache,
-    like cp and rsync (benchmarks, scratch stores). Manifests are always fsynced.
-    """
-    scheme = split_url(url)[0]
-    if scheme == "file":
-        query_sync = query_param(split_url(url)[3], "sync")
-        return FileStore(file_root(url), url, sync=sync or query_sync or "chunk")
-    if scheme == "s3":
-        from gpumigrate.transfer.s3store import S3Store
-
-        return S3Store(url, endpoint_url=endpoint_url, parallelism=parallelism)
-    if scheme == "gs":
-        from gpumigrate.transfer.gcsstore import GcsStore
-
-        return GcsStore(url, endpoint_url=endpoint_url)
-    if scheme == "nixl":
-        from gpumigrate.transfer.nixl import NixlStore
-
-        return NixlStore(url, connections=parallelism)
-    from gpumigrate.transfer.stream import StreamStore
-
-    return StreamStore(url, connections=parallelism)
-
-
-def parse_image_url(text: str) -> tuple[str, str | None]:
-    """``STORE_URL#IMAGE_ID`` → (store URL, image id or None)."""
-    store, sep, image = text.partition("#")
-    return store, (image or None) if sep else None
-
-
-def resolve_image_id(store: Store, image: str | None) -> str:
-    """A full id, a unique prefix of one, or None/"latest" for the store's only/newest image."""
-    if image and len(image) == 64:
-        return image
-    ids = store.list_manifests()
-    if not ids and (missing := store.missing()) is not None:
-        raise missing
-    if not image or image == "latest":
-        if not ids:
-            raise NotFoundError(f"{store.url} holds no images")
-        if len(ids) == 1:
-            return ids[0]
-        raise InvalidInputError(
-            f"{store.url} holds {len(ids)} images; name one as URL#IMAGE_ID",
-            hint="ids: " + ", ".join(i[:12] for i in ids),
-        )
-    matches = [i for i in ids if i.startswith(image)]
-    if len(matches) != 1:
-        raise NotFoundError(f"{'no' if not matches else 'more than one'} image in {store.url} matches {image!r}")
-    return matches[0]

@@ -1,4 +1,4 @@
-"""Triton kernels for :mod:`gpumigrate.transfer.devhash` (imported only on CUDA hosts with Triton).
+"""Triton kernels for :mod:`gpumigrate.transfer.device.devhash` (imported only on CUDA hosts with Triton).
 
 One program lane per BLAKE3 node; all arithmetic on uint32, which wraps as BLAKE3 wants. The round
 function takes the 16 state and 16 message words as separate values per lane so they stay in
@@ -30,52 +30,6 @@ def _g(a, b, c, d, x, y):
 
 
 @triton.jit
-def _round(
-    s0,
-    s1,
-    s2,
-    s3,
-    s4,
-    s5,
-    s6,
-    s7,
-    s8,
-    s9,
-    s10,
-    s11,
-    s12,
-    s13,
-    s14,
-    s15,
-    m0,
-    m1,
-    m2,
-    m3,
-    m4,
-    m5,
-    m6,
-    m7,
-    m8,
-    m9,
-    m10,
-    m11,
-    m12,
-    m13,
-    m14,
-    m15,
-):
-    s0, s4, s8, s12 = _g(s0, s4, s8, s12, m0, m1)
-    s1, s5, s9, s13 = _g(s1, s5, s9, s13, m2, m3)
-    s2, s6, s10, s14 = _g(s2, s6, s10, s14, m4, m5)
-    s3, s7, s11, s15 = _g(s3, s7, s11, s15, m6, m7)
-    s0, s5, s10, s15 = _g(s0, s5, s10, s15, m8, m9)
-    s1, s6, s11, s12 = _g(s1, s6, s11, s12, m10, m11)
-    s2, s7, s8, s13 = _g(s2, s7, s8, s13, m12, m13)
-    s3, s4, s9, s14 = _g(s3, s4, s9, s14, m14, m15)
-    return s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15
-
-
-@triton.jit
 def _compress(
     c0, c1, c2, c3, c4, c5, c6, c7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, counter, flags
 ):
@@ -88,59 +42,18 @@ def _compress(
     s13 = tl.zeros(c0.shape, tl.uint32)
     s14 = tl.full(c0.shape, 64, tl.uint32)
     s15 = flags
-    for _ in tl.static_range(7):  # the same PERMUTATION after every round (the last one unused)
-        s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15 = _round(
-            s0,
-            s1,
-            s2,
-            s3,
-            s4,
-            s5,
-            s6,
-            s7,
-            s8,
-            s9,
-            s10,
-            s11,
-            s12,
-            s13,
-            s14,
-            s15,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-        )
+    for _ in tl.static_range(7):  # a round: columns, then diagonals; the same PERMUTATION after each (the last unused)
+        s0, s4, s8, s12 = _g(s0, s4, s8, s12, m0, m1)
+        s1, s5, s9, s13 = _g(s1, s5, s9, s13, m2, m3)
+        s2, s6, s10, s14 = _g(s2, s6, s10, s14, m4, m5)
+        s3, s7, s11, s15 = _g(s3, s7, s11, s15, m6, m7)
+        s0, s5, s10, s15 = _g(s0, s5, s10, s15, m8, m9)
+        s1, s6, s11, s12 = _g(s1, s6, s11, s12, m10, m11)
+        s2, s7, s8, s13 = _g(s2, s7, s8, s13, m12, m13)
+        s3, s4, s9, s14 = _g(s3, s4, s9, s14, m14, m15)
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = (
-            m2,
-            m6,
-            m3,
-            m10,
-            m7,
-            m0,
-            m4,
-            m13,
-            m1,
-            m11,
-            m12,
-            m5,
-            m9,
-            m14,
-            m15,
-            m8,
-        )
+            m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8,
+        )  # fmt: skip
     return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
 
 
@@ -150,36 +63,29 @@ def _w(ptr, mask):
 
 
 @triton.jit
+def _w8(p, mask):
+    """The eight words at ``p``, loaded under ``mask`` (0 where it does not hold)."""
+    return (
+        _w(p + 0, mask),
+        _w(p + 1, mask),
+        _w(p + 2, mask),
+        _w(p + 3, mask),
+        _w(p + 4, mask),
+        _w(p + 5, mask),
+        _w(p + 6, mask),
+        _w(p + 7, mask),
+    )
+
+
+@triton.jit
 def _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, p, first_mask, second_mask, counter, flags):
     """_compress over the 16 words at ``p``: words 0-7 loaded under ``first_mask``, 8-15 under ``second_mask``."""
+    m0, m1, m2, m3, m4, m5, m6, m7 = _w8(p, first_mask)
+    m8, m9, m10, m11, m12, m13, m14, m15 = _w8(p + 8, second_mask)
     return _compress(
-        c0,
-        c1,
-        c2,
-        c3,
-        c4,
-        c5,
-        c6,
-        c7,
-        _w(p + 0, first_mask),
-        _w(p + 1, first_mask),
-        _w(p + 2, first_mask),
-        _w(p + 3, first_mask),
-        _w(p + 4, first_mask),
-        _w(p + 5, first_mask),
-        _w(p + 6, first_mask),
-        _w(p + 7, first_mask),
-        _w(p + 8, second_mask),
-        _w(p + 9, second_mask),
-        _w(p + 10, second_mask),
-        _w(p + 11, second_mask),
-        _w(p + 12, second_mask),
-        _w(p + 13, second_mask),
-        _w(p + 14, second_mask),
-        _w(p + 15, second_mask),
-        counter,
+        c0, c1, c2, c3, c4, c5, c6, c7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, counter,
         flags,
-    )
+    )  # fmt: skip
 
 
 @triton.jit
@@ -208,23 +114,11 @@ def _store8(o, mask, c0, c1, c2, c3, c4, c5, c6, c7):
     tl.store(o + 7, c7.to(tl.int32, bitcast=True), mask=mask)
 
 
-@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
-def leaf_kernel(base_ptr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
-    """Chaining value of every 1 KiB leaf; input i starts ``offsets[i]`` 32-bit words after base."""
-    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = leaf < total_leaves
-    which = leaf // leaves_per_input
-    index = leaf - which * leaves_per_input
-    p = base_ptr + tl.load(offsets_ptr + which, mask=mask, other=0) + index.to(tl.int64) * 256
-    counter = index.to(tl.uint32)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
-    for b in range(16):
-        q = p + b * 16
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
-            tl.uint32
-        )
-        c0, c1, c2, c3, c4, c5, c6, c7 = _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, q, mask, mask, counter, flags)
-    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
+@triton.jit
+def _leaf_flags(b, last_flags, BLOCK: tl.constexpr):
+    """The flags of block ``b`` (0-15) of a leaf, for every lane: CHUNK_START on the first, CHUNK_END and
+    ``last_flags`` (ROOT for an input of one leaf, else 0) on the last."""
+    return tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(tl.uint32)
 
 
 @triton.jit(do_not_specialize=["total_out", "count_in", "count_out", "flags_value"])
@@ -290,7 +184,7 @@ def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, B
     side of a launch costs more than the GPU's work on the upper levels.
 
     The three compressions (nodes 0+1, nodes 2+3, then the two results) run as one loop with one compression in
-    it: three copies of it made Triton's compile of this kernel 38 s instead of a few."""
+    it: three copies of it made Triton's compile of this kernel many times slower."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = j < total_out
     which = j // count_out
@@ -310,72 +204,18 @@ def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, B
         hi = (step < 2) & tl.where(step == 0, has1, has3)
         late = step == 2  # step 2 compresses the two results
         m0, m1, m2, m3, m4, m5, m6, m7 = _pick8(
-            late,
-            A0,
-            A1,
-            A2,
-            A3,
-            A4,
-            A5,
-            A6,
-            A7,
-            _w(p + 0, lo),
-            _w(p + 1, lo),
-            _w(p + 2, lo),
-            _w(p + 3, lo),
-            _w(p + 4, lo),
-            _w(p + 5, lo),
-            _w(p + 6, lo),
-            _w(p + 7, lo),
-        )
+            late, A0, A1, A2, A3, A4, A5, A6, A7, _w(p + 0, lo), _w(p + 1, lo), _w(p + 2, lo), _w(p + 3, lo),
+            _w(p + 4, lo), _w(p + 5, lo), _w(p + 6, lo), _w(p + 7, lo),
+        )  # fmt: skip
         m8, m9, m10, m11, m12, m13, m14, m15 = _pick8(
-            late,
-            B0,
-            B1,
-            B2,
-            B3,
-            B4,
-            B5,
-            B6,
-            B7,
-            _w(p + 8, hi),
-            _w(p + 9, hi),
-            _w(p + 10, hi),
-            _w(p + 11, hi),
-            _w(p + 12, hi),
-            _w(p + 13, hi),
-            _w(p + 14, hi),
-            _w(p + 15, hi),
-        )
+            late, B0, B1, B2, B3, B4, B5, B6, B7, _w(p + 8, hi), _w(p + 9, hi), _w(p + 10, hi), _w(p + 11, hi),
+            _w(p + 12, hi), _w(p + 13, hi), _w(p + 14, hi), _w(p + 15, hi),
+        )  # fmt: skip
         flags = zero + (4 | tl.where(late, top_flags, 0)).to(tl.uint32)
         r0, r1, r2, r3, r4, r5, r6, r7 = _compress(
-            i0,
-            i1,
-            i2,
-            i3,
-            i4,
-            i5,
-            i6,
-            i7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            zero,
-            flags,
-        )
+            i0, i1, i2, i3, i4, i5, i6, i7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+            zero, flags,
+        )  # fmt: skip
         # a node without its pair goes up as it is (the first node read in that step)
         paired = tl.where(step == 0, has1, tl.where(step == 1, has3, has2))
         r0, r1, r2, r3, r4, r5, r6, r7 = _pick8(paired, r0, r1, r2, r3, r4, r5, r6, r7, m0, m1, m2, m3, m4, m5, m6, m7)
@@ -388,18 +228,6 @@ def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, B
         T0, T1, T2, T3 = r0, r1, r2, r3
         T4, T5, T6, T7 = r4, r5, r6, r7
     _store8(out_ptr + j.to(tl.int64) * 8, mask, T0, T1, T2, T3, T4, T5, T6, T7)
-
-
-@triton.jit
-def _words16(p, mask, BLOCK: tl.constexpr):
-    """The 16 message words at ``p`` (one 64-byte block per lane), read as one [BLOCK, 16] tile.
-
-    The tile load is coalesced (neighbouring lanes read neighbouring 16-byte pieces of a row) and the
-    compiler hands each lane its own row through shared memory; loading word by word instead made every
-    load instruction touch 32 different cache lines, and the kernel waited on its loads."""
-    cols = tl.arange(0, 16)
-    tile = tl.load(p[:, None] + cols[None, :], mask=mask[:, None], other=0).to(tl.uint32, bitcast=True)
-    return _split16(tile, BLOCK)
 
 
 @triton.jit
@@ -424,56 +252,6 @@ def _split16(tile, BLOCK: tl.constexpr):
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
 
-@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
-def leaf_kernel_tile(base_ptr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
-    """:func:`leaf_kernel` with each 64-byte block read as one coalesced tile (:func:`_words16`).
-
-    Inputs start on 16-byte boundaries (``offsets`` multiples of 4 words), which lets the loads be
-    16 bytes wide."""
-    leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = leaf < total_leaves
-    which = leaf // leaves_per_input
-    index = leaf - which * leaves_per_input
-    start = tl.multiple_of(tl.load(offsets_ptr + which, mask=mask, other=0), 4)
-    p = base_ptr + start + index.to(tl.int64) * 256
-    counter = index.to(tl.uint32)
-    c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
-    for b in range(16):
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
-            tl.uint32
-        )
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _words16(p + b * 16, mask, BLOCK)
-        c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
-            c0,
-            c1,
-            c2,
-            c3,
-            c4,
-            c5,
-            c6,
-            c7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            counter,
-            flags,
-        )
-    _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
-
-
 @triton.jit
 def _ld4(addr):
     """Four consecutive 32-bit words at the 16-byte-aligned byte address ``addr``, in one 16-byte load."""
@@ -488,11 +266,11 @@ def _ld4(addr):
 
 
 @triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
-def leaf_kernel_v4(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
-    """:func:`leaf_kernel` with 16-byte loads (four per 64-byte block instead of sixteen 4-byte ones).
-
-    ``base_addr`` is the base's device address as an integer; lanes past the end read the first leaf
-    again (always mapped) and store nothing."""
+def leaf_kernel(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
+    """Chaining value of every 1 KiB leaf; input i starts ``offsets[i]`` 32-bit words after the base, whose device
+    address is ``base_addr`` (an integer; base and inputs on 16-byte boundaries). Each lane reads its leaf's 64-byte
+    blocks with four 16-byte loads; lanes past the end read the first leaf again (always mapped) and store nothing.
+    """
     leaf = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = leaf < total_leaves
     which = leaf // leaves_per_input
@@ -502,42 +280,16 @@ def leaf_kernel_v4(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_inp
     counter = index.to(tl.uint32)
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
     for b in range(16):
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(
-            tl.uint32
-        )
+        flags = _leaf_flags(b, last_flags, BLOCK)
         q = addr + b * 64
         m0, m1, m2, m3 = _ld4(q)
         m4, m5, m6, m7 = _ld4(q + 16)
         m8, m9, m10, m11 = _ld4(q + 32)
         m12, m13, m14, m15 = _ld4(q + 48)
         c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
-            c0,
-            c1,
-            c2,
-            c3,
-            c4,
-            c5,
-            c6,
-            c7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            counter,
-            flags,
-        )
+            c0, c1, c2, c3, c4, c5, c6, c7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+            counter, flags,
+        )  # fmt: skip
     _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
@@ -563,11 +315,9 @@ def leaf_copy_gather_kernel(
     (:func:`_split16`) to be compressed. The next block's tile is loaded before this one is compressed, so
     memory works while the lanes hash. Memory sees one read of the source and one write of the destination.
 
-    Measured on an H100 (16 GiB, 32 MiB chunks; bench/results/kernel-h100-s11.json), leaves only: 1,093 GB/s
-    with 32 leaves and one warp per program against 811-823 GB/s for the previous kernel, which copied 128
-    leaves, then read them back through L2 to hash them (copy and hash took turns); 390 GB/s for the lanes
-    storing their own rows with 16-byte stores (every store instruction half-filled 32 sectors); 940-950 GB/s
-    without the early load of the next tile."""
+    Why this shape (bench/results/kernel-h100-s11.json holds the sweep): copying a block and then reading it back
+    through L2 to hash it made copy and hash take turns; lanes storing their own rows with 16-byte stores half-filled
+    every sector they wrote; without the early load of the next tile, memory idled while the lanes hashed."""
     first = tl.program_id(0) * BLOCK
     which = first // leaves_per_input
     index0 = first - which * leaves_per_input
@@ -582,39 +332,15 @@ def leaf_copy_gather_kernel(
     c0, c1, c2, c3, c4, c5, c6, c7 = _iv([BLOCK])
     tile = tl.load(ps)
     for b in range(16):
-        flags = tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2, 0)).to(tl.uint32)
+        flags = _leaf_flags(b, 0, BLOCK)
         ahead = tl.load(ps + (b + 1) * 16, mask=b < 15)
         tl.store(pd + b * 16, tile)
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(
             tile.to(tl.uint32, bitcast=True), BLOCK
         )
         c0, c1, c2, c3, c4, c5, c6, c7 = _compress(
-            c0,
-            c1,
-            c2,
-            c3,
-            c4,
-            c5,
-            c6,
-            c7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            counter,
-            flags,
-        )
+            c0, c1, c2, c3, c4, c5, c6, c7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+            counter, flags,
+        )  # fmt: skip
         tile = ahead
     _store8(out_ptr + (first + lane).to(tl.int64) * 8, lane < BLOCK, c0, c1, c2, c3, c4, c5, c6, c7)

@@ -14,7 +14,10 @@ in every driver, and a GPU host needs no extra package for them.
 Lifetime: the source keeps its tensors alive and unchanged until the landing replies (``lend_all`` waits for
 that reply), and the target unmaps (:meth:`Mapped.close`) when its landing closes.
 
-Wire form (inside the landing's signed ``lend`` message, ``transfer/nixl_device.py``), packed so that signing
+:func:`share_all` and :func:`open_lent` are the two ends: by allocation where the driver can, else PyTorch's
+per-tensor sharing (:class:`TorchLent`); either way the target reads the lent memory through :class:`LentMemory`.
+
+Wire form (inside the landing's signed ``lend`` message, ``landing.py``), packed so that signing
 and checking the message (canonical JSON, HMAC) stays cheap at hundreds of regions:
 ``{"handles": base64 of the allocations' 64-byte cudaIpcMemHandles back to back, "sizes": [bytes of allocation
 k, ...], "names": [region, ...], "places": base64 of little-endian int64 triples (allocation k, byte offset into
@@ -30,7 +33,12 @@ import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+_Calls = dict[str, "ctypes._NamedFuncPointer"]  # the driver's IPC calls by short name
 
 _LAZY_ENABLE_PEER_ACCESS = 1
 _HANDLE_BYTES = 64
@@ -50,7 +58,7 @@ class _Handle(ctypes.Structure):
 
 
 @functools.cache
-def _driver() -> Any:
+def _driver() -> _Calls | None:
     """The driver library's four IPC calls, typed; None where there is no driver."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -82,7 +90,7 @@ class _Device:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 2}
 
 
-def share(tensors: Mapping[str, Any]) -> dict[str, Any] | None:
+def share(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
     """The wire form above for ``tensors`` (flat uint8 device tensors), or None where the driver cannot export
     one of their allocations (the caller then shares them PyTorch's way)."""
     calls = _driver()
@@ -128,7 +136,7 @@ def share(tensors: Mapping[str, Any]) -> dict[str, Any] | None:
 class Mapped:
     """The source's allocations named in a ``share`` message, mapped into this process on first use."""
 
-    def __init__(self, message: Mapping[str, Any], device: Any) -> None:
+    def __init__(self, message: Mapping[str, Any], device: torch.device) -> None:
         calls = _driver()
         if calls is None:
             raise RuntimeError("the CUDA driver library (libcuda.so.1) is not loadable here")
@@ -149,7 +157,7 @@ class Mapped:
             if not 0 <= k < len(self.allocations) or offset < 0 or nbytes < 0 or offset + nbytes > sizes[k]:
                 raise ValueError(f"region {name}: outside the allocation it names")
         self._mapped: dict[int, int] = {}  # allocation -> its address here
-        self._views: dict[int, Any] = {}  # allocation -> a uint8 tensor over it, made when first asked for
+        self._views: dict[int, torch.Tensor] = {}  # allocation -> a uint8 tensor over it, made when first asked for
         self._lock = threading.Lock()
         self._ready: dict[int, threading.Event] = {}  # allocations given to a mapping thread
         self._failed: dict[int, str] = {}
@@ -198,7 +206,7 @@ class Mapped:
         k, offset, _ = self.regions[name]
         return self._base(k) + offset
 
-    def tensor(self, name: str) -> Any:
+    def tensor(self, name: str) -> torch.Tensor:
         """Region ``name`` of the source's memory as a flat uint8 tensor of this process (a view of its
         allocation's, which is made once)."""
         k, offset, nbytes = self.regions[name]
@@ -256,3 +264,106 @@ class Mapped:
             torch.cuda.set_device(self.device)
         for address in mapped.values():
             self._calls["close"](address)
+
+
+# ----------------------------------------------------------------------------- PyTorch's sharing, per tensor
+def _lend_spec(flat: torch.Tensor) -> dict[str, Any]:
+    """A device tensor's CUDA IPC handle and place, as plain fields (PyTorch's own sharing of CUDA tensors)."""
+    device, handle, storage_bytes, storage_offset, ref, ref_offset, event, event_sync = (
+        flat.untyped_storage()._share_cuda_()
+    )
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(bytes(raw)).decode()
+
+    return {
+        "device": int(device),
+        "handle": b64(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref": b64(ref),
+        "ref_offset": int(ref_offset),
+        "event": b64(event),
+        "event_sync": bool(event_sync),
+        "offset": int(flat.storage_offset()),
+        "nbytes": int(flat.numel()),
+    }
+
+
+def _open_spec(spec: Mapping[str, Any]) -> torch.Tensor:
+    """The source's tensor from :func:`_lend_spec`, mapped into this process (as PyTorch rebuilds a shared one)."""
+    import torch
+
+    def raw(key: str) -> bytes:
+        return base64.b64decode(str(spec[key]))
+
+    storage = torch.UntypedStorage._new_shared_cuda(
+        int(spec["device"]),
+        raw("handle"),
+        int(spec["storage_bytes"]),
+        int(spec["storage_offset"]),
+        raw("ref"),
+        int(spec["ref_offset"]),
+        raw("event"),
+        bool(spec["event_sync"]),
+    )
+    typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
+    rebuilt: torch.Tensor = torch._utils._rebuild_tensor(typed, int(spec["offset"]), (int(spec["nbytes"]),), (1,))
+    return rebuilt
+
+
+class LentMemory(Protocol):
+    """The source's memory as the landing reads it: region ``name``'s address and tensor in this process."""
+
+    regions: dict[str, tuple[int, int, int]]  # name -> (allocation, byte offset into it, nbytes)
+    seconds_opening: float  # time the caller waited for mappings
+    seconds_mapping: float  # time spent in the driver's mapping calls
+
+    def map_ahead(self, names: Sequence[str]) -> None: ...
+
+    def address(self, name: str) -> int: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+class TorchLent:
+    """The source's tensors shared PyTorch's way (one handle per tensor), all mapped now; the same reading interface
+    as :class:`Mapped`. Released right after the pass: PyTorch's sharing counts references, and the source's
+    allocator may reuse a block only once the target let it go."""
+
+    def __init__(self, specs: Mapping[str, Mapping[str, Any]]) -> None:
+        t0 = time.perf_counter()
+        self._lent = {str(name): _open_spec(spec) for name, spec in specs.items()}
+        self.seconds_opening = time.perf_counter() - t0
+        self.seconds_mapping = 0.0  # PyTorch maps them: no driver call of ours
+        self.regions = {name: (0, 0, t.numel()) for name, t in self._lent.items()}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._lent[name]
+
+    def map_ahead(self, names: Sequence[str]) -> None:
+        """Nothing: every tensor was mapped when this was made."""
+
+    def address(self, name: str) -> int:
+        return int(self._lent[name].data_ptr())
+
+    def close(self) -> None:
+        import torch
+
+        self._lent.clear()  # the opened tensors go before ipc_collect, which then releases them
+        torch.cuda.ipc_collect()  # the source may free or change its memory once it has the reply
+
+
+def share_all(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What a ``lend`` message carries for ``tensors`` (flat uint8 device tensors): :func:`share`'s wire form, or
+    PyTorch's per-tensor handles (``{"regions": {name: spec}}``) where the driver cannot export an allocation."""
+    return share(tensors) or {"regions": {name: _lend_spec(t) for name, t in tensors.items()}}
+
+
+def open_lent(message: Mapping[str, Any], device: torch.device) -> LentMemory:
+    """The source's memory a ``lend`` message names (:func:`share_all`), opened in this process."""
+    if "handles" in message:
+        return Mapped(message, device)
+    return TorchLent(dict(message["regions"]))

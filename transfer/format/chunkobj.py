@@ -12,9 +12,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gpumigrate.errors import DecryptionError, IntegrityError
-from gpumigrate.transfer import codecs
 from gpumigrate.transfer.buffers import POOL
-from gpumigrate.transfer.keys import derive_keys
+from gpumigrate.transfer.format import codecs
+from gpumigrate.transfer.format.keys import derive_keys
 
 MAGIC = b"GMC1"
 HEADER = struct.Struct(">4sBBHQ12s32s")

@@ -23,6 +23,7 @@ from typing import Any
 from gpumigrate.errors import IntegrityError, TransferError
 
 DECODER = "nvcomp-ans"  # the manifest's name for what a reader needs to decode plane codec 3
+PLANE_RAW = 0  # plane codec 0 (FORMAT.md): a plane stored as it is (a GPU payload's mantissa plane)
 PLANE_NVCOMP_ANS = 3
 GPU_ELEMENT_SIZES = (2,)  # bf16 / fp16: one sign-and-exponent plane, one mantissa plane
 _local = threading.local()
@@ -113,7 +114,7 @@ class PlaneSplit:
 
         self.lengths = [v.numel() for v in views]
         if _splittable(views):
-            from gpumigrate.transfer import plane_kernels
+            from gpumigrate.transfer.device import plane_kernels
 
             self.buffer, lows, highs = plane_kernels.split(views, stream)
             base = int(self.buffer.data_ptr())
@@ -136,13 +137,13 @@ class PlaneSplit:
 
 def merges(out: Any) -> bool:
     """Whether ``plane_kernels.merge`` can write ``out`` (Triton here; contiguous, 2-byte aligned, even length)."""
-    from gpumigrate.transfer.devhash import _triton_present
+    from gpumigrate.transfer.device.devhash import _triton_present
 
     return _triton_present() and out.is_contiguous() and not (out.data_ptr() % 2 or out.numel() % 2)
 
 
 def _splittable(views: list[Any]) -> bool:
-    from gpumigrate.transfer.devhash import _triton_present
+    from gpumigrate.transfer.device.devhash import _triton_present
 
     return bool(views) and _triton_present() and not any(v.data_ptr() % 2 or v.numel() % 2 for v in views)
 

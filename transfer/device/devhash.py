@@ -5,25 +5,27 @@ hashing, not PCIe, set the pace (about 50 GB/s of BLAKE3 against 55 GB/s of H2D)
 BLAKE3 hash (default mode, 32-byte output: the chunk ids of FORMAT.md) of many equal-length inputs
 is computed by two Triton kernels, one thread per 1 KiB leaf:
 
-* ``_leaf_kernel``: the 16 compressions of a leaf (flags CHUNK_START / CHUNK_END, counter = leaf
-  index within its own input, ROOT when the input is one leaf);
+* ``leaf_kernel``: the 16 compressions of a leaf (flags CHUNK_START / CHUNK_END, counter = leaf
+  index within its own input, ROOT when the input is one leaf), reading the data 16 bytes at a time;
 * ``_parent_kernel``: one tree level, pairing nodes left to right within each input; an odd last
   node moves up unchanged, which yields BLAKE3's left-balanced tree; ROOT on the last level
   (``parent2_kernel`` runs two such levels per launch).
 
 Inputs must be device tensors of one length, a multiple of 1024 bytes (whole leaves), 4-byte
-aligned; anything else stays on the CPU (``eligible``). ``blake3_reference`` is the same algorithm
-in plain torch (any device, slow): the executable description the tests hold against the
-``blake3`` package and the kernels.
+aligned; anything else stays on the CPU (``eligible``). The leaf kernel loads 16 bytes at a time, so inputs that
+start off a 16-byte boundary are first copied to one aligned block on the device. ``blake3_reference`` is the same
+algorithm in plain torch (any device, slow): the executable description the tests hold against the ``blake3``
+package and the kernels. :func:`cpu_hasher` is BLAKE3 on the CPU in the kernels' output shape.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
+import blake3
 import torch
 
 LEAF = 1024
@@ -31,6 +33,9 @@ IV = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x
 PERMUTATION = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
 CHUNK_START, CHUNK_END, PARENT, ROOT = 1, 2, 4, 8
 _MASK = 0xFFFFFFFF
+# hasher(block, chunk): BLAKE3 of each ``chunk``-byte piece of a contiguous uint8 tensor whose length is a
+# multiple of ``chunk`` → [pieces, 8] int32 words (little-endian), computed where the block lives.
+Hasher = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def available(device: torch.device) -> bool:
@@ -58,6 +63,20 @@ def digest_words(hex_id: str) -> list[int]:
 
 def words_hex(words: Sequence[int]) -> str:
     return b"".join(int(w & _MASK).to_bytes(4, "little") for w in words).hex()
+
+
+def ids_to_words(ids: Sequence[str], device: torch.device) -> torch.Tensor:
+    """Hex BLAKE3 ids → [n, 8] int32 words on ``device`` (what the hash kernels produce)."""
+    raw = bytearray(b"".join(bytes.fromhex(i) for i in ids))
+    return torch.frombuffer(raw, dtype=torch.int32).view(len(ids), 8).to(device)
+
+
+def cpu_hasher(block: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A :data:`Hasher` on the CPU (the ``blake3`` package), in the device kernels' output shape: for CPU tensors
+    and pieces the kernels refuse."""
+    data = block.contiguous().cpu().numpy()
+    digests = b"".join(blake3.blake3(data[o : o + chunk].data).digest() for o in range(0, len(data), chunk))
+    return torch.frombuffer(bytearray(digests), dtype=torch.int32).view(-1, 8)
 
 
 # ---------------------------------------------------------------- reference (plain torch, int64 lanes)
@@ -124,44 +143,37 @@ def blake3_reference(data: torch.Tensor, count: int) -> list[str]:
 
 
 # ---------------------------------------------------------------- the kernels (CUDA)
-def _kernels():  # noqa: ANN202 - the Triton module, imported only where it runs
-    from gpumigrate.transfer import devhash_kernels
+def _kernels() -> ModuleType:
+    """The Triton kernels' module, imported only where they run (Triton on a CUDA host)."""
+    from gpumigrate.transfer.device import devhash_kernels
 
     return devhash_kernels
 
 
 LEAF_BLOCK = 128
 PARENT_BLOCK = 256
-# The copy that hashes (leaf_copy_gather_kernel): leaves per program and warps; a sweep on an H100 put 32 leaves
-# on one warp ahead (1,093 GB/s, against 1,031-1,057 for 64-256 leaves on 1-8 warps).
+# The copy that hashes (leaf_copy_gather_kernel): leaves per program and warps, the best of a sweep on an H100
+# (bench/results/kernel-h100-s11.json).
 GATHER_BLOCK = 32
 GATHER_WARPS = 1
 # Lengths off the 32 KiB grid (a region's short last chunk: 8 KiB of a layer norm's weights) take programs of 8.
 GATHER_SMALL_BLOCK = 8
-# Which leaf kernel reads the data (devhash_kernels.py): "v4" (16-byte loads), "tile" (one coalesced tile per
-# 64-byte block), "scalar" (4-byte loads, the first version). The wide ones need 16-byte-aligned inputs.
-LEAF_KERNELS = ("v4", "tile", "scalar")
-DEFAULT_LEAF_KERNEL = "v4"
-
-
-def leaf_kernel_name() -> str:
-    """The leaf kernel in use: ``GPUMIGRATE_BLAKE3_LEAF`` (a benchmark compares them), else the default."""
-    name = os.environ.get("GPUMIGRATE_BLAKE3_LEAF", DEFAULT_LEAF_KERNEL)
-    if name not in LEAF_KERNELS:
-        raise ValueError(f"GPUMIGRATE_BLAKE3_LEAF={name!r}: expected one of {', '.join(LEAF_KERNELS)}")
-    return name
+WIDE = 16  # the leaf kernel's load width in bytes: its inputs start on 16-byte boundaries
 
 
 def blake3_device(views: Sequence[torch.Tensor]) -> torch.Tensor:
     """BLAKE3 words ``[len(views), 8]`` (int32, little-endian words) of equal-length device views.
 
-    Runs on the current CUDA stream: the caller orders it after the copies that fill the views.
+    Runs on the current CUDA stream: the caller orders it after the copies that fill the views. Views that do not
+    all start on 16-byte boundaries are first copied, back to back, into one new (aligned) block.
     """
     size = views[0].numel()
     if not all(v.numel() == size and eligible(v) for v in views):
         raise ValueError(
             "blake3_device: views must be device uint8, one length, a multiple of 1024 bytes, 4-byte aligned"
         )
+    if any(v.data_ptr() % WIDE for v in views):
+        return blake3_chunks(torch.cat(list(views)), size)
     base = min(views, key=lambda v: v.data_ptr())
     origin = base.data_ptr()
     return blake3_at(base, [v.data_ptr() - origin for v in views], size)
@@ -169,47 +181,44 @@ def blake3_device(views: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def blake3_at(anchor: torch.Tensor, starts: Sequence[int], size: int) -> torch.Tensor:
     """BLAKE3 words ``[len(starts), 8]`` of the ``size``-byte inputs at byte offsets ``starts`` from ``anchor``'s
-    first byte (each ≥ 0, a multiple of 4; ``size`` whole 1 KiB leaves), on the current CUDA stream.
+    first byte (each ≥ 0, a multiple of 16; ``size`` whole 1 KiB leaves), on the current CUDA stream.
 
-    ``anchor`` is an eligible device uint8 tensor where the inputs start at or after it, in the same allocation:
-    the caller gives offsets and no tensor per input (the final round confirms 1,400 chunks this way)."""
+    ``anchor`` is an eligible device uint8 tensor, 16-byte aligned, where the inputs start at or after it, in
+    memory the caller owns: the caller gives offsets and no tensor per input (the final round's confirmation)."""
+    if anchor.data_ptr() % WIDE or any(s % WIDE for s in starts):
+        raise ValueError("blake3_at: the anchor and every offset on 16-byte boundaries")
     # Pinned, so the copy is queued behind the stream's work instead of waiting for it (a pageable copy would).
     offsets = torch.tensor([s // 4 for s in starts], dtype=torch.int64, pin_memory=True).to(
         anchor.device, non_blocking=True
     )
-    aligned = anchor.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in starts)
-    return _tree(anchor, offsets, len(starts), size, aligned)
+    return _tree(anchor, offsets, len(starts), size)
 
 
 def blake3_chunks(block: torch.Tensor, chunk: int) -> torch.Tensor:
     """BLAKE3 words ``[n, 8]`` of each ``chunk``-byte piece of one contiguous device uint8 tensor.
 
-    What a landing checks: one batch of chunks that arrived back to back. The pieces' offsets are
-    computed on the device (no per-chunk Python work, which cost more than the hashing at 4,096 chunks).
+    What a landing checks: one batch of chunks that arrived back to back. The pieces' offsets are computed on the
+    device (no Python work per chunk). A block that does not start on a 16-byte boundary is copied to one that does.
     """
     n = block.numel() // chunk if chunk else 0
     if not (n and block.numel() == n * chunk and block.is_contiguous() and eligible(block[:chunk])):
         raise ValueError("blake3_chunks: a contiguous device uint8 tensor of whole chunks, each whole 1 KiB leaves")
+    if block.data_ptr() % WIDE:
+        block = block.clone()
     offsets = torch.arange(n, dtype=torch.int64, device=block.device) * (chunk // 4)
-    return _tree(block, offsets, n, chunk, block.data_ptr() % 16 == 0 and chunk % 16 == 0)
+    return _tree(block, offsets, n, chunk)
 
 
-def _tree(base: torch.Tensor, offsets: torch.Tensor, count: int, size: int, aligned16: bool) -> torch.Tensor:
-    """The leaf kernel over every 1 KiB leaf of ``count`` inputs of ``size`` bytes, then one launch per level."""
+def _tree(base: torch.Tensor, offsets: torch.Tensor, count: int, size: int) -> torch.Tensor:
+    """The leaf kernel over every 1 KiB leaf of ``count`` inputs of ``size`` bytes at word ``offsets`` from ``base``
+    (16-byte aligned), then the tree above them."""
     k = _kernels()
-    device = base.device
     leaves = size // LEAF
-    nodes = torch.empty(count * leaves * 8, dtype=torch.int32, device=device)
+    nodes = torch.empty(count * leaves * 8, dtype=torch.int32, device=base.device)
     total = count * leaves
     grid = (triton_cdiv(total, LEAF_BLOCK),)
     last = ROOT if leaves == 1 else 0
-    kind = leaf_kernel_name() if aligned16 else "scalar"
-    if kind == "v4":
-        k.leaf_kernel_v4[grid](base.data_ptr(), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
-    elif kind == "tile":
-        k.leaf_kernel_tile[grid](base.view(torch.int32), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
-    else:
-        k.leaf_kernel[grid](base.view(torch.int32), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
+    k.leaf_kernel[grid](base.data_ptr(), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
     return _parents(nodes, count, leaves)
 
 

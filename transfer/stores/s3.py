@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Any
+from typing import Any, Self
 
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
-from gpumigrate.transfer.chunkobj import HEADER_SIZE
-from gpumigrate.transfer.stores import BucketStore, chunk_key, query_param, split_url
+from gpumigrate.transfer.stores.base import BucketStore, StoreOptions, chunk_key, query_param, split_url
 
 MIN_PART = 5 << 20  # S3's smallest multipart part (except the last)
 DEFAULT_MULTIPART_THRESHOLD = 16 << 20
+S3Client = Any  # a boto3 S3 client: boto3 ships no type information
 
 
-def _regional_client(client: Any, region: str) -> Any:
+def _regional_client(client: S3Client, region: str) -> S3Client:
     """An S3 client with ``client``'s endpoint and settings, in ``region`` (buckets are created regionally)."""
     import boto3
 
@@ -28,6 +28,8 @@ def _regional_client(client: Any, region: str) -> Any:
 
 
 class S3Store(BucketStore):
+    """Objects under ``s3://bucket/prefix``, through boto3 (``?endpoint=``, ``?multipart_threshold=``)."""
+
     def __init__(
         self,
         url: str,
@@ -61,6 +63,10 @@ class S3Store(BucketStore):
             max_concurrency=max(1, parallelism),
             use_threads=True,
         )
+
+    @classmethod
+    def from_url(cls, url: str, options: StoreOptions) -> Self:
+        return cls(url, endpoint_url=options.endpoint_url, parallelism=options.parallelism)
 
     def _key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
@@ -98,15 +104,16 @@ class S3Store(BucketStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(rel)}
             if rng:
                 kwargs["Range"] = rng
-            return self._client.get_object(**kwargs)["Body"].read()
+            data: bytes = self._client.get_object(**kwargs)["Body"].read()
+            return data
         except Exception as exc:
             err = self._err(exc, what)
             if isinstance(err, NotFoundError) and what.startswith("chunk"):
                 raise TransferError(err.message) from None
             raise err from None
 
-    def chunk_header(self, chunk_id: str) -> bytes:
-        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}", rng=f"bytes=0-{HEADER_SIZE - 1}")
+    def chunk_header(self, chunk_id: str, nbytes: int) -> bytes:
+        return self._get(chunk_key(chunk_id), f"chunk {chunk_id[:16]}", rng=f"bytes=0-{nbytes - 1}")
 
     def chunk_size(self, chunk_id: str) -> int | None:
         try:

@@ -23,14 +23,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import GpumigrateError, InvalidInputError, TransferError
-from gpumigrate.transfer.receiver import Receiver, serve_stream
+from gpumigrate.transfer.receiver.server import Receiver, serve_stream
 
 INFO_FILE = "receiver.json"
 STORE_DIR = "store"
@@ -135,7 +135,7 @@ def run_receiver(
     *,
     key: bytes | None,
     store: str | None = None,
-    on_ready: Any = None,
+    on_ready: Callable[[dict[str, Any]], None] | None = None,
     exit_after: int = 0,
 ) -> dict[str, Any]:
     """Serve in the foreground until SIGTERM/SIGINT, an authenticated SHUTDOWN or (``exit_after`` > 0)
@@ -149,9 +149,11 @@ def run_receiver(
     root = Path(state_dir).resolve() if state_dir is not None else None
     if root is not None:
         root.mkdir(parents=True, exist_ok=True)
+        store = store or store_url(root)
+    assert store is not None  # a state directory, or a store, as checked above
     receiver = serve_stream(
         options.listen,
-        store or store_url(root),  # type: ignore[arg-type]
+        store,
         key=key,
         quota_bytes=options.quota_bytes,
         nixl=options.nixl,
@@ -243,7 +245,7 @@ def stop_receiver(state_dir: str | Path, *, control_key: bytes | None = None, ti
     """Stop the receiver of ``state_dir``: an authenticated SHUTDOWN (it flushes its store first, and works
     across hosts), then SIGTERM if its process runs on this machine and has not exited. Returns the final
     ``receiver.json`` (``state`` is "stopped" after a clean stop)."""
-    from gpumigrate.transfer.stream import StreamStore
+    from gpumigrate.transfer.stores.stream import StreamStore
 
     root = Path(state_dir).resolve()
     info = read_receiver_info(root)

@@ -14,8 +14,8 @@ import blake3
 import orjson
 
 from gpumigrate.errors import EXIT_INVALID, IntegrityError, InvalidInputError
-from gpumigrate.transfer.chunkobj import Sealer
-from gpumigrate.transfer.keys import WrongKeyError
+from gpumigrate.transfer.format.chunkobj import Sealer
+from gpumigrate.transfer.format.keys import WrongKeyError
 
 FORMAT_NAME = "gpumigrate-image"
 FORMAT_VERSION = 1
