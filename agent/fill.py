@@ -67,7 +67,7 @@ def _hasher(tensors: Mapping[str, Any]) -> Any:
 
 
 class SourceFill:
-    """:class:`~gpumigrate.snapshot.fill.Filler` through ``transfer/nixl_device.py``."""
+    """:class:`~gpumigrate.snapshot.fill.Filler` through ``transfer/device/landing.py`` and ``sender.py``."""
 
     def land(
         self,

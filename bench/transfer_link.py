@@ -524,20 +524,16 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
     if hash_all() != ids:
         raise SystemExit("the device kernels disagree with the blake3 package: nothing measured")
     hash_s = [timed(hash_all) for _ in range(reps)]
-    by_kernel = {}  # each leaf kernel of devhash_kernels.py alone, same data (the landing uses the default)
+    by_kernel = {}  # the leaf kernel of devhash_kernels.py (16-byte loads, "v4" in earlier results) alone, same data
     wrong = []
     if device != "cpu":
-        from gpumigrate.transfer.device.devhash import LEAF_KERNELS, leaf_kernel_name, warm
+        from gpumigrate.transfer.device.devhash import warm
 
-        chosen = leaf_kernel_name()
-        for kind in LEAF_KERNELS:
-            os.environ["GPUMIGRATE_BLAKE3_LEAF"] = kind
-            warm(torch.device(device))
-            if hash_all() != ids:
-                wrong.append(kind)
-                continue
-            by_kernel[kind] = [timed(hash_all) for _ in range(reps)]
-        os.environ["GPUMIGRATE_BLAKE3_LEAF"] = chosen
+        warm(torch.device(device))
+        if hash_all() != ids:
+            wrong.append("v4")
+        else:
+            by_kernel["v4"] = [timed(hash_all) for _ in range(reps)]
     address = _json_line(target.stdout, "address")["address"]
     sender = DeviceSender(address, {"state": src}, control_key=key)
     sender.expect({"state": ids})
@@ -628,7 +624,7 @@ def gpu_bench(gib: float, chunk_mib: int, batches: list[int], reps: int, device:
         "and hashes it where it landed, each id compared with the manifest's on the device, from the source's "
         "request to the target's reply that every chunk verified; "
         "best of reps after one warm-up pass",
-        "leaf_kernel": os.environ.get("GPUMIGRATE_BLAKE3_LEAF", "default"),
+        "leaf_kernel": "v4",
         "GBps": {
             **{f"nixl_verified_batch{b}": gbps(v) for b, v in verified.items()},
             **{f"nixl_pull_verified_batch{b}": gbps(v) for b, v in pulled.items()},

@@ -1,8 +1,8 @@
 """A pool of reusable byte buffers for the chunk hot path (encode scratch, sealed objects).
 
 Allocating a fresh 4 MiB bytearray per chunk is not free: glibc serves it from a new mapping
-whose pages fault in and are zeroed on first touch (and are handed back on free), which measured
-here at ~1 ms of CPU per 4 MiB chunk — more than AES-GCM of the same chunk. Buffers handed back
+whose pages fault in and are zeroed on first touch (and are handed back on free), which costs
+more CPU than AES-GCM of the same chunk (bench/README.md). Buffers handed back
 are kept (up to ``max_idle_bytes``) and reused by any thread and any writer.
 """
 
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Buffers are rounded up to this granule so chunks of slightly different sizes share buffers.
 GRANULE = 256 << 10
@@ -78,7 +81,7 @@ class PinnedSlots:
         """The host address where a slot starts (for raw device copies, ``cudacalls``)."""
         return int(self._memory.data_ptr()) + slot * self.slot_bytes
 
-    def tensor(self, slot: int, start: int = 0, stop: int | None = None) -> Any:
+    def tensor(self, slot: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Bytes ``[start, stop)`` of a slot as a pinned uint8 torch tensor (a view, no copy)."""
         base = slot * self.slot_bytes
         return self._memory[base + start : base + (self.slot_bytes if stop is None else stop)]

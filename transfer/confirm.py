@@ -1,23 +1,23 @@
 """The frozen final round's confirmation: BLAKE3 of every chunk its fingerprints call unchanged, where it lives.
 
 The final round ships the chunks whose fingerprints changed and, beside that, hashes all the others to prove
-that no fingerprint collision reaches the committed image (``snapshot/agent.py``). For a 16 GiB model that is
-1,400 chunks. Per chunk, the first version made a view, a job, a tensor for the hasher, a launch batch of 64
-and a hex string: on a lent H100 the confirmation's own Python held the GIL against the shipping thread and
-its first kernel started 30 ms into the round, with 12 ms of device work to do.
+that no fingerprint collision reaches the committed image (the snapshot agent). For a large model that is more
+than a thousand chunks. Per chunk, the first version made a view, a job, a tensor for the hasher, a launch batch
+and a hex string: the confirmation's own Python held the GIL against the shipping thread, and its first kernel
+started long after the round did, with little device work to do (bench/README.md).
 
 Here device chunks are described by byte offsets from one anchor per (device, length) and hashed by the BLAKE3
 kernels (``devhash.blake3_at``) in batches bounded by the device memory of their leaf chaining values, on a
 side stream that trails the caller's stream; the digests come back in one copy and are compared as words with
 the expected ids. Host chunks, and device chunks the kernels do not take (a length that is not whole 1 KiB
-leaves, an unaligned start), are hashed on the CPU. All of it runs on one of the writer's threads.
+leaves, a start off a 16-byte boundary), are hashed on the CPU. All of it runs on one of the writer's threads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from gpumigrate.transfer.format.chunkobj import chunk_id_of
 if TYPE_CHECKING:
     import torch
 
+# A device chunk to confirm: (run, its k-th index, the chunk's address, the run's view)
+_Member = tuple[int, int, int, "torch.Tensor"]
+
 # Device memory for one batch's leaf chaining values: 32 bytes per KiB hashed, so 128 chunks of 16 MiB. The
 # parents' levels take half as much again at most. Fewer, larger launches; a bounded share of a full GPU.
 NODES_BYTES = 64 << 20
@@ -35,7 +38,7 @@ _LEAF = 1024
 
 def start(runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor) -> Callable[[], list[list[bool]]]:
     """Queue the confirmation of ``runs`` (see the module docstring); the returned function waits for it."""
-    on_device: dict[tuple[Any, int], list[tuple[int, int, int, Any]]] = {}  # (device, length) -> (run, k, at, view)
+    on_device: dict[tuple[torch.device, int], list[_Member]] = {}  # (device, length) -> members
     on_host: list[tuple[int, int]] = []
     for r, run in enumerate(runs):
         view = run.view
@@ -49,7 +52,7 @@ def start(runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor) -
                 on_device.setdefault((view.device, length), []).append((r, k, at, view))
             else:
                 on_host.append((r, k))
-    after = {device: _torch().cuda.current_stream(device).record_event() for device, _ in on_device}
+    after = {device: _current_event(device) for device, _ in on_device}
     job = pool.submit(_confirm, runs, chunk_size, on_device, on_host, after)
     return job.result
 
@@ -57,13 +60,14 @@ def start(runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor) -
 def _confirm(
     runs: Sequence[ChunkRun],
     chunk_size: int,
-    on_device: dict[tuple[Any, int], list[tuple[int, int, int, Any]]],
+    on_device: dict[tuple[torch.device, int], list[_Member]],
     on_host: list[tuple[int, int]],
-    after: dict[Any, Any],
+    after: dict[torch.device, torch.cuda.Event],
 ) -> list[list[bool]]:
-    torch = _torch()
+    import torch
+
     same = [[False] * len(run.indices) for run in runs]
-    queued: list[tuple[list[tuple[int, int, int, Any]], Any]] = []
+    queued: list[tuple[list[_Member], tuple[torch.Tensor, torch.cuda.Stream]]] = []
     for (device, length), members in on_device.items():
         side = torch.cuda.Stream(device=device)  # default priority: the shipping's hash stream goes first
         side.wait_event(after[device])
@@ -84,11 +88,12 @@ def _confirm(
     return same
 
 
-def _hash(members: list[tuple[int, int, int, Any]], length: int) -> tuple[Any, Any]:
+def _hash(members: list[_Member], length: int) -> tuple[torch.Tensor, torch.cuda.Stream]:
     """BLAKE3 words of ``members`` (all ``length`` bytes, one device) on the current stream, in batches."""
+    import torch
+
     from gpumigrate.transfer.device import devhash
 
-    torch = _torch()
     # The anchor: the lowest chunk, as a tensor (the kernels take a base pointer; the others are offsets from it).
     low = min(members, key=lambda m: m[2])
     view = low[3]
@@ -109,7 +114,9 @@ def _kernel_alignment(device: torch.device) -> int:
     return devhash.WIDE if devhash.available(device) else 0
 
 
-def _torch() -> Any:
+def _current_event(device: torch.device) -> torch.cuda.Event:
+    """An event recorded now on ``device``'s current stream (what the confirmation's side stream waits for)."""
     import torch
 
-    return torch
+    event: torch.cuda.Event = torch.cuda.current_stream(device).record_event()
+    return event

@@ -74,7 +74,7 @@ class DirectStoreImageReader(StoreImageReader):
     def _load_device(self, chunk: TensorChunk, after: Landed) -> int:
         import torch
 
-        n = chunk.data.numel()
+        n: int = chunk.data.numel()
         chunk_id = self._region(chunk.region)["chunks"][chunk.index]
         where = f" ({chunk.region}[{chunk.index}])"
         slots = slots_for(self.chunk_size, SLOTS)

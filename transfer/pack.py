@@ -30,9 +30,10 @@ from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.format import codecs
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.reader import StoreImageReader
+from gpumigrate.transfer.writer import StoreImageWriter
 
-# FastCDC 512 KiB / 2 MiB / 4 MiB (min/avg/max): every chunk is one stored object, and creating a
-# file costs ~0.7 ms here whatever its size, so chunks much under 2 MiB cost more than they dedup.
+# FastCDC 512 KiB / 2 MiB / 4 MiB (min/avg/max): every chunk is one stored object, and creating a file has a
+# cost of its own whatever its size, so chunks much under 2 MiB cost more than they dedup (bench/README.md).
 CDC_MIN, CDC_AVG, CDC_MAX = 512 << 10, 2 << 20, 4 << 20
 # Files up to this size are concatenated into shared "bundle" regions (one object per ~4 MiB)
 # instead of one object each; the tree records each file's offset and size in its bundle.
@@ -215,9 +216,11 @@ def _parent_files(body: dict[str, Any] | None) -> dict[str, tuple[dict[str, Any]
     return {n: (e, regions[n]) for n, e in tree.items() if e.get("type") == "file" and n in regions}
 
 
-def _reuse_unchanged_file(writer: Any, parent_files: dict[str, Any], name: str, st: os.stat_result) -> bool:
+def _reuse_unchanged_file(
+    writer: StoreImageWriter, parent_files: dict[str, Any], name: str, st: os.stat_result
+) -> bool:
     found = parent_files.get(name)
-    if found is None:
+    if found is None or writer.parent_body is None:  # parent files come from the parent's body
         return False
     old_entry, region = found
     if old_entry.get("mtime_ns") != st.st_mtime_ns or int(region["nbytes"]) != st.st_size or st.st_size <= SMALL_FILE:
@@ -230,7 +233,7 @@ def _reuse_unchanged_file(writer: Any, parent_files: dict[str, Any], name: str, 
     return True
 
 
-def _put(writer: Any, counter: ProgressCounter, name: str, index: int, data: memoryview) -> None:
+def _put(writer: StoreImageWriter, counter: ProgressCounter, name: str, index: int, data: memoryview) -> None:
     try:
         writer.put_chunk(name, index, data)
         counter.add(len(data))
@@ -238,12 +241,13 @@ def _put(writer: Any, counter: ProgressCounter, name: str, index: int, data: mem
         data.release()
 
 
-def _put_read(writer: Any, counter: ProgressCounter, name: str, index: int, fd: int, offset: int, length: int) -> None:
+def _put_read(
+    writer: StoreImageWriter, counter: ProgressCounter, name: str, index: int, fd: int, offset: int, length: int
+) -> None:
     """Read one fixed-size chunk with pread into a recycled buffer, then store it.
 
     Faulting the file's page cache in through the map costs more than copying it out once the
-    cached pages are small or cold (measured here: 0.22 against 0.18 CPU-s per GB for read +
-    BLAKE3 on a file cached for a while, equal on a file just written), and pread lets the
+    cached pages are small or cold (equal on a file just written; bench/README.md), and pread lets the
     kernel's readahead work for files that are not cached at all.
     """
     buf = POOL.take(length)

@@ -36,8 +36,8 @@ DEFAULT_CHUNK_SIZE = 4 << 20
 # Encoding scratch and sealed objects live in recycled buffers (buffers.py says why).
 BUFFERS = POOL
 # Manifests this process committed, by (store URL, image id, key id): the next round's writer takes its
-# parent from here instead of reading the manifest back and checking its signature (about 4 ms at 1,400
-# chunks, on the freeze → ready path). It is the very body this process signed and stored.
+# parent from here instead of reading the manifest back and checking its signature (on the freeze → ready
+# path). It is the very body this process signed and stored.
 _COMMITTED: OrderedDict[tuple[str, str, str | None], dict[str, Any]] = OrderedDict()
 _COMMITTED_KEPT = 4
 _COMMITTED_LOCK = threading.Lock()
@@ -132,7 +132,7 @@ class StoreImageWriter:
             self._regions[info.name] = _Region(info)
         self._progress.grow(info.nbytes)
 
-    def set_metadata(self, key: str, value: Any) -> None:
+    def set_metadata(self, key: str, value: object) -> None:
         with self._lock:
             self._metadata[key] = value
 
@@ -332,7 +332,7 @@ class StoreImageWriter:
 
     def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
         """:meth:`reuse_chunk` of each (region, index, chunk id) of fixed-size chunks, in order: the same records,
-        checks and errors, under one hold of the lock (a final round reuses some 1,400 chunks while the workload
+        checks and errors, under one hold of the lock (a final round reuses thousands of chunks while the workload
         is frozen). A chunk neither in this image nor in its parent goes through :meth:`reuse_chunk` itself,
         with the lock released: it may ask the store."""
         self._check_open()

@@ -6,6 +6,7 @@ import ast
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -90,6 +91,17 @@ def test_wheel_installs_into_fresh_venv_and_runs(tmp_path: Path) -> None:
     )
     assert help_out.returncode == 0, help_out.stderr
     assert "migrate" in help_out.stdout + help_out.stderr
+
+
+def test_every_package_folder_is_installed() -> None:
+    """Every folder with an ``__init__.py`` under a mapped folder is in pyproject's ``packages`` list: a subpackage
+    left out of it is missing from the wheel (and from a fresh install), though the checkout imports it."""
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    for name, folder in config["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            package = ".".join([name, *init.parent.relative_to(REPO / folder).parts])
+            assert package in listed, f"{init.parent} is not in [tool.setuptools] packages"
 
 
 def _imports(path: Path) -> set[str]:

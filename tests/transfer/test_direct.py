@@ -1,4 +1,4 @@
-"""The direct writer/reader (transfer/direct.py) against the plain ones, and the end-to-end smoke.
+"""The direct writer/reader (transfer/direct_writer.py, direct_reader.py) against the plain ones, and the end-to-end smoke.
 
 On CPU (CI) the direct path takes host tensors; the ``gpu``-marked tests run the device path
 (device BLAKE3 ids, pinned slots, device-side verification, the nvCOMP plane codec where present)

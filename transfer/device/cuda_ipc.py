@@ -1,10 +1,10 @@
 """CUDA IPC by allocation: the source shares each device allocation once, the target maps each once.
 
 A model's state is hundreds of tensors, but the caching allocator carves them out of far fewer device
-allocations (on an H100, 521 tensors of a 16 GiB model sat in 93). PyTorch's own sharing
-(``UntypedStorage._share_cuda_``) works per tensor, with a reference-count file and an event per tensor;
-on the receiving side rebuilding and releasing 521 of them took 12-18 ms and 11 ms, against 6 ms and 4 ms
-to map and unmap the 93 allocations through the driver. So the landing's lend uses this module where it
+allocations. PyTorch's own sharing (``UntypedStorage._share_cuda_``) works per tensor, with a reference-count
+file and an event per tensor; on the receiving side rebuilding and releasing each of them costs about twice what
+mapping and unmapping the allocations through the driver does (bench/README.md). So the landing's lend uses this
+module where it
 can, and falls back to PyTorch's sharing where it cannot (no ``libcuda``; an allocation the driver cannot
 export, e.g. PyTorch's expandable segments, which are not ordinary ``cuMemAlloc`` memory).
 
@@ -152,7 +152,9 @@ class Mapped:
         if len(packed) != 24 * len(names):
             raise ValueError(f"{len(packed)} bytes of places for {len(names)} regions")
         places = struct.unpack(f"<{3 * len(names)}q", packed)
-        self.regions = {name: (places[3 * i], places[3 * i + 1], places[3 * i + 2]) for i, name in enumerate(names)}
+        self.regions: dict[str, tuple[int, int, int]] = {
+            name: (places[3 * i], places[3 * i + 1], places[3 * i + 2]) for i, name in enumerate(names)
+        }
         for name, (k, offset, nbytes) in self.regions.items():
             if not 0 <= k < len(self.allocations) or offset < 0 or nbytes < 0 or offset + nbytes > sizes[k]:
                 raise ValueError(f"region {name}: outside the allocation it names")
@@ -168,8 +170,8 @@ class Mapped:
     def map_ahead(self, names: Sequence[str]) -> None:
         """Map the allocations of regions ``names``, in that order, on a thread of its own, so the caller's work on
         the first regions (launching their copies) runs while the later ones are mapped. :meth:`address` and
-        :meth:`tensor` wait for an allocation still being mapped. One thread: on an H100, four made each driver
-        call 3-4x slower (the driver serializes them) and slowed the copies running meanwhile."""
+        :meth:`tensor` wait for an allocation still being mapped. One thread: more made each driver call slower
+        (the driver serializes them) and slowed the copies running meanwhile."""
         order: list[int] = []
         for name in names:
             k = self.regions[name][0]

@@ -1,7 +1,7 @@
 """BLAKE3 on the GPU: a restore verifies each chunk's id where its bytes landed, at HBM speed.
 
 A verified restore used to hash every chunk on the CPU while its DMA ran; on a 16-core host the
-hashing, not PCIe, set the pace (about 50 GB/s of BLAKE3 against 55 GB/s of H2D). Here the standard
+hashing, not PCIe, set the pace (DESIGN.md's figures, bench/README.md). Here the standard
 BLAKE3 hash (default mode, 32-byte output: the chunk ids of FORMAT.md) of many equal-length inputs
 is computed by two Triton kernels, one thread per 1 KiB leaf:
 
@@ -45,8 +45,8 @@ def available(device: torch.device) -> bool:
 
 @functools.cache
 def _triton_present() -> bool:
-    # Asked per chunk by its callers; find_spec searches the import path each time (tens of µs: 1,400 chunks
-    # of a 16 GiB landing spent about 30 ms in it).
+    # Asked per chunk by its callers; find_spec searches the import path each time, which adds up over the
+    # thousand-odd chunks of a landing.
     return importlib.util.find_spec("triton") is not None
 
 
@@ -266,7 +266,7 @@ def blake3_copy_gather(
     For chunks scattered over many tensors (a model's state: hundreds of regions, each its own allocation, on
     both sides). The chunks are addressed by byte offsets from one tensor of each side, so they may lie in other
     allocations (negative offsets included): the caller computes them from ``data_ptr`` arithmetic, with no
-    per-chunk tensor views (their Python cost matched the copy's at 1,000 chunks). The caller vouches that every
+    per-chunk tensor views (their Python cost matched the copy's). The caller vouches that every
     chunk lies in memory it owns or opened (the source's may be another process's memory opened through CUDA
     IPC); :func:`gather_takes` says which regions qualify, and every offset must be a multiple of 16.
     """
@@ -342,11 +342,11 @@ def warm(device: torch.device) -> None:
             landed = torch.empty_like(block)
             pieces = list(range(0, count * chunk, chunk))
             blake3_copy_gather(block, pieces, landed, pieces[::-1], chunk)
-            small = GATHER_SMALL_BLOCK * LEAF  # a short last chunk's copy (device_lend)
+            small = GATHER_SMALL_BLOCK * LEAF  # a short last chunk's copy (lend.py)
             blake3_copy_gather(block, [0, small][:count], landed, [small, 0][:count], small)
         del probe
-    # The comparison a landing runs on the words (nixl_device): PyTorch loads each of its kernels on first use,
-    # and a fresh target's first restore spent about 40 ms loading these.
+    # The comparison a landing runs on the words (landing.py): PyTorch loads each of its kernels on first use, which
+    # would happen inside a fresh target's first restore.
     rows = torch.tensor([1, 0], dtype=torch.int64).to(device)
     (torch.cat([words[:1], words[1:]]) != words[rows]).any(dim=1).nonzero().flatten().tolist()
     torch.cuda.synchronize(device)

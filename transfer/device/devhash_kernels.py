@@ -7,17 +7,18 @@ registers; ``compress`` unrolls the seven rounds, permuting the message words be
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
 
+from gpumigrate.transfer.device.triton_types import device_function, kernel
 
-@triton.jit
-def _rotr(x, n: tl.constexpr):
+
+@device_function
+def _rotr(x: tl.tensor, n: tl.constexpr) -> tl.tensor:
     return (x >> n) | (x << (32 - n))
 
 
-@triton.jit
-def _g(a, b, c, d, x, y):
+@device_function
+def _g(a: tl.tensor, b: tl.tensor, c: tl.tensor, d: tl.tensor, x: tl.tensor, y: tl.tensor) -> tuple[tl.tensor, ...]:
     a = a + b + x
     d = _rotr(d ^ a, 16)
     c = c + d
@@ -29,10 +30,35 @@ def _g(a, b, c, d, x, y):
     return a, b, c, d
 
 
-@triton.jit
+@device_function
 def _compress(
-    c0, c1, c2, c3, c4, c5, c6, c7, m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15, counter, flags
-):
+    c0: tl.tensor,
+    c1: tl.tensor,
+    c2: tl.tensor,
+    c3: tl.tensor,
+    c4: tl.tensor,
+    c5: tl.tensor,
+    c6: tl.tensor,
+    c7: tl.tensor,
+    m0: tl.tensor,
+    m1: tl.tensor,
+    m2: tl.tensor,
+    m3: tl.tensor,
+    m4: tl.tensor,
+    m5: tl.tensor,
+    m6: tl.tensor,
+    m7: tl.tensor,
+    m8: tl.tensor,
+    m9: tl.tensor,
+    m10: tl.tensor,
+    m11: tl.tensor,
+    m12: tl.tensor,
+    m13: tl.tensor,
+    m14: tl.tensor,
+    m15: tl.tensor,
+    counter: tl.tensor,
+    flags: tl.tensor,
+) -> tuple[tl.tensor, ...]:
     s0, s1, s2, s3, s4, s5, s6, s7 = c0, c1, c2, c3, c4, c5, c6, c7
     s8 = tl.full(c0.shape, 0x6A09E667, tl.uint32)
     s9 = tl.full(c0.shape, 0xBB67AE85, tl.uint32)
@@ -57,13 +83,13 @@ def _compress(
     return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
 
 
-@triton.jit
-def _w(ptr, mask):
+@device_function
+def _w(ptr: tl.tensor, mask: tl.tensor) -> tl.tensor:
     return tl.load(ptr, mask=mask, other=0).to(tl.uint32, bitcast=True)
 
 
-@triton.jit
-def _w8(p, mask):
+@device_function
+def _w8(p: tl.tensor, mask: tl.tensor) -> tuple[tl.tensor, ...]:
     """The eight words at ``p``, loaded under ``mask`` (0 where it does not hold)."""
     return (
         _w(p + 0, mask),
@@ -77,8 +103,22 @@ def _w8(p, mask):
     )
 
 
-@triton.jit
-def _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, p, first_mask, second_mask, counter, flags):
+@device_function
+def _compress_at(
+    c0: tl.tensor,
+    c1: tl.tensor,
+    c2: tl.tensor,
+    c3: tl.tensor,
+    c4: tl.tensor,
+    c5: tl.tensor,
+    c6: tl.tensor,
+    c7: tl.tensor,
+    p: tl.tensor,
+    first_mask: tl.tensor,
+    second_mask: tl.tensor,
+    counter: tl.tensor,
+    flags: tl.tensor,
+) -> tuple[tl.tensor, ...]:
     """_compress over the 16 words at ``p``: words 0-7 loaded under ``first_mask``, 8-15 under ``second_mask``."""
     m0, m1, m2, m3, m4, m5, m6, m7 = _w8(p, first_mask)
     m8, m9, m10, m11, m12, m13, m14, m15 = _w8(p + 8, second_mask)
@@ -88,8 +128,8 @@ def _compress_at(c0, c1, c2, c3, c4, c5, c6, c7, p, first_mask, second_mask, cou
     )  # fmt: skip
 
 
-@triton.jit
-def _iv(shape: tl.constexpr):
+@device_function
+def _iv(shape: tl.constexpr) -> tuple[tl.tensor, ...]:
     return (
         tl.full(shape, 0x6A09E667, tl.uint32),
         tl.full(shape, 0xBB67AE85, tl.uint32),
@@ -102,8 +142,19 @@ def _iv(shape: tl.constexpr):
     )
 
 
-@triton.jit
-def _store8(o, mask, c0, c1, c2, c3, c4, c5, c6, c7):
+@device_function
+def _store8(
+    o: tl.tensor,
+    mask: tl.tensor,
+    c0: tl.tensor,
+    c1: tl.tensor,
+    c2: tl.tensor,
+    c3: tl.tensor,
+    c4: tl.tensor,
+    c5: tl.tensor,
+    c6: tl.tensor,
+    c7: tl.tensor,
+) -> None:
     tl.store(o + 0, c0.to(tl.int32, bitcast=True), mask=mask)
     tl.store(o + 1, c1.to(tl.int32, bitcast=True), mask=mask)
     tl.store(o + 2, c2.to(tl.int32, bitcast=True), mask=mask)
@@ -114,15 +165,23 @@ def _store8(o, mask, c0, c1, c2, c3, c4, c5, c6, c7):
     tl.store(o + 7, c7.to(tl.int32, bitcast=True), mask=mask)
 
 
-@triton.jit
-def _leaf_flags(b, last_flags, BLOCK: tl.constexpr):
+@device_function
+def _leaf_flags(b: tl.tensor, last_flags: tl.tensor, BLOCK: tl.constexpr) -> tl.tensor:
     """The flags of block ``b`` (0-15) of a leaf, for every lane: CHUNK_START on the first, CHUNK_END and
     ``last_flags`` (ROOT for an input of one leaf, else 0) on the last."""
     return tl.zeros([BLOCK], tl.uint32) + (tl.where(b == 0, 1, 0) | tl.where(b == 15, 2 | last_flags, 0)).to(tl.uint32)
 
 
-@triton.jit(do_not_specialize=["total_out", "count_in", "count_out", "flags_value"])
-def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, BLOCK: tl.constexpr):
+@kernel(do_not_specialize=["total_out", "count_in", "count_out", "flags_value"])
+def parent_kernel(
+    in_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    total_out: tl.tensor,
+    count_in: tl.tensor,
+    count_out: tl.tensor,
+    flags_value: tl.tensor,
+    BLOCK: tl.constexpr,
+) -> None:
     """One tree level: node j of an input = parent(2j, 2j+1), or node 2j itself when it has no pair."""
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = j < total_out
@@ -161,8 +220,26 @@ def parent_kernel(in_ptr, out_ptr, total_out, count_in, count_out, flags_value, 
     )
 
 
-@triton.jit
-def _pick8(which, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+@device_function
+def _pick8(
+    which: tl.tensor,
+    a0: tl.tensor,
+    a1: tl.tensor,
+    a2: tl.tensor,
+    a3: tl.tensor,
+    a4: tl.tensor,
+    a5: tl.tensor,
+    a6: tl.tensor,
+    a7: tl.tensor,
+    b0: tl.tensor,
+    b1: tl.tensor,
+    b2: tl.tensor,
+    b3: tl.tensor,
+    b4: tl.tensor,
+    b5: tl.tensor,
+    b6: tl.tensor,
+    b7: tl.tensor,
+) -> tuple[tl.tensor, ...]:
     """Eight words, each ``a`` where ``which`` holds and ``b`` where it does not (a chaining value chosen per lane)."""
     return (
         tl.where(which, a0, b0),
@@ -176,8 +253,16 @@ def _pick8(which, a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7
     )
 
 
-@triton.jit(do_not_specialize=["total_out", "count_in", "count_out", "top_flags"])
-def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, BLOCK: tl.constexpr):
+@kernel(do_not_specialize=["total_out", "count_in", "count_out", "top_flags"])
+def parent2_kernel(
+    in_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    total_out: tl.tensor,
+    count_in: tl.tensor,
+    count_out: tl.tensor,
+    top_flags: tl.tensor,
+    BLOCK: tl.constexpr,
+) -> None:
     """Two tree levels in one launch: node j of an input = the subtree over its nodes 4j..4j+3, by
     :func:`parent_kernel`'s rule at each level (a node without a pair goes up unchanged); ``top_flags`` (ROOT or
     0) marks the upper level's parents. Halves the launches of a chunk's tree (15 levels at 32 MiB): the Python
@@ -230,8 +315,8 @@ def parent2_kernel(in_ptr, out_ptr, total_out, count_in, count_out, top_flags, B
     _store8(out_ptr + j.to(tl.int64) * 8, mask, T0, T1, T2, T3, T4, T5, T6, T7)
 
 
-@triton.jit
-def _split16(tile, BLOCK: tl.constexpr):
+@device_function
+def _split16(tile: tl.tensor, BLOCK: tl.constexpr) -> tuple[tl.tensor, ...]:
     """A [BLOCK, 16] tile's 16 columns, one [BLOCK] vector each (the compiler moves them through shared memory)."""
     t = tl.reshape(tile, [BLOCK, 2, 2, 2, 2])  # word w = 8i + 4j + 2k + l at [lane, i, j, k, l]
     l0, l1 = tl.split(t)
@@ -252,8 +337,8 @@ def _split16(tile, BLOCK: tl.constexpr):
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
 
-@triton.jit
-def _ld4(addr):
+@device_function
+def _ld4(addr: tl.tensor) -> tl.tensor:
     """Four consecutive 32-bit words at the 16-byte-aligned byte address ``addr``, in one 16-byte load."""
     return tl.inline_asm_elementwise(
         "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
@@ -265,8 +350,16 @@ def _ld4(addr):
     )
 
 
-@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
-def leaf_kernel(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_input, last_flags, BLOCK: tl.constexpr):
+@kernel(do_not_specialize=["total_leaves", "leaves_per_input", "last_flags"])
+def leaf_kernel(
+    base_addr: tl.tensor,
+    offsets_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    total_leaves: tl.tensor,
+    leaves_per_input: tl.tensor,
+    last_flags: tl.tensor,
+    BLOCK: tl.constexpr,
+) -> None:
     """Chaining value of every 1 KiB leaf; input i starts ``offsets[i]`` 32-bit words after the base, whose device
     address is ``base_addr`` (an integer; base and inputs on 16-byte boundaries). Each lane reads its leaf's 64-byte
     blocks with four 16-byte loads; lanes past the end read the first leaf again (always mapped) and store nothing.
@@ -293,17 +386,17 @@ def leaf_kernel(base_addr, offsets_ptr, out_ptr, total_leaves, leaves_per_input,
     _store8(out_ptr + leaf.to(tl.int64) * 8, mask, c0, c1, c2, c3, c4, c5, c6, c7)
 
 
-@triton.jit(do_not_specialize=["total_leaves", "leaves_per_input"])
+@kernel(do_not_specialize=["total_leaves", "leaves_per_input"])
 def leaf_copy_gather_kernel(
-    src_ptr,
-    dst_ptr,
-    src_offsets_ptr,
-    dst_offsets_ptr,
-    out_ptr,
-    total_leaves,
-    leaves_per_input,
+    src_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    src_offsets_ptr: tl.tensor,
+    dst_offsets_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    total_leaves: tl.tensor,
+    leaves_per_input: tl.tensor,
     BLOCK: tl.constexpr,
-):
+) -> None:
     """Copy input ``i`` from word ``src_offsets[i]`` of ``src`` to word ``dst_offsets[i]`` of ``dst`` (both
     multiples of 4: 16-byte aligned) and return the chaining value of every 1 KiB leaf copied, hashing the very
     words it stores. ``leaves_per_input`` is a multiple of ``BLOCK``, so a program's leaves all sit in one input:

@@ -18,9 +18,29 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumigrate.errors import IntegrityError, TransferError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+# nvCOMP's Python package (``nvidia.nvcomp``) ships no types: its codec, its arrays and its decompression configs
+NvComp = Any  # the nvidia.nvcomp module (None where it is not installed)
+NvCodec = Any
+NvArray = Any
+NvConfig = Any
+
+
+class NvStream(Protocol):
+    """The stream nvCOMP hands its allocator: the device's index (-1: the current one) and the stream's address."""
+
+    device: int
+    ptr: int
+
 
 DECODER = "nvcomp-ans"  # the manifest's name for what a reader needs to decode plane codec 3
 PLANE_RAW = 0  # plane codec 0 (FORMAT.md): a plane stored as it is (a GPU payload's mantissa plane)
@@ -33,13 +53,13 @@ class _TorchBlock:
     """Device memory for nvCOMP from torch's caching allocator, ordered on the stream nvCOMP names.
 
     nvCOMP's own allocations are cudaMalloc/cudaFree per call; cudaFree waits for the whole device,
-    and nvCOMP frees while holding the GIL: measured on an H100 (``bench/direct.py``), every sealing
-    thread then waited for every other one and a 16 GiB capture ran at 0.95 GB/s. A block freed here
+    and nvCOMP frees while holding the GIL: every sealing thread then waited for every other one, and a
+    capture ran several times slower (``bench/direct.py``). A block freed here
     returns to torch's pool for its stream: the caller keeps an output alive until every stream that
     reads it is done (the writer holds it until its device→host copy has landed).
     """
 
-    def __init__(self, nbytes: int, stream: Any) -> None:
+    def __init__(self, nbytes: int, stream: NvStream) -> None:
         import torch
 
         device = torch.device("cuda", stream.device if stream.device >= 0 else torch.cuda.current_device())
@@ -49,7 +69,7 @@ class _TorchBlock:
 
 
 @functools.cache
-def _nvcomp() -> Any:
+def _nvcomp() -> NvComp:
     try:
         from nvidia import nvcomp
     except Exception:  # not installed, or its library does not load: the CPU codec is used instead
@@ -66,7 +86,7 @@ def available() -> bool:
     """True where planes can be coded and decoded here: nvCOMP imports and a CUDA device is present.
 
     Asked for every chunk a writer or reader handles: cached (``torch.cuda.is_available`` asks the driver
-    each time; 0.3 s of a 16 GiB capture's one submitting thread went there).
+    each time, on a capture's one submitting thread).
     ``GPUMIGRATE_GPU_CODEC=0`` turns GPU coding off (decoding still works), e.g. to compare codecs.
     """
     try:
@@ -81,7 +101,7 @@ def enabled() -> bool:
     return os.environ.get("GPUMIGRATE_GPU_CODEC", "1") != "0" and available()
 
 
-def _codec(stream: Any) -> Any:
+def _codec(stream: torch.cuda.Stream) -> NvCodec:
     """This thread's nvCOMP codec on ``stream`` (codec objects must not be shared between threads)."""
     nv = _nvcomp()
     key = int(stream.cuda_stream)
@@ -98,7 +118,7 @@ class DeviceBytes:
     """Bytes in device memory by address, as nvCOMP and PyTorch take them (the CUDA array interface): no torch
     call to make a view. ``keep`` holds whatever owns the memory for as long as this object lives."""
 
-    def __init__(self, ptr: int, nbytes: int, keep: Any = None) -> None:
+    def __init__(self, ptr: int, nbytes: int, keep: object = None) -> None:
         self.ptr = ptr
         self.nbytes = nbytes
         self._keep = keep
@@ -109,10 +129,11 @@ class PlaneSplit:
     """The byte planes of a batch of bf16/fp16 device chunks: chunk ``i``'s low plane at :meth:`low`, its high
     plane right after it (:meth:`high`), all in one device buffer (one Triton launch where Triton is here)."""
 
-    def __init__(self, views: list[Any], stream: Any) -> None:
+    def __init__(self, views: list[torch.Tensor], stream: torch.cuda.Stream) -> None:
         import torch
 
         self.lengths = [v.numel() for v in views]
+        self.buffer: torch.Tensor | None = None  # the planes of every chunk, when one launch split them
         if _splittable(views):
             from gpumigrate.transfer.device import plane_kernels
 
@@ -120,11 +141,10 @@ class PlaneSplit:
             base = int(self.buffer.data_ptr())
             self._lows = [base + at for at in lows]
             self._highs = [base + at for at in highs]
-            self._parts: list[Any] = []
+            self._parts: list[torch.Tensor] = []
         else:  # no Triton, or views the kernel cannot address: torch's transpose, one chunk at a time
             with torch.cuda.stream(stream):
                 self._parts = [v.view(-1, 2).t().contiguous() for v in views]
-            self.buffer = None
             self._lows = [int(p.data_ptr()) for p in self._parts]
             self._highs = [at + n // 2 for at, n in zip(self._lows, self.lengths, strict=True)]
 
@@ -135,25 +155,24 @@ class PlaneSplit:
         return DeviceBytes(self._highs[i], self.lengths[i] // 2, self)
 
 
-def merges(out: Any) -> bool:
+def merges(out: torch.Tensor) -> bool:
     """Whether ``plane_kernels.merge`` can write ``out`` (Triton here; contiguous, 2-byte aligned, even length)."""
     from gpumigrate.transfer.device.devhash import _triton_present
 
     return _triton_present() and out.is_contiguous() and not (out.data_ptr() % 2 or out.numel() % 2)
 
 
-def _splittable(views: list[Any]) -> bool:
+def _splittable(views: list[torch.Tensor]) -> bool:
     from gpumigrate.transfer.device.devhash import _triton_present
 
     return bool(views) and _triton_present() and not any(v.data_ptr() % 2 or v.numel() % 2 for v in views)
 
 
-def encode_planes(planes: list[Any], stream: Any) -> list[DeviceBytes]:
+def encode_planes(planes: Sequence[torch.Tensor | DeviceBytes], stream: torch.cuda.Stream) -> list[DeviceBytes]:
     """ANS payloads of uint8 device planes (tensors or :class:`DeviceBytes`), coded on ``stream`` as one batch.
 
     nvCOMP learns each coded size on the device; reading the sizes back waits once for the whole batch
-    (one wait per chunk cost about 1.4 ms each on an H100 and held the writer's only thread: 1.5 s of a
-    16 GiB capture). ``stream`` must already be ordered after whatever wrote the planes. Each payload is
+    (a wait per chunk held the writer's only thread for a large part of a capture). ``stream`` must already be ordered after whatever wrote the planes. Each payload is
     returned by address (it holds nvCOMP's array, whose memory is torch's: :class:`_TorchBlock`).
     """
     nv = _nvcomp()
@@ -165,7 +184,7 @@ def encode_planes(planes: list[Any], stream: Any) -> list[DeviceBytes]:
     return [_payload(coded[i]) for i in range(len(planes))]
 
 
-def _payload(array: Any) -> DeviceBytes:
+def _payload(array: NvArray) -> DeviceBytes:
     face = array.__cuda_array_interface__
     count = 1
     for dim in face["shape"]:
@@ -173,13 +192,15 @@ def _payload(array: Any) -> DeviceBytes:
     return DeviceBytes(int(face["data"][0]), count * int(face["typestr"][2:]), array)
 
 
-def decode_plane(payload: Any, out: Any, stream: Any) -> None:
+def decode_plane(
+    payload: torch.Tensor | DeviceBytes, out: torch.Tensor | DeviceBytes, stream: torch.cuda.Stream
+) -> None:
     """Decode an ANS payload into ``out`` (the plane's length); both uint8 device tensors or :class:`DeviceBytes`.
 
     The decode is queued on ``stream`` into ``out`` itself, with the layout taken from the plane's known
     length instead of the payload's header: nvCOMP then never waits for the device, so the reader's
-    threads do not queue behind each other's waits (decoding that read the header first spent 60% of a
-    16 GiB restore waiting). A payload that decodes to anything else is caught where every chunk is:
+    threads do not queue behind each other's waits (decoding that read the header first spent most of a
+    restore waiting). A payload that decodes to anything else is caught where every chunk is:
     its BLAKE3 against its id, once it landed. An nvCOMP that refuses the known layout decodes the
     plain way, reading the header.
     """
@@ -207,7 +228,7 @@ def decode_plane(payload: Any, out: Any, stream: Any) -> None:
         (torch.as_tensor(out, device=got.device) if isinstance(out, DeviceBytes) else out).copy_(got)
 
 
-def _known_layout(codec: Any, plane_bytes: int) -> Any:
+def _known_layout(codec: NvCodec, plane_bytes: int) -> NvConfig:
     """A decompression config for planes of ``plane_bytes`` coded by a codec set up like ``codec``
     (nvCOMP builds it from the compression settings, with no device read), cached per codec."""
     configs = getattr(_local, "layouts", None)
@@ -220,7 +241,7 @@ def _known_layout(codec: Any, plane_bytes: int) -> Any:
     return config
 
 
-def decode_plane_to_host(payload: memoryview, n: int) -> Any:
+def decode_plane_to_host(payload: memoryview, n: int) -> npt.NDArray[np.uint8]:
     """Host-side decode for readers without direct placement: through the GPU when there is one."""
     if not available():
         raise TransferError(

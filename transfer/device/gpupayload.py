@@ -3,10 +3,9 @@
 * ``k = 2`` for a bf16/fp16 chunk: plane 0 (mantissa bytes) raw, plane 1 (sign and exponent) ANS-coded.
 * ``k = 1`` for a chunk of any other dtype (uint8, int8, fp8, integer and bool tensors: a KV cache's pages, a
   quantized model's weights, a step counter): its one plane is the chunk itself, ANS-coded. Zero-filled or
-  constant pages come out at about 3% of their size, int8 weights at about 0.83, random bytes not smaller
-  (then the chunk is stored raw). Coding it on the device keeps it off the CPU: on a lent H100 the CPU's zstd
-  of 256 MiB of a frozen source's changed state took 141 thread-milliseconds inside the downtime, and the
-  GPU codes such a batch at about 150 GB/s.
+  constant pages shrink to a few percent, int8 weights a little, random bytes not at all (then the chunk is
+  stored raw). Coding it on the device keeps it off the CPU, whose zstd of a frozen source's changed state ran
+  inside the downtime; the GPU codes such a batch far faster (bench/README.md).
 
 Both are ordinary byte-plane payloads (codec 2), so a CPU reader decodes them through ``format/codecs.py`` (the
 ANS plane on a GPU). The direct reader decodes them on the destination device: :func:`decode_on_device`.
@@ -15,10 +14,17 @@ ANS plane on a GPU). The direct reader decodes them on the destination device: :
 from __future__ import annotations
 
 import struct
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpumigrate.errors import IntegrityError
 from gpumigrate.transfer.device import gpucodec, plane_kernels
+
+if TYPE_CHECKING:
+    import torch
+
+# to_device(dest, start): queue the copy of dest.numel() bytes of the pinned slot, from ``start``, into ``dest``
+ToDevice = Callable[["torch.Tensor", int], None]
 
 _ENTRY = struct.Struct(">BQ")
 HEADER = {2: 1 + 2 * _ENTRY.size, 1: 1 + _ENTRY.size}  # k, then (plane codec, length) per plane
@@ -58,7 +64,9 @@ def layout(payload: memoryview, n: int) -> int:
     return 1 if codec == gpucodec.PLANE_NVCOMP_ANS and HEADER[1] + length == len(payload) else 0
 
 
-def decode_on_device(k: int, payload: memoryview, at: int, to_device: Any, out: Any, stream: Any, where: str) -> None:
+def decode_on_device(
+    k: int, payload: memoryview, at: int, to_device: ToDevice, out: torch.Tensor, stream: torch.cuda.Stream, where: str
+) -> None:
     """Decode a :func:`layout` payload into ``out`` (a contiguous uint8 device tensor), on ``stream``.
 
     ``to_device(dest, start)`` queues the copy of ``dest.numel()`` bytes of the pinned slot holding the payload,
@@ -102,7 +110,7 @@ def decode_on_device(k: int, payload: memoryview, at: int, to_device: Any, out: 
         torch.stack((scratch[low_at : low_at + half], scratch[:half]), dim=1, out=out.view(-1, 2))
 
 
-def _decode(coded: Any, target: Any, stream: Any, where: str) -> None:
+def _decode(coded: gpucodec.DeviceBytes, target: gpucodec.DeviceBytes, stream: torch.cuda.Stream, where: str) -> None:
     try:
         gpucodec.decode_plane(coded, target, stream)
     except IntegrityError as exc:

@@ -38,16 +38,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gpumigrate import control
-from gpumigrate.errors import IntegrityError, InvalidInputError, TransferError
+from gpumigrate.errors import InvalidInputError, TransferError
 from gpumigrate.stageclock import STAGES, log_stages
-from gpumigrate.transfer.device import cuda_ipc, devhash
-from gpumigrate.transfer.device.channel import Channel, PairedLists, chunk_spans, describe, flat, pair_lists, ucx_for
-from gpumigrate.transfer.device.devhash import Hasher, cpu_hasher, ids_to_words
-from gpumigrate.transfer.device.lend import Hashed, copy_and_hash
+from gpumigrate.transfer.device import cuda_ipc
+from gpumigrate.transfer.device.channel import Channel, PairedLists, describe, flat, pair_lists, ucx_for
+from gpumigrate.transfer.device.devhash import Hasher, cpu_hasher
+from gpumigrate.transfer.device.expected import ExpectedIds
+from gpumigrate.transfer.device.lend import Hashed, Landed, copy_and_hash, hash_landed
 from gpumigrate.transfer.stores.nixl_agent import NixlAgent, XferHandle, make_agent
 from gpumigrate.transfer.stores.wire import CHANNEL, parse_listen
 
@@ -55,7 +57,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-HASH_GROUP = 256  # chunks per hash launch over plainly copied chunks (its tree's scratch: 32 B per KiB hashed)
 READ_TIMEOUT_S = 60.0  # one READ of a batch; a transfer that stalls fails instead of hanging its source
 PendingRead = tuple[XferHandle, str, float]  # a posted READ: its handle, its state when last asked, when it was posted
 
@@ -98,19 +99,16 @@ class DeviceLanding:
         self.chunk_size = chunk_size
         self.key = control_key
         self.hasher = hasher or cpu_hasher
-        # nixl=False: a landing for lend only (CUDA IPC), with no NIXL agent to start (0.1-0.4 s) or memory to register
+        # nixl=False: a landing for lend only (CUDA IPC), with no NIXL agent to start or memory to register
         self.agent: NixlAgent | None = (
             make_agent("land", transports=transports, ucx_settings=ucx_for(self.regions.values(), ucx_settings))
             if nixl
             else None
         )
         self._reg = self.agent.register_memory(list(self.regions.values())) if self.agent is not None else None
-        self._expected: dict[str, torch.Tensor] = {}  # region -> its rows of the expected words (a view into _table)
-        self._expected_ids: dict[str, list[str]] = {}
-        self._table: torch.Tensor | None = None
-        self._rows: dict[str, int] = {}  # region -> its first row in _table
+        self._expected = ExpectedIds(self.regions, chunk_size)
         if expected is not None:
-            self._expect(expected)
+            self._expected.set(expected)
         self.result = LandingResult()
         self.last_bad: list[str] = []  # the chunks the last lend or pull left failing, after its retries
         self._pull_lists: dict[str, PairedLists] = {}
@@ -123,26 +121,6 @@ class DeviceLanding:
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._thread = threading.Thread(target=self._serve, name="gm-nixl-landing", daemon=True)
         self._thread.start()
-
-    def _expect(self, expected: Mapping[str, Sequence[str]]) -> None:
-        """The expected ids of every region named, as words on the regions' device: one table, one copy to the
-        device (a copy per region cost 20 ms at 521 regions), each region's rows a view into it."""
-        for name, ids in expected.items():
-            region = self.regions.get(name)
-            if region is None or len(ids) != len(chunk_spans(region.numel(), self.chunk_size)):
-                raise IntegrityError(f"expected ids for region {name!r} do not match its chunks")
-        if not expected:
-            return
-        known = {name: list(ids) for name, ids in self._expected_ids.items() if name not in expected}
-        self._expected_ids = {**known, **{name: list(ids) for name, ids in expected.items()}}
-        device = next(iter(self.regions.values())).device
-        names = list(self._expected_ids)
-        self._table = ids_to_words([i for name in names for i in self._expected_ids[name]], device)
-        self._rows, at = {}, 0
-        for name in names:
-            self._rows[name] = at
-            self._expected[name] = self._table[at : at + len(self._expected_ids[name])]
-            at += len(self._expected_ids[name])
 
     def _serve(self) -> None:
         try:
@@ -188,7 +166,7 @@ class DeviceLanding:
             described = describe(self.agent, self.regions) if self.agent is not None else {}
             return {**described, "chunk_size": self.chunk_size}
         if op == "expect":
-            self._expect(body["ids"])
+            self._expected.set(body["ids"])
             return {"ok": True}
         if op == "landed":
             return {"bad": self._verify(str(body["region"]), int(body["first"]), int(body["count"]))}
@@ -214,7 +192,7 @@ class DeviceLanding:
         """Copy every region out of the source's own memory, opened through CUDA IPC, and check it on the way.
 
         The allocations are mapped on a thread in region order while the copies of the first regions run
-        (``cuda_ipc.Mapped.map_ahead``); :func:`device_lend.copy_and_hash` copies every chunk with the kernel
+        (``cuda_ipc.Mapped.map_ahead``); :func:`lend.copy_and_hash` copies every chunk with the kernel
         that hashes what it stores, many regions per launch. All hashes are compared at the end, one wait for the
         device (:meth:`_compare`). Chunks that fail are copied again, ``retries`` times at most; the reply names
         those that still fail."""
@@ -340,7 +318,7 @@ class DeviceLanding:
 
             return self._retry(failed, retries, read_again)
 
-    def _hash_stream(self) -> Any:
+    def _hash_stream(self) -> AbstractContextManager[object]:
         """A CUDA stream of this process for the checks, or nothing to switch for host memory."""
         region = next(iter(self.regions.values()))
         if not region.is_cuda:
@@ -380,9 +358,7 @@ class DeviceLanding:
 
     def _verify(self, name: str, first: int, count: int) -> list[int]:
         """Hash chunks ``first .. first+count-1`` of a region where they landed; return the failing indices."""
-        region, want = self.regions[name], self._expected.get(name)
-        if want is None:
-            raise IntegrityError(f"no expected ids for region {name!r}: nothing landed there can be trusted")
+        region, want = self.regions[name], self._expected.rows(name)
         n, size = region.numel(), self.chunk_size
         end = min(first + count, -(-n // size))
         whole = min(end, n // size)  # chunks before this one are full-size; a region's last may be shorter
@@ -405,43 +381,17 @@ class DeviceLanding:
         self.result.failures += [f"{name}[{i}]" for i in bad]
         return bad
 
-    def _hash_landed(self, landed: Sequence[tuple[str, int, torch.Tensor]]) -> list[Hashed]:
-        """BLAKE3 of chunks copied plainly, ``(region, index, view)``: device chunks of one length in launches of
-        ``HASH_GROUP`` chunks (``devhash.blake3_device`` takes views anywhere in this process's memory), the
-        rest one by one with the landing's hasher."""
-        groups: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
-        out: list[Hashed] = []
-        for name, i, view in landed:
-            if view.is_cuda and devhash.available(view.device) and devhash.eligible(view):
-                groups.setdefault(view.numel(), []).append((name, i, view))
-            else:
-                out.append(Hashed(self._hash(view, view.numel()), [(name, i)], view.numel()))
-        for length, members in groups.items():
-            for k in range(0, len(members), HASH_GROUP):
-                part = members[k : k + HASH_GROUP]
-                words = devhash.blake3_device([view for _, _, view in part])
-                out.append(Hashed(words, [(name, i) for name, i, _ in part], length * len(part)))
-        return out
+    def _hash_landed(self, landed: Sequence[Landed]) -> list[Hashed]:
+        return hash_landed(landed, self._hash)
 
     def _compare(self, hashed: Sequence[Hashed]) -> list[tuple[str, int]]:
         """Hashes computed where the chunks landed against the expected ids, all at once: one gather of the
         expected words and one wait for the device per pass."""
         if not hashed:
             return []
-        import torch
-
         t0 = time.perf_counter()
         keys = [key for h in hashed for key in h.keys]
-        missing = sorted({name for name, _ in keys} - set(self._expected))
-        if missing:
-            raise IntegrityError(f"no expected ids for region {missing[0]!r}: nothing landed there can be trusted")
-        expected = self._table
-        assert expected is not None  # made with the first expected ids, which every region named here has
-        rows = torch.tensor([self._rows[name] + i for name, i in keys], dtype=torch.int64, pin_memory=expected.is_cuda)
-        rows = rows.to(expected.device, non_blocking=True)
-        got = torch.cat([h.words.to(expected.device) for h in hashed])
-        positions = (got != expected[rows]).any(dim=1).nonzero().flatten().tolist()  # the one wait for the device
-        bad = [keys[p] for p in positions]
+        bad = [keys[p] for p in self._expected.differing(keys, [h.words for h in hashed])]
         self.result.seconds_hashing += time.perf_counter() - t0
         self.result.chunks_verified += len(keys) - len(bad)
         self.result.chunks_failed += len(bad)

@@ -4,15 +4,15 @@
 hands it here with its own regions; :func:`copy_and_hash` issues the copies and hashes on the current CUDA
 stream and returns the hashes without waiting for them (the landing compares them all with one wait).
 
-How the work is cut, and why (H100, the reference model: 16 GiB in 521 tensors, 32 MiB chunks):
+How the work is cut, and why (the reference model: hundreds of tensors, 32 MiB chunks; bench/README.md):
 
 * **Whole chunks** of every region go through ``devhash.blake3_copy_gather``, many regions per launch, with
   addresses only: a tensor view per region cost more than the copy. The launches grow (8, 16, ... 128 chunks)
   so the GPU starts after the first few allocations are mapped, while the mapping thread maps the rest
   (``cuda_ipc.Mapped.map_ahead``), and the Python side of a launch (its tree's launches) is paid rarely.
-* **Short last chunks** (a model's biases and norms: 349 of the 521 regions end in one) go through the same
+* **Short last chunks** (a model's biases and norms: most of its regions end in one) go through the same
   kernel, one launch per length, when their length is a whole number of the kernel's smaller blocks of leaves
-  (8 KiB); copying each plainly and hashing the copies took 3-7 ms of the pass's Python, after the last launch.
+  (8 KiB); copying each plainly and hashing the copies cost the pass's Python more, after the last launch.
 * **Anything else** (memory the kernels do not take: unaligned, no Triton, lengths off the 8 KiB grid) is
   copied plainly in one fused launch (``torch._foreach_copy_``) and hashed where it landed.
 """
@@ -22,14 +22,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpumigrate.stageclock import STAGES
 
+if TYPE_CHECKING:
+    import torch
+
+    from gpumigrate.transfer.device.cuda_ipc import LentMemory
+
+# (region, chunk index, the chunk where it landed): chunks a landing hashes after copying them plainly
+Landed = tuple[str, int, "torch.Tensor"]
+
+HASH_GROUP = 256  # chunks per hash launch over plainly copied chunks (its tree's scratch: 32 B per KiB hashed)
 LAUNCH_CHUNKS = 128  # whole chunks per gathering copy at most (its tree's scratch: 36 B per KiB copied)
 # The first copy starts once a few chunks' allocations are mapped; launches then double, staying behind the mapping
-# thread (about 1.3 GB of allocations mapped per ms on an H100, against the copy's 1 GB per ms): growing 4× at a
-# time left the GPU waiting for the mapping of the next launch's chunks.
+# thread (which maps allocations only a little faster than the copy moves them): growing 4× at a time left the GPU
+# waiting for the mapping of the next launch's chunks.
 FIRST_LAUNCH_CHUNKS = 8
 
 
@@ -37,7 +46,7 @@ FIRST_LAUNCH_CHUNKS = 8
 class Hashed:
     """BLAKE3 words ``[n, 8]`` computed where chunks landed, the ``(region, index)`` of each, and their bytes."""
 
-    words: Any
+    words: torch.Tensor
     keys: list[tuple[str, int]]
     nbytes: int
 
@@ -54,11 +63,11 @@ class _Piece:
 
 
 def copy_and_hash(
-    regions: Mapping[str, Any],
-    source: Any,
+    regions: Mapping[str, torch.Tensor],
+    source: LentMemory,
     chunk_size: int,
     batch: int,
-    hash_landed: Callable[[Sequence[tuple[str, int, Any]]], list[Hashed]],
+    hash_landed: Callable[[Sequence[Landed]], list[Hashed]],
     on_first_launch: Callable[[], None] | None = None,
 ) -> list[Hashed]:
     """Copy every region of ``regions`` (this process's device tensors) from the same-named region of ``source``
@@ -113,11 +122,11 @@ def copy_and_hash(
 
 
 def _copy_plainly(
-    regions: Mapping[str, Any],
-    source: Any,
+    regions: Mapping[str, torch.Tensor],
+    source: LentMemory,
     size: int,
     plain: Sequence[tuple[str, int]],
-    hash_landed: Callable[[Sequence[tuple[str, int, Any]]], list[Hashed]],
+    hash_landed: Callable[[Sequence[Landed]], list[Hashed]],
 ) -> list[Hashed]:
     """The chunks the kernel does not take, from chunk ``first`` of each region on: one fused copy, then hashed
     where they landed."""
@@ -126,7 +135,7 @@ def _copy_plainly(
     import torch
 
     into, out_of = [], []
-    landed: list[tuple[str, int, Any]] = []  # (region, index, view)
+    landed: list[Landed] = []
     for name, first in plain:
         region = regions[name]
         into.append(region[first * size :])
@@ -134,3 +143,24 @@ def _copy_plainly(
         landed += [(name, i, region[i * size : (i + 1) * size]) for i in range(first, -(-region.numel() // size))]
     torch._foreach_copy_(into, out_of)
     return hash_landed(landed)
+
+
+def hash_landed(landed: Sequence[Landed], hasher: Callable[[torch.Tensor, int], torch.Tensor]) -> list[Hashed]:
+    """BLAKE3 of chunks copied plainly, ``(region, index, view)``: device chunks of one length in launches of
+    ``HASH_GROUP`` chunks (``devhash.blake3_device`` takes views anywhere in this process's memory), the rest one
+    by one with ``hasher`` (a chunk's view and its length)."""
+    from gpumigrate.transfer.device import devhash
+
+    groups: dict[int, list[Landed]] = {}
+    out: list[Hashed] = []
+    for name, i, view in landed:
+        if view.is_cuda and devhash.available(view.device) and devhash.eligible(view):
+            groups.setdefault(view.numel(), []).append((name, i, view))
+        else:
+            out.append(Hashed(hasher(view, view.numel()), [(name, i)], view.numel()))
+    for length, members in groups.items():
+        for k in range(0, len(members), HASH_GROUP):
+            part = members[k : k + HASH_GROUP]
+            words = devhash.blake3_device([view for _, _, view in part])
+            out.append(Hashed(words, [(name, i) for name, i, _ in part], length * len(part)))
+    return out

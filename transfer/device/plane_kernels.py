@@ -2,8 +2,8 @@
 
 Per chunk, splitting in torch (``view(-1, 2).t().contiguous()`` and a row view) is three or four calls, and
 merging (a strided copy per plane, or a stack) two or three; each lets the GIL go and queues to take it back
-behind the writer's or reader's other threads: on the lent H100 a 16 GiB capture's one submitting thread
-spent most of its time there. Here :func:`split` addresses a batch's chunks, wherever they lie, by 16-bit word
+behind the writer's or reader's other threads: a GPU capture's one submitting thread spent most of its time
+there (bench/README.md). Here :func:`split` addresses a batch's chunks, wherever they lie, by 16-bit word
 offsets from the first one (as ``devhash``'s gathering kernels do) and writes each chunk's low and high plane
 into one buffer; :func:`merge` interleaves two planes given by address into a destination.
 
@@ -13,19 +13,25 @@ Imported only where Triton is (CUDA hosts); the Triton module itself loads on fi
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
+
+from gpumigrate.transfer.device.triton_types import Kernel, kernel
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK = 4096  # words per program
 ALIGN = 256  # where each plane starts in the split's buffer (nvCOMP wants 16 at least)
 
 
 @functools.cache
-def _kernel() -> Any:
-    import triton
+def _kernel() -> Kernel:
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["count"])  # one compiled kernel for every batch size (the warm-up compiles it)
-    def split_kernel(src_ptr, meta_ptr, out_ptr, count, BLOCK: tl.constexpr):
+    @kernel(do_not_specialize=["count"])  # one compiled kernel for every batch size (the warm-up compiles it)
+    def split_kernel(
+        src_ptr: tl.tensor, meta_ptr: tl.tensor, out_ptr: tl.tensor, count: tl.tensor, BLOCK: tl.constexpr
+    ) -> None:
         chunk = tl.program_id(0)
         block = tl.program_id(1)
         start = tl.load(meta_ptr + chunk)  # the chunk's first word, in words from src_ptr (may be negative)
@@ -42,12 +48,13 @@ def _kernel() -> Any:
 
 
 @functools.cache
-def _merge_kernel() -> Any:
-    import triton
+def _merge_kernel() -> Kernel:
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["words"])
-    def merge_kernel(low_ptr, high_ptr, out_ptr, words, BLOCK: tl.constexpr):
+    @kernel(do_not_specialize=["words"])
+    def merge_kernel(
+        low_ptr: tl.tensor, high_ptr: tl.tensor, out_ptr: tl.tensor, words: tl.tensor, BLOCK: tl.constexpr
+    ) -> None:
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         keep = idx < words
         lo = tl.load(low_ptr + idx, mask=keep, other=0).to(tl.uint16)
@@ -57,7 +64,7 @@ def _merge_kernel() -> Any:
     return merge_kernel
 
 
-def split(views: list[Any], stream: Any) -> tuple[Any, list[int], list[int]]:
+def split(views: list[torch.Tensor], stream: torch.cuda.Stream) -> tuple[torch.Tensor, list[int], list[int]]:
     """Split each flat uint8 device view (even length, 2-byte aligned) into its low and high byte planes, all in
     one new uint8 buffer queued on ``stream``; returns the buffer and each view's low and high plane offsets in
     it. Every plane starts on a multiple of ALIGN bytes (nvCOMP's batch coder reads them as its inputs)."""
@@ -87,7 +94,7 @@ def split(views: list[Any], stream: Any) -> tuple[Any, list[int], list[int]]:
 class _Pointer:
     """A device address as Triton takes a kernel's pointer argument (``data_ptr`` and ``dtype``): no torch view."""
 
-    def __init__(self, address: int, dtype: Any) -> None:
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
         self._address = address
         self.dtype = dtype
 
@@ -95,7 +102,7 @@ class _Pointer:
         return self._address
 
 
-def merge(low: int, high: int, out: Any) -> None:
+def merge(low: int, high: int, out: torch.Tensor) -> None:
     """Interleave the low and high planes at device addresses ``low`` and ``high`` into ``out`` (a contiguous,
     2-byte aligned flat uint8 device tensor of twice a plane's length), on the current stream: one launch."""
     import torch
@@ -111,7 +118,7 @@ def merge(low: int, high: int, out: Any) -> None:
     )
 
 
-def warm(device: Any) -> None:
+def warm(device: torch.device) -> None:
     """Compile both kernels now (the SDK's warm-up), for planes that start on 16-byte boundaries and for planes
     that do not (Triton compiles one kernel per alignment): a first capture or restore would compile them
     inside its timed work."""

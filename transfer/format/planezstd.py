@@ -5,9 +5,8 @@ so the useful part of zstd on them is the Huffman coding of literals. The match 
 every position, though, and zstd's only knob that makes it skip ahead (``targetLength`` in the
 ``fast`` strategy) also switches literal compression off by default. libzstd lets a caller switch
 it back on (``ZSTD_c_literalCompressionMode``, an experimental parameter that python-zstandard's
-C API does not expose, but its cffi backend's ``ZSTD_CCtx_setParameter`` reaches). Measured here on
-bf16 normal(0, 0.02) exponent planes: ratio 0.339 at 0.37 CPU-s per GB of weights, against 0.340
-at 0.45 for the tuned ``fast`` parameters alone.
+C API does not expose, but its cffi backend's ``ZSTD_CCtx_setParameter`` reaches). On bf16 exponent
+planes that keeps the ratio of the tuned ``fast`` parameters alone for less CPU (``bench/planecoder.py``).
 
 The output is an ordinary zstd frame (content size recorded), so readers need nothing new and
 FORMAT.md is unchanged. When the cffi backend is missing, or libzstd is not a 1.5.x whose
@@ -29,8 +28,9 @@ _local = threading.local()
 _LITERAL_COMPRESSION_MODE = 1002
 _PS_ENABLE = 1
 # In the fast strategy targetLength is the match finder's stride growth; this large a value makes it
-# sample a handful of positions per block (measured: 64 gives the same ratio, 4% more CPU).
+# sample a handful of positions per block (a small one gives the same ratio for more CPU: bench/planecoder.py).
 _SKIP_AHEAD = 1 << 17
+CCtx = Any  # a libzstd ZSTD_CCtx* through zstandard's cffi backend (cffi's objects carry no types); None: none
 
 try:  # python-zstandard ships the cffi backend beside the C one; cffi comes with cryptography
     from zstandard.backend_cffi import ffi as _ffi
@@ -57,7 +57,7 @@ def _fallback() -> zstandard.ZstdCompressor:
     return comp
 
 
-def _new_cctx() -> Any:
+def _new_cctx() -> CCtx:
     """A libzstd context set up as a literal coder, or None when this libzstd cannot be trusted to."""
     if _lib is None or _lib.ZSTD_versionNumber() // 100 != 105:
         return None

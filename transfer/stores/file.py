@@ -75,8 +75,8 @@ class FileStore(Store):
         self._sync_futures: list[Future[None]] = []
         self._lock = threading.Lock()
         self._made_dirs: set[str] = set()
-        # In memory (tmpfs, /dev/shm) fallocate allocates and zeroes every page that write() then fills again:
-        # 28% of a GPU host's sealing threads' time in a 16 GiB capture. Only real disks get it.
+        # In memory (tmpfs, /dev/shm) fallocate allocates and zeroes every page that write() then fills again, a
+        # large share of a GPU capture's sealing threads' time (bench/README.md). Only real disks get it.
         self._in_memory = filesystem_of(root) in MEMORY_FILESYSTEMS
         self._preallocate = not self._in_memory
 
@@ -120,8 +120,7 @@ class FileStore(Store):
         """Allocate the object's blocks in one call before writing it.
 
         ext4's delayed allocation otherwise reserves space page by page inside write(); one extent
-        up front measured here at 0.09 instead of 0.13 CPU-s per GB of chunk objects written.
-        Filesystems without fallocate just skip it.
+        up front costs less CPU per object written (bench/README.md). Filesystems without fallocate just skip it.
         """
         try:
             os.posix_fallocate(fd, 0, size)

@@ -113,8 +113,8 @@ def _ucx_environment(transports: str | None, settings: Mapping[str, str] | None 
     hooks are turned off too (``UCX_MEM_EVENTS=no``, unless the caller's environment sets it): UCX
     installs them by patching mmap, munmap, mremap, shmat, shmdt, brk, sbrk and madvise in place,
     and waits a grace period after each patch while every thread that calls one of them (a thread
-    starting, a large allocation) spins on it: 0.4 s of a push here, for hooks a TCP transport never
-    uses. UCX reads this once per process, when its first backend starts. ``settings``: more UCX
+    starting, a large allocation) spins on it: most of a short push's start-up (TRANSPORTS.md), for hooks a TCP
+    transport never uses. UCX reads this once per process, when its first backend starts. ``settings``: more UCX
     variables this agent needs, each unless the caller's environment sets it.
     """
     wanted: dict[str, str] = {k: v for k, v in (settings or {}).items() if k not in os.environ}
