@@ -10,7 +10,6 @@ the sealing thread instead: no handoff, and the object is still in that core's c
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -25,7 +24,7 @@ from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.format import codecs
 from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
-from gpumigrate.transfer.format.manifest import seal_manifest
+from gpumigrate.transfer.format.manifest import region_entry, seal_manifest
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
 from gpumigrate.transfer.stores import Store
 
@@ -382,39 +381,6 @@ class StoreImageWriter:
             exc = self._errors[0]
             raise TransferError(f"storing chunks in {self.store.url} failed: {exc}") from exc
 
-    def _region_doc(self, reg: _Region) -> dict[str, Any]:
-        info = reg.info
-        chunks, lengths = reg.chunks, reg.lengths  # the same indices: _record sets both
-        count = len(chunks)
-        # count distinct indices (none negative: _record) whose largest is count - 1 are exactly 0 .. count - 1;
-        # a larger one leaves some index below count missing
-        if (count and max(chunks) != count - 1) or (count == 0 and info.nbytes > 0):
-            missing = [i for i in range(count) if i not in chunks]
-            raise TransferError(f"region {info.name!r} is missing chunks {missing[:10] or [0]}")
-        if count == 1:  # most regions of a model
-            ids, sizes = [chunks[0]], [lengths[0]]
-        else:
-            ids = list(map(chunks.__getitem__, range(count)))
-            sizes = list(map(lengths.__getitem__, range(count)))
-        if sum(sizes) != info.nbytes:
-            raise TransferError(
-                f"region {info.name!r}: chunks hold {sum(sizes)} bytes, the region declares {info.nbytes}"
-            )
-        # Whole chunks but the last (the sum above fixes the last): one C-level count, not a call per chunk.
-        fixed = count == math.ceil(info.nbytes / self.chunk_size) and (
-            count < 2 or sizes[:-1].count(self.chunk_size) == count - 1
-        )
-        return {
-            "name": info.name,
-            "kind": info.kind,
-            "nbytes": info.nbytes,
-            "dtype": info.dtype,
-            "shape": list(info.shape) if info.shape is not None else None,
-            "device": info.device,
-            "chunks": ids,
-            "sizes": None if fixed else sizes,
-        }
-
     def commit(self) -> ImageRef:
         self._check_open()
         try:
@@ -422,7 +388,7 @@ class StoreImageWriter:
         finally:
             self._pool.shutdown(wait=True)
         self._committed = True
-        regions = [self._region_doc(r) for r in self._regions.values()]
+        regions = [region_entry(r.info, r.chunks, r.lengths, self.chunk_size) for r in self._regions.values()]
         self.store.flush()
         body: dict[str, Any] = {
             "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

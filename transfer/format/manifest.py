@@ -6,14 +6,17 @@ import enum
 import hashlib
 import hmac
 import json
+import math
 import os
+from collections.abc import Mapping
 from itertools import chain
 from typing import Any
 
 import blake3
 import orjson
 
-from gpumigrate.errors import EXIT_INVALID, IntegrityError, InvalidInputError
+from gpumigrate.errors import EXIT_INVALID, IntegrityError, InvalidInputError, TransferError
+from gpumigrate.interfaces import RegionInfo
 from gpumigrate.transfer.format.chunkobj import Sealer
 from gpumigrate.transfer.format.keys import WrongKeyError
 
@@ -107,6 +110,38 @@ def _rest(fmt: object, signature: object, version: object) -> bytes:
         + canonical(version)
         + b"}"
     )
+
+
+def region_entry(
+    info: RegionInfo, chunks: Mapping[int, str], lengths: Mapping[int, int], chunk_size: int
+) -> dict[str, Any]:
+    """A region's entry in a manifest body (FORMAT.md, Manifest): its chunk ids in index order, and their sizes
+    unless every chunk but the last is ``chunk_size`` long. ``chunks`` and ``lengths`` map the same indices."""
+    count = len(chunks)
+    # count distinct indices (none negative: the writer checks) whose largest is count - 1 are exactly 0 .. count - 1;
+    # a larger one leaves some index below count missing
+    if (count and max(chunks) != count - 1) or (count == 0 and info.nbytes > 0):
+        missing = [i for i in range(count) if i not in chunks]
+        raise TransferError(f"region {info.name!r} is missing chunks {missing[:10] or [0]}")
+    if count == 1:  # most regions of a model
+        ids, sizes = [chunks[0]], [lengths[0]]
+    else:
+        ids = list(map(chunks.__getitem__, range(count)))
+        sizes = list(map(lengths.__getitem__, range(count)))
+    if sum(sizes) != info.nbytes:
+        raise TransferError(f"region {info.name!r}: chunks hold {sum(sizes)} bytes, the region declares {info.nbytes}")
+    # Whole chunks but the last (the sum above fixes the last): one C-level count, not a call per chunk.
+    fixed = count == math.ceil(info.nbytes / chunk_size) and (count < 2 or sizes[:-1].count(chunk_size) == count - 1)
+    return {
+        "name": info.name,
+        "kind": info.kind,
+        "nbytes": info.nbytes,
+        "dtype": info.dtype,
+        "shape": list(info.shape) if info.shape is not None else None,
+        "device": info.device,
+        "chunks": ids,
+        "sizes": None if fixed else sizes,
+    }
 
 
 def seal_manifest(body: dict[str, Any], sealer: Sealer) -> tuple[str, bytes]:
