@@ -288,8 +288,6 @@ def check_classification(
 class SecretHolder(Protocol):
     """A cloud provider whose secrets manager can say where a secret is held (AWS and GCP both)."""
 
-    name: str
-
     def secret_held_in(self, name: str, region: str) -> list[str | None]:
         """The regions the secret ``name`` (asked in ``region``) lives in; None: where the cloud chooses."""
         ...
