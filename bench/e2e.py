@@ -149,7 +149,7 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
     env = {"GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
     if args.chunk_mb:  # else the SDK's own choice (agent/images.py: 32 MiB for state on a GPU, 4 MiB in host memory)
         env["GPUMIGRATE_SNAPSHOT_CHUNK_MB"] = str(args.chunk_mb)
-    # Both agents' direct paths log their stage totals per capture and restore (transfer/direct.py); they go into
+    # Both agents' direct paths log their stage totals per capture and restore (transfer/direct_writer.py, direct_reader.py); they go into
     # this run's JSON, by role (where a migration's threads spend their time, beside the figures they explain).
     stages_log = store_dir.parent / f"{store_dir.name}-stages.jsonl"
     stages_log.parent.mkdir(parents=True, exist_ok=True)

@@ -18,11 +18,15 @@ orchestrator's ``World``, in one run:
   rounds pre-loaded into the target: the stop-and-copy downtime (hold → every target rank ready),
   for 1 rank and for ``--ranks`` ranks in the same run (target: ≤ 150 ms).
 
-Images go to a file store (``--store``, default a folder under /dev/shm), uncompressed and
-unencrypted (what is measured is capture and restore, not the codecs). Without a GPU everything
-runs on the CPU at the size given (e.g. ``--state-gb 0.003``): the figures then say nothing about
-GPUs, only that the benchmark runs. The last stdout line is one JSON object; each figure says what
-it includes.
+Images go to a file store (``--store``, default a folder under /dev/shm), uncompressed (what is
+measured is capture and restore, not the codecs) and sealed with an image key given by reference, as
+a migration writes them. Without a GPU everything runs on the CPU at the size given (e.g.
+``--state-gb 0.003``): the figures then say nothing about GPUs, only that the benchmark runs. The
+last stdout line is one JSON object; each figure says what it includes.
+
+``--smoke`` (CI): the 2-rank worlds alone (training and inference) on the CPU at 3 MB per rank; exits 1 unless
+the ranks came back where asked, the final round moved what a step rewrote (training) or only the progress
+(inference), and the target's next-step losses equal the source's.
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ IMAGE_KEY: dict[str, str] = {"env": "GPUMIGRATE_BENCH_IMAGE_KEY"}
 PARITY_STEPS = 3
 
 
+STARTED = time.monotonic()
+
+
 def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    print(f"[{time.monotonic() - STARTED:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -91,17 +98,30 @@ class Bench:
             order = [(self.gpus - 1 - r) % self.gpus for r in range(ranks)]
         return ["--device", "cuda", "--devices", ",".join(map(str, order))]
 
-    def world(self, module: str, ranks: int, args: list[str], *, name: str, target: bool) -> tuple[LocalWorld, World]:
+    def worlds(
+        self, module: str, ranks: int, args: list[str], *, name: str
+    ) -> tuple[LocalWorld, World, LocalWorld, World]:
+        """A source world and a target world awaiting its restore, started together (neither start is timed)."""
+        src_args, dst_args = [*args, *self.devices(ranks, False)], [*args, *self.devices(ranks, True)]
+        src_local = self.start(module, ranks, src_args, name=f"{name}-source", target=False)
+        dst_local = self.start(module, ranks, dst_args, name=f"{name}-target", target=True)
+        return src_local, self.agents(src_local, f"{name}-source"), dst_local, self.agents(dst_local, f"{name}-target")
+
+    def start(self, module: str, ranks: int, args: list[str], *, name: str, target: bool) -> LocalWorld:
         local = start_world(
             module, ranks, args, log=self.work / f"{name}.log", await_restore=target, env=dict(self.env)
         )
         self.started.append(local)
+        return local
+
+    def agents(self, local: LocalWorld, name: str) -> World:
+        """The world's agents, once every rank's answers."""
         deadline = time.monotonic() + 900
         while True:
             agents = World(local.agents, timeout_s=3600)
             try:
                 agents.describe()
-                return local, agents
+                return agents
             except Exception:
                 agents.close()
                 if time.monotonic() > deadline or local.popen.poll() is not None:
@@ -117,13 +137,7 @@ class Bench:
     def training(self, ranks: int, *, parity: bool) -> dict[str, Any]:
         mb = self.args.state_gb * 1024
         common = ["--steps", "1000000", "--params-mb", f"{mb / 3:g}"]
-        name = f"dp{ranks}"
-        src_local, src = self.world(
-            DP, ranks, [*common, *self.devices(ranks, False)], name=f"{name}-source", target=False
-        )
-        dst_local, dst = self.world(
-            DP, ranks, [*common, *self.devices(ranks, True)], name=f"{name}-target", target=True
-        )
+        src_local, src, dst_local, dst = self.worlds(DP, ranks, common, name=f"dp{ranks}")
         src_local.wait_steps(2, timeout_s=900)
         url = self.store()
         # One live round pre-loaded into the target: it warms both sides' pipelines (pinned rings,
@@ -185,10 +199,7 @@ class Bench:
     # ------------------------------------------------------------------ tensor parallel: downtime after pre-copy
     def inference(self, ranks: int) -> dict[str, Any]:
         common = ["--port", "0", "--params-mb", f"{self.args.state_gb * 1024:g}", "--idle-ms", str(self.args.idle_ms)]
-        src_local, src = self.world(
-            TP, ranks, [*common, *self.devices(ranks, False)], name=f"tp{ranks}-source", target=False
-        )
-        _, dst = self.world(TP, ranks, [*common, *self.devices(ranks, True)], name=f"tp{ranks}-target", target=True)
+        src_local, src, _, dst = self.worlds(TP, ranks, common, name=f"tp{ranks}")
         src_local.wait_event("listening", timeout_s=900)
         url = self.store()
         rounds = []
@@ -247,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     p.add_argument("--idle-ms", type=float, default=5.0, help="the TP engine's idle tick")
     p.add_argument("--json", action="store_true", help="(the last stdout line is always the JSON object)")
+    p.add_argument("--smoke", action="store_true", help="CI: the 2-rank worlds on the CPU at 3 MB; exit 1 unless right")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.state_gb, args.ranks = "cpu", 0.003, 2
     if args.state_gb is None:
         args.state_gb = 16.0 if args.device == "cuda" else 0.003
     if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
@@ -265,17 +279,20 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k != "json"},
     }
     try:
-        log("one GPU: a world of 1, captured and restored whole")
-        one = bench.training(1, parity=False)
+        if not args.smoke:  # the smoke leaves out the worlds of 1: the baselines, the same code with fewer ranks
+            log("one GPU: a world of 1, captured and restored whole")
+            one = bench.training(1, parity=False)
         log(f"{args.ranks} ranks: captured and restored whole, onto reversed GPUs; next-step losses")
         many = bench.training(args.ranks, parity=True)
         log("inference: downtime after pre-copy, 1 rank and N ranks")
-        tp_one = bench.inference(1)
+        tp_one = bench.inference(1) if not args.smoke else None
         tp_many = bench.inference(args.ranks)
     finally:
         bench.stop()
         shutil.rmtree(args.store, ignore_errors=True)
         shutil.rmtree(home, ignore_errors=True)
+    if args.smoke:
+        one = {k: many[k] for k in ("capture_gbps_per_gpu", "restore_gbps_per_gpu")} | {"ranks": 1, "not_run": "smoke"}
     base_capture, base_restore = one["capture_gbps_per_gpu"][0], one["restore_gbps_per_gpu"][0]
     result["one_gpu"] = {
         "what": "DDP job as 1 rank, after one live round pre-loaded into a fresh process (warm pipelines): freeze, "
@@ -301,7 +318,26 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["targets"] = {"per_gpu_vs_one_gpu_min": 0.8, "downtime_ms_max": 150}
     print(json.dumps(result))
+    if args.smoke and (wrong := smoke_failures(result)):
+        print("smoke: " + "; ".join(wrong), file=sys.stderr)
+        return 1
     return 0
+
+
+def smoke_failures(result: dict[str, Any]) -> list[str]:
+    """What every run must show, whatever the machine: the worlds' shapes, the losses, what each final round moved."""
+    many, wrong = result["ranks"], []
+    if many["ranks"] != 2 or [m["rank"] for m in many["device_map"]] != [0, 1]:
+        wrong.append("the worlds did not have the ranks asked for")
+    moved = zip(many["captured_bytes_per_rank"], many["state_bytes_per_rank"], strict=True)
+    if not all(c > 0.9 * s for c, s in moved):  # each training step rewrites weights and moments
+        wrong.append("the final round did not capture the state a training step rewrote")
+    if result["losses"]["identical"] is not True:
+        wrong.append("the target's next-step losses differ from the source's")
+    for tp in filter(None, (result["inference"]["one_rank"], result["inference"]["ranks"])):
+        if tp["final_bytes_dirty"] >= 1000:  # after the pre-copy only the progress and RNG move
+            wrong.append(f"the inference world's final round moved {tp['final_bytes_dirty']} bytes")
+    return wrong
 
 
 if __name__ == "__main__":

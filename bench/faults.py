@@ -21,6 +21,12 @@ Nothing in a cell is filled in by hand: every verdict is computed from those pro
 ``OUT/faults.json`` and ``OUT/faults.md`` (FAULTS.md beside this file says how to read them). The
 receiver column is empty by construction: the migrate flow never starts a receiver (stream:// stores
 take an operator-run ``gpumigrate image receive``), so there is no process of the flow to kill.
+
+``--smoke`` (CI, seconds, no process started): the driver's plan and report only. Every victim and phase is either
+a cell or named not applicable with its reason, a wrong ``--only`` is refused, and two cells whose probes are given
+(a baseline that completed, an Envoy killed mid-ramp) are described and rendered to ``faults.md`` through
+``--render``; exits 1 on any difference. The real cells are SIGKILLs of real migrations: ``tests/faults`` runs three
+of them in ``make test``, and the whole matrix is this script without ``--smoke``.
 """
 
 from __future__ import annotations
@@ -632,6 +638,52 @@ def markdown(results: list[Cell], seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def smoke(out: Path) -> int:
+    """The driver's plan and report, checked without starting a process (see the module's docstring)."""
+    wrong = []
+    planned = set(cells(None))
+    unplanned = [f"{v}:{p}" for v in VICTIMS[1:] for p in PHASES if (v, p) not in planned]
+    wrong += [f"{c} is not in the matrix" for c in unplanned]
+    wrong += [f"{v}:{p} has no moment" for v, p in planned if p not in MOMENTS]
+    try:
+        cells("nobody:ramp")
+        wrong.append("--only nobody:ramp was accepted")
+    except SystemExit:
+        pass
+    unharmed: dict[str, Any] = {"source_harmed": False, "bytes_lost": False, "client_requests": 40}
+    baseline = Cell("none", "finalize", MOMENTS["finalize"], flow_exit=0, flow_status="completed",
+                    final_status="completed", door_serves=True, door_live={"target": 10000}, client_failed=0,
+                    **unharmed)  # fmt: skip
+    envoy = Cell("envoy", "ramp", MOMENTS["ramp"], killed=True, flow_exit=3, flow_status="rolled_back",
+                 final_status="rolled_back", source_serves=True, door_serves=False, door_live=None, client_failed=12,
+                 **unharmed)  # fmt: skip
+    skipped = Cell("receiver", "transfer", MOMENTS["transfer"], skipped=NOT_APPLICABLE[("receiver", "transfer")])
+    from gpumigrate.atomic import atomic_write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(
+        out / "faults.json",
+        {"seconds": 1.0, "moments": MOMENTS, "cells": [asdict(c) for c in (baseline, envoy, skipped)]},
+    )
+    main(["--render", "--out", str(out)])
+    table = (out / "faults.md").read_text()
+    expected = {
+        "| none | (no fault: baseline) |": "completed: flow ended completed",
+        "| envoy | ramp (": "Envoy down: clients get no answer until it is restarted (manual)",
+        "| receiver | transfer (": NOT_APPLICABLE[("receiver", "transfer")],
+    }
+    for row, text in expected.items():
+        line = next((x for x in table.splitlines() if x.startswith(row)), "")
+        if text not in line:
+            wrong.append(f"faults.md row {row!r} lacks {text!r}: {line!r}")
+    if "| 12/40 |" not in table:
+        wrong.append("faults.md does not count the clients' failed requests")
+    print(
+        json.dumps({"bench": "faults", "smoke": "plan and report only", "cells_planned": len(planned), "wrong": wrong})
+    )
+    return 1 if wrong else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd")
@@ -642,10 +694,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "build" / "faults"))
     ap.add_argument("--json", action="store_true", help="print the results JSON as the last stdout line")
     ap.add_argument("--render", action="store_true", help="only write OUT/faults.md again from OUT/faults.json")
+    ap.add_argument("--smoke", action="store_true", help="CI: the plan and the report, no process started")
     a = ap.parse_args(argv)
     if a.cmd == "orchestrate":
         return orchestrate(a)
     out = Path(a.out).resolve()
+    if a.smoke:
+        return smoke(out / "smoke")
     if a.render:
         from gpumigrate.atomic import atomic_write_bytes as write
 

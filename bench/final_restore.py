@@ -20,6 +20,9 @@ the same process) and the part of that call spent outside the agent (signing, JS
 Each code tree runs in its own subprocess (``--baseline`` is a PYTHONPATH holding the old ``gpumigrate``;
 the candidate is the one this script imports), alternately, so baseline and candidate come from the same
 run. The last stdout line is one JSON object.
+
+``--smoke`` (CI): the candidate alone, one batch of one repeat; exits 1 unless the target's model and state after the
+final restore equal the source's, bit for bit.
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
             agent.track(item)
         return agent, model, state
 
-    src, _, src_state = side()
-    tgt, tgt_model, _ = side()
+    src, src_model, src_state = side()
+    tgt, tgt_model, tgt_state = side()
     with torch.no_grad():
         for p in tgt_model.parameters():
             p.zero_()
@@ -111,6 +114,9 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
                     per["seconds"].append(float(reply["seconds"]))
                     for p in PHASES:
                         per[p].append(float(reply["phases"].get(p, 0.0)))
+        weights = zip(src_model.state_dict().values(), tgt_model.state_dict().values(), strict=True)
+        identical = all(torch.equal(s, t) for s, t in weights) and torch.equal(src_state["cache"], tgt_state["cache"])
+        identical = identical and tgt_state["step"] == src_state["step"]
     finally:
         client.close()
         server.stop()
@@ -120,6 +126,7 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
     return {
         "ms": {k: [round(v * 1e3, 3) for v in vs] for k, vs in per.items()},
         "regions": len(tgt._live()),
+        "identical": identical,  # the target's model and state after the last final restore are the source's
         **counts,
     }
 
@@ -156,7 +163,10 @@ def main() -> None:
     p.add_argument("--baseline", help="PYTHONPATH of the old code (e.g. a main checkout's build/typecheck)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="CI: one restore; exit 1 unless the target equals the source")
     args = p.parse_args()
+    if args.smoke:
+        args.repeat, args.batches, args.baseline = 1, 1, None
     chunk = args.chunk_kb << 10
     if args.worker:
         print(json.dumps(worker(args.repeat, chunk)))
@@ -189,8 +199,11 @@ def main() -> None:
             "regions": batches[0]["regions"],
             "chunks_loaded": batches[0]["chunks_loaded"],
             "chunks_skipped": batches[0]["chunks_skipped"],
+            "identical": all(b["identical"] for b in batches),
         }
     print(json.dumps(out))
+    if args.smoke and not (out["candidate"]["identical"] and out["candidate"]["chunks_loaded"] > 0):
+        sys.exit("smoke: the final restore did not leave the target equal to the source (or moved no chunk)")
 
 
 if __name__ == "__main__":

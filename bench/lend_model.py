@@ -11,7 +11,14 @@ each hash with the chunk's id before it replies. ``lend_GBps`` counts that whole
 request to the landing's reply that every chunk verified: sharing the handles, signing, mapping, copies,
 checks. Connecting and the landing's unmapping (after its reply) are reported beside it. ``landing_phases``
 splits the landing's side of it. Baselines from the same run, same bytes: one plain device copy of one tensor, and a
-plain copy per region. The last stdout line is one JSON object.
+plain copy per region. Before any pass, the chunk ids the device kernels computed are checked against the
+``blake3`` package's (the CPU reference): a disagreement ends the run with nothing measured. The last stdout line
+is one JSON object. It also measures the one-tensor layout of the transport (``--layout one``), which replaced
+``bench/transfer_link.py gpu``.
+
+``--smoke`` (CI, CPU): nothing of the lend runs without CUDA (IPC handles, the copy-and-hash kernel), so it checks
+the arguments, builds the model's layout in host memory at 4 MiB, and checks its CPU reference ids (one per chunk,
+the ``blake3`` package's, tails included) against a whole-region hash; exits 1 on a mismatch.
 """
 
 from __future__ import annotations
@@ -44,11 +51,11 @@ for _ in range(job["passes"]):  # a fresh landing per pass, as a migration's fil
 """
 
 
-def model_state(gib: float) -> dict[str, torch.Tensor]:
+def model_state(gib: float, device: str = "cuda") -> dict[str, torch.Tensor]:
     """The reference model's tensors at ``gib`` GiB of bf16, as flat bytes, filled with noise."""
     from gpumigrate.workloads.model import build_model
 
-    model = build_model(0, "small", dtype="bfloat16", device="cuda", params_mb=gib * 1024, load_weights=False)
+    model = build_model(0, "small", dtype="bfloat16", device=device, params_mb=gib * 1024, load_weights=False)
     state = {name: t.view(-1).view(torch.uint8) for name, t in model.state_dict().items()}
     for t in state.values():
         t.random_(0, 256)
@@ -69,6 +76,39 @@ def chunk_ids(state: dict[str, torch.Tensor], chunk: int) -> dict[str, list[str]
             ids.append(blake3.blake3(t[whole:].cpu().numpy().tobytes()).hexdigest())
         out[name] = ids
     return out
+
+
+def reference_ids(state: dict[str, torch.Tensor], chunk: int) -> dict[str, list[str]]:
+    """The same ids by the ``blake3`` package on the host (threads: it releases the GIL): the CPU reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import blake3
+
+    def ids(t: torch.Tensor) -> list[str]:
+        host = t.cpu().numpy()
+        return [blake3.blake3(host[o : o + chunk]).hexdigest() for o in range(0, host.nbytes, chunk)]
+
+    with ThreadPoolExecutor(os.cpu_count() or 4) as pool:
+        return dict(zip(state, pool.map(ids, state.values()), strict=True))
+
+
+def smoke(args: argparse.Namespace) -> int:
+    """What runs without CUDA: the arguments, the model's layout in host memory, the CPU reference ids."""
+    import blake3
+
+    chunk = 1 << 20
+    state = model_state(args.gib, device="cpu")
+    ids = reference_ids(state, chunk)
+    wrong = [n for n, t in state.items() if len(ids[n]) != -(-t.numel() // chunk)]
+    for name, t in state.items():  # one chunk's id is the region's hash where the region is one chunk
+        if t.numel() <= chunk and ids[name] != [blake3.blake3(t.numpy().tobytes()).hexdigest()]:
+            wrong.append(name)
+    print(json.dumps({"bench": "lend_model", "smoke": "cpu reference only", "regions": len(state),
+                      "bytes": sum(t.numel() for t in state.values()), "chunks": sum(map(len, ids.values()))}))  # fmt: skip
+    if len(state) < 10 or wrong:
+        print(f"smoke: layout of {len(state)} regions, wrong ids in {wrong[:5]}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def timed(fn: Any) -> float:
@@ -97,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         "--layout", choices=["model", "one"], default="model", help="the reference model's tensors, or one tensor"
     )
     p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="CI, CPU: the arguments, the layout and the CPU reference ids")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.gib = 4 / 1024
+        return smoke(args)
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "lend_model", "not_run": "needs a CUDA GPU"}))
         return 0
@@ -109,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     chunk = args.chunk_mib << 20
     if args.layout == "model":
         state = model_state(args.gib)
-    else:  # the transport benchmark's layout (bench/transfer_link.py gpu): the same bytes in one tensor
+    else:  # one tensor of the same bytes (the layout of the removed bench/transfer_link.py gpu)
         state = {"state": torch.empty(int(args.gib * (1 << 30)), dtype=torch.uint8, device="cuda").random_(0, 256)}
     nbytes = sum(t.numel() for t in state.values())
     ids = chunk_ids(state, chunk)
+    if ids != reference_ids(state, chunk):
+        raise SystemExit("the device kernels' chunk ids disagree with the blake3 package's: nothing measured")
     key = os.urandom(32)
     passes = 1 + args.reps * len(args.batch)  # the first warms the landing's process up (kernels, allocator)
     job = {"sizes": {k: t.numel() for k, t in state.items()}, "chunk": chunk, "key": key.hex(), "ids": ids}

@@ -18,6 +18,10 @@ reference server's requests change it). Each is ``final_to`` timed around the ca
 phases; the target's restore is not in it (``bench/e2e.py`` measures the whole downtime). ``--profile F``
 records the final rounds alone with py-spy (raw stacks, every thread, idle included) where it is installed;
 ``--trace F`` runs one more under ``torch.profiler`` and writes its Chrome trace (device kernels and copies).
+
+``--smoke`` (CI, CPU): the same rounds and two final rounds on a 4 MiB model in host memory; each round's image is
+restored by a second agent into a model of zeros, and the run exits 1 unless the weights come back bit-identical.
+Without a GPU and without ``--smoke`` (or ``--device cpu``) it reports ``not_run``: the figures are the GPU's.
 """
 
 from __future__ import annotations
@@ -49,9 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mutable-mb", type=float, default=256, help="state each final round finds changed")
     p.add_argument("--profile", default=None, help="py-spy raw stacks of the final rounds into this file")
     p.add_argument("--trace", default=None, help="one more final round under torch.profiler: a Chrome trace here")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else None, help="cuda (default) or cpu")
+    p.add_argument(
+        "--smoke", action="store_true", help="CI: CPU, 4 MiB; exit 1 unless every image restores bit-identical"
+    )
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(json.dumps({"bench": "live_round", "not_run": "needs a CUDA GPU"}))
+    if args.smoke:  # a 4 MiB model in host memory, one round of each kind, two final rounds
+        args.device, args.gib, args.rounds = "cpu", 1 / 256, "live,frozen"
+        args.finals, args.mutable_mb, args.workers = 2, 1, 2
+    if args.device is None:
+        print(
+            json.dumps({"bench": "live_round", "not_run": "needs a CUDA GPU (--device cpu runs the same code small)"})
+        )
         return 0
     if args.chunk_mb:  # else the SDK's own choice for GPU state (agent/images.py)
         os.environ.setdefault("GPUMIGRATE_SNAPSHOT_CHUNK_MB", str(args.chunk_mb))
@@ -63,15 +76,17 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ["GM_BENCH_KEY"] = transfer.generate_key()
     key_ref = {"env": "GM_BENCH_KEY"}
-    model = build_model(0, "small", dtype="bfloat16", device="cuda", params_mb=args.gib * 1024)
+    model = build_model(0, "small", dtype="bfloat16", device=args.device, params_mb=args.gib * 1024)
     # the SDK's own warm-up at attach (agent/images.py), waited for: a source serves a while before it moves
-    images.warm_device_kernels([torch.cuda.current_device()])
+    if args.device != "cpu":
+        images.warm_device_kernels([torch.cuda.current_device()])
     warm_s = images.wait_for_kernels()
     agent = make_agent()
     agent.track_module("model", model)
     nbytes = sum(q.numel() * q.element_size() for q in model.parameters())
     opts = {"compression": args.codec, "parallelism": args.workers}
-    out: dict[str, object] = {"bench": "live_round", "device": torch.cuda.get_device_name(0), "bytes": nbytes}
+    device = torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu"
+    out: dict[str, object] = {"bench": "live_round", "device": device, "bytes": nbytes}
     out["warmup_wait_s"] = round(warm_s, 2)
     for label in filter(None, args.rounds.split(",")):
         store = f"/dev/shm/gm-bench-{label}"
@@ -89,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
             "phases": got["stats"].get("phases"),
             "stages_s": STAGES.take(),  # seconds per stage summed over threads (gpumigrate/stageclock.py)
         }
+        if args.smoke:
+            out[label]["restored_identical"] = _restores_identical(model, store, got["image"]["id"], key_ref, args)  # type: ignore[index]
         shutil.rmtree(store, ignore_errors=True)
     if args.finals:
         out["finals"] = _finals(agent, key_ref, opts, args)
@@ -97,13 +114,38 @@ def main(argv: list[str] | None = None) -> int:
         "file:// writes on tmpfs, signed manifest), one process, no serving load"
     )
     print(json.dumps(out))
+    if args.smoke:
+        labels = list(filter(None, args.rounds.split(",")))
+        wrong = [f"{label}: the restored weights differ" for label in labels if not out[label]["restored_identical"]]  # type: ignore[index]
+        if out["finals"]["count"] != args.finals:  # type: ignore[index]
+            wrong.append("not every final round ran")
+        if wrong:
+            print("smoke: " + "; ".join(wrong), file=sys.stderr)
+            return 1
     return 0
+
+
+def _restores_identical(
+    model: Any, store: str, image_id: str, key_ref: dict[str, str], args: argparse.Namespace
+) -> bool:
+    """A second agent over a model of zeros restores the image: are its weights the source's, bit for bit?"""
+    from gpumigrate.agent.images import make_agent
+    from gpumigrate.workloads.model import build_model, weights_digest
+
+    fresh = build_model(0, "small", dtype="bfloat16", device=args.device, params_mb=args.gib * 1024, load_weights=False)
+    target = make_agent()
+    try:
+        target.track_module("model", fresh)
+        target.restore_from(f"file://{store}", image_id, key_ref)
+    finally:
+        target.close()
+    return bool(weights_digest(fresh) == weights_digest(model))
 
 
 def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from gpumigrate.agent import tracking
 
-    mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device="cuda")
+    mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device=args.device)
     state: dict[str, Any] = {"mutable": mutable, "served": 0}
     for item in tracking.state_items(state):
         agent.track(item)
@@ -121,7 +163,8 @@ def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: arg
         for _ in range(args.finals):
             mutable.add_(1)
             state["served"] += 1
-            torch.cuda.synchronize()
+            if args.device != "cpu":
+                torch.cuda.synchronize()
             t = time.perf_counter()
             got = agent.final_to(f"file://{store}", key_ref, options=opts)
             runs.append({"ms": (time.perf_counter() - t) * 1e3, "phases": got["stats"]["phases"]})

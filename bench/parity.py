@@ -7,6 +7,8 @@ this process. With ``--e2e`` it also starts two real reference inference servers
 1 vs 2 threads) and times the whole smoke test on the demo's golden set (GX and fast path), beside
 the baseline of only querying both services.
 Usage: ``python bench/parity.py [--cases 30] [--tokens 16] [--repeat 20] [--e2e] [--json]``.
+``--smoke`` (CI): a few cases, one repeat, the ``--e2e`` servers included; exits 1 unless GX and the fast path
+both pass the matching outputs and both fail a drifted copy, and the smoke test against the servers passes.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def e2e(repeat: int) -> dict:
+def e2e(repeat: int, *, warm: bool = True) -> dict:
     import httpx
 
     from gpumigrate.parity.output import load_golden, query_outputs, run_output_parity
@@ -89,7 +91,8 @@ def e2e(repeat: int) -> dict:
             }  # fmt: skip
             out: dict = {"cases": len(cases)}
             for name, fn in runs.items():
-                fn()  # warm
+                if warm:
+                    fn()
                 samples = []
                 for _ in range(max(1, repeat // 4)):
                     t = time.perf_counter()
@@ -115,7 +118,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--e2e", action="store_true", help="also time the smoke test against two real servers")
     parser.add_argument("--json", action="store_true", help="(always JSON; accepted for make bench)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CI: small, with --e2e; exit 1 unless the verdicts are right"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.cases, args.tokens, args.repeat, args.e2e = min(args.cases, 4), min(args.tokens, 4), 1, True
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
     from gpumigrate.parity.comparator import GXComparator, ToleranceComparator
 
@@ -148,9 +156,24 @@ def main() -> int:
         "gx_cold_s": round(gx_cold, 3),
         "note": "2-core shared machine; baseline checks floats only (no ids, shapes, NaN rules, reasons)",
     }  # fmt: skip
+    if args.smoke:
+        drifted = [dict(r, logprobs=[v + 0.5 for v in r["logprobs"]]) for r in target]
+        doc["smoke_verdicts"] = {
+            "fast_passes_matching": fast.compare(source, target).passed,
+            "gx_passes_matching": gx.compare(source, target).passed,
+            "fast_fails_drifted": not fast.compare(source, drifted).passed,
+            "gx_fails_drifted": not gx.compare(source, drifted).passed,
+        }
     if args.e2e:
-        doc["e2e"] = e2e(args.repeat)
+        doc["e2e"] = e2e(args.repeat, warm=not args.smoke)
     print(json.dumps(doc))
+    if args.smoke:
+        wrong = [name for name, ok in doc["smoke_verdicts"].items() if ok is not True]
+        if not doc["e2e"].get("passed"):
+            wrong.append("the smoke test against two real servers failed")
+        if wrong:
+            print("smoke: wrong verdicts: " + ", ".join(wrong), file=sys.stderr)
+            return 1
     return 0
 
 

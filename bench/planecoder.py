@@ -8,6 +8,7 @@ for our coder and for libzstd set up as the writer uses it without the extension
 a pure literal coder, standard frames). Speeds are CPU time of this thread, best of --repeat.
 
     python bench/planecoder.py --json [--mb 256] [--repeat 3]
+    python bench/planecoder.py --smoke     # CI: 4 MiB, one pass; exit 1 unless both coders give every plane back
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def measure(planes: np.ndarray, repeat: int) -> dict[str, Any]:
     zstd = [bytes(planezstd.compress_plane(c)) for c in chunks]
     decoded = np.empty(CHUNK_PLANE, dtype=np.uint8)
     dec = zstandard.ZstdDecompressor()
-    for c, h in zip(chunks, huff, strict=True):  # both must give the plane back before they are timed
+    for c, h, z in zip(chunks, huff, zstd, strict=True):  # both must give the plane back before they are timed
         planehuff.decode_into(h, decoded[: len(c)])
-        assert decoded[: len(c)].tobytes() == c.tobytes()
+        if decoded[: len(c)].tobytes() != c.tobytes() or dec.decompress(z) != c.tobytes():
+            raise SystemExit("a coded plane did not decode to the plane it was coded from: nothing measured")
 
     def huff_encode() -> None:
         for c in chunks:
@@ -100,7 +102,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the JSON document (always printed; kept for symmetry)")
     ap.add_argument("--mb", type=int, default=256, help="MiB of plane per distribution (default 256)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="CI: 4 MiB, one pass; exit 1 unless every plane round-trips")
     args = ap.parse_args()
+    if args.smoke:
+        args.mb, args.repeat = min(args.mb, 4), 1
     from gpumigrate.transfer.format import planehuff
 
     if not planehuff.AVAILABLE:
@@ -112,6 +117,8 @@ def main() -> None:
                 }
             )
         )
+        if args.smoke:  # CI builds it (make setup): a smoke run without it tested nothing
+            raise SystemExit("smoke: transfer/_huffplane is not built")
         return
     report: dict[str, Any] = {
         "bench": "planecoder",

@@ -15,6 +15,8 @@ under open-loop load:
 * ``manual_rollback``: intervals between the request and 100% source.
 
 Usage: ``python bench/ramp.py [--rps 200] [--interval 1.0] [--hold 3] [--ramps 3] [--fake] [--only NAME] [--json]``.
+``--smoke`` (CI): stdlib upstreams, one short ramp and the errors fault, each on its own stack; exits 1 unless
+the ramp reached 100% of the traffic and the fault was rolled back (no timing is judged).
 """
 
 from __future__ import annotations
@@ -379,7 +381,14 @@ def main() -> None:
     ap.add_argument("--only", choices=["ramp", "faults", "control_plane_restart", "manual_rollback"], default=None)
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     ap.add_argument("--verbose", action="store_true", help="add per-second load figures")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CI: one short ramp and one fault; exit 1 unless both end right"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.fake, args.ramps, args.rps, args.interval, args.hold = True, 1, 50.0, 0.5, 1.0
+        args.warmup, args.warm_target, args.min_requests = 2.0, 5, 5
+        args.p99_slack_ms = 5000.0  # the smoke judges no timing: a loaded CI machine must not fail the p99 gate
     out: dict[str, Any] = {
         "bench": "ramp",
         "upstream": "fake" if args.fake else "reference-inference-server",
@@ -390,8 +399,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gm-bench-ramp-") as tmp:
         work = Path(tmp)
         if args.only in (None, "ramp"):
-            # One ramp's p99 ratio swings with this shared 2-core machine's noise (0.7-1.3 for the same
-            # code); the median over several ramps, each on a fresh stack and each listed, is the figure.
+            # One ramp's p99 ratio swings with a shared 2-core machine's noise; the median over several
+            # ramps, each on a fresh stack and each listed, is the figure.
             runs = [scenario_ramp(args, work / f"ramp-{i}") for i in range(args.ramps)]
             ratios = [r["p99_ratio"] for r in runs if r["p99_ratio"] is not None]
             sec_ratios = [
@@ -407,7 +416,9 @@ def main() -> None:
                 "max_downtime_ms": max(r["downtime_ms"] for r in runs),
                 "runs": runs,
             }
-        if args.only in (None, "faults"):
+        if args.smoke:
+            out["faults"] = {"errors": scenario_fault(args, work / "fault-errors", "errors")}
+        elif args.only in (None, "faults"):
             faults: dict[str, Any] = {}
             for kind in ("errors", "slow", "drift", "killed"):
                 faults[kind] = scenario_fault(args, work / f"fault-{kind}", kind)
@@ -416,11 +427,20 @@ def main() -> None:
                         args, work / f"plain-{kind}", kind, failover=False
                     )
             out["faults"] = faults
-        if args.only in (None, "control_plane_restart"):
+        if args.only in (None, "control_plane_restart") and not args.smoke:
             out["control_plane_restart"] = scenario_plane_restart(args, work / "plane")
-        if args.only in (None, "manual_rollback"):
+        if args.only in (None, "manual_rollback") and not args.smoke:
             out["manual_rollback"] = scenario_manual(args, work / "manual")
     print(json.dumps(out, indent=None if args.json else 2))
+    if args.smoke:
+        ramp, fault = out["ramp"]["runs"][0], out["faults"]["errors"]
+        wrong = [] if ramp["status"] == "completed" else [f"the ramp ended {ramp['status']}: {ramp['reason']}"]
+        if ramp["requests_during_ramp"] == 0:
+            wrong.append("no request went through the front door during the ramp")
+        if fault["status"] != "rolled_back":
+            wrong.append(f"the errors fault was not rolled back (ended {fault['status']})")
+        if wrong:
+            sys.exit("smoke: " + "; ".join(wrong))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Component view of the capture's sealing threads alone: AES-256-GCM and file:// store writes of chunk objects that
-lie in page-locked slots, as the direct writer's workers do them (transfer/direct.py), on N threads.
+lie in page-locked slots, as the direct writer's workers do them (transfer/direct_writer.py, direct_reader.py), on N threads.
 
     python bench/seal.py --json [--gib 8] [--store /dev/shm/gm-seal] [--threads 8,16] [--dma]
 
@@ -17,6 +17,9 @@ so every object is read from memory as a slot the device just filled would be):
 
 ``--dma`` keeps the GPU copying device→pinned host meanwhile, at line rate, as a capture does. Not the product's
 speed: a component view, its sink named in every figure. The last stdout line is one JSON object.
+
+``--smoke`` (CI): 1 MiB objects in 4 slots, 8 MiB per mode, 2 threads, every mode; ``open`` authenticates every
+object it reads back (AES-GCM), and the run exits 1 unless ``streamed``'s object decrypts to its slot's bytes.
 """
 
 from __future__ import annotations
@@ -170,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default=f"{max(1, (os.cpu_count() or 2) // 2)},{os.cpu_count() or 2}")
     p.add_argument("--modes", default="aes,write,product,streamed,read,open")
     p.add_argument("--dma", action="store_true", help="device→host copies at line rate meanwhile (GPU hosts)")
+    p.add_argument("--smoke", action="store_true", help="CI: tiny objects, every mode once; exit 1 on a wrong byte")
     args = p.parse_args(argv)
+    if args.smoke:
+        global OBJECT, SLOTS
+        OBJECT, SLOTS, args.gib, args.threads, args.dma = 1 << 20, 4, 1 / 128, "2", False
     store_dir = Path(args.store)
     slots = make_slots()
     out: dict[str, Any] = {
@@ -197,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         if loader is not None:
             loader.join()  # torch's copy must end before the interpreter does
     print(json.dumps(out))
+    if args.smoke and not (out["streamed_decrypts_to_the_slot"] and len(out["runs"]) == len(args.modes.split(","))):
+        raise SystemExit("smoke: the streamed object did not decrypt to its slot, or a mode did not run")
     return 0
 
 

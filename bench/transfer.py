@@ -16,6 +16,9 @@ Prints one JSON document. Figures (each beside its baseline from this run):
 
 Run small while developing: `bench/transfer.py --json --size-mb 128`. rsync/rclone are optional
 (`apt-get install -y rsync rclone`); an absent baseline is reported as skipped, not faked.
+
+`bench/transfer.py --smoke` (CI, seconds): 8 MiB datasets, one run of everything but the emulated link; exits 1
+unless each image verifies, unpacks bit-identical to its source, and every figure of the report is there.
 """
 
 from __future__ import annotations
@@ -274,6 +277,44 @@ def paired_with_rsync(src: Path, work: Path, nbytes: int, key: bytes, parallelis
         "min_ratio": min(ratios),
         "what": "pack+store (sync=none) vs rsync --whole-file, run back to back, alternating order",
     }
+
+
+def unpacked_identical(src: Path, work: Path, image_id: str, key: bytes) -> bool:
+    """The image ``ours`` packed from ``src``, unpacked into a fresh directory: every file byte for byte as in ``src``."""
+    from gpumigrate.transfer import unpack
+
+    out = work / "unpacked"
+    shutil.rmtree(out, ignore_errors=True)
+    unpack(f"file://{work / 'store'}?sync=none", image_id, out, key=key)
+    files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
+    same = {p.relative_to(src.parent) for p in files} == {p.relative_to(out) for p in out.rglob("*") if p.is_file()}
+    same = same and all((out / p.relative_to(src.parent)).read_bytes() == p.read_bytes() for p in files)
+    shutil.rmtree(out, ignore_errors=True)
+    return same
+
+
+SMOKE_FIELDS = {
+    "bf16_weights_file": ("gpumigrate", "baselines", "paired_with_rsync", "incremental_5pct"),
+    "mixed_directory": ("gpumigrate", "baselines"),
+}
+
+
+def smoke_failures(report: dict[str, Any]) -> list[str]:
+    """What a ``--smoke`` run must show: every image unpacked bit-identical, each section of the report present."""
+    bad = []
+    for name, fields in SMOKE_FIELDS.items():
+        entry = report.get(name, {})
+        bad += [f"{name}: no {f}" for f in fields if f not in entry]
+        if entry.get("unpacked_identical") is not True:
+            bad.append(f"{name}: the unpacked image differs from its source")
+        mine = entry.get("gpumigrate", {})
+        bad += [f"{name}: no gpumigrate.{f}" for f in ("pack_store", "verify", "push_store_to_store") if f not in mine]
+    if not report.get("bf16_weights_file", {}).get("gpumigrate", {}).get("stored_ratio", 1) <= 0.72:
+        bad.append("bf16_weights_file: the exponent planes were not compressed (stored ratio above 0.72)")
+    incremental = report.get("bf16_weights_file", {}).get("incremental_5pct", {})
+    if not 0 < incremental.get("push", {}).get("chunks_sent", 0) < incremental.get("chunks_total", 0):
+        bad.append("incremental: the push did not send only the changed chunks")
+    return bad
 
 
 def zstd_whole_ratio(path: Path) -> float:
@@ -542,7 +583,12 @@ def main() -> None:
     ap.add_argument("--skip-stream", action="store_true")
     ap.add_argument("--link-mbit", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=1, help="report the best of N runs for every figure (noisy machines)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CI: 8 MiB, no link; exit 1 unless every image comes back bit-identical"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.size_mb, args.skip_stream, args.repeat = min(args.size_mb, 8), True, 1
     global REPEAT
     REPEAT = max(1, args.repeat)
     sys.path.insert(0, str(REPO))
@@ -570,6 +616,8 @@ def main() -> None:
             base = baselines(src, work, size)
             mine = ours(src, work, size, key, args.parallelism)
             entry: dict[str, Any] = {"bytes": size, "gpumigrate": mine, "baselines": base}
+            if args.smoke:
+                entry["unpacked_identical"] = unpacked_identical(src, work, mine["image_id"], key)
             rs = base.get("rsync --whole-file", {})
             if "GBps" in rs and rs["GBps"]:
                 entry["pack_store_vs_rsync"] = round(mine["pack_store"]["GBps"] / rs["GBps"], 3)
@@ -581,7 +629,7 @@ def main() -> None:
                     "stored_ratio": "<= 0.72",
                 }
                 entry["paired_with_rsync"] = paired_with_rsync(
-                    weights, work, size, key, args.parallelism, max(5, REPEAT)
+                    weights, work, size, key, args.parallelism, 1 if args.smoke else max(5, REPEAT)
                 )
                 entry["incremental_5pct"] = incremental(weights, work, key, args.parallelism, mine)
                 if not args.skip_stream:
@@ -597,6 +645,8 @@ def main() -> None:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report, indent=2))
+    if args.smoke and (bad := smoke_failures(report)):
+        sys.exit("smoke: " + "; ".join(bad))
 
 
 if __name__ == "__main__":

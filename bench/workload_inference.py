@@ -8,6 +8,9 @@ Starts one real server process (``--threads 1 --workers 2``) and drives ``POST /
 ``--seconds``. Baseline: greedy generation in-process (no HTTP) for the same prompt and model,
 one thread, measured in the same run. The client shares the CPU with the server, as the load
 generator does in the traffic tests. Last stdout line: one JSON object.
+
+``--smoke`` (CI): half a second at concurrency 1 and 2; exits 1 unless every request was answered 200 and the
+server's tokens for the prompt are the in-process model's (same seed, greedy).
 """
 
 from __future__ import annotations
@@ -99,7 +102,12 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--json", action="store_true", help="(always JSON; accepted for make bench)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CI: half a second per concurrency; exit 1 unless answers are right"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.concurrency, args.seconds = "1,2", 0.5
     argv = [
         sys.executable,
         "-m",
@@ -110,6 +118,12 @@ def main() -> None:
         args.size,
         "--threads",
         "1",
+        "--workers",
+        str(args.workers),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
     ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
@@ -117,12 +131,18 @@ def main() -> None:
         import httpx
 
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        while True:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.05)
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the server on port {port} did not answer /readyz 200 within 60 s")
+            time.sleep(0.05)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/generate", json={"prompt": PROMPT, "max_new_tokens": 8}, timeout=30
+        ).json()
         asyncio.run(_load(port, 2, 1.0, proc.pid))  # warm-up
         runs = [asyncio.run(_load(port, int(c), args.seconds, proc.pid)) for c in args.concurrency.split(",")]
     finally:
@@ -140,6 +160,18 @@ def main() -> None:
         "note": "client and server share this machine's CPUs; numbers under contention are pessimistic",
     }
     print(json.dumps(result))
+    if args.smoke:
+        tokens, _ = generate(build_model(0, args.size, args.dtype, args.device), PROMPT, 8)
+        wrong = [
+            f"concurrency {r['concurrency']}: {r['ok_fraction']:.0%} answered 200"
+            for r in runs
+            if r["ok_fraction"] != 1
+        ]
+        wrong += [f"concurrency {r['concurrency']}: no request finished" for r in runs if r["requests"] == 0]
+        if answer.get("tokens") != tokens:
+            wrong.append(f"the server answered tokens {answer.get('tokens')}, the model in process {tokens}")
+        if wrong:
+            sys.exit("smoke: " + "; ".join(wrong))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Asynchronous CUDA copies and events that keep the GIL: the per-chunk calls of a capture and a restore.
 
 Every PyTorch call lets go of the GIL while it runs and must take it back afterwards. The direct writer
-and reader run one thread per core; on the lent H100 (16 cores) the submitting thread's coding of 16 GiB
-took 0.11 s alone and 3.96 s beside 16 threads that each made torch calls in a loop: each call's return
-queued behind the other threads for the GIL. A ``cudaMemcpyAsync``, ``cudaEventRecord`` or
+and reader run one thread per core, and a thread that makes torch calls beside them spends most of its
+time queued behind the others for the GIL when each call returns (measured: bench/HISTORY.md, "The GIL,
+not the cores"). A ``cudaMemcpyAsync``, ``cudaEventRecord`` or
 ``cudaStreamWaitEvent`` only queues work and returns in microseconds, so holding the GIL through it costs
 the other threads nothing, and the caller never queues to get it back. They are called here through
 ``ctypes.PyDLL`` (which keeps the GIL) on the CUDA runtime PyTorch already loaded; waiting for an event,

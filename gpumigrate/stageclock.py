@@ -1,6 +1,6 @@
 """Seconds spent per stage, summed over threads: where a capture or restore waits and works.
 
-The transfer engine's direct path (``transfer/direct.py``) and the snapshot pipeline that feeds it
+The transfer engine's direct path (``transfer/direct_writer.py``, ``transfer/direct_reader.py``) and the snapshot pipeline that feeds it
 (``snapshot/pipeline.py``) add to one process-wide clock; ``bench/direct.py`` reads it, and
 ``bench/e2e.py`` reads the lines each agent appends to ``GPUMIGRATE_STAGES_LOG``. Cheap enough to stay
 on: a lock and an add per stage per chunk (per batch on the submitting thread).

@@ -13,12 +13,15 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumigrate.errors import InvalidInputError, ProviderError
 from gpumigrate.interfaces import Host, HostSpec, Provider
 from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.plan import Plan
+
+if TYPE_CHECKING:
+    from gpumigrate.infra.residency import Recorder
 
 # name -> "module:Class", imported on first use
 PROVIDERS: dict[str, str] = {
@@ -38,7 +41,8 @@ def get_provider(name: str, **options: Any) -> Provider:
         cls = getattr(import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise ProviderError(f"provider {name!r} is not available here: {exc}") from None
-    return cls(**options)
+    provider: Provider = cls(**options)
+    return provider
 
 
 def provider_options(name: str, *, attached: bool = False, plan: Plan | None = None) -> dict[str, Any]:
@@ -97,7 +101,7 @@ def provision_host(
     *,
     migration_id: str,
     allowed_jurisdictions: list[str] | tuple[str, ...],
-    record: Any = None,
+    record: Recorder | None = None,
 ) -> Host:
     """:func:`~gpumigrate.infra.placement.place` in the spec's own zone only (no fallback zones)."""
     from gpumigrate.infra.placement import place

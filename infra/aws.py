@@ -338,6 +338,10 @@ class AwsProvider(Ec2Capacity):
         arn = self._call(f"DescribeSecret {name}", region, client.describe_secret, SecretId=name)["ARN"]
         return str(arn.split(":")[3])
 
+    def secret_held_in(self, name: str, region: str) -> list[str | None]:
+        """:class:`~gpumigrate.infra.residency.SecretHolder`: the one region the secret lives in."""
+        return [self.secret_region(name, region)]
+
     # -- policy and price -----------------------------------------------------------------
     def jurisdiction(self, region: str) -> Jurisdiction:
         return residency.jurisdiction("aws", region)

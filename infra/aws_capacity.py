@@ -95,7 +95,8 @@ class Ec2Capacity:
     def instance_type_info(self, instance_type: str, region: str) -> dict[str, Any]:
         ec2 = self.client("ec2", region)
         try:
-            return ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
+            info: dict[str, Any] = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"][0]
+            return info
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "InvalidInstanceType":
                 raise CapacityError(

@@ -16,13 +16,14 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from gpumigrate.errors import InvalidInputError, ProviderError
 from gpumigrate.infra.network import PortRule
+from gpumigrate.plan import TargetNetwork
 
 
 def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
-def subnet_for_zone(ec2: Any, network: Any, zone: str | None) -> tuple[str, str, str]:
+def subnet_for_zone(ec2: Any, network: TargetNetwork, zone: str | None) -> tuple[str, str, str]:
     """(subnet id, VPC id, zone) to launch in: the plan's subnet in ``zone``, else the default subnet there."""
     if network.subnets:
         subnets = ec2.describe_subnets(SubnetIds=list(network.subnets))["Subnets"]

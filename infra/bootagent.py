@@ -50,7 +50,7 @@ def _aws_secret(name: str, region: str) -> bytes:
         region = name.split(":")[3]  # a secret named by ARN lives in the ARN's region
     client = boto3.session.Session().client("secretsmanager", region_name=region)
     value = client.get_secret_value(SecretId=name)
-    return value["SecretBinary"] if "SecretBinary" in value else value["SecretString"].encode()
+    return bytes(value["SecretBinary"]) if "SecretBinary" in value else str(value["SecretString"]).encode()
 
 
 def _gcp_secret(name: str, project: str | None) -> bytes:

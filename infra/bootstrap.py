@@ -14,7 +14,7 @@ import shlex
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import gpumigrate
@@ -22,7 +22,7 @@ from gpumigrate.errors import GpumigrateError, InvalidInputError, ProviderError
 from gpumigrate.infra.launch import is_up, netloc
 from gpumigrate.interfaces import Host
 from gpumigrate.launch import WorkloadLaunch
-from gpumigrate.plan import TargetBootstrap, TargetNetwork
+from gpumigrate.plan import Plan, TargetBootstrap, TargetNetwork
 
 FORMAT = "gpumigrate-boot/1"
 MARKER = "GPUMIGRATE-BOOT"
@@ -43,7 +43,7 @@ class CloudTarget:
     image_key_ref: Mapping[str, str] | None = None
 
     @classmethod
-    def from_plan(cls, plan: Any) -> CloudTarget:
+    def from_plan(cls, plan: Plan) -> CloudTarget:
         key = plan.transfer.encryption_key
         ref = {k: v for k, v in key.model_dump().items() if v is not None} if key is not None else None
         return cls(network=plan.target.network, bootstrap=plan.target.bootstrap, image_key_ref=ref)
@@ -57,7 +57,7 @@ class CloudTarget:
         return self.bootstrap
 
 
-def cloud_options(plan: Any) -> dict[str, Any]:
+def cloud_options(plan: Plan) -> dict[str, Any]:
     """Provider options for a plan's cloud target (``get_provider(name, **cloud_options(plan))``)."""
     return {"target": CloudTarget.from_plan(plan)} if plan.target.provider in ("aws", "gcp") else {}
 
@@ -239,8 +239,24 @@ def await_boot(
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
+class BootingProvider(Protocol):
+    """What :func:`boot_or_terminate` reads of a cloud provider (AWS and GCP both)."""
+
+    poll_interval_s: float
+
+    def console_output(self, host: Host) -> str: ...
+
+    def terminate(self, host: Host) -> None: ...
+
+
 def boot_or_terminate(
-    provider: Any, host: Host, launch: WorkloadLaunch, *, state: Callable[[Host], str], running: str, timeout_s: float
+    provider: BootingProvider,
+    host: Host,
+    launch: WorkloadLaunch,
+    *,
+    state: Callable[[Host], str],
+    running: str,
+    timeout_s: float,
 ) -> Host:
     """:func:`await_boot` with ``provider``'s console reader; on any failure the instance is terminated
     (a GPU machine whose workload did not come up is never left running, whatever the caller does)."""

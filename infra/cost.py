@@ -18,6 +18,7 @@ from typing import Any
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.infra import pricing
 from gpumigrate.infra.residency import Recorder, ResidencyDecision, evaluate_region
+from gpumigrate.plan import Plan
 
 SETUP_HOURS = 0.5  # target running before the ramp starts: provision, snapshot, transfer, restore, parity
 GB = 1e9
@@ -86,7 +87,9 @@ class CostEstimate:
         return self.migration_cost_usd / self.hourly_savings_usd
 
     def to_dict(self) -> dict[str, Any]:
-        r = lambda x: None if x is None else round(x, 4) + 0.0  # noqa: E731 - money in JSON, 4 decimals, never -0.0
+        def r(x: float | None) -> float | None:  # money in JSON: 4 decimals, never -0.0
+            return None if x is None else round(x, 4) + 0.0
+
         return {
             "source": self.source.label,
             "target": self.target.label,
@@ -109,12 +112,10 @@ class CostEstimate:
         }
 
 
-def source_placement(plan: Any) -> Placement:
+def source_placement(plan: Plan) -> Placement:
     """The source's machine type is ``workload.source_instance_type``, else assumed equal to the target's."""
     w = plan.workload
-    itype = getattr(w, "source_instance_type", None) or (
-        plan.target.instance_type if w.source_provider == plan.target.provider else None
-    )
+    itype = w.source_instance_type or (plan.target.instance_type if w.source_provider == plan.target.provider else None)
     if itype is None and w.source_provider != "local":
         gpus = (plan.target.gpu_model, plan.target.gpu_count)
         itype = equivalent_type(w.source_provider, *gpus)
@@ -126,16 +127,16 @@ def equivalent_type(provider: str, gpu_model: str, gpu_count: int) -> str | None
     machines = pricing.price_data()["machines"].get(provider, {})
     for name, info in sorted(machines.items()):
         if info["gpu_model"] == gpu_model and int(info["gpu_count"]) == gpu_count:
-            return name
+            return str(name)
     return None
 
 
-def estimate_image_gb(plan: Any) -> float:
+def estimate_image_gb(plan: Plan) -> float:
     """Without a measured image: the target's GPU memory, an upper bound of the state the agent ships."""
     return pricing.gpu_memory_gb(plan.target.gpu_model) * plan.target.gpu_count
 
 
-def _hops(plan: Any, source: Placement, target: Placement) -> list[pricing.EgressHop]:
+def _hops(plan: Plan, source: Placement, target: Placement) -> list[pricing.EgressHop]:
     store = plan.transfer.store
     region = plan.transfer.store_region
     if store.startswith(("s3://", "gs://")) and region:
@@ -148,7 +149,7 @@ def _hops(plan: Any, source: Placement, target: Placement) -> list[pricing.Egres
 
 
 def estimate(
-    plan: Any,
+    plan: Plan,
     target: Placement | None = None,
     *,
     image_bytes: int | None = None,
@@ -209,7 +210,7 @@ class MovePlan:
 
 
 def plan_moves(
-    plan: Any,
+    plan: Plan,
     candidates: Sequence[str] | None = None,
     *,
     image_bytes: int | None = None,
@@ -253,7 +254,7 @@ def plan_moves(
 
 
 def propose_moves(
-    plan: Any, candidates: Sequence[str] | None = None, *, image_bytes: int | None = None
+    plan: Plan, candidates: Sequence[str] | None = None, *, image_bytes: int | None = None
 ) -> list[Proposal]:
     """Allowed, priced candidates ranked by net savings (best first). Never a forbidden region."""
     return plan_moves(plan, candidates, image_bytes=image_bytes).proposals
@@ -280,7 +281,7 @@ class CostDecision:
 
 
 def evaluate_move(
-    plan: Any,
+    plan: Plan,
     *,
     image_bytes: int | None = None,
     horizon_hours: float | None = None,

@@ -23,7 +23,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
@@ -97,7 +97,7 @@ class GcpProvider(GceCapacity):
         self.secret_manager_endpoint = (
             secret_manager_endpoint or os.environ.get(SECRET_MANAGER_ENDPOINT_ENV) or SECRET_MANAGER
         ).rstrip("/")
-        self._clients: dict[str, Any] = {}
+        self._clients: dict[Callable[..., Any], Any] = {}
         self.last_capacity: dict[str, Any] = {}
 
     @staticmethod
@@ -115,11 +115,11 @@ class GcpProvider(GceCapacity):
 
     def _client(self, cls: Callable[..., T]) -> T:
         """One client of each class (``compute_v1.InstancesClient``, ...), made with this provider's credentials."""
-        key = getattr(cls, "__name__", repr(cls))
-        if key not in self._clients:
+        client = self._clients.get(cls)
+        if client is None:
             opts = ClientOptions(api_endpoint=self.api_endpoint) if self.api_endpoint else None
-            self._clients[key] = cls(credentials=self._credentials, client_options=opts)
-        return self._clients[key]
+            client = self._clients[cls] = cls(credentials=self._credentials, client_options=opts)
+        return cast(T, client)  # the dict holds one client per class: cls made this one
 
     # -- lifecycle ----------------------------------------------------------------------
     def _get(self, zone: str, name: str, region: str) -> compute_v1.Instance | None:
@@ -403,6 +403,12 @@ class GcpProvider(GceCapacity):
         if reply.status_code != 200:
             raise ProviderError(f"GCP Secret Manager answered {reply.status_code} for {resource}")
         return gcp_network.secret_locations(reply.json())
+
+    def secret_held_in(self, name: str, region: str) -> list[str | None]:
+        """:class:`~gpumigrate.infra.residency.SecretHolder`: the replicas' locations, or ``[None]`` where
+        Google chooses (automatic replication). ``region`` plays no part: a GCP secret is project-wide."""
+        where = self.secret_locations(name)
+        return [*where] if where else [None]
 
     # -- policy and price -----------------------------------------------------------------
     def jurisdiction(self, region: str) -> Jurisdiction:

@@ -44,7 +44,7 @@ PORT_NAMES = ("service", "agent", "stream", "admin", "metrics")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 # Write ends of the attach pipes, per host workdir: they must live exactly as long as this process.
 _ATTACH_PIPES: dict[str, int] = {}
-_SUPERVISORS: dict[str, subprocess.Popen] = {}
+_SUPERVISORS: dict[str, subprocess.Popen[bytes]] = {}
 
 
 def _free_ports(n: int, exclude: set[int]) -> list[int]:
@@ -115,9 +115,10 @@ class LocalProvider:
     def _record(self, name: str) -> dict[str, Any] | None:
         path = self.root() / name / "host.json"
         try:
-            return json.loads(path.read_text())
+            rec: dict[str, Any] = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        return rec
 
     @staticmethod
     def _alive(rec: Mapping[str, Any]) -> bool:
@@ -273,7 +274,8 @@ class LocalProvider:
 
     def processes(self, host: Host | str) -> list[dict[str, Any]]:
         rec = self._require(host if isinstance(host, str) else host.name)
-        return call_supervisor(rec["supervisor"]["socket"], {"op": "list"})["children"]
+        children: list[dict[str, Any]] = call_supervisor(rec["supervisor"]["socket"], {"op": "list"})["children"]
+        return children
 
     # ------------------------------------------------------------------ internals
     def _require(self, name: str) -> dict[str, Any]:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.infra.launch import serves_http
+from gpumigrate.launch import WorkloadLaunch
+from gpumigrate.plan import TargetNetwork
 
 # A documentation address (RFC 5737): connecting a UDP socket to it sends nothing.
 _PROBE_V4 = "192.0.2.1"
@@ -36,7 +37,7 @@ class PortRule:
         return [c for c in self.cidrs if ipaddress.ip_network(c).version == 6]
 
 
-def ports(network: Any, launch: Any) -> dict[str, int]:
+def ports(network: TargetNetwork, launch: WorkloadLaunch) -> dict[str, int]:
     """The ports a target's workload listens on, by name (the Host record's ``ports``): the agent's, and
     the service's when the workload serves HTTP. Only these are opened."""
     out = {"service": int(network.service_port)} if serves_http(launch) else {}
@@ -61,12 +62,12 @@ def own_address() -> str:
     return source_address_towards(_PROBE_V4)
 
 
-def needs_instance_address(network: Any) -> bool:
+def needs_instance_address(network: TargetNetwork) -> bool:
     """True when the rules can only be written once the instance's address is known (auto orchestrator)."""
     return not network.orchestrator
 
 
-def port_rules(network: Any, instance_address: str | None = None, *, service: bool = True) -> list[PortRule]:
+def port_rules(network: TargetNetwork, instance_address: str | None = None, *, service: bool = True) -> list[PortRule]:
     """The ingress rules: the agent port, and the service port unless ``service`` is false (a workload
     that serves no HTTP). Without ``network.orchestrator``, the orchestrator is the address this process
     reaches ``instance_address`` from (private addressing: no NAT between the two)."""

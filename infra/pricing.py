@@ -20,7 +20,8 @@ EgressPath = Literal["none", "intra_region", "inter_region", "internet"]
 @lru_cache(maxsize=1)
 def price_data() -> dict[str, Any]:
     text = resources.files("gpumigrate.infra").joinpath("prices.json").read_text(encoding="utf-8")
-    return json.loads(text)
+    data: dict[str, Any] = json.loads(text)
+    return data
 
 
 def as_of() -> str:

@@ -16,11 +16,12 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from gpumigrate.audit import AuditLog
 from gpumigrate.errors import GpumigrateError, InvalidInputError, PolicyDeniedError, ResidencyError
-from gpumigrate.interfaces import Jurisdiction
+from gpumigrate.interfaces import Jurisdiction, Provider
+from gpumigrate.plan import Plan
 from gpumigrate.settings import state_root
 
 RULE = "data-residency"
@@ -64,7 +65,8 @@ class ResidencyDecision:
 def region_data() -> dict[str, Any]:
     """The parsed ``regions.json`` (format in infra/DATA.md)."""
     text = resources.files("gpumigrate.infra").joinpath("regions.json").read_text(encoding="utf-8")
-    return json.loads(text)
+    data: dict[str, Any] = json.loads(text)
+    return data
 
 
 def known_regions(provider: str) -> list[str]:
@@ -237,7 +239,7 @@ def check_store_location(
 
 
 def check_classification(
-    plan: Any, *, key_locations: Sequence[tuple[str, str | None]] = (), record: Recorder | None = None
+    plan: Plan, *, key_locations: Sequence[tuple[str, str | None]] = (), record: Recorder | None = None
 ) -> list[ResidencyDecision]:
     """``data.classification`` enforced before anything moves: ``confidential`` and ``restricted`` data
     travels only encrypted (``transfer.encryption_key``), and wherever the key is held — each
@@ -282,23 +284,27 @@ def check_classification(
     return decisions
 
 
-def key_locations(plan: Any, provider: Any) -> list[tuple[str, str | None]]:
+@runtime_checkable
+class SecretHolder(Protocol):
+    """A cloud provider whose secrets manager can say where a secret is held (AWS and GCP both)."""
+
+    def secret_held_in(self, name: str, region: str) -> list[str | None]:
+        """The regions the secret ``name`` (asked in ``region``) lives in; None: where the cloud chooses."""
+        ...
+
+
+def key_locations(plan: Plan, provider: Provider) -> list[tuple[str, str | None]]:
     """Where the plan's image key is held in a cloud: the target's secret (``target.bootstrap.image_key_secret``)
     asked of the secrets manager itself (AWS: the secret's region; GCP: its replicas' locations). A key
     given by env var or file is held by the orchestrator and the target, not in a cloud region: none."""
-    boot = getattr(plan.target, "bootstrap", None)
-    name = getattr(boot, "image_key_secret", None)
-    if not name:
+    boot = plan.target.bootstrap
+    name = boot.image_key_secret if boot is not None else None
+    if not name or plan.target.provider not in ("aws", "gcp") or not isinstance(provider, SecretHolder):
         return []
-    if plan.target.provider == "aws":
-        return [("aws", provider.secret_region(name, plan.target.region))]
-    if plan.target.provider == "gcp":
-        where = provider.secret_locations(name)
-        return [("gcp", loc) for loc in where] if where else [("gcp", None)]
-    return []
+    return [(plan.target.provider, where) for where in provider.secret_held_in(name, plan.target.region)]
 
 
-def validate_plan_residency(plan: Any, *, record: Recorder | None = None) -> list[ResidencyDecision]:
+def validate_plan_residency(plan: Plan, *, record: Recorder | None = None) -> list[ResidencyDecision]:
     """Residency at plan validation, offline: the target region, the image store as the plan states it,
     and the classification's need for encryption. Raises on the first deny. The preflight checks the
     bucket's and the key's real locations besides (:func:`check_store_location`, :func:`check_classification`

@@ -31,8 +31,9 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
@@ -47,7 +48,7 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def child_preexec(supervisor_pid: int, netns_path: str | None) -> Any:
+def child_preexec(supervisor_pid: int, netns_path: str | None) -> Callable[[], None]:
     """Runs in the forked child before exec: own process group, die with the supervisor, enter the netns."""
 
     def preexec() -> None:
@@ -94,9 +95,10 @@ def owned_by(pid: int, token: str) -> bool:
 
 def kill_owned(pid: int, token: str) -> None:
     if pid_alive(pid) and owned_by(pid, token):
-        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                target()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def call_supervisor(sock_name: str, request: Mapping[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
@@ -111,7 +113,8 @@ def call_supervisor(sock_name: str, request: Mapping[str, Any], timeout_s: float
             if not part:
                 break
             buf += part
-    return json.loads(buf)
+    reply: dict[str, Any] = json.loads(buf)
+    return reply
 
 
 # ----------------------------------------------------------------- the supervisor process
@@ -126,7 +129,7 @@ class Supervisor:
         self.netns = netns
         self.token = os.environ.get(MARKER_ENV, "")
         self.children: dict[int, dict[str, Any]] = {}
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = False
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sup = Supervisor(args.name, Path(args.workdir), args.socket, args.parent_fd, args.netns)
 
-    def on_term(signum: int, frame: Any) -> None:
+    def on_term(signum: int, frame: FrameType | None) -> None:
         sup.stopping = True
 
     signal.signal(signal.SIGTERM, on_term)

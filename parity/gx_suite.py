@@ -1,7 +1,8 @@
 """The Great Expectations suite over the rules' frame (the preflight smoke test's judge).
 
 GX 1.x in memory: one ephemeral context, one pandas data source, one dataframe asset and one suite,
-created on first use and reused (importing GX costs seconds; validating a small frame ~20 ms).
+created on first use and reused: importing GX is slow, validating a small frame is not (``bench/parity.py``
+measures both: ``gx_cold_s``, ``gx_suite_warm``).
 The suite does not depend on atol/rtol: the tolerance is already folded into the ``excess`` column by
 :mod:`gpumigrate.parity.rules`, so one suite serves every plan. Analytics are switched off before
 the import.

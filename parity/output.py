@@ -9,19 +9,19 @@ Results go to the directory the caller gives (the migration's ``artifacts/``): `
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from gpumigrate.errors import InvalidInputError, ParityError
+from gpumigrate.errors import ParityError
 from gpumigrate.interfaces import ParityQuery
+from gpumigrate.parity.golden import GoldenCase, load_golden
 from gpumigrate.parity.request import ask, build_requests, rules_for
+from gpumigrate.parity.result import OutputParityResult
 from gpumigrate.parity.rules import Rules, build_frame, evaluate
 from gpumigrate.parity.urls import check_url, redact_url
 from gpumigrate.plan import ParityRequest
@@ -31,72 +31,9 @@ __all__ = [
     "query_outputs", "redact_url", "run_output_parity",
 ]  # fmt: skip
 
-MAX_CASES = 10_000
 # Until the integration wave makes parity.request required, a plan without one is asked as before: each
 # case POSTed to this path and compared by the default rules. A plan with a request never uses it.
 DEFAULT_PATH = "/v1/generate"
-
-
-@dataclass(frozen=True)
-class GoldenCase:
-    id: str
-    request: dict[str, Any]  # the line without its "id": the body, or what parity.request.body is filled from
-
-
-@dataclass
-class OutputParityResult:
-    passed: bool
-    cases: int
-    max_abs_err: float | None
-    failures: list[str]
-    seconds: float  # the whole check: querying both sides, judging, writing reports
-    judge_seconds: float  # building the frame and validating it (GX included when used)
-    judged_by: str  # "great_expectations" or "rules" (the fast path)
-    artifacts: dict[str, str] = field(default_factory=dict)  # name -> path
-
-    def summary(self) -> dict[str, Any]:
-        """The ``parity`` fields of the CLI's JSON contract (gpumigrate.result.ParitySummary)."""
-        return {"passed": self.passed, "cases": self.cases, "max_abs_err": self.max_abs_err}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**self.summary(), "failures": self.failures, "seconds": round(self.seconds, 4),
-                "judge_seconds": round(self.judge_seconds, 4), "judged_by": self.judged_by,
-                "artifacts": self.artifacts}  # fmt: skip
-
-
-def load_golden(path: str | Path) -> list[GoldenCase]:
-    """Read a golden-input JSONL file. Raises InvalidInputError naming the line that is wrong."""
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidInputError(f"golden inputs {p}: no such file")
-    cases: list[GoldenCase] = []
-    seen: set[str] = set()
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        where = f"golden inputs {p} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidInputError(f"{where}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise InvalidInputError(f"{where}: must be a JSON object such as "
-                                    '{"id": "c1", "text": "hello"}')  # fmt: skip
-        cid = obj.get("id")
-        if not isinstance(cid, str | int) or isinstance(cid, bool) or str(cid) == "":
-            raise InvalidInputError(f"{where}: 'id' must be a non-empty string (or integer)")
-        if str(cid) in seen:
-            raise InvalidInputError(f"{where}: duplicate id {cid!r}: ids must be unique")
-        request = {k: v for k, v in obj.items() if k != "id"}
-        if not request:
-            raise InvalidInputError(f"{where}: nothing to send besides 'id' (add the fields of the question)")
-        seen.add(str(cid))
-        cases.append(GoldenCase(id=str(cid), request=request))
-        if len(cases) > MAX_CASES:
-            raise InvalidInputError(f"golden inputs {p}: more than {MAX_CASES} cases; a smoke test needs tens")
-    if not cases:
-        raise InvalidInputError(f"golden inputs {p}: no cases (one JSON object per line)")
-    return cases
 
 
 def _queries(cases: Sequence[GoldenCase], request: ParityRequest | None, path: str) -> list[ParityQuery]:

@@ -17,7 +17,7 @@ from gpumigrate.parity.rules import ABSENT, Rules, Verdict, field_value
 
 if TYPE_CHECKING:
     from gpumigrate.parity.gx_suite import GXOutcome
-    from gpumigrate.parity.output import OutputParityResult
+    from gpumigrate.parity.result import OutputParityResult
 
 REPORT_VERSION = 1
 SHOW_VALUES = 24  # values per field shown in the HTML; the JSON keeps the per-case verdicts

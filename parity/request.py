@@ -21,7 +21,7 @@ from gpumigrate.plan import ParityRequest
 if TYPE_CHECKING:
     import httpx
 
-    from gpumigrate.parity.output import GoldenCase
+    from gpumigrate.parity.golden import GoldenCase
 
 
 def _fill(template: Any, case: GoldenCase, values: Mapping[str, Any]) -> Any:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpumigrate.errors import InvalidInputError
-from gpumigrate.parity.output import OutputParityResult, compare_outputs
+from gpumigrate.parity.output import compare_outputs
+from gpumigrate.parity.result import OutputParityResult
 from gpumigrate.parity.rules import Rules
 from gpumigrate.plan import TrainingParity
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumigrate.interfaces import ParityReport
 from gpumigrate.traffic.stats import ClusterWindow
+
+if TYPE_CHECKING:  # the control plane process never loads the plan's models
+    from gpumigrate.plan import Gates
 
 
 class Verdict(StrEnum):
@@ -42,7 +45,7 @@ class GateSettings:
     p99_slack_ms: float = 100.0
 
     @classmethod
-    def from_plan(cls, gates: Any, **extra: Any) -> GateSettings:
+    def from_plan(cls, gates: Gates, **extra: Any) -> GateSettings:
         return cls(
             min_success_rate=gates.min_success_rate,
             max_p99_ratio=gates.max_p99_ratio,

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote
 
 import httpx
@@ -229,6 +229,7 @@ class Envoy:
         self.binary = binary or find_envoy_binary()
         self.max_connection_s = max_connection_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: BinaryIO | None = None  # the child's stdout/stderr file, open while it runs
 
     @property
     def admin_url(self) -> str:
@@ -305,8 +306,9 @@ class Envoy:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=5)
         self.proc = None
-        if getattr(self, "_log", None):
+        if self._log is not None:
             self._log.close()
+            self._log = None
 
     def restart(self) -> None:
         self.stop()
@@ -338,7 +340,7 @@ class EnvoyAdmin:
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        # One client for the reader's life: a new httpx client costs ~20 ms of CPU (its TLS context),
+        # One client for the reader's life: a new httpx client builds a TLS context, which costs CPU,
         # and a ramp reads stats every interval on the same 2 cores that serve the traffic it measures.
         self._client = httpx.Client(timeout=timeout_s, trust_env=False)
 
@@ -367,7 +369,8 @@ class EnvoyAdmin:
         query = "/stats?format=json&histogram_buckets=cumulative&usedonly"
         if cluster_prefixes:  # a filtered read is much smaller: it is taken every analysis interval
             query += "&filter=" + quote("^cluster\\.(" + "|".join(cluster_prefixes) + ")")
-        return self._get(query).json()
+        stats: dict[str, Any] = self._get(query).json()
+        return stats
 
     def ingress_stats(self) -> dict[str, Any]:
         """The client listener's counters alone (``http.ingress.*``): a small read, taken several times a second."""
@@ -376,10 +379,10 @@ class EnvoyAdmin:
         return dict(self._get(query).json())
 
     def clusters(self) -> dict[str, Any]:
-        return self._get("/clusters?format=json").json()
+        return dict(self._get("/clusters?format=json").json())
 
     def config_dump(self) -> dict[str, Any]:
-        return self._get("/config_dump").json()
+        return dict(self._get("/config_dump").json())
 
     def live_weights(self) -> dict[str, int]:
         """The weighted split Envoy runs now, from ``/config_dump`` (upstream → integer weight)."""

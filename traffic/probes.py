@@ -47,7 +47,7 @@ class Prober:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # Kept open across rounds: a new client per round costs ~20 ms of CPU (its TLS context) on
+        # Kept open across rounds: a new client per round builds a TLS context, which costs CPU on
         # the cores that serve the traffic being measured. Only the probe thread uses it once started.
         self._client = httpx.Client(timeout=timeout_s, trust_env=False)
 

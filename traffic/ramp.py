@@ -27,14 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
 from gpumigrate.traffic.analysis import Analysis, GateSettings, Measurement, Verdict, analyze
 from gpumigrate.traffic.envoy import EnvoyAdmin
 from gpumigrate.traffic.probes import Prober
-from gpumigrate.traffic.state import StateStore, rollback_to_source, split
+from gpumigrate.traffic.state import DesiredState, StateStore, rollback_to_source, split
 from gpumigrate.traffic.stats import (
     ClientFigures,
     ClusterWindow,
@@ -47,6 +47,9 @@ from gpumigrate.traffic.stats import (
     settled_reading,
     window,
 )
+
+if TYPE_CHECKING:  # the control plane process never loads the plan's models
+    from gpumigrate.plan import Traffic
 
 PROGRESS_FILE = "ramp.json"
 
@@ -75,7 +78,7 @@ class RampSettings:
         return max(self.lease_intervals * self.interval_s, self.lease_min_s, self.interval_s)
 
     @classmethod
-    def from_plan(cls, traffic: Any, **extra: Any) -> RampSettings:
+    def from_plan(cls, traffic: Traffic, **extra: Any) -> RampSettings:
         """From ``gpumigrate.plan.Traffic``; ``extra`` may set any other field (gate extras via ``gates``)."""
         gates = extra.pop("gates", None) or GateSettings.from_plan(traffic.gates)
         return cls(
@@ -570,7 +573,7 @@ class RampController:
         )
 
 
-def _outside(state: Any) -> tuple[str, None]:
+def _outside(state: DesiredState) -> tuple[str, None]:
     """Trigger and detection start of a rollback someone else wrote: the control plane's lease watch,
     or a person (``gpumigrate traffic rollback``, ``gpumigrate rollback ID``)."""
     trigger = "lease" if (state.rolled_back or {}).get("trigger") == "lease" else "external"

@@ -32,6 +32,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,7 +151,7 @@ class _Stream:
             pass
         self.requests.put(None)
 
-    def run(self) -> Any:
+    def run(self) -> Iterator[Any]:
         from envoy.service.discovery.v3 import discovery_pb2
 
         try:
@@ -302,9 +303,15 @@ class ControlPlane:
 
         plane = self
 
-        class Servicer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-            def StreamAggregatedResources(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        # The generated base class (ads_pb2_grpc.AggregatedDiscoveryServiceServicer) only answers UNIMPLEMENTED;
+        # the stubs ship no types, so the servicer is a plain class with both of the service's methods.
+        class Servicer:
+            def StreamAggregatedResources(self, request_iterator: Any, context: Any) -> Iterator[Any]:  # noqa: N802
                 yield from _Stream(plane, request_iterator, context).run()
+
+            def DeltaAggregatedResources(self, request_iterator: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, "delta xDS is not served: Envoy uses the ADS stream")
+                yield from ()
 
         self._refresh()
         self._server = grpc.server(

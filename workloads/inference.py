@@ -305,5 +305,5 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is closed by now (requests finished, agent and pool closed); skipping interpreter
-    # finalization saves ~2 s of torch/OpenMP teardown that would eat the supervisor's grace period.
+    # finalization skips torch's and OpenMP's teardown, slow enough to eat the supervisor's grace period.
     os._exit(code)

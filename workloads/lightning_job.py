@@ -1,7 +1,8 @@
 """The Lightning half of the training job: the LightningModule, the Trainer and its callbacks.
 
 Kept apart from ``training.py`` because importing Lightning costs seconds; the state, the capture
-and the plain loop do not need it.
+and the plain loop do not need it. Imports only ``training_state`` (the state and the loss both loops
+share), so the two loops never import each other.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.workloads.model import TinyLM
-from gpumigrate.workloads.training import TrainingState, lm_loss
+from gpumigrate.workloads.training_state import TrainingState, lm_loss
 
 
-class _Ticks(Dataset):
+class _Ticks(Dataset[int]):
     """``count`` placeholder items: the loader only paces the loop. The real batch is built inside
     ``training_step`` from the state's step counter, so a restore that moves the counter (the agent
     restoring step k on a target) is honoured even though Lightning prefetches loader items."""
@@ -103,7 +104,7 @@ def train_with_lightning(
     # A private generator: otherwise creating the loader's iterator draws from the global torch RNG
     # and the plain loop (run_steps) and the Trainer would diverge.
     loader = DataLoader(_Ticks(steps), batch_size=None, shuffle=False, generator=torch.Generator())
-    trainer.fit(state.module, train_dataloaders=loader)
+    trainer.fit(LitTinyLM(state.model, state), train_dataloaders=loader)
     return state.losses[first:]
 
 

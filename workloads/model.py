@@ -244,9 +244,9 @@ def _decode_weights(model: TinyLM) -> tuple[Any, ...]:
     themselves are replaced (``load_state_dict(assign=True)``, ``.to()``), the identity check on the
     first one rebuilds the tuple, and :func:`forget_decode_weights` forces it.
     """
-    cached = model.__dict__.get("_decode_cache")
-    if cached is not None and cached[0] is model.tok_emb.weight and cached[-1] is model.lm_head.weight:
-        return cached
+    found: tuple[Any, ...] | None = model.__dict__.get("_decode_cache")
+    if found is not None and found[0] is model.tok_emb.weight and found[-1] is model.lm_head.weight:
+        return found
     layers = tuple(
         (b.ln1.weight, b.ln1.bias, b.attn_qkv.weight, b.attn_qkv.bias, b.attn_out.weight, b.attn_out.bias,
          b.ln2.weight, b.ln2.bias, b.mlp_in.weight, b.mlp_in.bias, b.mlp_out.weight, b.mlp_out.bias)

@@ -74,7 +74,7 @@ class ServingState:
         self._fault = Fault()
         self._rng = random.Random(fault_seed)
         self._rng_lock = threading.Lock()
-        vocab = getattr(getattr(model, "cfg", None), "vocab", 260)
+        vocab = model.cfg.vocab
         # A fixed perturbation of the logits: large enough to change tokens and logprobs.
         self.drift_noise = torch.randn(vocab, generator=torch.Generator().manual_seed(1234)) * 3.0
         self._digest: tuple[int, str] | None = None  # (state version it was computed at, digest)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV, WorkloadLaunch
+from gpumigrate.plan import Workload
 
 
 def torchrun_argv(module: str, ranks: int, args: Sequence[str], *, python: str = sys.executable) -> list[str]:
@@ -152,7 +153,7 @@ def start_world(
 
 
 def start_plan_launch(
-    workload: Any, plan_dir: Path, *, log: Path, await_restore: bool = False, host: str = "127.0.0.1"
+    workload: Workload, plan_dir: Path, *, log: Path, await_restore: bool = False, host: str = "127.0.0.1"
 ) -> tuple[LocalWorld, int]:
     """Start a plan's ``workload.launch`` as the flow would on a local host (its placeholders filled
     with free ports, ``workload.ranks`` agents from the agent port on); returns the world and its

@@ -162,7 +162,7 @@ class FileStore(Store):
         # Renamed at once, on this thread: sync=none, sync=deferred (below), and sync=chunk in memory (tmpfs), where the
         # page cache is the store and fdatasync does nothing. There the sync threads' open, fdatasync, close and
         # rename per object only added GIL hand-offs, which the thread queueing a GPU capture's device work waited
-        # behind (snapshot/BENCHMARKS.md, tenth session).
+        # behind (bench/HISTORY.md, tenth session).
         self._write(chunk_key(chunk_id), blob, durable=False)
         if self.sync == "deferred":
             # Deferred mode (the stream receiver): the name appears at once (a delta's base must be
