@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import torch
 from transformers import LlamaForCausalLM
 
@@ -88,3 +94,69 @@ def load_state(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     d = json.loads(path.read_text())
     state = d["state"]
     return state, {k: decode_tensor(v, state["kv_shape"], state["kv_dtype"]) for k, v in d["tensors"].items()}
+
+
+# -- real server processes
+@dataclass
+class LLMProc:
+    proc: subprocess.Popen[str]
+    url: str
+
+    def stop(self) -> int:
+        """SIGTERM, as a supervisor would; the exit code (SIGKILL after 30 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return self.proc.wait(10)
+
+
+def start_llm_server(*extra: str, home: Path, key_hex: str, timeout_s: float = 120.0) -> LLMProc:
+    """``python -m gpumigrate.workloads.llm`` on a free port, its own state root and control key; waits for /readyz."""
+    (server,) = start_llm_servers([(extra, home)], key_hex=key_hex, timeout_s=timeout_s)
+    return server
+
+
+def start_llm_servers(
+    specs: list[tuple[tuple[str, ...], Path]], *, key_hex: str, timeout_s: float = 120.0
+) -> list[LLMProc]:
+    """Several servers (flags, state root) started side by side, sharing one control key; each waited for."""
+    procs = []
+    for extra, home in specs:
+        env = {**os.environ, "GPUMIGRATE_HOME": str(home), "GPUMIGRATE_CONTROL_KEY": key_hex, "OMP_NUM_THREADS": "1"}
+        argv = [sys.executable, "-m", "gpumigrate.workloads.llm", "--port", "0", "--agent-port", "0", *extra]
+        procs.append(
+            subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+            )
+        )
+    try:
+        servers = []
+        for proc in procs:
+            assert proc.stdout is not None and proc.stderr is not None
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the LLM server exited ({proc.wait(10)}): {proc.stderr.read()[-3000:]}")
+            servers.append(LLMProc(proc, f"http://127.0.0.1:{json.loads(line)['port']}"))
+        for server in servers:
+            wait_for(lambda url=server.url: _ready(url), f"{server.url}/readyz to answer 200", timeout_s)
+        return servers
+    except BaseException:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        raise
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def engine_stats(url: str) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(url + "/v1/engine", timeout=10).json()
+    return stats
