@@ -197,8 +197,9 @@ def test_import_refuses_another_shape_and_a_busy_engine() -> None:
                 raise AssertionError("a state of 8 slots went into an engine of 4")
         finally:
             other.close()
-        e.pause()
-        e.submit(encode("busy"), SamplingParams(4))
+        out = e.submit(encode("busy"), SamplingParams(40))
+        wait_for(lambda: out.tokens > 0, "a request to be running")
+        e.pause()  # it stays in its slot
         try:
             e.import_state(state, tensors)
         except EngineStateError as exc:

@@ -167,3 +167,20 @@ def test_an_agent_address_in_use_exits_2(tmp_path: Path) -> None:
         bad = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode == 2 and f"127.0.0.1:{port} is already in use" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_target_awaiting_its_restore_is_alive_but_not_ready(tmp_path: Path) -> None:
+    env = {**os.environ, "GPUMIGRATE_HOME": str(tmp_path), "GPUMIGRATE_CONTROL_KEY": secrets.token_hex(32)}
+    argv = [sys.executable, "-m", "gpumigrate.workloads.llm", "--port", "0", "--agent-port", "0", "--await-restore"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{json.loads(proc.stdout.readline())['port']}"
+        assert httpx.get(url + "/healthz", timeout=30).status_code == 200
+        ready = httpx.get(url + "/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["reason"] == "awaiting restore"
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "awaiting restore" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0

@@ -276,21 +276,26 @@ class Engine:
     def _shape(self) -> dict[str, Any]:
         return {"model": self.model_id, "kv_shape": list(self.cache.kv.shape), "kv_dtype": str(self.cache.kv.dtype)}
 
-    def import_state(self, plain: dict[str, Any], tensors: dict[str, torch.Tensor]) -> list[str]:
-        """Continue where an exported engine stopped. This engine must be idle; returns the request ids taken."""
+    def import_state(self, plain: dict[str, Any], tensors: dict[str, torch.Tensor] | None) -> list[str]:
+        """Continue where an exported engine stopped; returns the request ids taken. This engine must have no
+        request running or queued. ``tensors=None``: the KV cache is already in place (a restore filled it)."""
         if plain.get("format") != FORMAT:
             raise EngineStateError(f"not an engine state of format {FORMAT}: {plain.get('format')!r}")
         mine, theirs = self._shape(), {k: plain.get(k) for k in ("model", "kv_shape", "kv_dtype")}
         if theirs != mine:
             raise EngineStateError(f"the state is of {theirs}, this engine is {mine}")
-        kv = tensors.get("kv")
-        if kv is None or list(kv.shape) != mine["kv_shape"] or kv.dtype != self.cache.kv.dtype:
+        kv = None if tensors is None else tensors.get("kv")
+        if tensors is not None and (
+            kv is None or list(kv.shape) != mine["kv_shape"] or kv.dtype != self.cache.kv.dtype
+        ):
             raise EngineStateError("the state's tensors lack a KV cache of this engine's shape and dtype")
         with self._step_lock, self._cond:
-            if self._has_work():
+            if self.running or self.queue:
                 raise EngineStateError("this engine is serving requests: import into an idle engine")
-            self.cache.kv.copy_(kv)
+            if kv is not None:
+                self.cache.kv.copy_(kv)
             self.cache.reset_slots()
+            arrived_here, self.inbox = self.inbox, []  # requests that reached this engine first go after the moved ones
             for entry in plain["requests"]:
                 req = Request.from_json(entry)
                 self.outputs[req.id] = Output(
@@ -303,5 +308,6 @@ class Engine:
                     self.queue.append(req)
                 else:
                     self.inbox.append(req)
+            self.inbox.extend(arrived_here)
             self._cond.notify_all()
             return [e["id"] for e in plain["requests"]]
