@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +103,14 @@ def _command(url: str, key: bytes, command: str, **fields: Any) -> dict[str, Any
 
 
 def _control(url: str, indexes: range) -> dict[int, str]:
+    """The same requests on an unmigrated server, side by side (batch invariance: neighbours do not matter)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="not-needed", max_retries=0, timeout=180)
-    return {i: client.completions.create(model=MODEL, prompt=PROMPTS[i], **_params(i)).choices[0].text for i in indexes}
+
+    def one(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i], **_params(i)).choices[0].text
+
+    with ThreadPoolExecutor(len(indexes)) as pool:
+        return dict(zip(indexes, pool.map(one, indexes), strict=True))
 
 
 def _all_streaming(clients: list[Client]) -> bool:

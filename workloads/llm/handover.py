@@ -165,9 +165,8 @@ class Handover:
         try:
             async for item in self.follow_here(output, offset):
                 yield sse({"text": item.text, "tokens": item.tokens, "finish_reason": item.finish_reason})
-        finally:
-            if not output.done:  # the relay (so its client) went away: the request stops here too
-                self.engine.release(output.id)
+        finally:  # finished, or the relay (so its client) went away: then the request stops here too
+            self.engine.release(output.id)
 
     async def follow_here(self, output: Output, offset: int) -> AsyncIterator[Piece]:
         async for item in output.follow(offset):
