@@ -34,6 +34,7 @@ class Forward:
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.heads // self.kv_heads
         self.scale = self.head_dim**-0.5
         self.device = next(model.parameters()).device
         self.cos, self.sin = rotary_table(model, cache.positions)
@@ -52,6 +53,7 @@ class Forward:
         laid out [batch, T, kv_heads, head_dim], into one layer's cache view; ``read(cache_view)`` picks the rows the
         queries attend over, laid out [batch, positions, kv_heads, head_dim]."""
         batch, steps, _ = h.shape
+        group_mask = mask.repeat(1, 1, self.group, 1)  # [batch, 1, group * T, positions]: row j*T + t is query t
         for i, layer in enumerate(self.model.model.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
@@ -63,7 +65,12 @@ class Forward:
             store(keys, k.transpose(1, 2))
             store(values, v)
             K, V = read(keys).transpose(1, 2), read(values).transpose(1, 2)  # [batch, kv_heads, positions, head_dim]
-            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            # Grouped-query attention without repeating keys: the query heads that share a key head become
+            # that head's rows (q head kv*group + j attends like HF's repeat_kv), so the kernel sees plain
+            # multi-head attention over the cache's strided view and copies nothing.
+            grouped = q.reshape(batch, self.kv_heads, self.group * steps, self.head_dim)
+            out = F.scaled_dot_product_attention(grouped, K, V, attn_mask=group_mask, scale=self.scale)
+            out = out.view(batch, self.heads, steps, self.head_dim)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
