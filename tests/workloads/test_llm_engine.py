@@ -237,3 +237,25 @@ def test_text_holds_back_a_possible_stop_and_joins_split_characters() -> None:
     assert restored.generator is not None and torch.equal(
         restored.generator.get_state(), torch.Generator().manual_seed(3).get_state()
     )
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_goes_on() -> None:
+    e = engine()
+    decode = e.forward.decode
+
+    def device_error(*args: object) -> torch.Tensor:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+    try:
+        e.forward.decode = device_error  # type: ignore[method-assign]
+        failed = submit_all(e, jobs(3, tokens=10))
+        wait_for(lambda: all(o.done for o in failed), "the failed requests to end")
+        assert {o.finish_reason for o in failed} == {"error"} and e.cache.free_slots == SLOTS
+        e.forward.decode = decode  # type: ignore[method-assign]
+        for o in failed:
+            e.release(o.id)
+        (after,) = submit_all(e, jobs(1, tokens=10))
+        wait_for(lambda: after.done, "a request after the failure")
+        assert after.finish_reason == "length" and after.tokens == 10
+    finally:
+        e.close()

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -149,7 +151,11 @@ class Engine:
                     return
             with self.step_guard(), self._step_lock:
                 started = time.perf_counter()
-                self._step()
+                try:
+                    self._step()
+                except Exception:  # a failed step (a device error) must not leave every stream waiting for ever
+                    traceback.print_exc(file=sys.stderr)
+                    self._fail_all()
                 self.last_step_s = time.perf_counter() - started
             for hook in list(self.on_boundary):
                 hook(self)
@@ -248,6 +254,15 @@ class Engine:
             self.running.pop(req.slot, None)
             self.cache.give_back(req.slot)
             req.slot = None
+
+    def _fail_all(self) -> None:
+        """Every request here ends with finish_reason "error" (its client gets an error, not a hang); slots free."""
+        with self._cond:
+            for req in [*self.running.values(), *self.queue, *self.inbox]:
+                req.finish_reason = "error"
+                self._publish(req)
+            self.running, self.queue, self.inbox = {}, deque(), []
+            self.cache.reset_slots()
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason

@@ -30,6 +30,11 @@ from .openai_api import CHAT, COMPLETIONS, DONE, APIError, Chunks, Generation, e
 from .streams import Output
 
 
+class EngineFailed(Exception):
+    def __str__(self) -> str:
+        return "the engine failed while generating this request (see the server's log); nothing more will come"
+
+
 class LLMServer:
     """The HTTP face of one engine. ``handle``: the attached SDK (readiness, awaiting restore); None in tests."""
 
@@ -104,12 +109,15 @@ class LLMServer:
             tokens = 0
             async for piece in self.handover.follow(output):
                 tokens = piece.tokens
+                if piece.finish_reason == "error":
+                    raise EngineFailed
                 yield chunks.piece(piece.text, piece.finish_reason)
             if gen.include_usage:
                 yield chunks.usage_chunk(len(gen.prompt), tokens)
             yield DONE
-        except RelayBroken as exc:  # the stream cannot go on: say so in OpenAI's error event, no [DONE]
-            yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": "relay_broken"}})
+        except (RelayBroken, EngineFailed) as exc:  # the stream cannot go on: OpenAI's error event, no [DONE]
+            code = "relay_broken" if isinstance(exc, RelayBroken) else "engine_failed"
+            yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
         finally:
             self.engine.release(output.id)
 
@@ -138,6 +146,8 @@ class LLMServer:
             text, finish, tokens = work.result()
         except RelayBroken as exc:
             return error_response(502, str(exc))
+        if finish == "error":
+            return error_response(500, str(EngineFailed()), code="engine_failed")
         return JSONResponse(chunks.whole(text, finish, output.prompt_tokens, tokens))
 
     async def close(self) -> None:
