@@ -10,9 +10,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # llm_support, shared by the LLM server's tests
 
 
 @dataclass
