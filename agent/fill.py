@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpumigrate.agent.images import wait_for_kernels
+from gpumigrate.agent.warmup import wait_for_kernels
 from gpumigrate.errors import GpumigrateError, TransferError
 from gpumigrate.snapshot.client import AgentClient
 from gpumigrate.snapshot.fill import Landed, Run, failed_chunks, slices
@@ -123,7 +123,7 @@ class SourceFill:
         )
         try:
             t0 = time.perf_counter()
-            with AgentClient(source, key=control_key, timeout_s=LEND_TIMEOUT_S + 30) as client:
+            with AgentClient(source, key=control_key, timeout_s=LEND_TIMEOUT_S + 30) as client:  # the source's side
                 lent = client.call(
                     "lend",
                     landing=landing.address,

@@ -6,7 +6,7 @@ A tracked tensor of ``--mb`` MB is pre-copied once and left unchanged, then froz
 the final round ships nothing and its time is the fingerprint pass plus the confirmation. Beside
 it, from the same run and the same bytes: the fingerprint pass alone (what the final round cost
 before it was confirmed) and the confirmation alone (``unchanged_by_hash``). The sink is
-gpumigrate.snapshot.memimage (host memory); no compression, no encryption, no network. The last
+tests/support/memimage.py (host memory); no compression, no encryption, no network. The last
 stdout line is one JSON object.
 """
 
@@ -15,14 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, chunk_count, fingerprint_chunks, unchanged_by_hash
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.engine import SnapshotEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helpers' in-memory store
+from tests.support.memimage import MemoryStore  # noqa: E402
 
 KEY = b"bench-key-not-secret-0123456789ab"
 
@@ -37,13 +41,13 @@ def run(mb: int, chunk_mb: int, device: torch.device) -> dict[str, Any]:
     tensor = torch.randn((mb << 20) // 4, generator=torch.Generator().manual_seed(0)).to(device)
     view = byte_view(tensor)
     store = MemoryStore()
-    agent = Agent(workers=os.cpu_count() or 2)
+    agent = SnapshotEngine(workers=os.cpu_count() or 2)
     agent.track_tensor("w", tensor)
-    agent.precopy(store.writer(KEY, chunk_size=cs))
+    agent.capture_round(store.writer(KEY, chunk_size=cs))
     ids = list(store.reader(agent.last_image.id, KEY).metadata()["snapshot"]["chunks"]["w"])  # type: ignore[union-attr]
-    agent.freeze()
+    agent.park()
     t0 = time.perf_counter()
-    final = agent.precopy(store.writer(KEY, chunk_size=cs))
+    final = agent.capture_round(store.writer(KEY, chunk_size=cs)).stats
     final_s = time.perf_counter() - t0
     assert final.chunks_dirty == 0 and agent.fingerprint_collisions == 0
     fingerprint_chunks(view, cs)  # warm (a compiled kernel on CUDA)

@@ -10,7 +10,7 @@ On a GPU host (default 16 GB of bf16 tensors) it measures, side by side:
   * stop-and-copy downtime (freeze → target ready) for a 16 GB-weights + 256 MB-mutable workload.
 Without a GPU the same code runs on CPU tensors at a small size (default 0.25 GB) and the driver
 baseline is reported as not run. The last stdout line is one JSON object; every figure names what it
-includes. The sink is gpumigrate.snapshot.memimage (host memory, BLAKE3 chunk ids, HMAC-signed
+includes. The sink is tests/support/memimage.py (host memory, BLAKE3 chunk ids, HMAC-signed
 manifest): no compression, no encryption, no network.
 """
 
@@ -24,16 +24,19 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from benchlib import gbps, pinned_d2h_GBps
 
-from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.transfer import devhash
 from gpumigrate.transfer.direct import HASH_BATCH as DEVICE_HASH_BATCH
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helpers' in-memory store
+from tests.support.memimage import MemoryStore  # noqa: E402
 
 KEY = b"bench-key-not-secret-0123456789ab"
 TENSOR_MB = 256
@@ -154,13 +157,13 @@ def agent_capture(
     hash_chunks: bool,
     repeat: int = 3,
 ) -> tuple[dict[str, Any], MemoryStore, str]:
-    agent = Agent(workers=workers)
+    agent = SnapshotEngine(workers=workers)
     agent.track_tensors("weights", tensors)
     if frozen:
-        agent.freeze()
-    warm = Agent(workers=workers)  # allocate rings/streams and compile kernels outside the timing
+        agent.park()
+    warm = SnapshotEngine(workers=workers)  # allocate rings/streams and compile kernels outside the timing
     warm.track_tensors("warm", {k: v for k, v in list(tensors.items())[:1]})
-    warm.precopy(MemoryStore().writer(KEY, chunk_size=chunk))
+    warm.capture_round(MemoryStore().writer(KEY, chunk_size=chunk))
     agent._pipelines = warm._pipelines
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     runs = []
@@ -169,7 +172,7 @@ def agent_capture(
         agent.forget_shipped()
         writer = store.writer(KEY, chunk_size=chunk, hash_chunks=hash_chunks)
         t0 = time.perf_counter()
-        stats = agent.precopy(writer)
+        stats = agent.capture_round(writer).stats
         runs.append(time.perf_counter() - t0)
     dt = statistics.median(runs)
     return (
@@ -199,12 +202,12 @@ def agent_restore(
     for _ in range(repeat):
         for t in targets.values():
             t.zero_()
-        agent = Agent(workers=workers)
+        agent = SnapshotEngine(workers=workers)
         agent.track_tensors("weights", targets)
         sync(next(iter(tensors.values())).device)
         t0 = time.perf_counter()
         reader = store.reader(image, KEY, verify_chunks=verify)
-        res = agent.restore(reader)
+        res = agent.load(reader)
         runs.append(time.perf_counter() - t0)
         agent.close()
     ok = all(torch.equal(targets[k], v) for k, v in tensors.items())
@@ -261,11 +264,11 @@ class Gate:
         self.lock = threading.Lock()
         self.held = False
 
-    def freeze(self) -> None:
+    def shut(self) -> None:
         self.lock.acquire()
         self.held = True
 
-    def resume(self) -> None:
+    def reopen(self) -> None:
         if self.held:
             self.held = False
             self.lock.release()
@@ -292,13 +295,13 @@ def downtime(
                 served[0] += 1
             time.sleep(0.001)
 
-    src = Agent(workers=workers, freezer=gate)
+    src = SnapshotEngine(workers=workers, freezer=gate)
     src.track_tensors("weights", weights)
     src.track_tensor("kv", kv)
     dst_w = {k: torch.empty_like(v) for k, v in weights.items()}
     dst_kv = torch.empty_like(kv)
     ready: list[float] = []
-    dst = Agent(workers=workers, set_ready=lambda r: ready.append(time.perf_counter()) if r else None)
+    dst = SnapshotEngine(workers=workers, set_ready=lambda r: ready.append(time.perf_counter()) if r else None)
     dst.track_tensors("weights", dst_w)
     dst.track_tensor("kv", dst_kv)
     store = MemoryStore(arena=arena)
@@ -307,21 +310,21 @@ def downtime(
     rounds = []
     try:
         for _ in range(3):  # live pre-copy while serving; the target pre-loads each round
-            st = src.precopy(store.writer(KEY, chunk_size=chunk))
-            dst.restore(store.reader(src.last_image.id, KEY), ready=False)
+            st = src.capture_round(store.writer(KEY, chunk_size=chunk)).stats
+            dst.load(store.reader(src.last_image.id, KEY), ready=False)
             rounds.append(
                 {"chunks_dirty": st.chunks_dirty, "bytes_dirty": st.bytes_dirty, "seconds": round(st.seconds, 4)}
             )
         t0 = time.perf_counter()
-        src.freeze()
+        src.park()
         t1 = time.perf_counter()
-        ref = src.final(store.writer(KEY, chunk_size=chunk))
+        ref = src.capture_final(store.writer(KEY, chunk_size=chunk)).image
         t2 = time.perf_counter()
-        res = dst.restore(store.reader(ref.id, KEY))
+        res = dst.load(store.reader(ref.id, KEY))
         t3 = ready[-1] if ready else time.perf_counter()
         ok = torch.equal(dst_kv, kv) and all(torch.equal(dst_w[k], v) for k, v in weights.items())  # before resume
     finally:
-        src.resume()
+        src.unpark()
         stop.set()
         th.join(10)
     return {

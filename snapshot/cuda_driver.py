@@ -71,7 +71,7 @@ def driver() -> Any:
 
 def _name(cu: Any, err: Any) -> str:
     try:
-        return cu.CUresult(err).name
+        return str(cu.CUresult(err).name)
     except Exception:
         return str(int(err))
 
@@ -182,7 +182,8 @@ class CudaProcess:
                 self.unlock()
             raise
 
-    def resume(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
+    def unsuspend(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
+        """Restore then unlock: the undo of :meth:`suspend`, onto other GPUs with ``gpu_pairs``."""
         self.restore(gpu_pairs)
         self.unlock()
 
