@@ -9,11 +9,12 @@ workload's own process, and never crosses the control channel.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
 from gpumigrate.interfaces import ImageReader, ImageWriter
 from gpumigrate.snapshot.engine import SnapshotEngine
+from gpumigrate.snapshot.ranks import RankGroup
+from gpumigrate.snapshot.stepgate import SafePointGate
 
 from .fill import SourceFill
 from .warmup import chunk_size, kernels_warming, wait_for_kernels
@@ -70,9 +71,24 @@ def open_reader(store: str, image_id: str, key_ref: Mapping[str, str]) -> ImageR
     return reader
 
 
-def make_engine(**kwargs: Any) -> SnapshotEngine:
+def make_engine(
+    *,
+    freezer: SafePointGate | None = None,
+    set_ready: Callable[[bool], None] | None = None,
+    group: RankGroup | None = None,
+    workers: int = 4,
+    streams: int = 2,
+) -> SnapshotEngine:
     """A snapshot engine whose images go through gpumigrate.transfer (for a program that tracks its state by
     hand with ``track_module``/``track_tensor``/...; ``attach()`` builds one for you)."""
     return SnapshotEngine(
-        writer_factory=open_writer, reader_factory=open_reader, filler=SourceFill(), warming=kernels_warming, **kwargs
+        writer_factory=open_writer,
+        reader_factory=open_reader,
+        filler=SourceFill(),
+        warming=kernels_warming,
+        freezer=freezer,
+        set_ready=set_ready,
+        group=group,
+        workers=workers,
+        streams=streams,
     )

@@ -20,10 +20,13 @@ import importlib
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpumigrate.interfaces import ImageWriter
 from gpumigrate.snapshot.engine import SnapshotEngine
+
+if TYPE_CHECKING:
+    import torch
 
 GPU_CHUNK_SIZE = 32 << 20  # for state on a GPU; the image format's 4 MiB default stays for state in host memory
 _state_on_gpu = threading.Event()  # set by warm_device_kernels: the attach found tracked state on a GPU
@@ -84,7 +87,7 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
     return thread
 
 
-def _warm_capture(device: Any) -> None:
+def _warm_capture(device: torch.device) -> None:
     """One live round of a two-chunk bf16 probe (and a short one) on ``device`` through the real writer into a
     temporary store.
 

@@ -328,7 +328,7 @@ def driver_checkpoint(pid: int, nbytes: int) -> dict[str, Any]:
         proc = cuda_driver.CudaProcess(pid)
         proc.lock(timeout_ms=10_000)
         proc.checkpoint()
-        proc.restore()
+        proc.restore_memory()
         proc.unlock()
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -103,7 +103,7 @@ def driver_baseline(total_bytes: int, seed: int) -> dict[str, Any]:
         proc.checkpoint()
         t1 = time.perf_counter()
         states.append(proc.state())
-        proc.restore()
+        proc.restore_memory()
         t2 = time.perf_counter()
         proc.unlock()
         t3 = time.perf_counter()

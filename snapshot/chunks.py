@@ -88,7 +88,7 @@ def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.int64) * w).sum(dim=1)
 
 
-def _kernel(device: torch.device) -> Any:
+def _kernel(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The fused kernel on CUDA (one read of HBM per chunk) when torch.compile works; eager otherwise."""
     if device.type != "cuda" or os.environ.get("GPUMIGRATE_FP_COMPILE", "1") == "0":
         return _weighted_sum

@@ -153,7 +153,7 @@ class CudaProcess:
         self.timing.checkpoint_s = time.perf_counter() - t0
         _check(cu, err, "cuCheckpointProcessCheckpoint", self.pid)
 
-    def restore(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
+    def restore_memory(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
         """Bring GPU memory back (needs CHECKPOINTED); ``gpu_pairs`` maps old→new GPU UUIDs, every GPU the driver sees."""
         cu = driver()
         self._expect("checkpointed", "restore")
@@ -184,7 +184,7 @@ class CudaProcess:
 
     def unsuspend(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
         """Restore then unlock: the undo of :meth:`suspend`, onto other GPUs with ``gpu_pairs``."""
-        self.restore(gpu_pairs)
+        self.restore_memory(gpu_pairs)
         self.unlock()
 
     def ensure_running(self) -> str:
@@ -194,7 +194,7 @@ class CudaProcess:
         """
         found = self.state()
         if found == "checkpointed":
-            self.restore()
+            self.restore_memory()
             self.unlock()
         elif found == "locked":
             self.unlock()

@@ -2,7 +2,7 @@
 
 ``rank_gpu_pairs`` pairs the GPUs the ranks use (source rank r's i-th GPU onto target rank r's i-th), and
 ``gpu_pairs`` completes it over every GPU the driver sees (``dict(gpu_pairs(...))`` is what
-``cuda_driver.CudaProcess.restore(gpu_pairs=...)`` takes). UUIDs name the physical GPUs whatever
+``cuda_driver.CudaProcess.unsuspend(gpu_pairs=...)`` takes). UUIDs name the physical GPUs whatever
 ``CUDA_VISIBLE_DEVICES`` renumbered. No torch here: this runs in the orchestrator.
 """
 

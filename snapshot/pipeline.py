@@ -242,7 +242,7 @@ class Pipeline:
         return ids, prints
 
     # ------------------------------------------------------------------ restore
-    def restore(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
+    def read_into(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
         """Fill each job's destination bytes from the image; return the bytes loaded."""
         if isinstance(reader, DirectImageReader):
             return reader.read_tensors([TensorChunk(job.region, job.index, job.data) for job in jobs])

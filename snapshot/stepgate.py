@@ -10,7 +10,7 @@ the orchestrator gets the source's next losses for the steps a restored target a
 The gate also counts completed safe points (``steps``: training steps, or requests served) and
 keeps the last losses the workload reported with them; both travel in the image (``progress``).
 A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one. A retired
-gate (``retire()``: the source after a migration, its state zeroized) fails each request's safe point (one
+gate (``mark_retired()``: the source after a migration, its state zeroized) fails each request's safe point (one
 with a timeout), and each one held when it retires, at once (503), for the workload will not serve again;
 a training step's (no timeout) stays parked, as on a frozen gate, until the operator stops the job.
 
@@ -22,7 +22,7 @@ this rank has *started*; once every rank is held, the orchestrator takes the hig
 none is in flight. Every rank ends parked after step S, and none is inside a collective.
 
 Another kind of safe point (a token boundary inside an engine loop, say) is another class with the
-engine's side of this one (``hold``, ``shut``, ``reopen``, ``let_through``, ``retire``, ``metrics``,
+engine's side of this one (``hold``, ``shut``, ``reopen``, ``let_through``, ``mark_retired``, ``metrics``,
 ``progress``/``set_progress``, ``steps``, ``set_ready``): the engine drives nothing else.
 """
 
@@ -98,7 +98,7 @@ class SafePointGate:
             self._retired = self._retired and not ready
             self._cond.notify_all()
 
-    def retire(self) -> None:
+    def mark_retired(self) -> None:
         """The workload's state is zeroized (it was migrated): unready for good, and every safe point, held
         ones included, fails at once instead of waiting out its timeout. Idempotent."""
         with self._cond:

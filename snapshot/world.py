@@ -72,14 +72,21 @@ class World:
         self.step: int | None = None  # the step the world froze after
 
     @classmethod
-    def consecutive(cls, address: str, ranks: int, **kwargs: Any) -> World:
+    def consecutive(
+        cls,
+        address: str,
+        ranks: int,
+        *,
+        key: bytes | None = None,
+        key_ref: Mapping[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> World:
         """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group)."""
         host, port = parse_address(address)
         if ranks < 1 or port + ranks - 1 > 65535:
             raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
-        if ranks == 1:
-            return cls([address], **kwargs)  # as the plan spells it
-        return cls([f"{host}:{port + r}" for r in range(ranks)], **kwargs)
+        addresses = [address] if ranks == 1 else [f"{host}:{port + r}" for r in range(ranks)]  # one: as spelt
+        return cls(addresses, key=key, key_ref=key_ref, timeout_s=timeout_s)
 
     @property
     def size(self) -> int:

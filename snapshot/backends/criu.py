@@ -30,9 +30,6 @@ class CriuBackend(HostLevel):
         """CRIU 4+ with its CUDA plugin works on the source host; the source's start time, for later steps."""
         return self._act("source", "check", pid=self._source_process()["pid"])
 
-    def retire(self) -> dict[str, Any]:
-        return self._act("source", "retire", **self._source_process())
-
     def restore(self, image: ImageRef | None) -> Restored:
         if image is None:
             raise SnapshotError("the criu backend restores from an image, and the snapshot committed none")

@@ -33,9 +33,6 @@ class CudaDriverBackend(HostLevel):
             "traffic to, so the migrate flow refuses it before anything moves; use backend agent or criu"
         )
 
-    def retire(self) -> dict[str, Any]:
-        return {"retired": False, "why": "in place: the source process is the workload"}
-
     def restore(self, image: ImageRef | None) -> Restored:
         out = self._act("source", "restore", **self._source_process())
         return Restored(image_id="", seconds=float(out.get("seconds") or 0.0), pid=self.setup.source_pid)

@@ -84,6 +84,13 @@ class HostLevel:
         dump = {"images_dir": self.setup.source_dir} if self.dumps else {}
         self._act("source", "resume", **self._source_process(), **dump)
 
+    def retire(self) -> dict[str, Any]:
+        """After the cut-over held: the source process stops, or nothing to retire where it was suspended in place
+        (the process itself is the workload)."""
+        if self.suspends:
+            return {"retired": False, "why": "in place: the source process is the workload"}
+        return self._act("source", "retire", **self._source_process())
+
     def renew(self, lease_s: float) -> bool:
         raise SnapshotError(f"the {self.name} backend freezes without a lease: there is nothing to renew")
 

@@ -93,7 +93,7 @@ class Loader:
         clock.mark("check")
         loaded = 0
         for device, jobs in plan.from_image.items():
-            loaded += self.pipelines.get(torch.device(device), cs).restore(reader, jobs)
+            loaded += self.pipelines.get(torch.device(device), cs).read_into(reader, jobs)
         clock.mark("from_image")
         filled: dict[str, Any] = {}
         if plan.from_source:
@@ -196,7 +196,7 @@ class Loader:
             again.setdefault(str(views[name].device), []).append(Job(name, i, views[name][i * cs : (i + 1) * cs]))
         moved = landed.bytes_moved - sum(j.data.numel() for jobs in again.values() for j in jobs)
         for device, jobs in again.items():
-            moved += self.pipelines.get(torch.device(device), cs).restore(reader, jobs)
+            moved += self.pipelines.get(torch.device(device), cs).read_into(reader, jobs)
         return moved, {
             "way": landed.way,
             "chunks": len(chunks) - len(landed.failed),

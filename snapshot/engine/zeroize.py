@@ -33,7 +33,7 @@ def zeroize(
     if set_ready is not None:
         set_ready(False)  # zeros are not a model: stop answering before the first byte changes
     if gate is not None:
-        gate.retire()  # and for good: /readyz says so, requests fail at once (no wait)
+        gate.mark_retired()  # and for good: /readyz says so, requests fail at once (no wait)
     t0 = time.perf_counter()
     regions = 0
     nbytes = 0

@@ -112,7 +112,7 @@ def test_a_retired_source_says_so_and_refuses_requests_at_once(running) -> None:
         deadline = time.monotonic() + 10
         while sp.waiting < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        sp.retire()  # a request held by the freeze is refused too, not left to time out
+        sp.mark_retired()  # a request held by the freeze is refused too, not left to time out
         assert held.result(timeout=5).status_code == 503
     ready = httpx.get(f"{running.url}/readyz")
     assert ready.status_code == 503 and ready.json()["status"] == "retired"
@@ -156,7 +156,7 @@ def test_a_retired_gate_parks_a_training_step_instead_of_failing_it() -> None:
 
     worker = threading.Thread(target=step, daemon=True)
     worker.start()
-    gate.retire()
+    gate.mark_retired()
     worker.join(0.3)
     assert worker.is_alive() and outcome == []  # parked, as on a frozen gate
     with pytest.raises(SnapshotError, match="serves no more"):
