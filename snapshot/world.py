@@ -35,8 +35,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 from gpumigrate.errors import GpumigrateError, InvalidInputError
-from gpumigrate.interfaces import ImageRef, Restored, Round, RoundStats
-from gpumigrate.snapshot.client import AgentClient, AgentInfo, Zeroized, parse_address
+from gpumigrate.interfaces import ImageRef, Round, RoundStats
+from gpumigrate.snapshot.client import AgentClient, AgentInfo, parse_address
 from gpumigrate.snapshot.precopy import Convergence, converge
 
 T = TypeVar("T")
@@ -374,32 +374,3 @@ class World:
 
 def _sums(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"bytes_loaded": sum(x["bytes_loaded"] for x in results), "seconds": max(x["seconds"] for x in results)}
-
-
-def restored_of(done: Mapping[str, Any]) -> Restored:
-    """A ``restore_ranks`` reply as the seam's :class:`~gpumigrate.interfaces.Restored`: the ranks' loads summed
-    (seconds of the slowest, as they run side by side), ready once every rank is; rank 0's environment check."""
-    ranks: Sequence[Mapping[str, Any]] = done["ranks"]
-    first = ranks[0]
-    return Restored(
-        image_id=str(first["image"]),
-        seconds=max(float(r["seconds"]) for r in ranks),
-        bytes_loaded=sum(int(r["bytes_loaded"]) for r in ranks),
-        chunks_loaded=sum(int(r["chunks_loaded"]) for r in ranks),
-        chunks_skipped=sum(int(r["chunks_skipped"]) for r in ranks),
-        ready=all(bool(r["ready"]) for r in ranks),
-        environment=dict(first.get("environment") or {}),
-        from_source=dict(first.get("from_source") or {}),
-    )
-
-
-def zeroized_of(replies: Sequence[Mapping[str, Any]]) -> Zeroized:
-    """The ranks' ``zeroize`` replies as one audit record: regions and bytes summed, verified where every rank
-    verified, every device, seconds of the slowest."""
-    return Zeroized(
-        regions=sum(int(r["zeroized_regions"]) for r in replies),
-        bytes=sum(int(r["zeroized_bytes"]) for r in replies),
-        verified=all(bool(r["verified"]) for r in replies),
-        devices=tuple(d for r in replies for d in r.get("devices") or ()),
-        seconds=max(float(r["seconds"]) for r in replies),
-    )

@@ -14,13 +14,14 @@ migration, the rollback flow).
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpumigrate.errors import InvalidInputError, SnapshotError
 from gpumigrate.interfaces import ImageRef, Restored, Round, Side, StepLosses
 from gpumigrate.snapshot.backends import Setup
-from gpumigrate.snapshot.client import agent_environment, decode_steps
-from gpumigrate.snapshot.world import World, restored_of, zeroized_of
+from gpumigrate.snapshot.client import Zeroized, agent_environment, decode_steps
+from gpumigrate.snapshot.world import World
 
 COMMAND_TIMEOUT_S = 600.0  # one command (a round, a restore); a stalled agent fails it rather than hanging
 STEPS_POLL_S = 0.01
@@ -141,3 +142,32 @@ class EmbeddedAgentBackend:
 
     def discard(self) -> None:
         """The target workload is a process of the target host: terminating the host stops it."""
+
+
+def restored_of(done: Mapping[str, Any]) -> Restored:
+    """A ``restore_ranks`` reply as the seam's :class:`~gpumigrate.interfaces.Restored`: the ranks' loads summed
+    (seconds of the slowest, as they run side by side), ready once every rank is; rank 0's environment check."""
+    ranks: Sequence[Mapping[str, Any]] = done["ranks"]
+    first = ranks[0]
+    return Restored(
+        image_id=str(first["image"]),
+        seconds=max(float(r["seconds"]) for r in ranks),
+        bytes_loaded=sum(int(r["bytes_loaded"]) for r in ranks),
+        chunks_loaded=sum(int(r["chunks_loaded"]) for r in ranks),
+        chunks_skipped=sum(int(r["chunks_skipped"]) for r in ranks),
+        ready=all(bool(r["ready"]) for r in ranks),
+        environment=dict(first.get("environment") or {}),
+        from_source=dict(first.get("from_source") or {}),
+    )
+
+
+def zeroized_of(replies: Sequence[Mapping[str, Any]]) -> Zeroized:
+    """The ranks' ``zeroize`` replies as one audit record: regions and bytes summed, verified where every rank
+    verified, every device, seconds of the slowest."""
+    return Zeroized(
+        regions=sum(int(r["zeroized_regions"]) for r in replies),
+        bytes=sum(int(r["zeroized_bytes"]) for r in replies),
+        verified=all(bool(r["verified"]) for r in replies),
+        devices=tuple(d for r in replies for d in r.get("devices") or ()),
+        seconds=max(float(r["seconds"]) for r in replies),
+    )

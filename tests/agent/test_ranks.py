@@ -351,3 +351,63 @@ def test_the_lightning_callback_refuses_a_trainer_of_several_ranks() -> None:
     with pytest.raises(RuntimeError, match="this one has 2 ranks.*process_group=torch.distributed.group.WORLD"):
         MigrationCallback().on_train_start(trainer, pl.LightningModule())
     assert gm.current() is None  # nothing attached
+
+
+def _consecutive(await_restore: bool) -> list[Rank]:
+    """The ranks with their agents on consecutive ports, as ``workload.ranks`` addresses them (port + r)."""
+    import socket
+
+    for _ in range(20):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        made: list[Rank] = []
+        try:
+            for r in range(WORLD):
+                rank = make_rank(r, await_restore=await_restore)
+                made.append(rank)
+                rank.server.stop()
+                rank.server = serve(rank.agent, base + r)
+            return made
+        except OSError:  # a port of the pair was taken: another pair
+            for rank in made:
+                rank.close()
+    raise AssertionError("no two consecutive free ports on loopback in 20 tries")
+
+
+def test_the_agent_backend_moves_a_world_of_ranks_through_the_seam(store: tuple[str, dict[str, str]]) -> None:
+    """``workload.ranks: 2`` behind the one factory: the flow's calls reach every rank (a pre-load leaves the
+    target's ranks unready, the freeze parks both after one step, the final world image restores rank by rank)."""
+    from gpumigrate.snapshot.backends import Setup, snapshot_backend
+
+    url, key_ref = store
+    source, target = _consecutive(False), _consecutive(True)
+    try:
+        setup = Setup(
+            store=url,
+            key_ref=key_ref,
+            source_agent=source[0].server.address,
+            ranks=WORLD,
+            target_agent=target[0].server.address,
+        )
+        backend = snapshot_backend("agent", setup)
+        assert backend.check() == {"agent": source[0].server.address}
+        first = backend.precopy()
+        loaded = backend.preload(first.image)
+        assert not loaded.ready and not any(t.gate.ready for t in target)
+        for r in source:
+            r.weights[:1000] += 7.0  # dirty one chunk per rank
+        assert backend.freeze(30) == 0 and all(r.agent.frozen for r in source)
+        image = backend.final()
+        restored = backend.restore(image)
+        assert restored.ready and restored.chunks_loaded == 4  # per rank: the dirty chunk and the progress blob
+        assert all(torch.equal(t.weights, s.weights) and t.gate.ready for s, t in zip(source, target, strict=True))
+        assert backend.facts("target")["python"] == backend.facts("source")["python"]
+        backend.resume()
+        assert not any(r.agent.frozen for r in source)
+        record = backend.retire()
+        assert record["verified"] and record["zeroized_regions"] == WORLD
+        assert not any(r.weights.any() for r in source)
+    finally:
+        for r in (*source, *target):
+            r.close()
