@@ -16,13 +16,16 @@ landing that anyone else connects to refuses them before the first byte.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from gpumigrate.agent.images import wait_for_kernels
+from gpumigrate.agent.warmup import wait_for_kernels
 from gpumigrate.errors import GpumigrateError, TransferError
 from gpumigrate.snapshot.client import AgentClient
 from gpumigrate.snapshot.fill import Landed, Run, failed_chunks, slices
+
+if TYPE_CHECKING:
+    import torch
 
 # Host memory between two processes of one host: UCX's shared-memory transports carry the bytes, and its TCP
 # (which it needs to wire the two up) listens on loopback only: a fill never leaves the host.
@@ -32,7 +35,7 @@ LEND_TIMEOUT_S = 600.0  # one fill of the whole state; a stalled source fails it
 RETRIES = 2  # a chunk that fails its check is copied again this often; then the restore reads it from the image
 
 
-def _way_of(tensor: Any) -> str:
+def _way_of(tensor: torch.Tensor) -> str:
     """lend for device memory (one GPU host, CUDA IPC), pull for host memory (NIXL)."""
     return "lend" if tensor.is_cuda else "pull"
 
@@ -55,7 +58,7 @@ def _transport(way: str) -> dict[str, Any]:
     }
 
 
-def _hasher(tensors: Mapping[str, Any]) -> Any:
+def _hasher(tensors: Mapping[str, torch.Tensor]) -> Callable[[torch.Tensor, int], Any]:
     from gpumigrate.transfer.device.devhash import cpu_hasher
 
     first = next(iter(tensors.values()))
@@ -123,7 +126,7 @@ class SourceFill:
         )
         try:
             t0 = time.perf_counter()
-            with AgentClient(source, key=control_key, timeout_s=LEND_TIMEOUT_S + 30) as client:
+            with AgentClient(source, key=control_key, timeout_s=LEND_TIMEOUT_S + 30) as client:  # the source's side
                 lent = client.call(
                     "lend",
                     landing=landing.address,

@@ -1,7 +1,8 @@
 """``attach()`` and its :class:`Handle`: the agent embedded in a user's process.
 
-``attach`` builds the snapshot agent over the user's objects (``tracking.py``), wires the transfer
-engine (``images.py``) and starts the agent's control server on ``GPUMIGRATE_AGENT_ADDR``. The
+``attach`` builds the snapshot engine over the user's objects (``tracking.py``), wires the transfer
+engine (``images.py``), starts the agent's control server on ``GPUMIGRATE_AGENT_ADDR`` and warms the
+device kernels (``warmup.py``). The
 handle's safe point (``snapshot/stepgate.py``) is where a freeze parks the workload; it also counts
 steps and keeps the losses the workload reports, for training parity.
 """
@@ -19,12 +20,12 @@ from gpumigrate import control
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV
 from gpumigrate.snapshot import tracked as tr
-from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import SafePointGate, StepReport
 
-from . import distributed, images, tracking
+from . import distributed, images, tracking, warmup
 
 DEFAULT_AGENT_ADDR = "127.0.0.1:7070"
 SERVING_WAIT_S = 30.0  # a request held at a frozen safe point waits this long, then gets a 503
@@ -61,10 +62,12 @@ def current() -> Handle | None:
 class Handle:
     """The agent attached to one workload. ``close()`` stops its control server."""
 
-    def __init__(self, agent: Agent, gate: SafePointGate, server: AgentServer, *, name: str, training: bool) -> None:
-        self.agent = agent
-        self.rank = agent.group.rank if agent.group is not None else None
-        self.world_size = agent.group.world_size if agent.group is not None else None
+    def __init__(
+        self, engine: SnapshotEngine, gate: SafePointGate, server: AgentServer, *, name: str, training: bool
+    ) -> None:
+        self.engine = engine
+        self.rank = engine.group.rank if engine.group is not None else None
+        self.world_size = engine.group.world_size if engine.group is not None else None
         self.gate = gate
         self.name = name
         self.training = training
@@ -107,8 +110,8 @@ class Handle:
         if server is None:
             return
         server.stop()
-        self.agent.close()
-        self.gate.resume()
+        self.engine.close()
+        self.gate.reopen()
         with _current_lock:
             if _current is self:
                 _current = None
@@ -192,21 +195,21 @@ def attach_items(
                 f"an agent is already attached in this process (at {_current.address}): close() it first"
             )
         gate = SafePointGate(ready=not awaiting_restore())
-        agent = images.make_agent(freezer=gate, set_ready=gate.set_ready, group=group)
+        engine = images.make_engine(freezer=gate, set_ready=gate.set_ready, group=group)
         for item in items:
-            agent.track(item)
+            engine.track(item)
         # A rank carries its own GPU's RNG stream, by position: the target rank may use another index.
-        agent.track_rng("rng", cuda_devices=distributed.cuda_devices(items[0].tensors()) if group else None)
+        engine.track_rng("rng", cuda_devices=distributed.cuda_devices(items[0].tensors()) if group else None)
         try:
-            server = serve(agent, port, host, key=key)
+            server = serve(engine, port, host, key=key)
         except OSError as exc:
-            agent.close()
+            engine.close()
             raise _address_error(host, port, exc) from None
-        _current = Handle(agent, gate, server, name=name, training=training)
+        _current = Handle(engine, gate, server, name=name, training=training)
         devices = distributed.cuda_devices({k: t for i in items for k, t in i.tensors().items()})
         # A target awaiting its restore warms what a restore runs; its first capture, if it ever moves on, compiles
         # the rest then (warming it now would hold the GIL and the GPU beside the restore it waits for).
-        images.warm_device_kernels(devices, capture=not awaiting_restore())
+        warmup.warm_device_kernels(devices, capture=not awaiting_restore())
         return _current
 
 

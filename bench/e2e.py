@@ -56,7 +56,7 @@ import httpx
 from benchlib import gbps, pinned_d2h_GBps
 
 from gpumigrate import control
-from gpumigrate.agent.images import GPU_CHUNK_SIZE
+from gpumigrate.agent.warmup import GPU_CHUNK_SIZE
 from gpumigrate.infra.launch import service_url
 from gpumigrate.infra.local import LocalProvider
 from gpumigrate.interfaces import Host, HostSpec
@@ -147,7 +147,7 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
     shutil.rmtree(store_dir, ignore_errors=True)
     store = f"file://{store_dir}"
     env = {"GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
-    if args.chunk_mb:  # else the SDK's own choice (agent/images.py: 32 MiB for state on a GPU, 4 MiB in host memory)
+    if args.chunk_mb:  # else the SDK's own choice (agent/warmup.py: 32 MiB for state on a GPU, 4 MiB in host memory)
         env["GPUMIGRATE_SNAPSHOT_CHUNK_MB"] = str(args.chunk_mb)
     # Both agents' direct paths log their stage totals per capture and restore (transfer/direct_writer.py, direct_reader.py); they go into
     # this run's JSON, by role (where a migration's threads spend their time, beside the figures they explain).
@@ -328,7 +328,7 @@ def driver_checkpoint(pid: int, nbytes: int) -> dict[str, Any]:
         proc = cuda_driver.CudaProcess(pid)
         proc.lock(timeout_ms=10_000)
         proc.checkpoint()
-        proc.restore()
+        proc.restore_memory()
         proc.unlock()
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}

@@ -143,15 +143,15 @@ class Bench:
         # One live round pre-loaded into the target: it warms both sides' pipelines (pinned rings,
         # streams), as a migration's pre-copy does. The job then steps on, rewriting all its state,
         # so the final round below captures, and the restore loads, every byte again.
-        live = src.precopy(url, IMAGE_KEY, options=self.options)
-        dst.restore(url, live["image"]["id"], IMAGE_KEY, ready=False)
-        src_local.wait_steps(max(m["steps"] for m in src.metrics()) + 1, timeout_s=900)
+        live = src.precopy_ranks(url, IMAGE_KEY, options=self.options)
+        dst.restore_ranks(url, live["image"]["id"], IMAGE_KEY, ready=False)
+        src_local.wait_steps(max(m["steps"] for m in src.metrics_ranks()) + 1, timeout_s=900)
         t0 = time.perf_counter()
-        frozen = src.freeze(lease_s=600, timeout_s=600)
+        frozen = src.freeze_ranks(lease_s=600, timeout_s=600)
         t1 = time.perf_counter()
-        final = src.final(url, IMAGE_KEY, options=self.options)
+        final = src.final_ranks(url, IMAGE_KEY, options=self.options)
         t2 = time.perf_counter()
-        restored = dst.restore(url, final["image"]["id"], IMAGE_KEY)
+        restored = dst.restore_ranks(url, final["image"]["id"], IMAGE_KEY)
         t3 = time.perf_counter()
         per_rank = [x["stats"]["bytes_dirty"] for x in final["ranks"]]
         out: dict[str, Any] = {
@@ -176,7 +176,7 @@ class Bench:
         }
         if parity:
             cut = frozen["step"]
-            advanced = src.advance(PARITY_STEPS, timeout_s=900)
+            advanced = src.advance_ranks(PARITY_STEPS, timeout_s=900)
             dst_local.wait_steps(cut + PARITY_STEPS, timeout_s=900)
             rows = []
             for r in range(ranks):
@@ -204,8 +204,8 @@ class Bench:
         url = self.store()
         rounds = []
         for _ in range(2):
-            pre = src.precopy(url, IMAGE_KEY, options=self.options)
-            loaded = dst.restore(url, pre["image"]["id"], IMAGE_KEY, ready=False)
+            pre = src.precopy_ranks(url, IMAGE_KEY, options=self.options)
+            loaded = dst.restore_ranks(url, pre["image"]["id"], IMAGE_KEY, ready=False)
             rounds.append(
                 {
                     "bytes_dirty": pre["stats"].bytes_dirty,
@@ -214,13 +214,13 @@ class Bench:
                 }
             )
         t0 = time.perf_counter()
-        src.freeze(lease_s=600, timeout_s=600)
+        src.freeze_ranks(lease_s=600, timeout_s=600)
         t1 = time.perf_counter()
-        final = src.final(url, IMAGE_KEY, options=self.options)
+        final = src.final_ranks(url, IMAGE_KEY, options=self.options)
         t2 = time.perf_counter()
-        restored = dst.restore(url, final["image"]["id"], IMAGE_KEY)
+        restored = dst.restore_ranks(url, final["image"]["id"], IMAGE_KEY)
         t3 = time.perf_counter()
-        src.resume()
+        src.resume_ranks()
         out = {
             "ranks": ranks,
             "weights_bytes_per_rank": [x["image"]["bytes_image"] for x in final["ranks"]],

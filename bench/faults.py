@@ -239,7 +239,7 @@ def _frozen(agent: str) -> bool | None:
 
     try:
         with AgentClient(agent, timeout_s=5) as client:
-            return client.info().frozen
+            return client.request_info().frozen
     except Exception:
         return None
 
@@ -518,7 +518,7 @@ def orchestrate(a: argparse.Namespace) -> int:
     from gpumigrate.flows.events import listening
     from gpumigrate.flows.run import run_migration
     from gpumigrate.infra.local import LocalProvider
-    from gpumigrate.snapshot.backends.agent import AgentBackend
+    from gpumigrate.snapshot.backends.embedded import EmbeddedAgentBackend as AgentBackend
 
     pids: dict[str, int] = json.loads(a.pids)
     fired = [False]
@@ -553,10 +553,11 @@ def orchestrate(a: argparse.Namespace) -> int:
 
     freeze, spawn = AgentBackend.freeze, LocalProvider.spawn
 
-    def freeze_then_trip(self: AgentBackend, lease_s: float | None = None) -> None:
-        freeze(self, lease_s)
+    def freeze_then_trip(self: AgentBackend, lease_s: float | None = None) -> int:
+        step = freeze(self, lease_s)
         if a.phase == "freeze":
             trip()
+        return step
 
     def spawn_then_trip(self: LocalProvider, *args: Any, **kw: Any) -> dict[str, Any]:
         reply = spawn(self, *args, **kw)

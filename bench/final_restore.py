@@ -48,11 +48,12 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
 
     from gpumigrate import transfer
     from gpumigrate.agent.tracking import model_item, state_items
-    from gpumigrate.snapshot.agent import Agent, Phases
+    from gpumigrate.snapshot.engine import Phases, SnapshotEngine
 
     Phases.phases = lambda self: dict(self._phases)  # type: ignore[method-assign]  # unrounded (the reply rounds to 0.1 ms)
     from gpumigrate.snapshot.client import AgentClient
     from gpumigrate.snapshot.server import serve
+    from gpumigrate.snapshot.server_commands import final_to, precopy_to, restore_from
     from gpumigrate.workloads.model import ModelConfig, TinyLM
 
     def open_writer(store: str, key_ref: Any, parent: str | None, **_: Any) -> Any:
@@ -61,11 +62,11 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
     def open_reader(store: str, image_id: str, key_ref: Any) -> Any:
         return transfer.open_reader(store, image_id, key=KEY)
 
-    def side() -> tuple[Agent, torch.nn.Module, dict[str, Any]]:
+    def side() -> tuple[SnapshotEngine, torch.nn.Module, dict[str, Any]]:
         torch.manual_seed(0)
         model = TinyLM(ModelConfig(d_model=256, n_layers=43, n_heads=4, d_ff=1024)).to(torch.bfloat16)
         state: dict[str, Any] = {"cache": torch.zeros(1 << 20, dtype=torch.uint8), "step": 0}
-        agent = Agent(writer_factory=open_writer, reader_factory=open_reader)
+        agent = SnapshotEngine(writer_factory=open_writer, reader_factory=open_reader)
         agent.track(model_item(model, "model"))
         for item in state_items(state):
             agent.track(item)
@@ -85,9 +86,9 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
             src_state["step"] = r
         if r == 2:
             src.frozen = True  # the final round: a frozen source (no freezer here: nothing runs)
-            images.append(src.final_to(store, {})["image"]["id"])
+            images.append(final_to(src, store, {})["image"]["id"])
         else:
-            images.append(src.precopy_to(store, {})["image"]["id"])
+            images.append(precopy_to(src, store, {})["image"]["id"])
     key = os.urandom(32)
     server = serve(tgt, key=key)
     client = AgentClient(server.address, key=key)
@@ -97,12 +98,12 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
         for i in range(repeat + 1):  # the first is a warm-up
             for over_wire in (False, True):
                 for image in images[:2]:
-                    tgt.restore_from(store, image, {}, ready=False)
+                    restore_from(tgt, store, image, {}, ready=False)
                 t0 = time.perf_counter()
                 if over_wire:
                     reply = client.call("restore", store=store, image_id=images[2], key_ref={}, policy={}, ready=True)
                 else:
-                    reply = tgt.restore_from(store, images[2], {}, ready=True)
+                    reply = restore_from(tgt, store, images[2], {}, ready=True)
                 took = time.perf_counter() - t0
                 if not i:
                     counts = {"chunks_loaded": reply["chunks_loaded"], "chunks_skipped": reply["chunks_skipped"]}

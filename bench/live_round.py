@@ -66,22 +66,23 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"bench": "live_round", "not_run": "needs a CUDA GPU (--device cpu runs the same code small)"})
         )
         return 0
-    if args.chunk_mb:  # else the SDK's own choice for GPU state (agent/images.py)
+    if args.chunk_mb:  # else the SDK's own choice for GPU state (agent/warmup.py)
         os.environ.setdefault("GPUMIGRATE_SNAPSHOT_CHUNK_MB", str(args.chunk_mb))
     from gpumigrate import transfer
-    from gpumigrate.agent import images
-    from gpumigrate.agent.images import make_agent
+    from gpumigrate.agent import warmup
+    from gpumigrate.agent.images import make_engine
+    from gpumigrate.snapshot.server_commands import precopy_to
     from gpumigrate.stageclock import STAGES
     from gpumigrate.workloads.model import build_model
 
     os.environ["GM_BENCH_KEY"] = transfer.generate_key()
     key_ref = {"env": "GM_BENCH_KEY"}
     model = build_model(0, "small", dtype="bfloat16", device=args.device, params_mb=args.gib * 1024)
-    # the SDK's own warm-up at attach (agent/images.py), waited for: a source serves a while before it moves
+    # the SDK's own warm-up at attach (agent/warmup.py), waited for: a source serves a while before it moves
     if args.device != "cpu":
-        images.warm_device_kernels([torch.cuda.current_device()])
-    warm_s = images.wait_for_kernels()
-    agent = make_agent()
+        warmup.warm_device_kernels([torch.cuda.current_device()])
+    warm_s = warmup.wait_for_kernels()
+    agent = make_engine()
     agent.track_module("model", model)
     nbytes = sum(q.numel() * q.element_size() for q in model.parameters())
     opts = {"compression": args.codec, "parallelism": args.workers}
@@ -92,10 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         store = f"/dev/shm/gm-bench-{label}"
         shutil.rmtree(store, ignore_errors=True)
         agent.forget_shipped()
-        agent.frozen = label.startswith("frozen")
+        agent.state.frozen = label.startswith("frozen")
         STAGES.take()
         t = time.perf_counter()
-        got = agent.precopy_to(f"file://{store}", key_ref, options=opts)
+        got = precopy_to(agent, f"file://{store}", key_ref, options=opts)
         seconds = time.perf_counter() - t
         out[label] = {
             "seconds": round(seconds, 3),
@@ -144,6 +145,7 @@ def _restores_identical(
 
 def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     from gpumigrate.agent import tracking
+    from gpumigrate.snapshot.server_commands import final_to, precopy_to
 
     mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device=args.device)
     state: dict[str, Any] = {"mutable": mutable, "served": 0}
@@ -152,11 +154,11 @@ def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: arg
     store = "/dev/shm/gm-bench-chain"
     shutil.rmtree(store, ignore_errors=True)
     agent.forget_shipped()
-    agent.frozen = False
-    agent.precopy_to(f"file://{store}", key_ref, options=opts)  # round 1: everything
+    agent.state.frozen = False
+    precopy_to(agent, f"file://{store}", key_ref, options=opts)  # round 1: everything
     mutable.add_(1)
-    agent.precopy_to(f"file://{store}", key_ref, options=opts)  # round 2: the delta, parent = round 1
-    agent.frozen = True  # as freeze() leaves it, without a serving loop to hold
+    precopy_to(agent, f"file://{store}", key_ref, options=opts)  # round 2: the delta, parent = round 1
+    agent.state.frozen = True  # as freeze() leaves it, without a serving loop to hold
     spy = _py_spy(args.profile) if args.profile else None
     runs: list[dict[str, Any]] = []
     try:
@@ -166,7 +168,7 @@ def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: arg
             if args.device != "cpu":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            got = agent.final_to(f"file://{store}", key_ref, options=opts)
+            got = final_to(agent, f"file://{store}", key_ref, options=opts)
             runs.append({"ms": (time.perf_counter() - t) * 1e3, "phases": got["stats"]["phases"]})
     finally:
         if spy is not None:
@@ -177,7 +179,7 @@ def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: arg
         torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
-            agent.final_to(f"file://{store}", key_ref, options=opts)
+            final_to(agent, f"file://{store}", key_ref, options=opts)
         prof.export_chrome_trace(args.trace)
     shutil.rmtree(store, ignore_errors=True)
     ms = sorted(r["ms"] for r in runs)

@@ -215,6 +215,7 @@ class RunContext:
             policy=dict(plan.parity.environment),
             source_host=plan.workload.source_host,
             source_agent=plan.workload.agent,
+            ranks=plan.workload.ranks,
             source_pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
             checked=rt.backend_facts,
             source_dir=str(self.migration.dir / "criu-dump"),

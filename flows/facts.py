@@ -3,9 +3,9 @@
 The reference server answers ``/v1/info`` with its environment and its own identity (seed, pid, weights
 digest). A user's service (``examples/byo``) or a training loop has no such endpoint (or one that means
 something else), but every workload embeds the agent, and the agent's ``info`` carries the environment
-facts (python, torch, cuda, GPU, driver, machine: ``snapshot/PROTOCOL.md``) from the core's collector.
-Preflight and the parity phase read facts only through :func:`workload_facts`, so every workload gets the
-same check.
+facts (python, torch, cuda, GPU, driver, machine: ``snapshot/PROTOCOL.md``) from the core's collector; the
+snapshot backend asks it (``SnapshotBackend.facts``). Preflight and the parity phase read facts only through
+:func:`workload_facts`, so every workload gets the same check.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpumigrate.errors import GpumigrateError, ParityError
+from gpumigrate.interfaces import Side, SnapshotBackend
 from gpumigrate.parity.environment import fetch_info
 from gpumigrate.parity.urls import redact_url
-from gpumigrate.snapshot.client import AgentClient
-
-AGENT_TIMEOUT_S = 30.0
 
 
 class FactsUnavailableError(ParityError):
@@ -32,21 +30,20 @@ class FactsUnavailableError(ParityError):
         self.tried = tried
 
 
-def workload_facts(endpoint: str | None, agent: str | None, *, side: str) -> dict[str, Any]:
-    """The facts of one side (``side``: "source" or "target", for messages).
+def workload_facts(endpoint: str | None, agent: str | None, *, side: Side, backend: SnapshotBackend) -> dict[str, Any]:
+    """The facts of one side.
 
     ``endpoint``'s ``/v1/info`` (when it answers a JSON object) overlaid with the environment its agent at
-    ``agent`` reports: the agent's facts are collected by gpumigrate's own collector, so they win over
-    whatever a service's own info path says under the same names. Raises FactsUnavailableError (a
-    ParityError) naming both attempts, the agent's first, when neither answers.
+    ``agent`` reports through ``backend``: the agent's facts are collected by gpumigrate's own collector, so
+    they win over whatever a service's own info path says under the same names. Raises FactsUnavailableError
+    (a ParityError) naming both attempts, the agent's first, when neither answers.
     """
     facts: dict[str, Any] = {}
     tried: list[tuple[str, str]] = []
     agent_facts: Mapping[str, Any] = {}
     if agent:
         try:
-            with AgentClient(agent, timeout_s=AGENT_TIMEOUT_S) as client:
-                agent_facts = client.info().environment
+            agent_facts = backend.facts(side)
         except GpumigrateError as exc:
             tried.append((f"its agent at {agent}", str(exc)))
     if endpoint:

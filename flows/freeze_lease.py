@@ -2,29 +2,31 @@
 
 A source frozen under ``snapshot.freeze_lease_s`` resumes by itself when nobody renews the lease
 (snapshot/lease.py), so a killed orchestrator costs at most one lease of frozen service. While the
-orchestrator lives, a :class:`LeaseKeeper` renews it from its own connection: the lease can stay short
-however long the final round, the restore or the training parity take.
+orchestrator lives, a :class:`LeaseKeeper` renews it through the snapshot backend (``SnapshotBackend.renew``,
+on connections of its own): the lease can stay short however long the final round, the restore or the
+training parity take. A backend whose freeze holds no lease (``leases`` False) needs no keeper.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from gpumigrate.errors import GpumigrateError
 from gpumigrate.flows.context import RunContext
-from gpumigrate.snapshot.client import AgentClient
+from gpumigrate.interfaces import SnapshotBackend
 
 _log = logging.getLogger("gpumigrate.flows.freeze_lease")
 
 
 class LeaseKeeper:
-    """Renews a frozen source's lease from its own connection every third of the lease, until stopped or
-    refused (the source is no longer frozen: an undo resumed it, or the lease ran out)."""
+    """Renews a frozen source's lease every third of the lease, until stopped or refused (the source is no longer
+    frozen: an undo resumed it, or the lease ran out). ``renew(lease_s)`` says whether the source is still frozen."""
 
-    def __init__(self, address: str, lease_s: float) -> None:
-        self.address, self.lease_s = address, lease_s
+    def __init__(self, renew: Callable[[float], bool], lease_s: float, *, what: str) -> None:
+        self.renew, self.lease_s, self.what = renew, lease_s, what
         self.renewals = 0
         self.error: str | None = None
         self._stop = threading.Event()
@@ -44,32 +46,36 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         every = max(0.05, self.lease_s / 3)
-        with AgentClient(self.address, timeout_s=max(5.0, every)) as client:
-            while not self._stop.wait(every):
-                try:
-                    if not client.renew(self.lease_s):
-                        self.error = "the source is no longer frozen"
-                        return
-                    self.renewals += 1
-                except GpumigrateError as exc:
-                    self.error = str(exc)
-                    _log.warning("freeze lease of %s not renewed: %s", self.address, exc)
+        while not self._stop.wait(every):
+            try:
+                if not self.renew(self.lease_s):
+                    self.error = "the source is no longer frozen"
                     return
+                self.renewals += 1
+            except GpumigrateError as exc:
+                self.error = str(exc)
+                _log.warning("freeze lease of %s not renewed: %s", self.what, exc)
+                return
 
 
 _KEEPERS: dict[str, LeaseKeeper] = {}
 _KEEPERS_LOCK = threading.Lock()
 
 
-def keep_frozen(ctx: RunContext) -> None:
-    """Keep the source's freeze alive while this process works on it (started again after a --resume)."""
+def keep_frozen(ctx: RunContext, backend: SnapshotBackend | None = None) -> None:
+    """Keep the source's freeze alive while this process works on it (started again after a --resume); nothing to
+    keep where the source is not frozen, or where its backend (``backend``, else the plan's) freezes without a
+    lease."""
     if not ctx.runtime.source_frozen:
         return
     with _KEEPERS_LOCK:
         keeper = _KEEPERS.get(ctx.migration.id)
         if keeper is None or not keeper.alive():
-            address = ctx.need(ctx.plan.workload.agent, "the source agent")
-            _KEEPERS[ctx.migration.id] = LeaseKeeper(address, ctx.plan.snapshot.freeze_lease_s).start()
+            backend = backend or ctx.backend()
+            if not backend.leases:
+                return
+            what = f"the source of {ctx.migration.id}"
+            _KEEPERS[ctx.migration.id] = LeaseKeeper(backend.renew, ctx.plan.snapshot.freeze_lease_s, what=what).start()
 
 
 def renewals(ctx: RunContext) -> int:

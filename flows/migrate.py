@@ -1,7 +1,9 @@
 """The migrate flow: one Prefect flow, one task per phase, undo registered in transactions.
 
 Each task runs one phase module of :mod:`gpumigrate.flows.phases` (plain ``run(ctx)`` functions the
-CLI and tests call without Prefect) on the one :class:`RunContext` the flow loaded. A task skips a
+CLI and tests call without Prefect) on the one :class:`RunContext` the flow loaded, whatever the workload's
+kind: a training job runs the same phases, which differ where its plan's kind says (no ramp, parity by its
+next steps) and through the snapshot backend's methods for safe points. A task skips a
 phase its state record marks completed (and still valid), so re-running a migration with the same id
 resumes. Two transactions carry the undo (:mod:`gpumigrate.flows.undo`):
 
@@ -41,7 +43,7 @@ from gpumigrate.errors import (
     PolicyDeniedError,
     RolledBackError,
 )
-from gpumigrate.flows import flowrun, prefect_artifacts, run_page, training
+from gpumigrate.flows import flowrun, prefect_artifacts, run_page
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
@@ -80,7 +82,6 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     if done.get("status") in ("completed", "skipped") and still_valid(ctx, name):
         notify(m.id, f"phase.{name}.skipped", done.get("result") or {})
         return dict(done.get("result") or {})
-    phase = training.phase_for(ctx, name, phase)  # kind: training has phases of its own (flows/training.py)
     requested = m.rollback_requested()
     if requested and name != "finalize":
         raise RolledBackError(f"rollback requested by {requested.get('actor')}: {requested.get('reason')}")

@@ -1,7 +1,7 @@
 """The pre-loaded target: each live pre-copy round is loaded into the target while the source still runs.
 
-Both snapshot phases (a service's, ``flows/phases/snapshot.py``; a training job's, ``flows/training.py``)
-run their live rounds through :func:`precopy_rounds`. Where the plan's backend declares ``preloads``
+The snapshot phase (``flows/phases/snapshot.py``, every workload kind) runs its live rounds through
+:func:`precopy_rounds`. Where the plan's backend declares ``preloads``
 (agent), the target was started by provision, awaiting its restore, with its store decided
 (``flows/target_store.py``); after each round the image is checked where the target reads it (its
 signed manifest and the store's listing, no payload read back) and loaded into the target, which stays

@@ -256,6 +256,19 @@ class Restored:
     from_source: Mapping[str, Any] = field(default_factory=dict)  # a fill from the source's memory: way, chunks
 
 
+@dataclass(frozen=True)
+class StepLosses:
+    """Steps a training workload has taken and the losses it reported for them (``advance``, its step metrics)."""
+
+    steps: int
+    losses: tuple[tuple[int, float], ...]  # (step, loss), oldest first
+    frozen: bool | None = None
+    ready: bool | None = None
+
+
+Side = Literal["source", "target"]
+
+
 @runtime_checkable
 class HostActions(Protocol):
     """Runs one host-level snapshot action (a driver checkpoint, a CRIU dump) on the host that holds the process.
@@ -271,10 +284,13 @@ class HostActions(Protocol):
 class SnapshotBackend(Protocol):
     """One way to capture a workload's state on the source and bring it back on the target.
 
-    The migrate flow calls only this; one factory (``gpumigrate.snapshot.backends.snapshot_backend``)
-    picks the implementation from ``plan.snapshot.backend``: ``agent`` (the agent embedded in the
-    workload, over its control address), ``cuda-driver`` and ``criu`` (host-level actions on an
-    unmodified process). Source-side methods never leave the source frozen on an error.
+    The migrate flow calls only this, for every workload kind; one factory
+    (``gpumigrate.snapshot.backends.snapshot_backend``) picks the implementation from ``plan.snapshot.backend``
+    and ``plan.workload.ranks``: ``agent`` (the agents embedded in the workload's ranks, over their control
+    addresses), ``cuda-driver`` and ``criu`` (host-level actions on an unmodified process). Source-side methods
+    never leave the source frozen on an error. Where a training job differs from a service (its step boundary,
+    the steps that prove parity, a freeze kept for the rest of the migration) the difference is a method here,
+    which a backend without safe points refuses naming what it cannot do.
     """
 
     name: str
@@ -286,6 +302,9 @@ class SnapshotBackend(Protocol):
     # Whether preload() can load a pre-copy image into the target while the source serves (the target stays
     # unready), so that restore() loads only what the final image changed; False: preload() is never called.
     preloads: bool
+    # Whether freeze() parks the source under a lease that resumes it unless renew() is called in time (the flow
+    # renews it while it works on the frozen source); False: renew() is never called.
+    leases: bool
 
     def check(self) -> dict[str, Any]:
         """Preflight: raise (exit 2 for a plan that cannot work) naming what is missing; moves nothing.
@@ -293,15 +312,26 @@ class SnapshotBackend(Protocol):
         Returns what it found (small JSON-able facts): the flow records it and hands it back in later
         phases as ``Setup.checked`` (the source process's start time, say)."""
 
+    def facts(self, side: Side) -> dict[str, Any]:
+        """The environment facts the workload on ``side`` reports through its agent ({} where the backend knows no
+        agent there); raises GpumigrateError naming the agent when it does not answer."""
+
     # -- source side
     def precopy(self) -> Round:
         """One live round while the source serves: ship what changed since the last round."""
 
-    def freeze(self, lease_s: float | None = None) -> None:
-        """Stop the source at a safe point; with ``lease_s`` it resumes by itself unless the lease is renewed."""
+    def freeze(self, lease_s: float | None = None) -> int | None:
+        """Stop the source at a safe point; with ``lease_s`` it resumes by itself unless the lease is renewed.
+        Returns the safe points (steps, requests) it completed before it stopped; None without safe points."""
+
+    def renew(self, lease_s: float) -> bool:
+        """Extend the freeze's lease from now; whether the source is still frozen. Only for a backend that ``leases``."""
 
     def final(self) -> ImageRef | None:
         """While frozen: ship the last dirty set and commit. None: the state stays in the process (in place)."""
+
+    def advance(self, steps: int, *, timeout_s: float) -> StepLosses:
+        """A frozen training source takes exactly ``steps`` more steps and stops again; the losses it reported."""
 
     def resume(self) -> None:
         """The source runs again (the undo of freeze and final). Idempotent."""
@@ -317,6 +347,10 @@ class SnapshotBackend(Protocol):
 
     def restore(self, image: ImageRef | None) -> Restored:
         """Rebuild the state on the target from the verified image; the workload reports ready after it."""
+
+    def wait_for_steps(self, side: Side, *, since: int, count: int, timeout_s: float) -> StepLosses:
+        """Once the workload on ``side`` reported ``count`` losses for steps after step ``since``: its steps and
+        those losses (a restored training target trains on; raises naming what it saw after ``timeout_s``)."""
 
     def discard(self) -> None:
         """Undo of restore for what the host's terminate does not stop (a process CRIU restored). Idempotent."""

@@ -560,11 +560,12 @@ class Plan(_Model):
                 "(transfer.encryption_key) from a secrets manager to restore the image"
             )
         if self.transfer.restore_from == "source" and (
-            self.snapshot.backend != "agent" or self.target.provider != "local"
+            self.snapshot.backend != "agent" or self.target.provider != "local" or self.workload.ranks > 1
         ):
             raise ValueError(
                 "transfer.restore_from: source needs snapshot.backend agent and a local target on the source's host "
-                "(the target copies the source's memory); use store to load the image from the store"
+                "(the target copies the source's memory), for a workload of one rank; use store to load the image from "
+                "the store"
             )
         if _ON_TARGET_RE.match(self.transfer.store) and self.target.provider != "local":
             raise ValueError(

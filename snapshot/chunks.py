@@ -11,7 +11,7 @@ every time; here a set of changes cancels only if their weighted sum is 0 mod 2*
 
 The fingerprint is linear, so collisions can be built on purpose (the tests plant one); it only
 decides what a *live* round re-sends. The frozen final round never trusts it alone: every chunk
-it calls unchanged is BLAKE3-hashed and compared with the id it would reuse (``snapshot/agent.py``).
+it calls unchanged is BLAKE3-hashed and compared with the id it would reuse (``engine/capture.py``).
 """
 
 from __future__ import annotations
@@ -78,17 +78,17 @@ def chunk_weights(words: int, device: torch.device | str = "cpu") -> torch.Tenso
 def _weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Row sums of ``x`` (int32 words, sign-extended) times ``w`` (int64), wrapping mod 2**64."""
     if x.device.type == "cpu":
-        # torch's CPU integer reductions are slow (~0.2 GB/s here); numpy's uint64 dot over the widened
-        # words runs ~3 GB/s. Unsigned arithmetic wraps mod 2**64 by definition; the int32 -> uint64 cast
-        # is the sign extension mod 2**64, so the result has the same bits as the int64 path below.
-        # Row by row, so that each widened row is still in cache when the dot reads it (2-D: ~1.2 GB/s).
+        # torch's CPU integer reductions are slow; numpy's uint64 dot over the widened words is an order of
+        # magnitude faster (bench/README.md). Unsigned arithmetic wraps mod 2**64 by definition; the int32 ->
+        # uint64 cast is the sign extension mod 2**64, so the result has the same bits as the int64 path below.
+        # Row by row, so that each widened row is still in cache when the dot reads it (a 2-D dot is slower).
         wu = w.numpy().view(np.uint64)
         out = np.fromiter((np.dot(row.astype(np.uint64), wu) for row in x.numpy()), dtype=np.uint64, count=len(x))
         return torch.from_numpy(out.view(np.int64))
     return (x.to(torch.int64) * w).sum(dim=1)
 
 
-def _kernel(device: torch.device) -> Any:
+def _kernel(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The fused kernel on CUDA (one read of HBM per chunk) when torch.compile works; eager otherwise."""
     if device.type != "cuda" or os.environ.get("GPUMIGRATE_FP_COMPILE", "1") == "0":
         return _weighted_sum
@@ -188,7 +188,7 @@ class Fingerprints:
 
     A model has hundreds of tensors and most end in a short chunk (a bias, a norm's weight): one
     :func:`fingerprint_chunks` per region fingerprinted each of those alone, five launches and their
-    Python apiece, on every round (349 of the 16 GiB reference model's 521 tensors). Here the whole
+    Python apiece, on every round (most of the reference model's tensors). Here the whole
     chunks of each region go through the kernel as before, and the short chunks of all regions are
     fingerprinted together, stacked by length: the same values, in a handful of launches.
     """

@@ -1,7 +1,9 @@
-"""AgentClient: the flows' and the CLI's handle on an agent's control address (PROTOCOL.md).
+"""AgentClient: the orchestrator's side of an agent's control address (PROTOCOL.md).
 
-Every request is signed with the control key (``gpumigrate.control``, channel ``agent``) and every
-reply must carry a signature bound to that request; an unsigned or forged reply is a failure.
+The snapshot backends, ``World`` and the CLI reach a workload's engine only through it; the workload's
+side is ``server.py``. Every request is signed with the control key (``gpumigrate.control``, channel
+``agent``) and every reply must carry a signature bound to that request; an unsigned or forged reply is a
+failure. Its typed wrappers are named ``request_<command>``: each sends one command and decodes the reply.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 
 from gpumigrate import control, errors
 from gpumigrate.errors import GpumigrateError, SnapshotError
-from gpumigrate.interfaces import ImageRef, RegionInfo, Restored, Round, RoundStats
-from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
+from gpumigrate.interfaces import ImageRef, RegionInfo, Restored, Round, RoundStats, StepLosses
+from gpumigrate.snapshot.errors import AgentUnreachableError, EnvironmentMismatchError, ImageMismatchError
 from gpumigrate.snapshot.precopy import Convergence, converge
 
 _ERRORS: dict[str, type[GpumigrateError]] = {
@@ -83,7 +85,9 @@ class AgentClient:
         try:
             self._sock = socket.create_connection(self._addr, timeout=self.timeout_s)
         except OSError as exc:
-            raise SnapshotError(f"cannot reach the snapshot agent at {self.address}: {exc.strerror or exc}") from None
+            raise AgentUnreachableError(
+                f"cannot reach the snapshot agent at {self.address}: {exc.strerror or exc}"
+            ) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._file = self._sock.makefile("rwb")
 
@@ -120,15 +124,19 @@ class AgentClient:
                     pass
                 self._sock = None  # dropped: reconnect once (commands are idempotent or guarded by state)
                 if attempt:
-                    raise SnapshotError(f"the snapshot agent at {self.address} closed the connection during {cmd!r}")
+                    raise AgentUnreachableError(
+                        f"the snapshot agent at {self.address} closed the connection during {cmd!r}"
+                    )
         try:
             reply = json.loads(raw)
         except json.JSONDecodeError:
-            raise SnapshotError(
+            raise AgentUnreachableError(
                 f"the snapshot agent at {self.address} answered {cmd!r} with something not JSON"
             ) from None
         if not isinstance(reply, dict):
-            raise SnapshotError(f"the snapshot agent at {self.address} answered {cmd!r} with something not an object")
+            raise AgentUnreachableError(
+                f"the snapshot agent at {self.address} answered {cmd!r} with something not an object"
+            )
         if "auth" not in reply and not reply.get("ok"):
             # Unsigned: the agent refused our signature (it cannot know we share its key), or an impostor
             # answered. Either way a failure; its text is shown, never trusted for anything else.
@@ -147,10 +155,10 @@ class AgentClient:
         raise exc
 
     # Typed wrappers: each reply is decoded here, once (PROTOCOL.md names the fields) ---------------
-    def info(self) -> AgentInfo:
+    def request_info(self) -> AgentInfo:
         return AgentInfo.decode(self.call("info"))
 
-    def precopy(
+    def request_precopy(
         self,
         store: str,
         key_ref: Mapping[str, str],
@@ -165,32 +173,33 @@ class AgentClient:
         self, store: str, key_ref: Mapping[str, str], *, max_rounds: int, max_downtime_ms: float
     ) -> Convergence:
         """Pre-copy rounds until the dirty set fits ``max_downtime_ms`` or stops shrinking."""
-        return converge(lambda: self.precopy(store, key_ref), max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
+        return converge(
+            lambda: self.request_precopy(store, key_ref), max_rounds=max_rounds, max_downtime_ms=max_downtime_ms
+        )
 
-    def freeze(self, lease_s: float | None = None) -> None:
-        """Freeze at the safe point; with ``lease_s`` the source resumes by itself unless :meth:`renew` is called."""
-        if lease_s is None:
-            self.call("freeze")
-        else:
-            self.call("freeze", lease_s=lease_s)
+    def request_freeze(self, lease_s: float | None = None) -> int:
+        """Freeze at the safe point; with ``lease_s`` the source resumes by itself unless :meth:`request_renew` is
+        called. Returns the safe points it completed before it parked (its step)."""
+        reply = self.call("freeze") if lease_s is None else self.call("freeze", lease_s=lease_s)
+        return int(reply.get("steps") or 0)
 
-    def renew(self, lease_s: float | None = None) -> bool:
+    def request_renew(self, lease_s: float | None = None) -> bool:
         """Extend a freeze's lease; returns whether the agent is still frozen."""
         args = {} if lease_s is None else {"lease_s": lease_s}
         return bool(self.call("renew", **args).get("frozen"))
 
-    def advance(self, steps: int, *, timeout_s: float | None = None) -> StepLosses:
+    def request_advance(self, steps: int, *, timeout_s: float | None = None) -> StepLosses:
         """Let a frozen training source take exactly ``steps`` more steps, then freeze it again."""
         args: dict[str, Any] = {"steps": steps}
         if timeout_s is not None:
             args["timeout_s"] = timeout_s
-        return StepLosses.decode(self.call("advance", **args))
+        return decode_steps(self.call("advance", **args))
 
-    def metrics(self, since: int = 0) -> StepLosses:
+    def request_metrics(self, since: int = 0) -> StepLosses:
         """Steps taken and the losses reported after step ``since``."""
-        return StepLosses.decode(self.call("metrics", since=since))
+        return decode_steps(self.call("metrics", since=since))
 
-    def final(
+    def request_final(
         self,
         store: str,
         key_ref: Mapping[str, str],
@@ -201,10 +210,10 @@ class AgentClient:
         reply = self.call("final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
         return decode_round(reply)
 
-    def resume(self) -> None:
+    def request_resume(self) -> None:
         self.call("resume")
 
-    def restore(
+    def request_restore(
         self,
         store: str,
         image_id: str,
@@ -238,7 +247,7 @@ class AgentClient:
             from_source=dict(reply.get("from_source") or {}),
         )
 
-    def zeroize(self) -> Zeroized:
+    def request_zeroize(self) -> Zeroized:
         reply = self.call("zeroize")
         return Zeroized(
             regions=int(reply["zeroized_regions"]),
@@ -298,23 +307,14 @@ class AgentInfo:
         )
 
 
-@dataclass(frozen=True)
-class StepLosses:
-    """Steps a training workload has taken and the losses it reported for them (``advance``/``metrics``)."""
-
-    steps: int
-    losses: tuple[tuple[int, float], ...]  # (step, loss), oldest first
-    frozen: bool | None = None
-    ready: bool | None = None
-
-    @classmethod
-    def decode(cls, reply: Mapping[str, Any]) -> StepLosses:
-        return cls(
-            steps=int(reply["steps"]),
-            losses=tuple((int(s), float(loss)) for s, loss in reply.get("losses") or ()),
-            frozen=reply.get("frozen"),
-            ready=reply.get("ready"),
-        )
+def decode_steps(reply: Mapping[str, Any]) -> StepLosses:
+    """An ``advance`` or ``metrics`` reply: the steps taken and the losses reported for them."""
+    return StepLosses(
+        steps=int(reply["steps"]),
+        losses=tuple((int(s), float(loss)) for s, loss in reply.get("losses") or ()),
+        frozen=reply.get("frozen"),
+        ready=reply.get("ready"),
+    )
 
 
 @dataclass(frozen=True)
@@ -336,3 +336,12 @@ class Zeroized:
             "devices": ",".join(self.devices),
             "seconds": round(self.seconds, 3),
         }
+
+
+def agent_environment(address: str | None, *, timeout_s: float = 30.0) -> dict[str, Any]:
+    """The environment facts the agent at ``address`` reports (the core's collector, run in the workload's
+    process: ``info``'s ``environment``); {} where there is no agent to ask."""
+    if not address:
+        return {}
+    with AgentClient(address, timeout_s=timeout_s) as client:
+        return dict(client.request_info().environment)

@@ -16,9 +16,9 @@ import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from gpumigrate.errors import SnapshotError
+from gpumigrate.interfaces import ImageRef
 
 MIN_VERSION = (4, 0)
 PLUGIN_NAMES = ("cuda_plugin.so",)
@@ -137,7 +137,14 @@ def _run(cmd: list[str], what: str, d: Path) -> None:
         raise SnapshotError(f"criu {what} failed (exit {out.returncode}): " + " | ".join(tail))
 
 
-def dump_and_pack(pid: int, images_dir: str | Path, pack: Callable[[list[str]], Any], **kw: Any) -> Any:
+def dump_and_pack(
+    pid: int,
+    images_dir: str | Path,
+    pack: Callable[[list[str]], ImageRef],
+    *,
+    info: CriuInfo | None = None,
+    timeout_s: int = 10,
+) -> ImageRef:
     """Dump, then hand the directory's files to ``pack`` (the transfer engine's content-defined packer)."""
-    d = dump(pid, images_dir, **kw)
+    d = dump(pid, images_dir, info=info, timeout_s=timeout_s)
     return pack(sorted(str(p) for p in d.iterdir() if p.is_file()))

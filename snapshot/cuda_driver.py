@@ -71,7 +71,7 @@ def driver() -> Any:
 
 def _name(cu: Any, err: Any) -> str:
     try:
-        return cu.CUresult(err).name
+        return str(cu.CUresult(err).name)
     except Exception:
         return str(int(err))
 
@@ -153,7 +153,7 @@ class CudaProcess:
         self.timing.checkpoint_s = time.perf_counter() - t0
         _check(cu, err, "cuCheckpointProcessCheckpoint", self.pid)
 
-    def restore(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
+    def restore_memory(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
         """Bring GPU memory back (needs CHECKPOINTED); ``gpu_pairs`` maps old→new GPU UUIDs, every GPU the driver sees."""
         cu = driver()
         self._expect("checkpointed", "restore")
@@ -182,8 +182,9 @@ class CudaProcess:
                 self.unlock()
             raise
 
-    def resume(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
-        self.restore(gpu_pairs)
+    def unsuspend(self, gpu_pairs: Mapping[str, str] | None = None) -> None:
+        """Restore then unlock: the undo of :meth:`suspend`, onto other GPUs with ``gpu_pairs``."""
+        self.restore_memory(gpu_pairs)
         self.unlock()
 
     def ensure_running(self) -> str:
@@ -193,7 +194,7 @@ class CudaProcess:
         """
         found = self.state()
         if found == "checkpointed":
-            self.restore()
+            self.restore_memory()
             self.unlock()
         elif found == "locked":
             self.unlock()

@@ -11,3 +11,8 @@ class ImageMismatchError(SnapshotError):
 
 class EnvironmentMismatchError(SnapshotError):
     """The image's source environment differs from this one where the plan forbids it."""
+
+
+class AgentUnreachableError(SnapshotError):
+    """The agent's control address did not answer as an agent does: nothing listens, the connection dropped, or
+    what answered speaks no agent protocol (PROTOCOL.md). Nothing was asked of the workload."""

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpumigrate.snapshot.errors import SnapshotError
+from gpumigrate.errors import SnapshotError
 
 MAX_RUNS = 1 << 20  # a run per chunk of a 4 TiB state at 4 MiB chunks; more is a malformed request
 

@@ -1,12 +1,15 @@
 """The chunk fingerprint (chunks.py) of whole chunks scattered over many tensors, in one Triton launch.
 
 A round fingerprints every chunk of the model. Per region, the compiled weighted sum costs a call of
-its own (guards, launch) and most of a model's 521 regions are small: on the lent H100 the final
-round's fingerprint step took 48-75 ms for 16 GiB, against about 6 ms of reading HBM. Here the whole
-chunks of all regions on a device are addressed by word offsets from one of them, each program sums
-its share of one chunk's words times the weights, and one reduction per chunk adds the shares. The
-sums wrap mod 2**64 like the eager and compiled versions (int64 arithmetic; addition is associative),
-so the fingerprints are the same numbers.
+its own (guards, launch) and most of a model's regions are small, so the launches, not the reading of
+HBM, set the pace (bench/README.md). Here the whole chunks of all regions on a device are addressed by
+word offsets from one of them, each program sums its share of one chunk's words times the weights, and
+one reduction per chunk adds the shares. The sums wrap mod 2**64 like the eager and compiled versions
+(int64 arithmetic; addition is associative), so the fingerprints are the same numbers.
+
+Triton launches on the calling thread's *current* device, not on its arguments' device: every launch
+here runs under its anchor's device (``torch.cuda.device``), for the engine's request thread (current
+device 0) fingerprints the tensors of whichever device a rank uses.
 
 Imported only where Triton is (CUDA hosts): :func:`available` says whether it is.
 """
@@ -34,8 +37,10 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["words"])
-    def weighted_shares(base_ptr, offsets_ptr, weights_ptr, out_ptr, words, PER: tl.constexpr, BLOCK: tl.constexpr):
+    # Triton's language, not Python's: its parameters take Triton's types (and a Python annotation would change
+    # how Triton specializes them), so neither the decorator (Triton ships no types) nor the function is typed.
+    @triton.jit(do_not_specialize=["words"])  # type: ignore[untyped-decorator]
+    def weighted_shares(base_ptr, offsets_ptr, weights_ptr, out_ptr, words, PER: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         chunk = tl.program_id(0)
         part = tl.program_id(1)
         start = tl.load(offsets_ptr + chunk)
@@ -56,8 +61,9 @@ def _tail_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["count"])  # one compiled kernel however many short chunks a batch holds
-    def tail_shares(base_ptr, meta_ptr, weights_ptr, out_ptr, count, PER: tl.constexpr, BLOCK: tl.constexpr):
+    # one compiled kernel however many short chunks a batch holds; untyped, as weighted_shares is
+    @triton.jit(do_not_specialize=["count"])  # type: ignore[untyped-decorator]
+    def tail_shares(base_ptr, meta_ptr, weights_ptr, out_ptr, count, PER: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         chunk = tl.program_id(0)
         part = tl.program_id(1)
         start = tl.load(meta_ptr + chunk)  # in bytes from base_ptr (may be negative)
@@ -80,10 +86,13 @@ def weighted_sums(anchor: torch.Tensor, word_offsets: Sequence[int], words: int,
     from ``anchor``'s first (an int32 device tensor; offsets may be negative and reach other allocations)."""
     count = len(word_offsets)
     parts = -(-words // WORDS_PER_PROGRAM)
-    offsets = torch.tensor(list(word_offsets), dtype=torch.int64, pin_memory=True).to(anchor.device, non_blocking=True)
-    shares = torch.empty((count, parts), dtype=torch.int64, device=anchor.device)
-    _kernel()[(count, parts)](anchor, offsets, weights, shares, words, PER=WORDS_PER_PROGRAM, BLOCK=BLOCK)
-    return shares.sum(dim=1)
+    with torch.cuda.device(anchor.device):
+        offsets = torch.tensor(list(word_offsets), dtype=torch.int64, pin_memory=True).to(
+            anchor.device, non_blocking=True
+        )
+        shares = torch.empty((count, parts), dtype=torch.int64, device=anchor.device)
+        _kernel()[(count, parts)](anchor, offsets, weights, shares, words, PER=WORDS_PER_PROGRAM, BLOCK=BLOCK)
+        return shares.sum(dim=1)
 
 
 def tail_sums(
@@ -95,9 +104,10 @@ def tail_sums(
     count = len(byte_offsets)
     per = WORDS_PER_PROGRAM * 4
     parts = max(1, -(-max(lengths) // per))
-    meta = torch.tensor([*byte_offsets, *lengths], dtype=torch.int64, pin_memory=True).to(
-        anchor.device, non_blocking=True
-    )
-    shares = torch.empty((count, parts), dtype=torch.int64, device=anchor.device)
-    _tail_kernel()[(count, parts)](anchor, meta, weights, shares, count, PER=per, BLOCK=BLOCK)
-    return shares.sum(dim=1) + meta[count:]
+    with torch.cuda.device(anchor.device):
+        meta = torch.tensor([*byte_offsets, *lengths], dtype=torch.int64, pin_memory=True).to(
+            anchor.device, non_blocking=True
+        )
+        shares = torch.empty((count, parts), dtype=torch.int64, device=anchor.device)
+        _tail_kernel()[(count, parts)](anchor, meta, weights, shares, count, PER=per, BLOCK=BLOCK)
+        return shares.sum(dim=1) + meta[count:]

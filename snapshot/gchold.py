@@ -1,11 +1,10 @@
 """Hold Python's cyclic garbage collector off while a command on the freeze → ready path runs.
 
-A full collection walks every object the process tracks, holding the GIL: in a workload process with
-torch loaded it took 40-100 ms on the 2-core dev machine, and more where more is imported (CUDA, Triton,
-a web framework). It starts whenever allocations cross the collector's thresholds, so it lands at
-random; a final round or a restore allocates thousands of small objects (the manifest, per-chunk
-records) and was caught by one inside the pre-load of a migration measured here (91 ms of a restore).
-Inside the downtime window such a pause is downtime. Reference counting still frees every object
+A full collection walks every object the process tracks, holding the GIL, for tens of milliseconds in a
+workload process with torch loaded, and longer where more is imported (CUDA, Triton, a web framework;
+bench/README.md has the figures). It starts whenever allocations cross the collector's thresholds, so it
+lands at random; a final round or a restore allocates thousands of small objects (the manifest, per-chunk
+records), and a migration's pre-load was caught by one. Inside the downtime window such a pause is downtime. Reference counting still frees every object
 that is not part of a cycle; cycles wait for the first collection after the command.
 
 Holds nest and may overlap across threads (a command on one connection, another on the next): the
@@ -58,8 +57,8 @@ def release_later(obj: object, after_s: float | None = None) -> None:
     background thread.
 
     Freeing a large object graph takes the GIL for its whole length: the final restore's manifest (a reader's
-    parsed body, 10,000 objects at 1,400 chunks) took 0.2 ms (2-core dev machine) to free when the restore
-    returned, inside the downtime window, before the reply that says ready. Later it costs nothing that waits."""
+    parsed body, several objects per chunk) was freed when the restore returned, inside the downtime window,
+    before the reply that says ready. Later it costs nothing that waits."""
     global _reaper
     _released.put((time.monotonic() + (RELEASE_AFTER_S if after_s is None else after_s), obj))
     with _lock:

@@ -1,10 +1,11 @@
 """The freeze lease: a frozen source resumes by itself when its orchestrator stops renewing.
 
-``freeze`` starts a lease of ``lease_s`` seconds; ``renew`` starts it again from now. A watchdog
+A freeze starts a lease of ``lease_s`` seconds (:meth:`Lease.start`); a renewal starts it again from now
+(:meth:`Lease.extend`). A watchdog
 thread calls ``on_expiry`` once the deadline passes without a renew. It does so through the
 agent's command lock, so a command in progress when the lease runs out (a long ``final``)
 completes first; the deadline is checked again under that lock, so a renew that arrived in the
-meantime wins. ``renew`` itself never waits for that lock: an orchestrator renews from a second
+meantime wins. A renewal itself never waits for that lock: an orchestrator renews from a second
 connection while its ``final`` runs.
 """
 
@@ -54,7 +55,7 @@ class Lease:
                 self._thread.start()
             self._cond.notify_all()
 
-    def renew(self, lease_s: float | None) -> dict[str, Any]:
+    def extend(self, lease_s: float | None) -> dict[str, Any]:
         with self._cond:
             if self._deadline is None:
                 expired = (

@@ -213,7 +213,7 @@ class Pipeline:
                     staged = slot[: job.data.numel()]
                     if rt is not None and stream is not None and job.data.is_contiguous():
                         # a raw copy keeps the GIL: torch's copy_ let it go and queued to get it back behind the
-                        # writer's threads (H100, 16 GiB: 1.3 s of a 3 s live round, in py-spy, for 1,381 copies)
+                        # writer's threads, a large share of a live round (bench/live_round.py, bench/README.md)
                         n = job.data.numel()
                         cudacalls.copy(
                             rt, self.device.index or 0, staged.data_ptr(), job.data.data_ptr(), n, stream.cuda_stream
@@ -224,7 +224,7 @@ class Pipeline:
                 t = STAGES.add_both("capture.submit.stage", t)
                 # The batch's fingerprints in two gathered launches (whole chunks, short ones), queued before the
                 # writer's reads and the next batch's copies: per chunk, the eager sum's launches and the GIL
-                # crossings of each torch call held the one submitting thread (H100, 16 GiB: 2.2 s of a 2.3 s round).
+                # crossings of each torch call held the one submitting thread for most of a round (bench/live_round.py).
                 fps.append(Fingerprints({str(k): c.data for k, c in enumerate(batch)}, self.chunk_size))
                 t = STAGES.add_both("capture.submit.fingerprint", t)
                 placed = writer.put_tensors(batch)
@@ -242,7 +242,7 @@ class Pipeline:
         return ids, prints
 
     # ------------------------------------------------------------------ restore
-    def restore(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
+    def read_into(self, reader: ImageReader, jobs: Sequence[Job]) -> int:
         """Fill each job's destination bytes from the image; return the bytes loaded."""
         if isinstance(reader, DirectImageReader):
             return reader.read_tensors([TensorChunk(job.region, job.index, job.data) for job in jobs])

@@ -56,7 +56,7 @@ class RankGroup:
         }
 
 
-def _uuid(props: Any) -> str | None:
+def _uuid(props: torch.cuda._CudaDeviceProperties) -> str | None:
     """The GPU's UUID in the driver's form, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (torch prints it bare)."""
     raw = getattr(props, "uuid", None)
     if raw is None:

@@ -1,16 +1,16 @@
 """The safe point: where a workload's state may be captured, between requests or training steps.
 
 A workload wraps each request or step in ``enter()``/``leave()`` (the public SDK's
-``Handle.safe_point()``). The agent's thread calls ``freeze()``: it stops admitting new safe points
-and returns once none is in flight, so nothing changes the tracked state while the final round
-copies it; new ones wait (they are held, they do not fail) until ``resume()``. ``advance(n)`` lets
-exactly ``n`` more through a frozen gate and returns once they are done and the gate is shut again:
+``Handle.safe_point()``). The engine's thread calls ``shut()`` (a freeze): it stops admitting new safe
+points and returns once none is in flight, so nothing changes the tracked state while the final round
+copies it; new ones wait (they are held, they do not fail) until ``reopen()``. ``let_through(n)`` lets
+exactly ``n`` more through a shut gate and returns once they are done and the gate is shut again:
 the orchestrator gets the source's next losses for the steps a restored target also runs.
 
 The gate also counts completed safe points (``steps``: training steps, or requests served) and
 keeps the last losses the workload reported with them; both travel in the image (``progress``).
 A gate that is not ready (a target awaiting its restore) holds safe points like a frozen one. A retired
-gate (``retire()``: the source after a migration, its state zeroized) fails each request's safe point (one
+gate (``mark_retired()``: the source after a migration, its state zeroized) fails each request's safe point (one
 with a timeout), and each one held when it retires, at once (503), for the workload will not serve again;
 a training step's (no timeout) stays parked, as on a frozen gate, until the operator stops the job.
 
@@ -18,8 +18,12 @@ Ranks of one process group (``torch.distributed``) freeze together, in two moves
 holds collectives: a rank parked while a peer is inside step k would leave that peer waiting in
 the collective for ever. ``hold()`` shuts the gate without waiting and says how many safe points
 this rank has *started*; once every rank is held, the orchestrator takes the highest count S and
-``freeze(at_step=S)`` lets each rank through exactly the steps it lacks to reach S, then waits until
+``shut(at_step=S)`` lets each rank through exactly the steps it lacks to reach S, then waits until
 none is in flight. Every rank ends parked after step S, and none is inside a collective.
+
+Another kind of safe point (a token boundary inside an engine loop, say) is another class with the
+engine's side of this one (``hold``, ``shut``, ``reopen``, ``let_through``, ``mark_retired``, ``metrics``,
+``progress``/``set_progress``, ``steps``, ``set_ready``): the engine drives nothing else.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ class SafePointGate:
             self._retired = self._retired and not ready
             self._cond.notify_all()
 
-    def retire(self) -> None:
+    def mark_retired(self) -> None:
         """The workload's state is zeroized (it was migrated): unready for good, and every safe point, held
         ones included, fails at once instead of waiting out its timeout. Idempotent."""
         with self._cond:
@@ -202,7 +206,7 @@ class SafePointGate:
             self._cond.notify_all()
             return {"steps": self.steps, "in_flight": self._in_flight, "started": self.started}
 
-    def freeze(self, timeout_s: float = 60.0, *, at_step: int | None = None) -> float:
+    def shut(self, timeout_s: float = 60.0, *, at_step: int | None = None) -> float:
         """Stop admitting safe points and wait until none is in flight; return the seconds waited.
 
         ``at_step``: first let through the safe points this gate lacks to have started ``at_step``
@@ -235,12 +239,12 @@ class SafePointGate:
         self._budget = 0
         self._cond.notify_all()
 
-    def resume(self) -> None:
+    def reopen(self) -> None:
         """Reopen the gate. Idempotent."""
         with self._cond:
             self._reopen()
 
-    def advance(self, steps: int, timeout_s: float) -> list[tuple[int, float]]:
+    def let_through(self, steps: int, timeout_s: float) -> list[tuple[int, float]]:
         """Let exactly ``steps`` safe points through a frozen gate; return once they finished (the
         gate is frozen again by then). Returns the losses reported for them."""
         with self._cond:

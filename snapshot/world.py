@@ -1,24 +1,28 @@
-"""The orchestrator's side of a workload of N ranks: drive every rank's agent as one (PROTOCOL.md, "Ranks").
+"""The orchestrator's side of a workload's agents: every rank's agent driven as one (PROTOCOL.md, "Ranks").
 
 A workload of N ranks (torch.distributed) embeds one agent per rank; rank r's listens at the
-workload's agent address with its port + r (``World.consecutive``), or wherever a list says. This
-module sends each command to every rank at once and fails as a whole, naming the rank:
+workload's agent address with its port + r (``World.consecutive``), or wherever a list says. Each
+command goes to every rank at once and fails as a whole, naming the rank (the method names end in
+``_ranks``):
 
-- ``precopy``: one live round on every rank (each commits its own image), then the world image
+- ``precopy_ranks``: one live round on every rank (each commits its own image), then the world image
   composed from them by rank 0's agent (``worldimage.py``): one image id per round to push and to
   pre-load, like a single process's.
-- ``freeze``: ``hold`` on every rank (gates shut, steps in flight go on), then ``freeze`` at the
+- ``freeze_ranks``: ``hold`` on every rank (gates shut, steps in flight go on), then ``freeze`` at the
   highest step any rank started, so every rank ends parked after the same step and none is inside
   a collective. Any failure resumes every rank: the source is never left half-frozen.
-- ``final``: each rank's last dirty set (the leases renewed from a second connection meanwhile),
-  then the world image; ``restore``: target rank r loads rank r's part, after its agent said it is
+- ``final_ranks``: each rank's last dirty set (the leases renewed from a second connection meanwhile),
+  then the world image; ``restore_ranks``: target rank r loads rank r's part, after its agent said it is
   rank r of a world of the same size.
-- ``advance`` / ``metrics``: per-rank steps and losses for training parity; ``teardown`` /
-  ``rebuild`` around an in-place capture (the CUDA driver, CRIU); ``resume``; ``zeroize``.
+- ``advance_ranks`` / ``metrics_ranks``: per-rank steps and losses for training parity;
+  ``teardown_ranks`` / ``rebuild_ranks`` around an in-place capture (the CUDA driver, CRIU);
+  ``resume_ranks``; ``zeroize_ranks``.
 
-``rank_gpu_pairs`` and ``gpu_pairs`` give the CUDA driver's restore its full old → new GPU map
-(``dict(gpu_pairs(...))`` is what ``cuda_driver.CudaProcess.restore(gpu_pairs=...)`` takes).
-No torch here: this runs in the orchestrator.
+A world of one is a plain process: its own image (no world image), a plain freeze, a restore without a
+rank (and with a fill from the source's memory where asked), its errors as the agent gave them. The agent
+backend (``backends/embedded.py``) drives every workload through this class. The GPU map of a world
+(old → new GPUs for the CUDA driver's restore) is ``gpumap.py``. No torch here: this runs in the
+orchestrator.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, TypeVar
 
 from gpumigrate.errors import GpumigrateError, InvalidInputError
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
-from gpumigrate.snapshot.client import AgentClient, parse_address
+from gpumigrate.snapshot.client import AgentClient, AgentInfo, parse_address
 from gpumigrate.snapshot.precopy import Convergence, converge
 
 T = TypeVar("T")
@@ -68,16 +72,30 @@ class World:
         self.step: int | None = None  # the step the world froze after
 
     @classmethod
-    def consecutive(cls, address: str, ranks: int, **kwargs: Any) -> World:
+    def consecutive(
+        cls,
+        address: str,
+        ranks: int,
+        *,
+        key: bytes | None = None,
+        key_ref: Mapping[str, str] | None = None,
+        timeout_s: float = 600.0,
+    ) -> World:
         """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group)."""
         host, port = parse_address(address)
         if ranks < 1 or port + ranks - 1 > 65535:
             raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
-        return cls([f"{host}:{port + r}" for r in range(ranks)], **kwargs)
+        addresses = [address] if ranks == 1 else [f"{host}:{port + r}" for r in range(ranks)]  # one: as spelt
+        return cls(addresses, key=key, key_ref=key_ref, timeout_s=timeout_s)
 
     @property
     def size(self) -> int:
         return len(self.addresses)
+
+    @property
+    def alone(self) -> bool:
+        """A world of one: a plain process (see the module)."""
+        return self.size == 1
 
     def close(self) -> None:
         for c in (*self._clients, *self._renewers):
@@ -102,7 +120,7 @@ class World:
             try:
                 results.append(fut.result())
             except GpumigrateError as exc:
-                failure = failure or _ranked(exc, r, self.addresses[r])
+                failure = failure or (exc if self.alone else _ranked(exc, r, self.addresses[r]))
         if failure is not None:
             raise failure
         return results
@@ -111,12 +129,19 @@ class World:
         try:
             return self._clients[0].call(cmd, **args)
         except GpumigrateError as exc:
-            raise _ranked(exc, 0, self.addresses[0]) from None
+            raise (exc if self.alone else _ranked(exc, 0, self.addresses[0])) from None
 
     # The rank commands carry per-rank members (``rank``, ``world``) that the single-agent typed replies
     # leave out: the world reads the agents' raw replies (snapshot/PROTOCOL.md, "Ranks").
 
     # ------------------------------------------------------------------ what the ranks are
+    def ping_ranks(self) -> None:
+        """Every rank's agent answers (and accepts this control key)."""
+        self._each(lambda r, c: c.call("ping"))
+
+    def info_ranks(self) -> list[AgentInfo]:
+        return self._each(lambda r, c: c.request_info())
+
     def describe(self) -> list[dict[str, Any]]:
         """Each rank's place (rank, world size, backend, devices, GPUs), checked: the agents are
         ranks 0..N-1 of one world of N, listed in rank order."""
@@ -147,11 +172,20 @@ class World:
         )
         return out
 
-    def precopy(
-        self, store: str, key_ref: Mapping[str, str], *, options: Mapping[str, Any] | None = None
+    def precopy_ranks(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        *,
+        parent: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """One live round on every rank, then their world image. ``stats``: the round over all ranks
-        (chunks and bytes summed, seconds of the slowest rank, as they run side by side)."""
+        (chunks and bytes summed, seconds of the slowest rank, as they run side by side). ``parent``: the
+        image a world of one ships against (each rank of a larger world ships against its own last image)."""
+        if self.alone:
+            one = self._rank0("precopy", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
+            return {"stats": RoundStats(**one["stats"]), "image": one["image"], "ranks": [one], "compose_seconds": 0.0}
         rounds = self._each(
             lambda r, c: c.call("precopy", store=store, key_ref=dict(key_ref), options=dict(options or {}))
         )
@@ -180,21 +214,27 @@ class World:
         ``on_image(world image id)`` after each (push it, pre-load the target)."""
 
         def one() -> Round:
-            out = self.precopy(store, key_ref, options=options)
+            out = self.precopy_ranks(store, key_ref, options=options)
             if on_image is not None:
                 on_image(out["image"]["id"])
             return Round(stats=out["stats"], image=ImageRef(**out["image"]))
 
         return converge(one, max_rounds=max_rounds, max_downtime_ms=max_downtime_ms)
 
-    def freeze(self, *, lease_s: float = DEFAULT_LEASE_S, timeout_s: float = 60.0) -> dict[str, Any]:
+    def freeze_ranks(self, *, lease_s: float | None = DEFAULT_LEASE_S, timeout_s: float = 60.0) -> dict[str, Any]:
         """Park every rank after the same step: hold all, then freeze all at the highest step any
         started. On any failure every rank is resumed and the error raised."""
         t0 = time.perf_counter()
+        if self.alone:
+            args = {} if lease_s is None else {"lease_s": lease_s}
+            step = int(self._rank0("freeze", timeout_s=timeout_s, **args).get("steps") or 0)
+            self.step = step
+            return {"step": step, "steps_before": [step], "steps": [step], "seconds": time.perf_counter() - t0}
+        lease = DEFAULT_LEASE_S if lease_s is None else lease_s
         try:
-            held = self._each(lambda r, c: c.call("hold", lease_s=lease_s))
+            held = self._each(lambda r, c: c.call("hold", lease_s=lease))
             step = max(h["started"] for h in held)
-            frozen = self._each(lambda r, c: c.call("freeze", at_step=step, lease_s=lease_s, timeout_s=timeout_s))
+            frozen = self._each(lambda r, c: c.call("freeze", at_step=step, lease_s=lease, timeout_s=timeout_s))
         except GpumigrateError:
             self._resume_quietly()
             raise
@@ -206,7 +246,7 @@ class World:
             "seconds": time.perf_counter() - t0,
         }
 
-    def renew(self, lease_s: float | None = None) -> list[dict[str, Any]]:
+    def renew_ranks(self, lease_s: float | None = None) -> list[dict[str, Any]]:
         args = {} if lease_s is None else {"lease_s": lease_s}
         return self._each(lambda r, c: c.call("renew", **args), self._renewers)
 
@@ -218,7 +258,7 @@ class World:
         def run() -> None:
             while not stop.wait(every_s):
                 try:
-                    self.renew()
+                    self.renew_ranks()
                 except GpumigrateError:
                     pass  # the command in progress reports the real trouble
 
@@ -230,55 +270,72 @@ class World:
             stop.set()
             thread.join()
 
-    def final(
-        self, store: str, key_ref: Mapping[str, str], *, options: Mapping[str, Any] | None = None
+    def _kept_alive(self) -> AbstractContextManager[None]:
+        """A world renews its ranks' leases during a long command; one process's lease is its orchestrator's."""
+        return nullcontext() if self.alone else self.keepalive()
+
+    def final_ranks(
+        self,
+        store: str,
+        key_ref: Mapping[str, str],
+        *,
+        parent: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Every frozen rank's last dirty set, then the world image to restore."""
-        with self.keepalive():
-            finals = self._each(
-                lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=dict(options or {}))
-            )
-            world = self._compose(store, key_ref, [x["image"]["id"] for x in finals])
+        """Every frozen rank's last dirty set, then the world image to restore (a world of one: its own image,
+        shipped against ``parent``)."""
+        with self._kept_alive():
+            if self.alone:
+                one = self._rank0(
+                    "final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {})
+                )
+                finals, image, seconds = [one], one["image"], 0.0
+            else:
+                finals = self._each(
+                    lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=dict(options or {}))
+                )
+                world = self._compose(store, key_ref, [x["image"]["id"] for x in finals])
+                image, seconds = world["image"], world["seconds"]
         return {
-            "image": world["image"],
+            "image": image,
             "step": self.step,
             "ranks": finals,
-            "compose_seconds": world["seconds"],
+            "compose_seconds": seconds,
             "bytes_dirty": sum(x["stats"]["bytes_dirty"] for x in finals),
         }
 
     def _resume_quietly(self) -> None:
         try:
-            self.resume()
+            self.resume_ranks()
         except GpumigrateError:
             pass  # each rank that could resume did; a lease resumes the rest
 
-    def resume(self) -> None:
+    def resume_ranks(self) -> None:
         """Resume every rank (rebuilding a torn-down group first), even if some fail; then raise the first failure."""
-        self._each(lambda r, c: c.resume())
+        self._each(lambda r, c: c.request_resume())
 
-    def teardown(self) -> list[dict[str, Any]]:
+    def teardown_ranks(self) -> list[dict[str, Any]]:
         """Destroy every rank's communicators (frozen world; before an in-place capture)."""
         return self._each(lambda r, c: c.call("teardown"))
 
-    def rebuild(self) -> list[dict[str, Any]]:
+    def rebuild_ranks(self) -> list[dict[str, Any]]:
         """Build every rank's communicators again; all at once, as it is a rendezvous."""
         return self._each(lambda r, c: c.call("rebuild"))
 
-    def advance(self, steps: int, *, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+    def advance_ranks(self, steps: int, *, timeout_s: float = 600.0) -> list[dict[str, Any]]:
         """Every frozen rank takes exactly ``steps`` more steps (together: they hold collectives),
         then parks again; per rank ``{"steps", "losses": [[step, loss], ...]}``."""
-        with self.keepalive():
+        with self._kept_alive():
             return self._each(lambda r, c: c.call("advance", steps=steps, timeout_s=timeout_s))
 
-    def metrics(self, since: int = 0) -> list[dict[str, Any]]:
+    def metrics_ranks(self, since: int = 0) -> list[dict[str, Any]]:
         return self._each(lambda r, c: c.call("metrics", since=since), self._renewers)
 
-    def zeroize(self) -> list[dict[str, Any]]:
+    def zeroize_ranks(self) -> list[dict[str, Any]]:
         return self._each(lambda r, c: c.call("zeroize"))
 
     # ------------------------------------------------------------------ target side
-    def restore(
+    def restore_ranks(
         self,
         store: str,
         image_id: str,
@@ -286,21 +343,22 @@ class World:
         *,
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
+        source: str | None = None,
     ) -> dict[str, Any]:
         """Rank r of this (target) world loads rank r's part of world image ``image_id``, all at once.
-        ``device_map``: per rank, the devices it ran on at the source and runs on here."""
-        targets = self.ranks if self.ranks is not None else self.describe()
-        results = self._each(
-            lambda r, c: c.call(
-                "restore",
-                store=store,
-                image_id=image_id,
-                key_ref=dict(key_ref),
-                policy=dict(policy or {}),
-                ready=ready,
-                rank=r,
+        ``device_map``: per rank, the devices it ran on at the source and runs on here. ``source``: a world of
+        one fills its tensors from the source agent's memory there (``fill.py``)."""
+        args: dict[str, Any] = {"store": store, "image_id": image_id, "key_ref": dict(key_ref)}
+        args.update(policy=dict(policy or {}), ready=ready)
+        if self.alone:
+            one = self._rank0("restore", **args, **({} if source is None else {"source": source}))
+            return {"image": image_id, "ranks": [one], "device_map": [], **_sums([one])}
+        if source is not None:
+            raise InvalidInputError(
+                "a fill from the source's memory (transfer.restore_from: source) is for a workload of one rank"
             )
-        )
+        targets = self.ranks if self.ranks is not None else self.describe()
+        results = self._each(lambda r, c: c.call("restore", **args, rank=r))
         device_map = [
             {
                 "rank": r,
@@ -311,57 +369,8 @@ class World:
             }
             for r, res in enumerate(results)
         ]
-        return {
-            "image": image_id,
-            "ranks": results,
-            "device_map": device_map,
-            "bytes_loaded": sum(x["bytes_loaded"] for x in results),
-            "seconds": max(x["seconds"] for x in results),
-        }
+        return {"image": image_id, "ranks": results, "device_map": device_map, **_sums(results)}
 
 
-def canonical_uuid(text: str) -> str:
-    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi's and the driver's form) from any
-    spelling of a GPU UUID (torch prints it without the prefix)."""
-    digits = text.removeprefix("GPU-").replace("-", "").lower()
-    if len(digits) != 32 or not all(c in "0123456789abcdef" for c in digits):
-        raise InvalidInputError(f"{text!r} is not a GPU UUID (32 hex digits, optionally GPU- and dashes)")
-    return f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
-
-
-def rank_gpu_pairs(source: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """Old → new GPU UUID for the GPUs the ranks use: source rank r's i-th GPU goes to target rank r's i-th.
-
-    ``source`` and ``target``: per-rank descriptions in rank order (the world manifest's ``ranks``,
-    ``World.describe()``), each with ``gpus: [{"uuid": ...}, ...]``."""
-    if len(source) != len(target):
-        raise InvalidInputError(f"the source world has {len(source)} ranks, the target {len(target)}")
-    pairs: dict[str, str] = {}
-    for r, (src, dst) in enumerate(zip(source, target, strict=True)):
-        old = [canonical_uuid(g["uuid"]) for g in src.get("gpus") or []]
-        new = [canonical_uuid(g["uuid"]) for g in dst.get("gpus") or []]
-        if len(old) != len(new):
-            raise InvalidInputError(f"rank {r} uses {len(old)} GPU(s) on the source and {len(new)} on the target")
-        for a, b in zip(old, new, strict=True):
-            if pairs.setdefault(a, b) != b:
-                raise InvalidInputError(f"GPU {a} would go to both {pairs[a]} and {b}")
-    return pairs
-
-
-def gpu_pairs(used: Mapping[str, str], visible: Sequence[str]) -> list[tuple[str, str]]:
-    """The complete old → new pairing over every GPU in ``visible`` (the CUDA driver's ``gpuPairs``
-    must name every GPU it sees, none twice): the ranks' GPUs as ``used`` says, each remaining GPU
-    onto a remaining one in index order. UUIDs in the driver's form (``canonical_uuid``)."""
-    used = {canonical_uuid(a): canonical_uuid(b) for a, b in used.items()}
-    visible = [canonical_uuid(g) for g in visible]
-    seen = set(visible)
-    unknown = sorted((set(used) | set(used.values())) - seen)
-    if unknown:
-        raise InvalidInputError(
-            f"GPU(s) {', '.join(unknown)} are not among those the driver sees: {', '.join(visible)}"
-        )
-    taken = set(used.values())
-    if len(taken) != len(used):
-        raise InvalidInputError("two GPUs of the source would go onto one GPU of the target")
-    free_new = iter(g for g in visible if g not in taken)
-    return [(g, used[g]) if g in used else (g, next(free_new)) for g in visible]
+def _sums(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {"bytes_loaded": sum(x["bytes_loaded"] for x in results), "seconds": max(x["seconds"] for x in results)}

@@ -27,6 +27,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("GPUMIGRATE_ENABLE_FAULTS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # the shared test helpers: ``from tests.support import ...``
+    sys.path.insert(0, str(REPO))
 
 # Audit records are keyed and their heads anchored outside the state root (gpumigrate/AUDIT.md): tests,
 # and the CLI subprocesses they start, use a session key and anchor directory, never the user's own.

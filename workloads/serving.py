@@ -107,7 +107,7 @@ class ServingState:
         from gpumigrate.workloads.model import weights_digest
 
         # A restore or zeroize changes the weights in place: the agent's state version says when.
-        version = self.handle.agent.state_version if self.handle is not None else 0
+        version = self.handle.engine.state_version if self.handle is not None else 0
         if self._digest is None or self._digest[0] != version:
             self._digest = (version, weights_digest(self.model))
         return self._digest[1]

@@ -1,6 +1,9 @@
 """Finalize: keep the source warm through the rollback window, or retire it at once when the window is 0.
 
 Neither happens while the target does not answer: then the migration rolls back (the source is whole).
+A training job trains on the target now: its source, still frozen, is parked for as long as a lease goes
+(first, so that no failure after it lets the source train beside the target), then its memory is zeroized;
+the user stops the source process.
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ from typing import Any
 from gpumigrate.errors import RolledBackError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.freeze_lease import release
 from gpumigrate.flows.undo import undo_all
 from gpumigrate.infra.launch import answers
 from gpumigrate.parity.urls import redact_url
+from gpumigrate.snapshot.lease import MAX_LEASE_S
 
 TARGET_CHECKS = 3
 TARGET_CHECK_TIMEOUT_S = 2.0
@@ -21,6 +26,8 @@ TARGET_CHECK_TIMEOUT_S = 2.0
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
+    if plan.workload.kind == "training":
+        return _park_and_retire(ctx)
     _target_still_serves(ctx)
     window = plan.traffic.rollback_window_s
     deadline = time.time() + window
@@ -40,6 +47,23 @@ def run(ctx: RunContext) -> dict[str, Any]:
         },
     )
     return {"source": "warm", "rollback_window_s": window}
+
+
+def _park_and_retire(ctx: RunContext) -> dict[str, Any]:
+    """The job trains on the target: the source is parked (never resumed), then its memory zeroized."""
+    m = ctx.migration
+    backend = ctx.backend()
+    backend.renew(MAX_LEASE_S)  # first: parked for as long as a lease goes, whatever fails below
+    kept = release(ctx)
+    emit(
+        m,
+        "source.parked",
+        {"lease_renewals": kept.get("renewals"), "parked_s": MAX_LEASE_S,
+         "note": "the job trains on the target now; stop the source process"},
+    )  # fmt: skip
+    emit(m, "source.zeroized", backend.retire())
+    ctx.update(source_zeroized=True, source_retired=True, rollback_deadline=time.time())
+    return {"source": "zeroized", "parked_s": MAX_LEASE_S}
 
 
 def target_answers(ctx: RunContext) -> bool:

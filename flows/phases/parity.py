@@ -1,10 +1,12 @@
-"""Parity: the target's environment by the plan's policy, then the golden inputs on source and target directly.
+"""Parity: the target's environment by the plan's policy, then the workload's own outputs on source and target.
 
 Both checks compare two real endpoints (the context refuses a target that is the source itself). The
-facts come from each side's ``/v1/info`` or, for a service that has none, its agent (``flows/facts.py``);
-the golden inputs are asked as the plan's ``parity.request`` says (method, path, body template) and the
-fields it lists are compared as it says (``parity/request.py``). A failure is a ParityError: the flow
-rolls back, and the source still serves.
+facts come from each side's ``/v1/info`` or, for a workload that has none, its agent (``flows/facts.py``).
+A service answers the golden inputs on both sides as the plan's ``parity.request`` says (method, path, body
+template) and the fields it lists are compared as it says (``parity/request.py``). A training job proves
+itself by its next steps: the frozen source takes ``parity.training.steps`` more steps (``advance``) and
+the target, training on from the same cut, must report the same losses for them (``parity/training.py``).
+A failure is a ParityError: the flow rolls back, and the source still serves (or trains on).
 """
 
 from __future__ import annotations
@@ -16,24 +18,33 @@ from gpumigrate.errors import ParityError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.facts import workload_facts
+from gpumigrate.flows.freeze_lease import keep_frozen, renewals
+from gpumigrate.flows.phases.restore import STEPS_TIMEOUT_S, freeze_cut
 from gpumigrate.flows.report import merge_result
+from gpumigrate.interfaces import SnapshotBackend
 from gpumigrate.parity.output import run_output_parity
+from gpumigrate.parity.training import training_parity
 
 FAILURES_KEPT = 20
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
-    src_url = ctx.need(plan.workload.endpoint, "the source endpoint")
-    tgt_url = ctx.target_endpoint()
-    source = workload_facts(src_url, plan.workload.agent, side="source")
-    target = workload_facts(tgt_url, ctx.runtime.target_agent, side="target")
+    backend = ctx.backend()
+    keep_frozen(ctx, backend)  # a training source is still frozen (a resumed migration renews it again)
+    training = plan.workload.kind == "training"
+    src_url = None if training else ctx.need(plan.workload.endpoint, "the source endpoint")
+    tgt_url = None if training else ctx.target_endpoint()
+    source = workload_facts(src_url, plan.workload.agent, side="source", backend=backend)
+    target = workload_facts(tgt_url, ctx.runtime.target_agent, side="target", backend=backend)
     env = compare(source, target, plan.parity.environment)
     emit(m, "parity.environment", {**env.to_dict(), "differences": env.differences()})
     if not env.passed:
         raise ParityError(f"target environment differs where the plan forbids it: {env.differences()}")
+    if training:
+        return _training(ctx, backend)
     golden = ctx.golden_inputs()
-    if golden is None:
+    if golden is None or src_url is None or tgt_url is None:
         emit(m, "parity.output", {"passed": None, "skipped": "plan.parity.golden_inputs is not set"})
         return {"environment": "match", "output": "skipped"}
     request = plan.parity.request
@@ -52,3 +63,29 @@ def run(ctx: RunContext) -> dict[str, Any]:
     if not res.passed:
         raise ParityError(f"output parity failed on {len(res.failures)} checks: {'; '.join(res.failures[:3])}")
     return {"environment": "match", "output": "passed", "cases": res.cases, "max_abs_err": res.max_abs_err}
+
+
+def _training(ctx: RunContext, backend: SnapshotBackend) -> dict[str, Any]:
+    """The source's next ``parity.training.steps`` losses after the cut against the target's for the same steps."""
+    m, policy = ctx.migration, ctx.plan.parity.training
+    step, _ = freeze_cut(ctx)
+    advanced = backend.advance(policy.steps, timeout_s=STEPS_TIMEOUT_S)  # the source is frozen again after them
+    source = dict(advanced.losses)
+    steps = sorted(s for s in source if s > step)[: policy.steps]
+    if steps != list(range(step + 1, step + policy.steps + 1)):
+        raise ParityError(f"the source's agent reported steps {steps} for the {policy.steps} after step {step}")
+    seen = backend.wait_for_steps("target", since=step, count=policy.steps, timeout_s=STEPS_TIMEOUT_S)
+    target = dict(seen.losses)
+    res = training_parity(
+        [source[s] for s in steps],
+        [target[s] for s in steps if s in target],
+        policy,
+        out_dir=m.artifacts / "parity",
+    )
+    record = {**res.to_dict(), "steps": steps, "source": [source[s] for s in steps],
+              "target": [target.get(s) for s in steps], "lease_renewals": renewals(ctx)}  # fmt: skip
+    emit(m, "parity.training", record)
+    merge_result(m, parity=res.summary())
+    if not res.passed:
+        raise ParityError(f"training parity failed after step {step}: {'; '.join(res.failures[:3])}")
+    return {"environment": "match", "training": "passed", "steps": len(steps), "max_abs_err": res.max_abs_err}

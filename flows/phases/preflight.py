@@ -13,12 +13,12 @@ from urllib.parse import urlsplit
 
 from gpumigrate.control import KEY_FILE_ENV, AuthError
 from gpumigrate.environment import EnvironmentReport, collect_facts, compare
-from gpumigrate.errors import InvalidInputError, PolicyDeniedError, SnapshotError, TrafficError
+from gpumigrate.errors import InvalidInputError, PolicyDeniedError, TrafficError
 from gpumigrate.flows import target_store
 from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.facts import FactsUnavailableError, workload_facts
-from gpumigrate.flows.plan_checks import check_golden
+from gpumigrate.flows.plan_checks import check_golden, training_rules
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.placement import check_zones
 from gpumigrate.infra.residency import (
@@ -30,6 +30,7 @@ from gpumigrate.infra.residency import (
 )
 from gpumigrate.interfaces import HostSpec, Provider
 from gpumigrate.parity.urls import redact_url
+from gpumigrate.snapshot.errors import AgentUnreachableError
 from gpumigrate.traffic import frontdoor
 from gpumigrate.transfer.push import ensure_bucket, store_region
 from gpumigrate.transfer.stores.nixl_agent import load_nixl
@@ -37,10 +38,11 @@ from gpumigrate.transfer.stores.nixl_agent import load_nixl
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
+    if plan.workload.kind == "training":
+        training_rules(plan)  # what the flow needs of a training plan: exit 2 before anything else is asked
     decisions = validate_plan_residency(plan, record=m.record)
-    # What `plan validate` checks of the plan alone (golden cases that load and fill the request template; the
-    # training flow's preflight ran the training rules before this): found here, a mistake is exit 2 before
-    # anything is provisioned; found by the parity phase, after a freeze.
+    # What `plan validate` checks of the plan alone (golden cases that load and fill the request template): found
+    # here, a mistake is exit 2 before anything is provisioned; found by the parity phase, after a freeze.
     inputs = check_golden(plan, ctx.golden_inputs())
     if plan.workload.kind == "inference":
         _front_door(ctx)
@@ -98,7 +100,7 @@ def _source_facts(ctx: RunContext) -> dict[str, Any]:
     if not (wl.endpoint or wl.agent):
         return {}
     try:
-        return workload_facts(wl.endpoint, wl.agent, side="source")
+        return workload_facts(wl.endpoint, wl.agent, side="source", backend=ctx.backend())
     except FactsUnavailableError as exc:
         raise _source_not_answering(ctx, exc.tried) from None
 
@@ -108,9 +110,7 @@ def _check_backend(ctx: RunContext) -> dict[str, Any]:
     control key, is the source not answering (exit 2), as in :func:`_source_facts`."""
     try:
         return ctx.backend().check()
-    except (AuthError, SnapshotError) as exc:
-        if ctx.plan.snapshot.backend != "agent" and not isinstance(exc, AuthError):
-            raise
+    except (AuthError, AgentUnreachableError) as exc:
         raise _source_not_answering(ctx, [(f"its agent at {ctx.plan.workload.agent}", str(exc))]) from None
 
 

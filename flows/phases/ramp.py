@@ -6,7 +6,7 @@ front door, the plan's stages and gates, parity probes judged by the parity libr
 (traffic never imports parity), the rollback signal, who holds the traffic lease — and records what
 it decided: the outcome and its trigger (a lease the control plane took back included), and what the
 clients saw through the front door (requests, failures, p99, downtime: Envoy's own stats), for every
-migration, whatever made the traffic.
+migration, whatever made the traffic. A training job has no clients: nothing to shift, the phase is skipped.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ SAMPLES_KEPT = 2000
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m = ctx.migration
+    if ctx.plan.workload.kind == "training":
+        return {"skipped": "a training job has no clients to shift"}
     result = _drive(ctx)
     record_figures(ctx, result.figures)
     samples = [flatten(s.to_json()) for s in result.samples]

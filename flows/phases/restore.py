@@ -1,29 +1,47 @@
-"""Restore: rebuild the state on the target from the verified image; wait until the target reports ready.
+"""Restore: rebuild the state on the target from the verified image, then wait until the target runs.
 
 A target the snapshot phase pre-loaded (``flows/preload.py``) loads only the chunks the final image
-changed: ``image.restored`` and ``result.bytes.restored`` say how much that was.
+changed: ``image.restored`` and ``result.bytes.restored`` say how much that was. A service runs once its
+ready path answers; a training job runs once its first step after the freeze completed on the target
+(``result.pause_ms``: from the freeze to that step), while the source stays frozen under its lease.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.freeze_lease import keep_frozen
 from gpumigrate.flows.preload import final_load
+from gpumigrate.flows.report import merge_result
 from gpumigrate.infra.launch import wait_http
 
 READY_TIMEOUT_S = 300
+STEPS_TIMEOUT_S = 600.0  # for the target's steps to show up (its first after the restore, the parity steps)
 
 
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     backend = ctx.backend()
+    keep_frozen(ctx, backend)  # a training source is still frozen (a resumed migration renews it again)
     image = ctx.runtime.image
     restored = backend.restore(image)
     if restored.pid is not None:  # a process the restore started (CRIU): its undo must find it
         ctx.update(target_pid=restored.pid, target_pid_start=restored.pid_start)
-    wait_http(ctx.target_endpoint(), path=plan.workload.ready_path, timeout_s=READY_TIMEOUT_S)
+    out: dict[str, Any] = {"image_id": image.id if image else None, "ready": True}
+    resumed: dict[str, Any] | None = None
+    if plan.workload.kind == "training":  # no ready path: the target runs once it took a step past the freeze
+        step, frozen_at = freeze_cut(ctx)
+        backend.wait_for_steps("target", since=step, count=1, timeout_s=STEPS_TIMEOUT_S)
+        pause_ms = round((time.time() - frozen_at) * 1000, 1)
+        merge_result(m, pause_ms=pause_ms)
+        out.update(pause_ms=pause_ms, chunks_loaded=restored.chunks_loaded)
+        resumed = {"on": "target", "after_step": step, "pause_ms": pause_ms}
+    else:
+        wait_http(ctx.target_endpoint(), path=plan.workload.ready_path, timeout_s=READY_TIMEOUT_S)
     emit(
         m,
         "image.restored",
@@ -35,4 +53,14 @@ def run(ctx: RunContext) -> dict[str, Any]:
             "pid": restored.pid,
         },
     )
-    return {"image_id": image.id if image else None, "ready": True}
+    if resumed is not None:
+        emit(m, "training.resumed", resumed)
+    return out
+
+
+def freeze_cut(ctx: RunContext) -> tuple[int, float]:
+    """The step the source froze at and when (epoch seconds), from the snapshot phase's record."""
+    done = ctx.migration.phase("snapshot").get("result") or {}
+    if done.get("freeze_step") is None or "frozen_at" not in done:
+        raise InvalidInputError(f"migration {ctx.migration.id}: the snapshot phase has not recorded its freeze")
+    return int(done["freeze_step"]), float(done["frozen_at"])

@@ -1,9 +1,17 @@
-"""Snapshot: live pre-copy rounds while the source serves, then freeze, the final image, and (inference) resume.
+"""Snapshot: live pre-copy rounds while the source runs, then freeze, the final image, and (inference) resume.
 
 When to stop pre-copying is the one convergence rule (``snapshot/precopy.py``). Where the backend
-pre-loads (agent), each round is loaded into the target while the source serves (``flows/preload.py``),
-so that the restore phase loads only what the final image changed. The source is never left frozen: a
-failed final round resumes it before the error goes on; a failed pre-load happens before any freeze.
+pre-loads (agent), each round is loaded into the target while the source runs (``flows/preload.py``),
+so that the restore phase loads only what the final image changed. The freeze lands at the workload's
+safe point (between requests, or between training steps: the step it froze at is recorded, the restore and
+parity phases count the target's steps from it) under ``snapshot.freeze_lease_s``, which the flow renews
+while it works on the frozen source (``flows/freeze_lease.py``): if this process dies, the source resumes by
+itself. An inference source resumes after the final image (its weights are read-only: it serves on while
+the target is restored and ramped); a training source stays frozen (two copies of one job must never both
+train) until the finalize phase parks it for good, or an undo resumes it.
+
+The source is never left frozen by a failure: a failed final round resumes it before the error goes on; a
+failed pre-load happens before any freeze.
 """
 
 from __future__ import annotations
@@ -28,16 +36,15 @@ def run(ctx: RunContext) -> dict[str, Any]:
     rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
     live = precopy_rounds(ctx, backend, max_rounds=rounds)  # each pre-loaded into the target where it can
     conv = live.convergence
-    # No cyclic collection while the source is frozen: a full one holds this process for 40-100 ms
-    # (snapshot/gchold.py), and here that is the workload's downtime.
+    # No cyclic collection while the source is frozen: a full one pauses this process for a visible while
+    # (snapshot/gchold.py), and here that pause is the workload's downtime.
     with gc_held():
-        t_freeze = time.monotonic()
+        frozen_at, t_freeze = time.time(), time.monotonic()
         # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
-        backend.freeze(plan.snapshot.freeze_lease_s)
+        step = backend.freeze(plan.snapshot.freeze_lease_s)
         ctx.update(source_frozen=True)
-        if backend.name == "agent":
-            keep_frozen(ctx)  # renewed while this process lives, however long the final round takes
         try:
+            keep_frozen(ctx, backend)  # renewed while this process lives, however long the final round takes
             image = backend.final()
         except BaseException:
             release(ctx)
@@ -48,7 +55,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
             # Weights are read-only: the source serves on while the target is restored and ramped.
             backend.resume()
             ctx.update(source_frozen=False)
-    release(ctx)
+            release(ctx)
     ctx.update(image=image)
     emit(
         m,
@@ -64,6 +71,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
             "converged": conv.reason,
             "preloaded": len(live.preloads),
             "bytes_preloaded": live.bytes_preloaded,
+            "freeze_step": step,
+            "freeze_lease_s": plan.snapshot.freeze_lease_s,
         },
     )
     if image is not None:
@@ -72,6 +81,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
         "image_id": image.id if image else None,
         "precopy_rounds": len(conv.rounds),
         "preloaded": len(live.preloads),
+        "freeze_step": step,
+        "frozen_at": frozen_at,
         "frozen_ms": round(frozen_ms, 1),
         "bytes_image": image.bytes_image if image else None,
     }

@@ -68,7 +68,7 @@ def _show(result: Any, as_json: bool, summary: str) -> None:
 @app.command("info")
 def info(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Regions, sizes, dtypes, environment facts and the agent's state."""
-    res = _client(agent).info()
+    res = _client(agent).request_info()
     _show(
         asdict(res),
         as_json,
@@ -98,7 +98,7 @@ def precopy(
     client = _client(agent)
     ref = _key_ref(key_env, key_file)
     if rounds == 1:
-        done = client.precopy(store, ref, parent)
+        done = client.request_precopy(store, ref, parent)
         _show(
             asdict(done),
             as_json,
@@ -120,7 +120,7 @@ def precopy(
 @app.command("freeze")
 def freeze(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Stop the workload at its safe point (between requests or steps)."""
-    _client(agent).freeze()
+    _client(agent).request_freeze()
     _show({"frozen": True}, as_json, "frozen")
 
 
@@ -134,14 +134,14 @@ def final(
     as_json: JsonOpt = False,
 ) -> None:
     """Ship the last dirty set of a frozen workload and commit the image."""
-    done = _client(agent).final(store, _key_ref(key_env, key_file), parent)
+    done = _client(agent).request_final(store, _key_ref(key_env, key_file), parent)
     _show(asdict(done), as_json, f"final image {done.image.id} ({done.stats.bytes_dirty} bytes in the last round)")
 
 
 @app.command("resume")
 def resume(agent: AgentOpt, as_json: JsonOpt = False) -> None:
     """Un-freeze the source (rollback)."""
-    _client(agent).resume()
+    _client(agent).request_resume()
     _show({"frozen": False}, as_json, "resumed")
 
 
@@ -161,7 +161,7 @@ def restore(
     as_json: JsonOpt = False,
 ) -> None:
     """Verify and load an image into the target workload, then report ready."""
-    res = _client(agent).restore(store, image, _key_ref(key_env, key_file), policy=_policy(policy), ready=ready)
+    res = _client(agent).request_restore(store, image, _key_ref(key_env, key_file), policy=_policy(policy), ready=ready)
     _show(
         {**asdict(res), "image": res.image_id},
         as_json,
@@ -182,7 +182,7 @@ def zeroize(
     from gpumigrate.state import Migration
 
     m = Migration.open(migration) if migration else None  # fails before anything is wiped when the id is unknown
-    record = _client(agent).zeroize().record()
+    record = _client(agent).request_zeroize().record()
     if m is not None:
         m.record("source.zeroized", record, actor="cli")
     _show(record, as_json, json.dumps(record))

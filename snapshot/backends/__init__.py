@@ -1,9 +1,11 @@
 """The one factory of snapshot backends: ``plan.snapshot.backend`` → a :class:`~gpumigrate.interfaces.SnapshotBackend`.
 
-One module per backend, like a router factory choosing a mesh router: ``agent.py`` drives the
-agent embedded in the workload over its control address; ``cuda_driver.py`` and ``criu.py`` act on
-an unmodified process through host actions run on the host that holds it. The flow builds a
-:class:`Setup` from the plan and its runtime facts and never branches on a backend's name.
+One module per backend, like a router factory choosing a mesh router: ``embedded.py`` (``agent``) drives
+the agents embedded in the workload's ranks over their control addresses (a world of ``Setup.ranks``
+agents, one for a single process: ``world.py``); ``cuda_driver.py`` and ``criu.py`` act on an unmodified
+process through host actions run on the host that holds it (``hostlevel.py``: what they share). The flow
+builds a :class:`Setup` from the plan and its runtime facts, for every workload kind, and never branches
+on a backend's name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ HOST_ACTIONS = ("check", "checkpoint", "restore", "resume", "discard", "retire")
 
 # name -> "module:Class", imported on first use (the agent client needs no torch, CRIU no CUDA)
 BACKENDS: dict[str, str] = {
-    "agent": "gpumigrate.snapshot.backends.agent:AgentBackend",
+    "agent": "gpumigrate.snapshot.backends.embedded:EmbeddedAgentBackend",
     "cuda-driver": "gpumigrate.snapshot.backends.cuda_driver:CudaDriverBackend",
     "criu": "gpumigrate.snapshot.backends.criu:CriuBackend",
 }
@@ -39,13 +41,14 @@ class Setup:
     writer_options: Mapping[str, Any] = field(default_factory=dict)  # compression, parallelism (plan.transfer)
     policy: Mapping[str, str] = field(default_factory=dict)  # the environment policy a restore enforces
     source_host: str = ""  # the host that holds the source process
-    source_agent: str | None = None  # host:port of the source's agent (agent)
+    source_agent: str | None = None  # host:port of the source's agent (rank 0's, for a world of ranks)
+    ranks: int = 1  # the workload's ranks: rank r's agent listens at the agent address's port + r
     source_pid: int | None = None  # the source process (host-level backends)
     checked: Mapping[str, Any] = field(default_factory=dict)  # what this backend's check() found at preflight
     source_dir: str | None = None  # where a host-level backend keeps the source's dump (on the source host)
     parent: str | None = None  # the image last shipped: a resumed migration ships only what changed since
     target_host: str | None = None
-    target_agent: str | None = None  # host:port of the target workload's agent (agent)
+    target_agent: str | None = None  # host:port of the target workload's agent (rank 0's)
     target_store: str | None = None  # where the target reads the image (default: the plan's store)
     fill_from_source: bool = False  # the target copies the source's tensors out of its memory (one host; agent)
     target_dir: str | None = None  # where a host-level backend unpacks the image (on the target host)

@@ -24,36 +24,11 @@ from gpumigrate.snapshot.backends.hostlevel import HostLevel
 class CriuBackend(HostLevel):
     name = "criu"
     needs_launch = False  # the restored tree is the workload, listening sockets included
-    live_rounds = False
-    preloads = False  # CRIU restores the whole tree at once
+    dumps = True  # the final round: ``checkpoint`` dumps with --leave-running and packs the dump into the store
 
     def check(self) -> dict[str, Any]:
         """CRIU 4+ with its CUDA plugin works on the source host; the source's start time, for later steps."""
         return self._act("source", "check", pid=self._source_process()["pid"])
-
-    def freeze(self, lease_s: float | None = None) -> None:
-        """Nothing to hold: the dump stops the tree for its own duration and leaves it running."""
-
-    def final(self) -> ImageRef:
-        out = self._act(
-            "source",
-            "checkpoint",
-            **self._source_process(),
-            images_dir=self.setup.source_dir,
-            store=self.setup.store,
-            key_ref=dict(self.setup.key_ref),
-        )
-        return ImageRef(**out["image"])
-
-    def resume(self) -> None:
-        self._act("source", "resume", **self._source_process(), images_dir=self.setup.source_dir)
-
-    def retire(self) -> dict[str, Any]:
-        return self._act("source", "retire", **self._source_process())
-
-    def preload(self, image: ImageRef) -> Restored:
-        """Nothing to pre-load: CRIU restores the whole tree at once (``preloads`` is False)."""
-        raise SnapshotError("the criu backend does not pre-load: it restores the whole process tree at once")
 
     def restore(self, image: ImageRef | None) -> Restored:
         if image is None:

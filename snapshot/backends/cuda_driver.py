@@ -24,8 +24,7 @@ from gpumigrate.snapshot.backends.hostlevel import HostLevel
 class CudaDriverBackend(HostLevel):
     name = "cuda-driver"
     needs_launch = False  # the source process itself resumes
-    live_rounds = False
-    preloads = False  # the state never leaves the process
+    suspends = True  # a freeze: ``checkpoint`` moves the process's GPU memory to host memory, the GPU freed
 
     def check(self) -> dict[str, Any]:
         raise InvalidInputError(
@@ -33,22 +32,6 @@ class CudaDriverBackend(HostLevel):
             "optionally on other GPUs): there would be no second endpoint to prove parity on or to ramp "
             "traffic to, so the migrate flow refuses it before anything moves; use backend agent or criu"
         )
-
-    def freeze(self, lease_s: float | None = None) -> None:
-        self._act("source", "checkpoint", **self._source_process())
-
-    def final(self) -> None:
-        """The state stays in the suspended process's host memory: there is no image to move."""
-
-    def resume(self) -> None:
-        self._act("source", "resume", **self._source_process())
-
-    def retire(self) -> dict[str, Any]:
-        return {"retired": False, "why": "in place: the source process is the workload"}
-
-    def preload(self, image: ImageRef) -> Restored:
-        """Nothing to pre-load: the state never left the process (``preloads`` is False)."""
-        raise InvalidInputError("the cuda-driver backend does not pre-load: its state never leaves the process")
 
     def restore(self, image: ImageRef | None) -> Restored:
         out = self._act("source", "restore", **self._source_process())
@@ -74,7 +57,7 @@ def on_host(action: str, params: Mapping[str, Any], files: ImageFiles) -> dict[s
     if action == "checkpoint":
         proc.suspend(int(params.get("timeout_ms", 10_000)))
     elif action == "restore":
-        proc.resume(params.get("gpu_pairs"))
+        proc.unsuspend(params.get("gpu_pairs"))
     elif action == "resume":
         return {"pid": pid, "found": proc.ensure_running(), "state": proc.state()}
     return {"pid": pid, "state": proc.state(), "seconds": time.monotonic() - t0}

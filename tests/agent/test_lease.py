@@ -26,7 +26,7 @@ def test_an_unrenewed_lease_resumes_and_a_renewed_one_holds() -> None:
         for _ in range(3):  # renewed in time: stays frozen past the first lease
             time.sleep(0.5)
             assert c.call("renew", lease_s=1.0)["frozen"] is True
-        assert handle.frozen and c.info().lease["lease_s"] == 1.0
+        assert handle.frozen and c.request_info().lease["lease_s"] == 1.0
         held: list[float] = []
 
         def request() -> None:
@@ -38,7 +38,7 @@ def test_an_unrenewed_lease_resumes_and_a_renewed_one_holds() -> None:
         stopped = time.monotonic()
         t.join(10)  # no renew: the lease runs out and the held request goes on
         assert held and 0.5 < held[0] - stopped < 5 and not handle.frozen
-        info = c.info()
+        info = c.request_info()
         assert info.lease_expiries == 1 and info.lease is None and not info.frozen
         with pytest.raises(SnapshotError, match="lease ran out .* and it resumed"):
             c.call("renew")
@@ -46,7 +46,7 @@ def test_an_unrenewed_lease_resumes_and_a_renewed_one_holds() -> None:
             c.call("freeze", lease_s=0)
         c.call("freeze", lease_s=30)
         c.call("resume")  # a resume ends the lease: nothing runs out later
-        assert c.info().lease is None
+        assert c.request_info().lease is None
 
 
 def test_source_serves_again_within_the_lease_after_the_orchestrator_is_killed(spawn) -> None:
@@ -82,4 +82,4 @@ def test_source_serves_again_within_the_lease_after_the_orchestrator_is_killed(s
     assert results == [200] and time.monotonic() - killed < 10  # within the 3 s lease (plus start-up slack)
     assert httpx.get(src.url + "/readyz").json()["status"] == "ready"  # no longer frozen
     with src.client() as c:
-        assert c.info().lease_expiries == 1
+        assert c.request_info().lease_expiries == 1

@@ -112,7 +112,7 @@ def test_a_service_outside_the_package_migrates_under_load(spawn, store) -> None
     for x, want in zip(inputs, expected, strict=True):
         assert httpx.post(dst.url + "/v1/predict", json={"x": x}).json()["y"] == want
     with dst.client() as d:
-        info = d.info()
+        info = d.request_info()
     assert {"model/0.weight", "state/cache", "state.plain", "rng/torch", "progress"} <= {r.name for r in info.regions}
 
 

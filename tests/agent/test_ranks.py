@@ -21,15 +21,16 @@ import torch
 
 import gpumigrate.agent as gm
 from gpumigrate import transfer
-from gpumigrate.agent.images import make_agent
+from gpumigrate.agent.images import make_engine
 from gpumigrate.errors import InvalidInputError, SnapshotError
 from gpumigrate.snapshot.client import AgentClient
 from gpumigrate.snapshot.errors import ImageMismatchError
+from gpumigrate.snapshot.gpumap import gpu_pairs, rank_gpu_pairs
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import SafePointGate
 from gpumigrate.snapshot.tracked import rng_items
-from gpumigrate.snapshot.world import World, gpu_pairs, rank_gpu_pairs
+from gpumigrate.snapshot.world import World
 
 WORLD = 2
 
@@ -48,7 +49,7 @@ class Rank:
     def close(self) -> None:
         self.server.stop()
         self.agent.close()
-        self.gate.resume()
+        self.gate.reopen()
 
 
 def make_rank(rank: int, *, await_restore: bool = False, size: int = 300_000) -> Rank:
@@ -62,7 +63,7 @@ def make_rank(rank: int, *, await_restore: bool = False, size: int = 300_000) ->
         rebuild=lambda: hooks.append("rebuild"),
     )
     gate = SafePointGate(ready=not await_restore)
-    agent = make_agent(freezer=gate, set_ready=gate.set_ready, group=group)
+    agent = make_engine(freezer=gate, set_ready=gate.set_ready, group=group)
     weights = torch.zeros(size) if await_restore else torch.arange(size, dtype=torch.float32) * (rank + 1)
     agent.track_tensor("w", weights)
     return Rank(rank, weights, gate, agent, serve(agent, 0), hooks)
@@ -120,7 +121,7 @@ class Training:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for r in self.ranks:
-            r.gate.resume()
+            r.gate.reopen()
         self.barrier.abort()
         for t in self.threads:
             t.join(10)
@@ -135,11 +136,11 @@ def test_freezing_each_rank_on_its_own_deadlocks_on_the_collective(ranks: list[R
     with Training(ranks):
         while min(r.gate.steps for r in ranks) < 5:
             time.sleep(0.01)
-        ranks[0].gate.freeze(10)
+        ranks[0].gate.shut(10)
         while ranks[1].gate.started <= ranks[0].gate.steps:
             time.sleep(0.001)  # rank 1 enters the next step, and waits there for rank 0
         with pytest.raises(SnapshotError, match="not settled after 1s \\(1 in flight\\)"):
-            ranks[1].gate.freeze(1)
+            ranks[1].gate.shut(1)
         assert ranks[1].gate.in_flight == 1 and ranks[1].gate.started == ranks[0].gate.steps + 1
 
 
@@ -148,7 +149,7 @@ def test_the_group_freezes_after_one_step_with_a_collective_in_every_step(ranks:
         while min(r.gate.steps for r in ranks) < 20:
             time.sleep(0.01)
         for _ in range(5):  # every freeze parks both ranks after the same step, whichever was ahead
-            out = world.freeze(lease_s=30, timeout_s=10)
+            out = world.freeze_ranks(lease_s=30, timeout_s=10)
             step = out["step"]
             assert out["steps"] == [step, step] and max(out["steps_before"]) == step
             before = [r.weights.clone() for r in ranks]
@@ -156,10 +157,10 @@ def test_the_group_freezes_after_one_step_with_a_collective_in_every_step(ranks:
             for r, w in zip(ranks, before, strict=True):
                 assert r.gate.steps == step and r.gate.in_flight == 0 and r.agent.frozen
                 assert torch.equal(r.weights, w)  # parked: nothing moves
-            advanced = world.advance(3, timeout_s=30)  # together, as their steps hold collectives
+            advanced = world.advance_ranks(3, timeout_s=30)  # together, as their steps hold collectives
             assert [a["steps"] for a in advanced] == [step + 3, step + 3]
             assert [s for s, _ in advanced[0]["losses"]] == [step + 1, step + 2, step + 3]
-            world.resume()
+            world.resume_ranks()
             time.sleep(0.05)
         assert not training.errors
 
@@ -167,7 +168,7 @@ def test_the_group_freezes_after_one_step_with_a_collective_in_every_step(ranks:
 def test_one_rank_is_never_frozen_alone(ranks: list[Rank]) -> None:
     with AgentClient(ranks[0].server.address) as c:
         with pytest.raises(SnapshotError, match="rank 0 of a group of 2: freeze the whole group"):
-            c.freeze()
+            c.request_freeze()
         assert not ranks[0].gate.frozen
         held = c.call("hold", lease_s=30)
         assert held == {"steps": 0, "in_flight": 0, "started": 0, "frozen": False, "lease_s": 30}
@@ -175,8 +176,8 @@ def test_one_rank_is_never_frozen_alone(ranks: list[Rank]) -> None:
             with ranks[0].gate.safe_point(0.2):
                 pass
         assert c.call("freeze", at_step=0)["steps"] == 0
-        assert c.info().frozen is True
-        c.resume()
+        assert c.request_info().frozen is True
+        c.request_resume()
     with ranks[0].gate.safe_point(0.5):
         pass
 
@@ -186,7 +187,7 @@ def test_a_failed_group_freeze_resumes_every_rank(ranks: list[Rank]) -> None:
     ranks[1].server.stop()  # rank 1's agent is gone
     with World(addresses, timeout_s=10) as world:
         with pytest.raises(SnapshotError, match="rank 1 .*cannot reach the snapshot agent"):
-            world.freeze(lease_s=30)
+            world.freeze_ranks(lease_s=30)
     assert not ranks[0].agent.frozen and not ranks[0].agent.held and not ranks[0].gate.frozen
     with ranks[0].gate.safe_point(0.5):  # rank 0 runs on
         pass
@@ -206,17 +207,17 @@ def test_a_rank_past_the_group_step_is_refused_and_runs_on(ranks: list[Rank]) ->
 def test_teardown_and_rebuild_around_an_in_place_capture(ranks: list[Rank]) -> None:
     with _world(ranks) as world:
         with pytest.raises(SnapshotError, match="teardown needs the group frozen"):
-            world.teardown()
-        world.freeze(lease_s=30)
-        world.teardown()
+            world.teardown_ranks()
+        world.freeze_ranks(lease_s=30)
+        world.teardown_ranks()
         assert [r.hooks for r in ranks] == [["teardown"], ["teardown"]]
         assert [x["group"] for x in world.describe()] == ["torn down", "torn down"]
         with pytest.raises(SnapshotError, match="advance needs the process group: send rebuild first"):
-            world.advance(1)
-        world.resume()  # a rollback: the group comes back before the first step
+            world.advance_ranks(1)
+        world.resume_ranks()  # a rollback: the group comes back before the first step
         assert [r.hooks for r in ranks] == [["teardown", "rebuild"], ["teardown", "rebuild"]]
         assert [x["group"] for x in world.describe()] == ["up", "up"]
-        world.rebuild()  # idempotent
+        world.rebuild_ranks()  # idempotent
         assert ranks[0].hooks == ["teardown", "rebuild"]
 
 
@@ -225,14 +226,14 @@ def test_the_world_image_holds_every_rank_and_restores_rank_by_rank(
 ) -> None:
     url, key_ref = store
     with _world(ranks) as source, _world(targets) as target:
-        first = source.precopy(url, key_ref)
-        target.restore(url, first["image"]["id"], key_ref, ready=False)  # pre-load: targets stay unready
+        first = source.precopy_ranks(url, key_ref)
+        target.restore_ranks(url, first["image"]["id"], key_ref, ready=False)  # pre-load: targets stay unready
         assert not any(t.gate.ready for t in targets)
         for r in ranks:
             r.weights[:1000] += 7.0  # dirty one chunk per rank
-        source.freeze(lease_s=30)
-        final = source.final(url, key_ref)
-        restored = target.restore(url, final["image"]["id"], key_ref)
+        source.freeze_ranks(lease_s=30)
+        final = source.final_ranks(url, key_ref)
+        restored = target.restore_ranks(url, final["image"]["id"], key_ref)
     for r, t in zip(ranks, targets, strict=True):
         assert torch.equal(t.weights, r.weights) and t.gate.ready
     assert [x["chunks_loaded"] for x in restored["ranks"]] == [2, 2]  # the dirty chunk and the progress blob
@@ -258,30 +259,30 @@ def test_a_rank_gets_only_its_own_part(
 ) -> None:
     url, key_ref = store
     with _world(ranks) as source:
-        source.freeze(lease_s=30)
-        final = source.final(url, key_ref)
+        source.freeze_ranks(lease_s=30)
+        final = source.final_ranks(url, key_ref)
     image = final["image"]["id"]
     with AgentClient(targets[1].server.address) as c:
         with pytest.raises(ImageMismatchError, match="restore rank 0 of a world of 2 into rank 1 of 2"):
-            c.restore(url, image, key_ref, rank=0)
+            c.request_restore(url, image, key_ref, rank=0)
         with pytest.raises(ImageMismatchError, match="holds rank 0 of 2; this process is rank 1 of 2"):
-            c.restore(url, final["ranks"][0]["image"]["id"], key_ref)  # rank 0's own image
+            c.request_restore(url, final["ranks"][0]["image"]["id"], key_ref)  # rank 0's own image
     assert not targets[1].gate.ready and not targets[1].weights.any()  # nothing was loaded
     with World([targets[1].server.address, targets[0].server.address]) as swapped:
         with pytest.raises(InvalidInputError, match="is rank 1 of 2; expected rank 0 of 2"):
-            swapped.restore(url, image, key_ref)
-    lone = make_agent(freezer=SafePointGate())  # a process that is no rank at all
+            swapped.restore_ranks(url, image, key_ref)
+    lone = make_engine(freezer=SafePointGate())  # a process that is no rank at all
     lone.track_tensor("w", torch.zeros(300_000))
     reader = transfer.open_reader(url, image, key=transfer.resolve_key(env=key_ref["env"]))
     with pytest.raises(ImageMismatchError, match="is a world image of 2 ranks: name the rank"):
-        lone.restore(reader)
+        lone.load(reader)
     lone.close()
 
 
 def test_a_world_image_refuses_images_of_other_ranks(ranks: list[Rank], store: tuple[str, dict[str, str]]) -> None:
     url, key_ref = store
     with _world(ranks) as world:
-        rounds = [AgentClient(r.server.address).precopy(url, key_ref) for r in ranks]
+        rounds = [AgentClient(r.server.address).request_precopy(url, key_ref) for r in ranks]
         world.describe()
         with pytest.raises(ImageMismatchError, match="written by rank 1 of 2, not by rank 0 of 2"):
             world._compose(url, key_ref, [rounds[1].image.id, rounds[0].image.id])
@@ -350,3 +351,63 @@ def test_the_lightning_callback_refuses_a_trainer_of_several_ranks() -> None:
     with pytest.raises(RuntimeError, match="this one has 2 ranks.*process_group=torch.distributed.group.WORLD"):
         MigrationCallback().on_train_start(trainer, pl.LightningModule())
     assert gm.current() is None  # nothing attached
+
+
+def _consecutive(await_restore: bool) -> list[Rank]:
+    """The ranks with their agents on consecutive ports, as ``workload.ranks`` addresses them (port + r)."""
+    import socket
+
+    for _ in range(20):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        made: list[Rank] = []
+        try:
+            for r in range(WORLD):
+                rank = make_rank(r, await_restore=await_restore)
+                made.append(rank)
+                rank.server.stop()
+                rank.server = serve(rank.agent, base + r)
+            return made
+        except OSError:  # a port of the pair was taken: another pair
+            for rank in made:
+                rank.close()
+    raise AssertionError("no two consecutive free ports on loopback in 20 tries")
+
+
+def test_the_agent_backend_moves_a_world_of_ranks_through_the_seam(store: tuple[str, dict[str, str]]) -> None:
+    """``workload.ranks: 2`` behind the one factory: the flow's calls reach every rank (a pre-load leaves the
+    target's ranks unready, the freeze parks both after one step, the final world image restores rank by rank)."""
+    from gpumigrate.snapshot.backends import Setup, snapshot_backend
+
+    url, key_ref = store
+    source, target = _consecutive(False), _consecutive(True)
+    try:
+        setup = Setup(
+            store=url,
+            key_ref=key_ref,
+            source_agent=source[0].server.address,
+            ranks=WORLD,
+            target_agent=target[0].server.address,
+        )
+        backend = snapshot_backend("agent", setup)
+        assert backend.check() == {"agent": source[0].server.address}
+        first = backend.precopy()
+        loaded = backend.preload(first.image)
+        assert not loaded.ready and not any(t.gate.ready for t in target)
+        for r in source:
+            r.weights[:1000] += 7.0  # dirty one chunk per rank
+        assert backend.freeze(30) == 0 and all(r.agent.frozen for r in source)
+        image = backend.final()
+        restored = backend.restore(image)
+        assert restored.ready and restored.chunks_loaded == 4  # per rank: the dirty chunk and the progress blob
+        assert all(torch.equal(t.weights, s.weights) and t.gate.ready for s, t in zip(source, target, strict=True))
+        assert backend.facts("target")["python"] == backend.facts("source")["python"]
+        backend.resume()
+        assert not any(r.agent.frozen for r in source)
+        record = backend.retire()
+        assert record["verified"] and record["zeroized_regions"] == WORLD
+        assert not any(r.weights.any() for r in source)
+    finally:
+        for r in (*source, *target):
+            r.close()

@@ -181,7 +181,7 @@ def test_lr_schedulers_travel_and_the_schedule_continues(
             scheds[0].step()
             scheds[1].step(loss)
     with AgentClient(source.address) as c:
-        assert {"lr_scheduler0", "lr_scheduler1"} <= {r.name for r in c.info().regions}
+        assert {"lr_scheduler0", "lr_scheduler1"} <= {r.name for r in c.request_info().regions}
         c.call("freeze")
         image = c.call("final", store=url, key_ref=key_ref)["image"]["id"]
     source.close()
@@ -295,7 +295,7 @@ def test_a_zeroized_service_reads_retired_and_fails_requests_at_once() -> None:
     handle = gm.attach(torch.nn.Linear(2, 2))
     assert client.post("/v1/answer").json() == {"answer": 42}
     with AgentClient(handle.address) as c:
-        assert c.zeroize().verified
+        assert c.request_zeroize().verified
         assert c.call("metrics")["retired"] is True
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json() == {"status": "retired", "reason": "retired: state zeroized"}
@@ -330,7 +330,7 @@ def test_the_lightning_callback_counts_optimizer_steps_and_reports_losses(tmp_pa
             handle = gm.current()
             assert handle is not None
             with AgentClient(handle.address) as c:
-                seen.update(metrics=c.call("metrics"), info=c.info())
+                seen.update(metrics=c.call("metrics"), info=c.request_info())
 
     callback = MigrationCallback(state={"note": "x"})
     trainer = pl.Trainer(

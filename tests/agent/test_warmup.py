@@ -15,27 +15,27 @@ import torch
 def test_the_warm_capture_runs_the_real_writer_and_leaves_no_store_behind(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from gpumigrate.agent import images
+    from gpumigrate.agent import warmup
 
     monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "1")
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    images._warm_capture(torch.device("cpu"))
+    warmup._warm_capture(torch.device("cpu"))
     assert list(scratch.iterdir()) == []  # the probe's store is gone
 
 
 def test_captures_wait_for_the_warm_up_and_say_how_long(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumigrate.agent import images
+    from gpumigrate.agent import warmup
 
     started = threading.Event()
     thread = threading.Thread(target=lambda: (started.set(), time.sleep(0.3)), daemon=True)
-    monkeypatch.setattr(images, "_warming", [thread])
+    monkeypatch.setattr(warmup, "_warming", [thread])
     thread.start()
     started.wait()
-    waited = images.wait_for_kernels()
+    waited = warmup.wait_for_kernels()
     assert not thread.is_alive() and waited >= 0.1
-    assert images.wait_for_kernels() < 0.05  # once done, nothing to wait for
+    assert warmup.wait_for_kernels() < 0.05  # once done, nothing to wait for
 
 
 def test_the_chunk_size_follows_where_the_state_lives_unless_the_environment_says(
@@ -43,12 +43,12 @@ def test_the_chunk_size_follows_where_the_state_lives_unless_the_environment_say
 ) -> None:
     """32 MiB chunks for state on a GPU (set when the attach warms a device's kernels), the image format's default
     for host memory, and GPUMIGRATE_SNAPSHOT_CHUNK_MB over both."""
-    from gpumigrate.agent import images
+    from gpumigrate.agent import warmup
 
     monkeypatch.delenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", raising=False)
-    monkeypatch.setattr(images, "_state_on_gpu", threading.Event())
-    assert images.warm_device_kernels([]) is None and images._chunk_size() is None  # host memory: 4 MiB
-    images._state_on_gpu.set()  # what warm_device_kernels([0]) records first, on a GPU host
-    assert images._chunk_size() == images.GPU_CHUNK_SIZE == 32 << 20
+    monkeypatch.setattr(warmup, "_state_on_gpu", threading.Event())
+    assert warmup.warm_device_kernels([]) is None and warmup.chunk_size() is None  # host memory: 4 MiB
+    warmup._state_on_gpu.set()  # what warm_device_kernels([0]) records first, on a GPU host
+    assert warmup.chunk_size() == warmup.GPU_CHUNK_SIZE == 32 << 20
     monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "8")
-    assert images._chunk_size() == 8 << 20
+    assert warmup.chunk_size() == 8 << 20

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+
+from tests.support import plans
 
 _HOME = tempfile.mkdtemp(prefix="gm-prefect-home-")
 atexit.register(shutil.rmtree, _HOME, True)
@@ -119,44 +120,17 @@ def inference_plan() -> PlanBuilder:
     names in that top-level section (``snapshot={"precopy_rounds": 2}``, ``transfer={"store": ...}``)."""
 
     def build(src: InferenceSource, path: Path, *, target: str, **sections: dict[str, Any]) -> Path:
-        from gpumigrate.flows.demo import golden_inputs
-
-        argv = ["{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}"]
-        plan: dict[str, Any] = {
-            "version": 1,
-            "workload": {
-                "name": src.name,
-                "kind": "inference",
-                "source_host": src.host.name,
-                "endpoint": src.endpoint,
-                "agent": src.agent,
-                "source_region": "local-a",
-                "launch": {"argv": [*argv, "--name", "{name}", *src.args]},
-            },
-            "target": {"provider": "local", "region": "local-b", "host": target},
-            "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
-            "snapshot": {"precopy_rounds": 1},
-            "transfer": {"store": "file://store", "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
-            "parity": {
-                "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
-                "request": {
-                    "path": "/v1/generate",
-                    "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
-                },
-                "atol": 1e-4,
-                "rtol": 1e-3,
-            },
-            "traffic": {
-                "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
-                "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
-                "analysis_interval_s": 0.5,
-                "rollback_window_s": 0,
-            },
-        }
-        for section, keys in sections.items():
-            plan[section] = {**plan.get(section, {}), **keys}
-        path.write_text(yaml.safe_dump(plan, sort_keys=False))
-        return path
+        return plans.inference_plan(
+            path,
+            name=src.name,
+            source_host=src.host.name,
+            endpoint=src.endpoint,
+            agent=src.agent,
+            key_file=src.key_file,
+            model=src.args,
+            target=target,
+            **sections,
+        )
 
     return build
 

@@ -21,6 +21,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.support.plans import inference_plan
+
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = "tiny-lm"
 MODEL = ("--seed", "0", "--size", "tiny", "--device", "cpu")  # the source's model; the target allocates the same
@@ -84,55 +86,18 @@ def source(home: Path, prefect_api: str, workload_launch: Callable[..., Any]) ->
 
 
 def write_plan(src: Source, path: Path, *, target: str, manual_gate: bool = False, window_s: float = 300) -> Path:
-    from gpumigrate.flows.demo import golden_inputs
-
-    plan = {
-        "version": 1,
-        "workload": {
-            "name": WORKLOAD,
-            "kind": "inference",
-            "source_host": "flows-src",
-            "endpoint": src.endpoint,
-            "agent": src.agent,
-            "source_region": "local-a",
-            "launch": {
-                "argv": [
-                    "{python}",
-                    "-m",
-                    "gpumigrate.workloads.inference",
-                    "--host",
-                    "{host}",
-                    "--port",
-                    "{service_port}",
-                    "--name",
-                    "{name}",
-                    *MODEL,
-                ]
-            },
-        },
-        "target": {"provider": "local", "region": "local-b", "host": target},
-        "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
-        "snapshot": {"precopy_rounds": 1},
-        "transfer": {"store": "file://store", "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
-        "parity": {
-            "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
-            "request": {
-                "path": "/v1/generate",
-                "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
-            },
-            "atol": 1e-4,
-            "rtol": 1e-3,
-        },
-        "traffic": {
-            "stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
-            "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
-            "analysis_interval_s": 0.5,
-            "rollback_window_s": window_s,
-            "manual_gate": manual_gate,
-        },
-    }
-    path.write_text(yaml.safe_dump(plan, sort_keys=False))
-    return path
+    return inference_plan(
+        path,
+        name=WORKLOAD,
+        source_host="flows-src",
+        endpoint=src.endpoint,
+        agent=src.agent,
+        key_file=src.key_file,
+        model=MODEL,
+        target=target,
+        traffic={"stages": [{"weight": 25, "hold_s": 1}, {"weight": 100, "hold_s": 1}], "rollback_window_s": window_s,
+                 "manual_gate": manual_gate},
+    )  # fmt: skip
 
 
 def cli_env(prefect_api: str, home: Path, **extra: str) -> dict[str, str]:

@@ -157,45 +157,22 @@ def source(
 
 def write_plan(src: Source, path: Path, *, target: dict[str, Any], store: str, allowed: list[str]) -> Path:
     """The plan states its store's region as the README asks; preflight checks it against the bucket's real one."""
-    from gpumigrate.flows.demo import golden_inputs
+    from tests.support.plans import SERVER, inference_plan
 
-    argv = ["{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}"]
-    plan = {
-        "version": 1,
-        "workload": {
-            "name": WORKLOAD,
-            "kind": "inference",
-            "source_host": "cloud-src",
-            "endpoint": src.endpoint,
-            "agent": src.agent,
-            "launch": {"argv": [*argv, "--name", "{name}", *MODEL], "ready_timeout_s": 180},
-        },
-        "target": target,
-        "data": {"classification": "internal", "allowed_jurisdictions": allowed},
-        "snapshot": {"precopy_rounds": 1},
-        "transfer": {
-            "store": store,
-            "store_region": target["region"],
-            "encryption_key": {"file": str(src.key_file)},
-            "parallelism": 2,
-        },
-        "parity": {
-            "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
-            "request": {
-                "path": "/v1/generate",
-                "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
-            },
-            "atol": 1e-4,
-            "rtol": 1e-3,
-        },
-        "traffic": {
-            "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
-            "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
-            "analysis_interval_s": 0.5,
-            "rollback_window_s": 600,
-        },
-    }
-    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return inference_plan(
+        path,
+        name=WORKLOAD,
+        source_host="cloud-src",
+        endpoint=src.endpoint,
+        agent=src.agent,
+        key_file=src.key_file,
+        model=MODEL,
+        target=target,
+        workload={"launch": {"argv": [*SERVER, "--name", "{name}", *MODEL], "ready_timeout_s": 180}},
+        data={"allowed_jurisdictions": allowed},
+        transfer={"store": store, "store_region": target["region"]},
+        traffic={"rollback_window_s": 600},
+    )
     return path
 
 

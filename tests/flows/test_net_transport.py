@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from gpumigrate.infra import netns as netns_lib
+from tests.support.plans import inference_plan
 
 _ok, _why = netns_lib.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=f"network namespaces unavailable: {_why}")]
@@ -91,41 +92,17 @@ def target_host(src: Source, name: str) -> Any:
 
 
 def write_plan(src: Source, path: Path, *, target: str, store: str) -> Path:
-    from gpumigrate.flows.demo import golden_inputs
-
-    argv = ["{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}"]
-    plan = {
-        "version": 1,
-        "workload": {
-            "name": WORKLOAD,
-            "kind": "inference",
-            "source_host": "net-src",
-            "endpoint": src.endpoint,
-            "agent": src.agent,
-            "source_region": "local-a",
-            "launch": {"argv": [*argv, "--name", "{name}", *MODEL]},
-        },
-        "target": {"provider": "local", "region": "local-b", "host": target},
-        "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
-        "snapshot": {"precopy_rounds": 1},
-        "transfer": {"store": store, "encryption_key": {"file": str(src.key_file)}, "parallelism": 2},
-        "parity": {
-            "golden_inputs": str(golden_inputs(path.parent / "golden.jsonl")),
-            "request": {
-                "path": "/v1/generate",
-                "compare": [{"field": "tokens", "kind": "exact"}, {"field": "logprobs", "kind": "numeric"}],
-            },
-            "atol": 1e-4,
-            "rtol": 1e-3,
-        },
-        "traffic": {
-            "stages": [{"weight": 50, "hold_s": 1}, {"weight": 100, "hold_s": 1}],
-            "gates": {"min_success_rate": 0.99, "max_p99_ratio": 4.0, "min_requests": 3, "failures_to_rollback": 2},
-            "analysis_interval_s": 0.5,
-            "rollback_window_s": 0,
-        },
-    }
-    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return inference_plan(
+        path,
+        name=WORKLOAD,
+        source_host="net-src",
+        endpoint=src.endpoint,
+        agent=src.agent,
+        key_file=src.key_file,
+        model=MODEL,
+        target=target,
+        transfer={"store": store},
+    )
     return path
 
 

@@ -134,7 +134,7 @@ def _untouched(src: Source) -> None:
 
     assert httpx.post(src.endpoint + "/v1/predict", json={"x": X}, timeout=10).status_code == 200
     with AgentClient(src.agent, timeout_s=30) as agent:
-        info = agent.info()
+        info = agent.request_info()
     assert info.frozen is False and info.lease_expiries == 0
     assert get_provider("local").list_hosts() == []
 
@@ -196,7 +196,7 @@ def test_the_front_door_keeps_a_frozen_source_and_its_clients_wait(source: Sourc
     listener = str(read(door).listener)
     answers: list[httpx.Response] = []
     with AgentClient(source.agent, timeout_s=30) as agent:
-        agent.freeze(lease_s=30)
+        agent.request_freeze(lease_s=30)
         try:
             assert httpx.get(source.endpoint + "/readyz", timeout=5).status_code == 200  # held, not refused
             time.sleep(1.5)  # three of Envoy's health checks (every 0.5 s) while frozen
@@ -208,7 +208,7 @@ def test_the_front_door_keeps_a_frozen_source_and_its_clients_wait(source: Sourc
             time.sleep(0.5)
             assert answers == []  # held at the safe point
         finally:
-            agent.resume()
+            agent.request_resume()
     client.join(timeout=30)
     assert [a.status_code for a in answers] == [200]
 

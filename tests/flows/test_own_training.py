@@ -152,7 +152,7 @@ def _trains_on_like_the_control_run(user: User, state: dict[str, Any], tmp_path:
     cut = state["phases"]["snapshot"]["result"]["freeze_step"]
     with AgentClient(state["runtime"]["target_agent"], timeout_s=30) as target:
         deadline = time.monotonic() + 120
-        while len(got := dict(target.metrics(since=cut).losses)) < 8:
+        while len(got := dict(target.request_metrics(since=cut).losses)) < 8:
             assert time.monotonic() < deadline, got
             time.sleep(0.1)
     assert min(got) == cut + 1  # it continued; it did not start over
@@ -160,7 +160,7 @@ def _trains_on_like_the_control_run(user: User, state: dict[str, Any], tmp_path:
     assert got == {s: control[s] for s in got}
     # The source never trained past the parity steps it was advanced by, and stays parked.
     with AgentClient(user.agent, timeout_s=30) as source:
-        parked = source.metrics()
+        parked = source.request_metrics()
     assert parked.frozen is True and parked.steps == cut + 5
     before = {s: loss for s, loss in _losses(user.log).items() if s <= cut}
     assert before == {s: control[s] for s in before}

@@ -103,12 +103,12 @@ def test_a_target_that_trains_differently_rolls_back_and_the_source_trains_on(
         assert judged["lease_renewals"] >= 1 and judged["source"] != judged["target"]  # ... so it was renewed
         assert get_provider("local").list_hosts() == []
         with AgentClient(agent, timeout_s=30) as client:
-            info = client.info()
+            info = client.request_info()
             assert info.frozen is False
             assert info.lease_expiries == 0  # frozen for seconds under a 1 s lease: renewed, never lapsed
-            before = client.metrics().steps
+            before = client.request_metrics().steps
             deadline = time.monotonic() + 60
-            while client.metrics().steps < before + 3:  # it trains on
+            while client.request_metrics().steps < before + 3:  # it trains on
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
     finally:

@@ -34,7 +34,7 @@ from gpumigrate.flows.context import RunContext, Siblings
 from gpumigrate.flows.phases import finalize, preflight, provision, restore, snapshot, transfer
 from gpumigrate.flows.rollback import roll_back_here
 from gpumigrate.flows.undo import rolled_back_or_not, undo_all, undo_source
-from gpumigrate.interfaces import Host, HostSpec, ImageRef, Jurisdiction, Restored, Round, RoundStats
+from gpumigrate.interfaces import Host, HostSpec, ImageRef, Jurisdiction, Restored, Round, RoundStats, Side, StepLosses
 from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
 from gpumigrate.snapshot.backends import Setup, snapshot_backend
 from gpumigrate.traffic.frontdoor import FRONTDOOR
@@ -141,10 +141,23 @@ class FakeBackend:
     name = "fake"
     live_rounds = True
     preloads = False  # the pre-loaded target is tested through the real agent (tests/flows/test_preload.py)
+    leases = False  # the freeze lease is tested through the real agent (tests/flows/test_own_training_rollback.py)
 
     def check(self) -> dict[str, Any]:
         self.steps.append("check")
         return {"start": 99, "nested": {"dropped": True}}
+
+    def facts(self, side: Side) -> dict[str, Any]:
+        raise SnapshotError(f"the {side}'s agent does not answer (a fake backend: its service's /v1/info does)")
+
+    def renew(self, lease_s: float) -> bool:
+        raise AssertionError("renew is called only on a backend that leases")
+
+    def advance(self, steps: int, *, timeout_s: float) -> StepLosses:
+        raise AssertionError("advance is called only for a training plan")
+
+    def wait_for_steps(self, side: Side, *, since: int, count: int, timeout_s: float) -> StepLosses:
+        raise AssertionError("steps are waited for only for a training plan")
 
     def precopy(self) -> Round:
         n = len([s for s in self.steps if s == "precopy"]) + 1

@@ -141,7 +141,7 @@ def serves(host: Any) -> None:
 
     assert httpx.get(f"http://{host.address}:{host.ports['service']}/healthz", timeout=5, trust_env=False).is_success
     with AgentClient(f"{host.address}:{host.ports['agent']}", timeout_s=10) as agent:
-        assert agent.info()
+        assert agent.request_info()
 
 
 def test_aws_boots_the_workload_and_reports_its_ports(

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gpumigrate import control
-from gpumigrate.agent.images import make_agent
+from gpumigrate.agent.images import make_engine
 from gpumigrate.snapshot.client import AgentClient, parse_address
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import SafePointGate
@@ -30,7 +30,7 @@ SECRET_ARG = "s3://attacker-bucket/exfil"
 @pytest.fixture
 def served() -> Iterator[tuple[Any, AgentServer, torch.Tensor]]:
     gate = SafePointGate()
-    agent = make_agent(freezer=gate)
+    agent = make_engine(freezer=gate)
     weights = torch.arange(1, 1001, dtype=torch.float32)
     agent.track_tensor("w", weights)
     server = serve(agent, 0)
@@ -68,7 +68,7 @@ def test_unauthenticated_commands_are_refused_and_recorded(served) -> None:
     assert not agent.frozen and torch.equal(weights, torch.arange(1, 1001, dtype=torch.float32))
     assert agent.rounds == 0 and agent.last_image is None  # nothing was shipped anywhere
     with AgentClient(server.address) as c:
-        info = c.info()
+        info = c.request_info()
     auth = info.auth
     assert auth["refused"] == 4 and [r["cmd"] for r in auth["last_refused"]] == list(attacks)
     assert all(r["peer"].startswith("127.0.0.1:") and "no signature" in r["reason"] for r in auth["last_refused"])

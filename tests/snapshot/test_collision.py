@@ -13,9 +13,9 @@ import torch
 from sympy import ZZ
 from sympy.polys.matrices import DomainMatrix
 
-from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, chunk_weights, fingerprint_chunks
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.engine import SnapshotEngine
+from tests.support.memimage import MemoryStore
 
 KEY = b"c" * 32
 CHUNK = 4096  # bytes: 1024 words
@@ -49,23 +49,23 @@ def test_planted_collision_is_caught_by_the_final_full_hash() -> None:
     assert after == before and not torch.equal(planted, data)  # a real collision of the 64-bit fingerprint
 
     store = MemoryStore()
-    agent = Agent(workers=1)
+    agent = SnapshotEngine(workers=1)
     agent.track_tensor("w", data)
-    agent.precopy(store.writer(KEY, chunk_size=CHUNK))
+    agent.capture_round(store.writer(KEY, chunk_size=CHUNK))
     data.copy_(planted)  # the workload changes chunk 0 in a way the fingerprint cannot see
-    live = agent.precopy(store.writer(KEY, chunk_size=CHUNK))
+    live = agent.capture_round(store.writer(KEY, chunk_size=CHUNK)).stats
     assert live.chunks_dirty == 0  # a live round trusts the fingerprint: fooled
-    agent.freeze()
-    final = agent.final(store.writer(KEY, chunk_size=CHUNK))
+    agent.park()
+    final = agent.capture_final(store.writer(KEY, chunk_size=CHUNK)).image
     assert agent.fingerprint_collisions == 1  # the final round's BLAKE3 of "unchanged" chunks caught it
     reader = store.reader(final.id, KEY)
     chunk0 = bytes(byte_view(planted)[:CHUNK].numpy())
     assert reader.metadata()["snapshot"]["chunks"]["w"][0] == blake3.blake3(chunk0).hexdigest()
 
     out = torch.full_like(data, -1)
-    target = Agent(workers=1)
+    target = SnapshotEngine(workers=1)
     target.track_tensor("w", out)
-    target.restore(reader)
+    target.load(reader)
     assert torch.equal(out, planted)  # the target got the bytes, not the stale chunk
     agent.close()
 
@@ -105,18 +105,18 @@ def test_planted_collision_on_cuda_is_caught_by_the_device_hash(tmp_path) -> Non
         assert isinstance(w, DirectImageWriter)
         return w
 
-    agent = Agent(workers=1)
+    agent = SnapshotEngine(workers=1)
     agent.track_tensor("w", data)
-    first = agent.precopy(writer(None))
+    first = agent.capture_round(writer(None)).stats
     assert first.chunks_dirty == 2
     data.copy_(planted)
-    assert agent.precopy(writer(agent.last_image.id if agent.last_image else None)).chunks_dirty == 0
-    agent.freeze()
-    final = agent.final(writer(agent.last_image.id if agent.last_image else None))
+    assert agent.capture_round(writer(agent.last_image.id if agent.last_image else None)).stats.chunks_dirty == 0
+    agent.park()
+    final = agent.capture_final(writer(agent.last_image.id if agent.last_image else None)).image
     assert agent.fingerprint_collisions == 1
     out = torch.full_like(data, -1)
-    target = Agent(workers=1)
+    target = SnapshotEngine(workers=1)
     target.track_tensor("w", out)
-    target.restore(transfer.open_reader(store, final.id, key=KEY))
+    target.load(transfer.open_reader(store, final.id, key=KEY))
     assert torch.equal(out, planted)
     agent.close()

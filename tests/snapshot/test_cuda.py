@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gpumigrate.errors import SnapshotError
-from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import byte_view, fingerprint_chunks
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.engine import SnapshotEngine
+from tests.support.memimage import MemoryStore
 
 pytestmark = pytest.mark.gpu
 KEY = b"g" * 32
@@ -50,14 +50,14 @@ def test_cuda_training_roundtrip_bit_identical() -> None:
     for _ in range(3):
         step(model, opt)
     store = MemoryStore()
-    src = Agent()
+    src = SnapshotEngine()
     src.track_module("model", model)
     src.track_optimizer("opt", opt)
     src.track_rng()
-    src.precopy(store.writer(KEY, chunk_size=1 << 20))
+    src.capture_round(store.writer(KEY, chunk_size=1 << 20))
     step(model, opt)
-    src.freeze()
-    ref = src.final(store.writer(KEY, chunk_size=1 << 20))
+    src.park()
+    ref = src.capture_final(store.writer(KEY, chunk_size=1 << 20)).image
     assert any(r.device.startswith("cuda") for r in store.reader(ref.id, KEY).regions())
     expected = step(model, opt)
 
@@ -66,11 +66,11 @@ def test_cuda_training_roundtrip_bit_identical() -> None:
         torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 16)
     ).to(dev)
     opt2 = torch.optim.Adam(model2.parameters(), lr=1e-3)
-    dst = Agent()
+    dst = SnapshotEngine()
     dst.track_module("model", model2)
     dst.track_optimizer("opt", opt2)
     dst.track_rng()
-    dst.restore(store.reader(ref.id, KEY))
+    dst.load(store.reader(ref.id, KEY))
     assert all(p.is_cuda for p in model2.parameters())
     assert step(model2, opt2) == expected
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
@@ -83,16 +83,16 @@ def test_cuda_training_roundtrip_bit_identical() -> None:
 def test_cuda_live_precopy_ships_only_dirty_chunks() -> None:
     t = torch.randn(16 << 20, device="cuda")  # 64 MiB = 64 chunks of 1 MiB
     store = MemoryStore()
-    a = Agent()
+    a = SnapshotEngine()
     a.track_tensor("t", t)
-    assert a.precopy(store.writer(KEY, chunk_size=1 << 20)).chunks_dirty == 64
+    assert a.capture_round(store.writer(KEY, chunk_size=1 << 20)).stats.chunks_dirty == 64
     t[: 3 << 18] += 1  # first 3 MiB
-    assert a.precopy(store.writer(KEY, chunk_size=1 << 20)).chunks_dirty == 3
-    assert a.precopy(store.writer(KEY, chunk_size=1 << 20)).chunks_dirty == 0
+    assert a.capture_round(store.writer(KEY, chunk_size=1 << 20)).stats.chunks_dirty == 3
+    assert a.capture_round(store.writer(KEY, chunk_size=1 << 20)).stats.chunks_dirty == 0
     out = torch.empty_like(t)
-    b = Agent()
+    b = SnapshotEngine()
     b.track_tensor("t", out)
-    b.restore(store.reader(a.last_image.id, KEY))
+    b.load(store.reader(a.last_image.id, KEY))
     assert torch.equal(out, t)
 
 
@@ -157,7 +157,7 @@ def test_cuda_driver_checkpoint_suspend_and_resume(holder: Holder) -> None:
     with pytest.raises(SnapshotError, match="lock needs running"):
         proc.lock()
     uuids = cuda_driver.gpu_uuids()
-    proc.resume({u: u for u in uuids})  # restore with gpuPairs mapping every GPU onto itself
+    proc.unsuspend({u: u for u in uuids})  # restore with gpuPairs mapping every GPU onto itself
     assert proc.state() == "running"
     assert holder.digest() == holder.first
 
@@ -177,7 +177,7 @@ def test_cuda_driver_restore_onto_the_other_gpu(holder: Holder) -> None:
     proc = cuda_driver.CudaProcess(holder.proc.pid)
     proc.suspend(timeout_ms=5000)
     first, second = cuda_driver.gpu_uuids()[:2]
-    proc.resume({u: u for u in cuda_driver.gpu_uuids()} | {first: second, second: first})
+    proc.unsuspend({u: u for u in cuda_driver.gpu_uuids()} | {first: second, second: first})
     assert proc.state() == "running"
     moved = 200 << 20  # the child's 256 MiB tensor, at least
     assert _used_bytes(1) - used[1] >= moved
@@ -207,20 +207,20 @@ def test_cuda_direct_placement_roundtrip_and_corruption_refused() -> None:
     t = torch.randn(8 << 20, device="cuda")  # 32 MiB
     arena = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
     store = MemoryStore(arena=arena)
-    a = Agent()
+    a = SnapshotEngine()
     a.track_tensor("t", t)
-    a.freeze()
-    ref = a.final(store.writer(KEY, chunk_size=4 << 20))
+    a.park()
+    ref = a.capture_final(store.writer(KEY, chunk_size=4 << 20)).image
     assert len(store.placed) == 8  # every chunk went straight into the pinned arena
     out = torch.zeros_like(t)
     flags: list[bool] = []
-    b = Agent(set_ready=flags.append)
+    b = SnapshotEngine(set_ready=flags.append)
     b.track_tensor("t", out)
-    b.restore(store.reader(ref.id, KEY))
+    b.load(store.reader(ref.id, KEY))
     assert torch.equal(out, t) and flags[-1] is True
     arena[100] ^= 1  # corrupt a byte of chunk 0 in host memory
     with pytest.raises(IntegrityError):
-        b.restore(store.reader(ref.id, KEY))
+        b.load(store.reader(ref.id, KEY))
     assert flags[-1] is False and not b.ready
 
 

@@ -47,7 +47,7 @@ class Pair:
 
 
 def _agents(key: bytes, target_key: bytes, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
-    from gpumigrate.agent.images import make_agent
+    from gpumigrate.agent.images import make_engine
     from gpumigrate.snapshot.server import serve
 
     pytest.importorskip("nixl_cu13")  # host memory moves by NIXL READs
@@ -56,7 +56,7 @@ def _agents(key: bytes, target_key: bytes, monkeypatch: pytest.MonkeyPatch) -> I
     source = {"w": torch.randn(3_000_000, generator=g), "ids": torch.arange(500_000, dtype=torch.int64)}
     target = {k: torch.zeros_like(v) for k, v in source.items()}
     state = {"source": {"step": 7}, "target": {}}
-    src, tgt = make_agent(), make_agent()
+    src, tgt = make_engine(), make_engine()
     src.track_tensors("m", source)
     src.track_state("meta", lambda: state["source"], lambda v: state.__setitem__("source", v))
     tgt.track_tensors("m", target)
@@ -81,14 +81,14 @@ def _image(pair: Pair, store: str, key_env: dict[str, str]) -> str:
     from gpumigrate.snapshot.client import AgentClient
 
     with AgentClient(pair.src_addr, key=pair.key) as client:
-        return client.precopy(store, key_env).image.id
+        return client.request_precopy(store, key_env).image.id
 
 
 def _restore(pair: Pair, store: str, image: str, key_env: dict[str, str], *, ready: bool = True) -> Any:
     from gpumigrate.snapshot.client import AgentClient
 
     with AgentClient(pair.tgt_addr, key=pair.key) as client:
-        return client.restore(store, image, key_env, source=pair.src_addr, ready=ready)
+        return client.request_restore(store, image, key_env, source=pair.src_addr, ready=ready)
 
 
 def test_the_target_is_filled_from_the_source_and_blobs_come_from_the_image(
@@ -138,10 +138,10 @@ def test_a_source_holding_another_key_lends_nothing_and_the_target_stays_unready
     pair = next(pairs)
     try:
         with AgentClient(pair.src_addr, key=b"s" * 32) as client:
-            image = client.precopy(store_url, key_env).image.id
+            image = client.request_precopy(store_url, key_env).image.id
         before = {k: v.clone() for k, v in pair.source.items()}
         with AgentClient(pair.tgt_addr, key=b"t" * 32) as client, pytest.raises(TransferError, match="source agent"):
-            client.restore(store_url, image, key_env, source=pair.src_addr)
+            client.request_restore(store_url, image, key_env, source=pair.src_addr)
         assert pair.tgt_agent.ready is False
         assert not pair.target["w"].any(), "nothing landed"
         assert all(torch.equal(before[k], pair.source[k]) for k in before)

@@ -14,11 +14,12 @@ import torch
 
 from gpumigrate.snapshot import environment, gchold
 from gpumigrate.snapshot import server as server_module
-from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.client import AgentClient
+from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
-from gpumigrate.snapshot.memimage import MemoryReader, MemoryStore
 from gpumigrate.snapshot.server import serve
+from gpumigrate.snapshot.server_commands import restore_from
+from tests.support.memimage import MemoryReader, MemoryStore
 
 KEY = b"f" * 32
 CS = 16 << 10  # 16 KiB chunks
@@ -26,13 +27,13 @@ CS = 16 << 10  # 16 KiB chunks
 
 def _chain(store: MemoryStore, live: dict[str, torch.Tensor], *, cs: int = CS) -> list[str]:
     """Two rounds of a source over ``live`` (a few words changed between them): the image ids."""
-    src = Agent(workers=1)
+    src = SnapshotEngine(workers=1)
     src.track_tensors("m", live)
-    src.precopy(store.writer(KEY, chunk_size=cs))
+    src.capture_round(store.writer(KEY, chunk_size=cs))
     first = src.last_image
     live["w"][5] = 42.0
-    src.freeze()
-    src.precopy(store.writer(KEY, chunk_size=cs))
+    src.park()
+    src.capture_round(store.writer(KEY, chunk_size=cs))
     assert first is not None and src.last_image is not None
     return [first.id, src.last_image.id]
 
@@ -42,8 +43,8 @@ def _source() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(32 * 1024, generator=g), "b": torch.randn(4 * 1024, generator=g)}  # 8 + 1 chunks
 
 
-def _target(tensors: dict[str, torch.Tensor], **kwargs: Any) -> Agent:
-    dst = Agent(workers=1, **kwargs)
+def _target(tensors: dict[str, torch.Tensor], **kwargs: Any) -> SnapshotEngine:
+    dst = SnapshotEngine(workers=1, **kwargs)
     dst.track_tensors("m", lambda: tensors)  # read at each restore: a replaced tensor is seen
     return dst
 
@@ -53,12 +54,12 @@ def test_the_final_restore_loads_only_what_changed_since_the_preload() -> None:
     pre, final = _chain(store, live)
     out = {k: torch.zeros_like(v) for k, v in live.items()}
     dst = _target(out)
-    assert dst.restore(store.reader(pre, KEY), ready=False)["chunks_loaded"] == 9
-    done = dst.restore(store.reader(final, KEY))
+    assert dst.load(store.reader(pre, KEY), ready=False)["chunks_loaded"] == 9
+    done = dst.load(store.reader(final, KEY))
     assert (done["chunks_loaded"], done["chunks_skipped"]) == (1, 8)
     assert all(torch.equal(out[k], live[k]) for k in live)
     # ready: the pre-load is forgotten (the target may have served); a next restore loads everything again
-    assert dst.restore(store.reader(final, KEY))["chunks_loaded"] == 9
+    assert dst.load(store.reader(final, KEY))["chunks_loaded"] == 9
 
 
 def test_a_tensor_reallocated_after_the_preload_is_loaded_whole() -> None:
@@ -66,9 +67,9 @@ def test_a_tensor_reallocated_after_the_preload_is_loaded_whole() -> None:
     pre, final = _chain(store, live)
     out = {k: torch.zeros_like(v) for k, v in live.items()}
     dst = _target(out)
-    dst.restore(store.reader(pre, KEY), ready=False)
+    dst.load(store.reader(pre, KEY), ready=False)
     out["b"] = torch.zeros_like(live["b"])  # same name, dtype and shape; new memory that holds nothing yet
-    done = dst.restore(store.reader(final, KEY))
+    done = dst.load(store.reader(final, KEY))
     assert (done["chunks_loaded"], done["chunks_skipped"]) == (2, 7)  # all of b, and w's changed chunk
     assert all(torch.equal(out[k], live[k]) for k in live)
 
@@ -79,10 +80,10 @@ def test_a_dtype_or_shape_changed_after_the_preload_is_refused() -> None:
     for changed in (torch.zeros(4 * 1024, dtype=torch.float64), torch.zeros(2, 2 * 1024)):
         out = {k: torch.zeros_like(v) for k, v in live.items()}
         dst = _target(out)
-        dst.restore(store.reader(pre, KEY), ready=False)
+        dst.load(store.reader(pre, KEY), ready=False)
         out["b"] = changed
         with pytest.raises(ImageMismatchError, match="m/b"):
-            dst.restore(store.reader(final, KEY))
+            dst.load(store.reader(final, KEY))
 
 
 def test_another_image_chain_or_chunk_size_loads_what_its_ids_say() -> None:
@@ -92,14 +93,14 @@ def test_another_image_chain_or_chunk_size_loads_what_its_ids_say() -> None:
     _, other_final = _chain(store, other)
     out = {k: torch.zeros_like(v) for k, v in live.items()}
     dst = _target(out)
-    dst.restore(store.reader(pre, KEY), ready=False)
-    assert dst.restore(store.reader(other_final, KEY))["chunks_loaded"] == 9
+    dst.load(store.reader(pre, KEY), ready=False)
+    assert dst.load(store.reader(other_final, KEY))["chunks_loaded"] == 9
     assert all(torch.equal(out[k], other[k]) for k in other)
     # a pre-load in 16 KiB chunks, then an image of the same bytes in 8 KiB chunks: no id compares across sizes
     _, halves = _chain(store, {k: v.clone() for k, v in live.items()}, cs=8 << 10)
     dst = _target(out)
-    dst.restore(store.reader(pre, KEY), ready=False)
-    assert dst.restore(store.reader(halves, KEY))["chunks_skipped"] == 0
+    dst.load(store.reader(pre, KEY), ready=False)
+    assert dst.load(store.reader(halves, KEY))["chunks_skipped"] == 0
 
 
 def test_a_policy_is_checked_at_the_final_restore_as_at_the_preload(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,15 +108,13 @@ def test_a_policy_is_checked_at_the_final_restore_as_at_the_preload(monkeypatch:
     pre, final = _chain(store, live)
     dst = _target({k: torch.zeros_like(v) for k, v in live.items()})
     policy = {"torch": "must_match"}
-    assert dst.restore(store.reader(pre, KEY), policy=policy, ready=False)["environment"]["checked"] == {
-        "torch": "match"
-    }
+    assert dst.load(store.reader(pre, KEY), policy=policy, ready=False)["environment"]["checked"] == {"torch": "match"}
     # this host's torch is another one now (as on a target host that differs): the final restore checks again
     monkeypatch.setattr(environment, "_FACTS", {**environment.env_facts(), "torch": "0.0.1"})
     with pytest.raises(EnvironmentMismatchError, match="torch"):
-        dst.restore(store.reader(final, KEY), policy=policy)
+        dst.load(store.reader(final, KEY), policy=policy)
     assert dst.ready is False
-    assert dst.restore(store.reader(final, KEY), policy={"torch": "may_differ"})["ready"] is True
+    assert dst.load(store.reader(final, KEY), policy={"torch": "may_differ"})["ready"] is True
 
 
 def test_release_later_keeps_an_object_until_its_time_then_drops_it() -> None:
@@ -133,12 +132,12 @@ def test_release_later_keeps_an_object_until_its_time_then_drops_it() -> None:
     assert ref() is None
 
 
-def _served_target(store: MemoryStore, tensors: dict[str, torch.Tensor], opened: list[MemoryReader]) -> Agent:
+def _served_target(store: MemoryStore, tensors: dict[str, torch.Tensor], opened: list[MemoryReader]) -> SnapshotEngine:
     def reader(url: str, image_id: str, key_ref: Mapping[str, str]) -> MemoryReader:
         opened.append(store.reader(image_id, KEY))
         return opened[-1]
 
-    dst = Agent(workers=1, reader_factory=reader)
+    dst = SnapshotEngine(workers=1, reader_factory=reader)
     dst.track_tensors("m", tensors)
     return dst
 
@@ -149,10 +148,10 @@ def test_the_ready_restore_frees_its_reader_after_it_returns_not_inside(monkeypa
     pre, final = _chain(store, live)
     opened: list[MemoryReader] = []
     dst = _served_target(store, {k: torch.zeros_like(v) for k, v in live.items()}, opened)
-    dst.restore_from(store.url, pre, {}, ready=False)
+    restore_from(dst, store.url, pre, {}, ready=False)
     ref = weakref.ref(opened.pop())
     assert ref() is None  # a pre-load's reader goes at once: later, it could land inside the final restore
-    dst.restore_from(store.url, final, {})
+    restore_from(dst, store.url, final, {})
     ref = weakref.ref(opened.pop())
     assert ref() is not None
     deadline = time.monotonic() + 10

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
-from gpumigrate.snapshot.agent import Agent
 from gpumigrate.snapshot.chunks import Fingerprints, byte_view, fingerprint_chunks
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.snapshot.precopy import converge
+from tests.support.memimage import MemoryStore
 
 KEY = b"p" * 32
 
@@ -88,7 +88,7 @@ def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
     store = MemoryStore()
     weights = torch.randn(256 * 1024)  # 1 MiB: 64 chunks of 16 KiB
     chunks = 64
-    agent = Agent(workers=2)
+    agent = SnapshotEngine(workers=2)
     agent.track_tensor("w", weights)
     step = {"n": 0}
 
@@ -106,7 +106,7 @@ def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
     fractions = iter([0.05] * 20)
 
     def one_round() -> Round:
-        stats = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+        stats = agent.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats
         dirty_per_round.append(stats.chunks_dirty)
         workload_step(next(fractions))
         assert agent.last_image is not None
@@ -116,8 +116,8 @@ def test_precopy_converges_on_workload_dirtying_5_percent_per_step() -> None:
     assert dirty_per_round[0] == chunks  # the first round ships everything
     assert all(d <= int(chunks * 0.05) for d in dirty_per_round[1:])  # then only what the step touched
     assert 2 <= len(conv.rounds) < 10 and "fits" in conv.reason
-    agent.freeze()
-    final = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+    agent.park()
+    final = agent.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats
     assert final.chunks_dirty == int(chunks * 0.05)
 
 
@@ -147,9 +147,9 @@ def test_chunk_changed_during_copy_and_changed_back_is_resent() -> None:
     store = MemoryStore()
     buf = torch.zeros(4096, dtype=torch.int32)  # 16 KiB: 4 chunks
 
-    agent = Agent(workers=1)
+    agent = SnapshotEngine(workers=1)
     agent.track_tensor("buf", buf)
-    agent.precopy(store.writer(KEY, chunk_size=4096))
+    agent.capture_round(store.writer(KEY, chunk_size=4096))
     buf[0] = 7  # B: dirty, shipped in round 2
     inner = store.writer(KEY, chunk_size=4096)
     real_put = inner.put_chunk
@@ -160,38 +160,38 @@ def test_chunk_changed_during_copy_and_changed_back_is_resent() -> None:
         return cid
 
     inner.put_chunk = put
-    agent.precopy(inner)
+    agent.capture_round(inner)
     # Round 3: content is A again, the target holds B: the fingerprint of the shipped B differs.
-    stats = agent.precopy(store.writer(KEY, chunk_size=4096))
+    stats = agent.capture_round(store.writer(KEY, chunk_size=4096)).stats
     assert stats.chunks_dirty == 1
     out = torch.ones_like(buf)
-    dst = Agent(workers=1)
+    dst = SnapshotEngine(workers=1)
     dst.track_tensor("buf", out)
-    dst.restore(store.reader(agent.last_image.id, KEY))
+    dst.load(store.reader(agent.last_image.id, KEY))
     assert torch.equal(out, buf)
 
 
 def test_incremental_restore_loads_only_changed_chunks() -> None:
     store = MemoryStore()
     w = torch.randn(64 * 1024)  # 256 KiB: 16 chunks of 16 KiB
-    src = Agent(workers=2)
+    src = SnapshotEngine(workers=2)
     src.track_tensor("w", w)
-    first = src.precopy(store.writer(KEY, chunk_size=16 << 10))
+    first = src.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats
     img1 = src.last_image.id
     w[5] = 42.0
     w[40_000] = -1.0
-    src.freeze()
-    src.precopy(store.writer(KEY, chunk_size=16 << 10))
+    src.park()
+    src.capture_round(store.writer(KEY, chunk_size=16 << 10))
     img2 = src.last_image.id
     assert first.chunks_dirty == 16
 
     out = torch.zeros_like(w)
     flags: list[bool] = []
-    dst = Agent(workers=2, set_ready=flags.append)
+    dst = SnapshotEngine(workers=2, set_ready=flags.append)
     dst.track_tensor("w", out)
-    pre = dst.restore(store.reader(img1, KEY), ready=False)
+    pre = dst.load(store.reader(img1, KEY), ready=False)
     assert pre["chunks_loaded"] == 16 and not pre["ready"] and flags == [False]
-    fin = dst.restore(store.reader(img2, KEY))
+    fin = dst.load(store.reader(img2, KEY))
     assert fin["chunks_loaded"] == 2 and fin["chunks_skipped"] == 14
     assert flags == [False, False, True]
     assert torch.equal(out, w)
@@ -200,15 +200,15 @@ def test_incremental_restore_loads_only_changed_chunks() -> None:
 def test_a_new_chunk_size_ships_everything_instead_of_reusing_misaligned_chunks() -> None:
     store = MemoryStore()
     t = torch.randn(16 * 1024)  # 64 KiB
-    a = Agent(workers=1)
+    a = SnapshotEngine(workers=1)
     a.track_tensor("t", t)
-    assert a.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 4
-    assert a.precopy(store.writer(KEY, chunk_size=8 << 10)).chunks_dirty == 8
-    assert a.precopy(store.writer(KEY, chunk_size=8 << 10)).chunks_dirty == 0
+    assert a.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats.chunks_dirty == 4
+    assert a.capture_round(store.writer(KEY, chunk_size=8 << 10)).stats.chunks_dirty == 8
+    assert a.capture_round(store.writer(KEY, chunk_size=8 << 10)).stats.chunks_dirty == 0
     out = torch.zeros_like(t)
-    b = Agent(workers=1)
+    b = SnapshotEngine(workers=1)
     b.track_tensor("t", out)
-    b.restore(store.reader(a.last_image.id, KEY))
+    b.load(store.reader(a.last_image.id, KEY))
     assert torch.equal(out, t)
 
 
@@ -218,26 +218,26 @@ def test_frozen_round_of_a_host_tensor_ships_the_chunks_its_hash_finds_changed()
     rollback are those of the bytes shipped (an unchanged tensor then ships nothing, one change one chunk)."""
     store = MemoryStore()
     weights = torch.randn(64 * 1024)  # 256 KiB: 16 chunks of 16 KiB
-    agent = Agent(workers=2)
+    agent = SnapshotEngine(workers=2)
     agent.track_tensor("w", weights)
     agent.track_state("steps", lambda: {"n": 1}, lambda v: None)
-    first = agent.precopy(store.writer(KEY, chunk_size=16 << 10))
+    first = agent.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats
     weights[5000] += 1.0  # chunk 1
     weights[40_000] += 1.0  # chunk 9
-    agent.freeze()
-    final = agent.precopy(store.writer(KEY, chunk_size=16 << 10))  # frozen: the final round
+    agent.park()
+    final = agent.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats  # frozen: the final round
     assert (first.chunks_total, final.chunks_dirty, agent.fingerprint_collisions) == (17, 2, 0)
     out = torch.zeros_like(weights)
-    target = Agent()
+    target = SnapshotEngine()
     target.track_tensor("w", out)
     target.track_state("steps", lambda: {"n": 0}, lambda v: None)
     assert agent.last_image is not None
-    target.restore(store.reader(agent.last_image.id, KEY))
+    target.load(store.reader(agent.last_image.id, KEY))
     assert torch.equal(out, weights)
-    agent.resume()
-    assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 0
+    agent.unpark()
+    assert agent.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats.chunks_dirty == 0
     weights[0] += 1.0
-    assert agent.precopy(store.writer(KEY, chunk_size=16 << 10)).chunks_dirty == 1
+    assert agent.capture_round(store.writer(KEY, chunk_size=16 << 10)).stats.chunks_dirty == 1
     agent.close()
 
 
@@ -254,13 +254,13 @@ def test_rounds_reuse_unchanged_regions_whole_and_ship_the_changed_chunks_of_the
         "steady": torch.randn(3 * cs // 4),  # never changes
     }
     store = MemoryStore()
-    agent = Agent(workers=2)
+    agent = SnapshotEngine(workers=2)
     agent.track_tensors("s", state)
 
     def fresh_ids() -> dict[str, list[str]]:
-        other = Agent(workers=1)
+        other = SnapshotEngine(workers=1)
         other.track_tensors("s", {k: v.clone() for k, v in state.items()})
-        other.precopy(store.writer(KEY, chunk_size=cs))
+        other.capture_round(store.writer(KEY, chunk_size=cs))
         assert other.last_image is not None
         ids: dict[str, list[str]] = store.reader(other.last_image.id, KEY).metadata()["snapshot"]["chunks"]
         return ids
@@ -271,21 +271,23 @@ def test_rounds_reuse_unchanged_regions_whole_and_ship_the_changed_chunks_of_the
         reader = store.reader(agent.last_image.id, KEY)
         assert reader.metadata()["snapshot"]["chunks"] == fresh_ids()
         out = {k: torch.full_like(v, 7.0) for k, v in state.items()}
-        target = Agent(workers=1)
+        target = SnapshotEngine(workers=1)
         target.track_tensors("s", out)
-        target.restore(reader)
+        target.load(reader)
         assert all(torch.equal(out[k], state[k]) for k in state)
 
-    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 10)
-    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 0)
+    check(agent.capture_round(store.writer(KEY, chunk_size=cs)).stats, 10)
+    check(agent.capture_round(store.writer(KEY, chunk_size=cs)).stats, 0)
     state["big"][cs // 4 * 2 + 5] += 1.0  # chunk 2 of 4
     state["odd"][-1] += 1.0  # the short chunk
     state["small"][0] += 1.0
-    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 3)
+    check(agent.capture_round(store.writer(KEY, chunk_size=cs)).stats, 3)
     state["big"][0] += 1.0
     state["odd"][0] += 1.0
-    agent.freeze()
-    check(agent.precopy(store.writer(KEY, chunk_size=cs)), 2)  # frozen: host tensors confirmed by their hash
+    agent.park()
+    check(
+        agent.capture_round(store.writer(KEY, chunk_size=cs)).stats, 2
+    )  # frozen: host tensors confirmed by their hash
     assert agent.fingerprint_collisions == 0
     agent.close()
 
@@ -294,11 +296,11 @@ def test_each_round_describes_the_regions_as_they_are_then() -> None:
     """A tracked name whose tensor changes shape, dtype or kind between rounds is described anew each round."""
     current = {"t": torch.zeros(8, dtype=torch.float32)}
     store = MemoryStore()
-    agent = Agent(workers=1)
+    agent = SnapshotEngine(workers=1)
     agent.track_tensors("s", lambda: current)
 
     def described() -> tuple[int, str | None, tuple[int, ...] | None]:
-        agent.precopy(store.writer(KEY, chunk_size=4096))
+        agent.capture_round(store.writer(KEY, chunk_size=4096))
         assert agent.last_image is not None
         (info,) = store.reader(agent.last_image.id, KEY).regions()
         return info.nbytes, info.dtype, info.shape

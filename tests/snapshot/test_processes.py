@@ -151,14 +151,16 @@ def test_completed_migration_target_answers_like_source_then_source_is_zeroized(
 
     with AgentClient(src.agent) as s, AgentClient(dst.agent) as d:
         conv = s.precopy_until(store_url, key_env, max_rounds=3, max_downtime_ms=1000)
-        d.restore(store_url, conv.images[-1], key_env, ready=False)  # pre-load while the source serves
+        d.request_restore(store_url, conv.images[-1], key_env, ready=False)  # pre-load while the source serves
         assert dst.generate().status_code == 503
-        s.freeze()
-        final = s.final(store_url, key_env)
-        res = d.restore(store_url, final.image.id, key_env, policy={"torch": "must_match", "python": "must_match"})
+        s.request_freeze()
+        final = s.request_final(store_url, key_env)
+        res = d.request_restore(
+            store_url, final.image.id, key_env, policy={"torch": "must_match", "python": "must_match"}
+        )
         # The pre-load already had every tensor chunk; only the small blobs (RNG streams, the step
         # counter), which a restore always reloads, moved again.
-        blobs = [r for r in d.info().regions if r.kind == "blob"]
+        blobs = [r for r in d.request_info().regions if r.kind == "blob"]
         assert res.ready and res.chunks_loaded == len(blobs)
         assert res.bytes_loaded == sum(r.nbytes for r in blobs)
     assert dst.generate().json()["tokens"] == expected["tokens"]
@@ -220,12 +222,14 @@ def test_plan_writer_options_reach_the_image(servers, key_env, tmp_path) -> None
 
     src = servers()
     with AgentClient(src.agent) as s:
-        raw = s.precopy(f"file://{tmp_path / 'raw'}", key_env, options={"compression": "none", "parallelism": 2})
-        auto = s.precopy(f"file://{tmp_path / 'auto'}", key_env, options={"compression": "auto"})
+        raw = s.request_precopy(
+            f"file://{tmp_path / 'raw'}", key_env, options={"compression": "none", "parallelism": 2}
+        )
+        auto = s.request_precopy(f"file://{tmp_path / 'auto'}", key_env, options={"compression": "auto"})
         # fp32 weights: the byte-plane codec shrinks them; "none" stores every byte of each distinct chunk
         # (identical chunks, such as LayerNorm ones, are stored once either way).
         assert raw.image.bytes_stored >= 0.95 * raw.image.bytes_image
         assert auto.image.bytes_stored < 0.95 * raw.image.bytes_stored, (auto.image, raw.image)
         with pytest.raises(SnapshotError, match="allowed are"):
-            s.precopy(f"file://{tmp_path / 'bad'}", key_env, options={"compression": "lzma"})
+            s.request_precopy(f"file://{tmp_path / 'bad'}", key_env, options={"compression": "lzma"})
     assert src.generate().status_code == 200  # the source kept serving throughout

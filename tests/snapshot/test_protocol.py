@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpumigrate import control
-from gpumigrate.agent.images import make_agent
+from gpumigrate.agent.images import make_engine
 from gpumigrate.errors import InvalidInputError, NotFoundError, SnapshotError
 from gpumigrate.snapshot.client import AgentClient, parse_address
 from gpumigrate.snapshot.errors import ImageMismatchError
@@ -18,7 +18,7 @@ from gpumigrate.snapshot.server import serve
 
 @pytest.fixture
 def served():
-    agent = make_agent()
+    agent = make_engine()
     agent.track_tensor("t", torch.arange(1000, dtype=torch.float32))
     server = serve(agent, 0)
     yield agent, server.address
@@ -67,15 +67,15 @@ def test_client_raises_the_matching_error_classes(served, key_env, store_url) ->
     agent, address = served
     with AgentClient(address) as c:
         with pytest.raises(SnapshotError, match="freeze first"):
-            c.final(store_url, key_env)
+            c.request_final(store_url, key_env)
         with pytest.raises(SnapshotError, match="never over the wire"):
             c.call("restore", store=store_url, image_id="x", key_ref={"key": "00"})
-        c.freeze()
-        image = c.final(store_url, key_env).image.id
-        c.resume()
+        c.request_freeze()
+        image = c.request_final(store_url, key_env).image.id
+        c.request_resume()
         with pytest.raises(NotFoundError):
-            c.restore(store_url, "f" * 64, key_env)
-    other = make_agent()
+            c.request_restore(store_url, "f" * 64, key_env)
+    other = make_engine()
     other.track_tensor("t", torch.zeros(999))
     server = serve(other, 0)
     try:
@@ -83,7 +83,7 @@ def test_client_raises_the_matching_error_classes(served, key_env, store_url) ->
             AgentClient(server.address) as c,
             pytest.raises(ImageMismatchError, match=r"\[1000\], model float32\[999\] .*allocate state that grows"),
         ):
-            c.restore(store_url, image, key_env)
+            c.request_restore(store_url, image, key_env)
     finally:
         server.stop()
     with pytest.raises(InvalidInputError, match="HOST:PORT"):

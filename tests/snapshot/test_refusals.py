@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpumigrate.agent.images import make_agent
+from gpumigrate.agent.images import make_engine
 from gpumigrate.errors import IntegrityError, SnapshotError
 from gpumigrate.snapshot.errors import EnvironmentMismatchError, ImageMismatchError
 from gpumigrate.snapshot.server import key_ref_arg
+from gpumigrate.snapshot.server_commands import final_to, restore_from
 
 
 class Flag:
@@ -23,15 +24,15 @@ class Flag:
 
 
 def _image(store_url: str, key_env: dict[str, str], model: torch.nn.Module) -> str:
-    src = make_agent()
+    src = make_engine()
     src.track_module("model", model)
-    src.freeze()
-    return src.final_to(store_url, key_env)["image"]["id"]
+    src.park()
+    return final_to(src, store_url, key_env)["image"]["id"]
 
 
 def _target(model: torch.nn.Module) -> tuple:
     flag = Flag()
-    agent = make_agent(set_ready=flag)
+    agent = make_engine(set_ready=flag)
     agent.track_module("model", model)
     return agent, flag
 
@@ -52,7 +53,7 @@ def test_corrupted_chunk_is_refused(key_env, store_url) -> None:
     dst_model = torch.nn.Linear(256, 256)
     agent, flag = _target(dst_model)
     with pytest.raises(IntegrityError):
-        agent.restore_from(store_url, image, key_env)
+        restore_from(agent, store_url, image, key_env)
     assert flag.history == [False] and not agent.ready
 
 
@@ -64,7 +65,7 @@ def test_forged_manifest_is_refused(key_env, store_url) -> None:
     mpath.write_bytes(doc_text.encode())  # altered content under the same id
     agent, flag = _target(torch.nn.Linear(64, 64))
     with pytest.raises(IntegrityError):
-        agent.restore_from(store_url, image, key_env)
+        restore_from(agent, store_url, image, key_env)
     assert True not in flag.history
 
 
@@ -75,27 +76,27 @@ def test_wrong_key_is_refused(key_env, store_url, monkeypatch) -> None:
     monkeypatch.setenv("OTHER_KEY", transfer.generate_key())
     agent, _ = _target(torch.nn.Linear(64, 64))
     with pytest.raises(IntegrityError):
-        agent.restore_from(store_url, image, {"env": "OTHER_KEY"})
+        restore_from(agent, store_url, image, {"env": "OTHER_KEY"})
 
 
 def test_shape_and_dtype_mismatch_is_refused(key_env, store_url) -> None:
     image = _image(store_url, key_env, torch.nn.Linear(64, 64))
     agent, flag = _target(torch.nn.Linear(64, 32))
     with pytest.raises(ImageMismatchError, match=r"model/weight: image float32\[64, 64\], model float32\[32, 64\]"):
-        agent.restore_from(store_url, image, key_env)
+        restore_from(agent, store_url, image, key_env)
     agent, _ = _target(torch.nn.Linear(64, 64).to(torch.bfloat16))
     with pytest.raises(ImageMismatchError, match="bfloat16"):
-        agent.restore_from(store_url, image, key_env)
+        restore_from(agent, store_url, image, key_env)
     agent, _ = _target(torch.nn.Sequential(torch.nn.Linear(64, 64)))
     with pytest.raises(ImageMismatchError, match="missing in image: model/0.bias"):
-        agent.restore_from(store_url, image, key_env)
+        restore_from(agent, store_url, image, key_env)
     assert flag.history == []  # refused before anything was touched
 
 
 def test_environment_policy(key_env, store_url) -> None:
     image = _image(store_url, key_env, torch.nn.Linear(8, 8))
     agent, _ = _target(torch.nn.Linear(8, 8))
-    res = agent.restore_from(store_url, image, key_env, policy={"torch": "must_match", "weights_digest": "must_match"})
+    res = restore_from(agent, store_url, image, key_env, policy={"torch": "must_match", "weights_digest": "must_match"})
     assert res["environment"]["checked"] == {"torch": "match"}
     assert res["environment"]["not_checked"] == ["weights_digest"]
 
@@ -114,10 +115,10 @@ def test_environment_policy(key_env, store_url) -> None:
     writer.set_metadata("snapshot", meta)
     other = writer.commit().id
     with pytest.raises(EnvironmentMismatchError, match="torch: image has '1.0.0'"):
-        agent.restore_from(store_url, other, key_env, policy={"torch": "must_match"})
-    assert agent.restore_from(store_url, other, key_env, policy={"torch": "may_differ"})["ready"]
+        restore_from(agent, store_url, other, key_env, policy={"torch": "must_match"})
+    assert restore_from(agent, store_url, other, key_env, policy={"torch": "may_differ"})["ready"]
     with pytest.raises(SnapshotError, match="allowed values"):
-        agent.restore_from(store_url, other, key_env, policy={"torch": "sometimes"})
+        restore_from(agent, store_url, other, key_env, policy={"torch": "sometimes"})
 
 
 def test_keys_never_cross_the_wire() -> None:

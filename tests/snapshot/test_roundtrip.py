@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from gpumigrate.agent.images import make_agent
-from gpumigrate.snapshot.agent import Agent
-from gpumigrate.snapshot.memimage import MemoryStore
+from gpumigrate.agent.images import make_engine
+from gpumigrate.snapshot.engine import SnapshotEngine
+from gpumigrate.snapshot.server_commands import final_to, precopy_to, restore_from
+from tests.support.memimage import MemoryStore
 
 
-def _agent(model: torch.nn.Module, opt: torch.optim.Optimizer, agent: Agent) -> Agent:
+def _agent(model: torch.nn.Module, opt: torch.optim.Optimizer, agent: SnapshotEngine) -> SnapshotEngine:
     agent.track_module("model", model)
     agent.track_optimizer("opt", opt)
     agent.track_rng()
@@ -23,11 +24,11 @@ def test_training_roundtrip_through_transfer_engine(batch, key_env, store_url, n
     src_opt = torch.optim.AdamW(src_model.parameters(), lr=1e-2)
     for _ in range(3):
         step_fn(src_model, src_opt, x, y)
-    src = _agent(src_model, src_opt, make_agent())
-    src.precopy_to(store_url, key_env)
+    src = _agent(src_model, src_opt, make_engine())
+    precopy_to(src, store_url, key_env)
     step_fn(src_model, src_opt, x, y)  # keeps training between rounds
-    src.freeze()
-    final = src.final_to(store_url, key_env)
+    src.park()
+    final = final_to(src, store_url, key_env)
     assert final["stats"]["chunks_dirty"] > 0
     # Source and target share this process's global RNG: take the source's next step first, then
     # scramble the RNG, so only the restore can make the target draw the same numbers.
@@ -37,8 +38,8 @@ def test_training_roundtrip_through_transfer_engine(batch, key_env, store_url, n
     torch.manual_seed(999)  # the target starts from different weights and RNG
     dst_model = net_cls()
     dst_opt = torch.optim.AdamW(dst_model.parameters(), lr=1e-3)  # even another lr: the image's wins
-    dst = _agent(dst_model, dst_opt, make_agent())
-    res = dst.restore_from(store_url, final["image"]["id"], key_env)
+    dst = _agent(dst_model, dst_opt, make_engine())
+    res = restore_from(dst, store_url, final["image"]["id"], key_env)
     assert res["ready"] is True and dst.ready
     for name, value in dst_model.state_dict().items():
         assert torch.equal(value, expected[name]), name
@@ -57,20 +58,20 @@ def test_tensors_and_json_state_roundtrip_in_memory() -> None:
     state = {"requests": 41, "tag": "blue"}
     kv = torch.arange(10_000, dtype=torch.float16).reshape(100, 100)
     odd = torch.arange(7, dtype=torch.uint8)  # not a multiple of 4 bytes
-    src = Agent()
+    src = SnapshotEngine()
     src.track_tensor("kv", kv)
     src.track_tensors("misc", {"odd": odd, "empty": torch.empty(0)})
     src.track_state("counters", lambda: state, lambda v: state.update(v))
-    src.freeze()
-    ref = src.final(store.writer(key, chunk_size=4096))
+    src.park()
+    ref = src.capture_final(store.writer(key, chunk_size=4096)).image
 
     got: dict = {}
     kv2, odd2 = torch.zeros_like(kv), torch.zeros_like(odd)
-    dst = Agent()
+    dst = SnapshotEngine()
     dst.track_tensor("kv", kv2)
     dst.track_tensors("misc", {"odd": odd2, "empty": torch.empty(0)})
     dst.track_state("counters", lambda: got, lambda v: got.update(v))
-    dst.restore(store.reader(ref.id, key))
+    dst.load(store.reader(ref.id, key))
     assert torch.equal(kv, kv2) and torch.equal(odd, odd2)
     assert got == state
 
@@ -80,14 +81,14 @@ def test_capture_streams_through_a_ring_smaller_than_the_state() -> None:
     store = MemoryStore()
     key = b"r" * 32
     big = torch.randn(64 * 1024)  # 256 KiB in 4 KiB chunks = 64 chunks through ~8 slots
-    src = Agent(workers=2)
+    src = SnapshotEngine(workers=2)
     src.track_tensor("big", big)
-    stats = src.precopy(store.writer(key, chunk_size=4096))
+    stats = src.capture_round(store.writer(key, chunk_size=4096)).stats
     assert stats.chunks_dirty == 64
     out = torch.zeros_like(big)
-    dst = Agent(workers=2)
+    dst = SnapshotEngine(workers=2)
     dst.track_tensor("big", out)
-    dst.restore(store.reader(src.last_image.id, key))
+    dst.load(store.reader(src.last_image.id, key))
     assert torch.equal(big, out)
 
 
@@ -97,15 +98,15 @@ def test_direct_placement_into_an_arena_and_fallback_when_full() -> None:
     data = torch.randn(48 * 1024)  # 192 KiB = 12 chunks of 16 KiB
     arena = torch.empty(100 << 10, dtype=torch.uint8)  # room for 6 chunks only
     store = MemoryStore(arena=arena)
-    src = Agent(workers=2)
+    src = SnapshotEngine(workers=2)
     src.track_tensor("d", data)
-    stats = src.precopy(store.writer(b"a" * 32, chunk_size=16 << 10))
+    stats = src.capture_round(store.writer(b"a" * 32, chunk_size=16 << 10)).stats
     assert stats.chunks_dirty == 12
     assert len(store.placed) == 6 and len(store.chunks) == 6
     out = torch.zeros_like(data)
-    dst = Agent(workers=2)
+    dst = SnapshotEngine(workers=2)
     dst.track_tensor("d", out)
-    dst.restore(store.reader(src.last_image.id, b"a" * 32))
+    dst.load(store.reader(src.last_image.id, b"a" * 32))
     assert torch.equal(out, data)
     arena[: 16 << 10].zero_()  # damage a placed chunk: the reader's BLAKE3 check refuses it
     import pytest
@@ -113,7 +114,7 @@ def test_direct_placement_into_an_arena_and_fallback_when_full() -> None:
     from gpumigrate.errors import IntegrityError
 
     with pytest.raises(IntegrityError, match="BLAKE3"):
-        dst.restore(store.reader(src.last_image.id, b"a" * 32))
+        dst.load(store.reader(src.last_image.id, b"a" * 32))
 
 
 def test_downtime_commands_report_their_phases_and_hold_the_collector(key_env, store_url) -> None:
@@ -123,14 +124,14 @@ def test_downtime_commands_report_their_phases_and_hold_the_collector(key_env, s
 
     seen: list[bool] = []
     weights = torch.randn(3000)
-    src = make_agent()
+    src = make_engine()
     src.track_tensor("w", weights)
     src.track_state("probe", lambda: seen.append(gc.isenabled()) or {"n": 1}, lambda v: None)
-    src.precopy_to(store_url, key_env)
+    precopy_to(src, store_url, key_env)
     weights[:10] += 1
-    src.freeze()
+    src.park()
     assert gc.isenabled()
-    final = src.final_to(store_url, key_env)
+    final = final_to(src, store_url, key_env)
     assert seen[-1] is False and gc.isenabled()
     stats = final["stats"]
     assert list(stats["phases"]) == [
@@ -139,12 +140,12 @@ def test_downtime_commands_report_their_phases_and_hold_the_collector(key_env, s
     assert sum(stats["phases"].values()) <= stats["seconds"] + 0.001
 
     got: list[bool] = []
-    dst = make_agent()
+    dst = make_engine()
     dst.track_tensor("w", torch.zeros(3000))
     dst.track_state("probe", lambda: {"n": 0}, lambda v: got.append(gc.isenabled()))
     gc.disable()
     try:
-        res = dst.restore_from(store_url, final["image"]["id"], key_env)
+        res = restore_from(dst, store_url, final["image"]["id"], key_env)
         assert got == [False] and not gc.isenabled()  # the workload's own choice stands
     finally:
         gc.enable()
@@ -207,8 +208,8 @@ def test_restore_hands_each_item_exactly_its_own_regions() -> None:
         "abc/d": {"e": 1},
     }
 
-    def agent(fill: float, seen: dict[str, list[str]]) -> tuple[Agent, dict[str, dict[str, torch.Tensor]]]:
-        a = Agent()
+    def agent(fill: float, seen: dict[str, list[str]]) -> tuple[SnapshotEngine, dict[str, dict[str, torch.Tensor]]]:
+        a = SnapshotEngine()
         made = {p: {k: torch.full((n,), fill + n) for k, n in parts.items()} for p, parts in layout.items()}
         for p, tensors in made.items():
             a.track(Recording(p, tensors, seen))
@@ -217,11 +218,11 @@ def test_restore_hands_each_item_exactly_its_own_regions() -> None:
 
     store, key = MemoryStore(), b"k" * 32
     src, made = agent(1.0, {})
-    src.freeze()
-    ref = src.final(store.writer(key, chunk_size=4096))
+    src.park()
+    ref = src.capture_final(store.writer(key, chunk_size=4096)).image
     seen: dict[str, list[str]] = {}
     dst, out = agent(-50.0, seen)
-    dst.restore(store.reader(ref.id, key))
+    dst.load(store.reader(ref.id, key))
     assert all(torch.equal(out[p][k], made[p][k]) for p in layout for k in layout[p])
     for p, parts in layout.items():
         names = [f"{p}/{k}" if k else p for k in parts]

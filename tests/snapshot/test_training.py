@@ -82,12 +82,12 @@ def test_training_job_migrates_mid_run_with_identical_losses(tmp_path, key_env, 
             while _last_step(tmp_path / "source.log") < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)  # let the source take a few steps first
             conv = s.precopy_until(store_url, key_env, max_rounds=3, max_downtime_ms=10_000)
-            d.restore(store_url, conv.images[-1], key_env, ready=False)
-            s.freeze()
+            d.request_restore(store_url, conv.images[-1], key_env, ready=False)
+            s.request_freeze()
             step_at_freeze = _last_step(tmp_path / "source.log")  # parked after this step's line
-            final = s.final(store_url, key_env)
-            d.restore(store_url, final.image.id, key_env)  # target resumes from here
-            s.resume()  # the source keeps going too: it is the reference
+            final = s.request_final(store_url, key_env)
+            d.request_restore(store_url, final.image.id, key_env)  # target resumes from here
+            s.request_resume()  # the source keeps going too: it is the reference
         assert 3 <= step_at_freeze < STEPS
         assert src.wait(120) == 0 and dst.wait(120) == 0
         a, b = json.loads(src_out.read_text()), json.loads(dst_out.read_text())

@@ -62,11 +62,11 @@ def test_inference_target_answers_like_the_source(hosts, workload_launch) -> Non
     wait_http(src, path="/readyz", timeout_s=60)
     assert httpx.get(f"{tgt}/readyz").status_code == 503
     with agent(a) as ca, agent(b) as cb:
-        ca.precopy(store, KEY)
-        ca.freeze()
-        image = ca.final(store, KEY).image
-        restored = cb.restore(store, image.id, KEY)
-        ca.resume()
+        ca.request_precopy(store, KEY)
+        ca.request_freeze()
+        image = ca.request_final(store, KEY).image
+        restored = cb.request_restore(store, image.id, KEY)
+        ca.request_resume()
     assert restored.ready is True
     assert httpx.get(f"{tgt}/readyz").status_code == 200
     assert httpx.get(f"{tgt}/v1/info").json()["weights_digest"] == httpx.get(f"{src}/v1/info").json()["weights_digest"]
@@ -90,10 +90,10 @@ def test_training_continues_on_the_target_with_identical_losses(hosts, workload_
     while len(events(src["log"], "step")) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     with agent(a) as ca, agent(b) as cb:
-        ca.precopy(store, KEY)
-        ca.freeze()
-        image = ca.final(store, KEY).image
-        cb.restore(store, image.id, KEY)
+        ca.request_precopy(store, KEY)
+        ca.request_freeze()
+        image = ca.request_final(store, KEY).image
+        cb.request_restore(store, image.id, KEY)
     provider.signal(a, src["pid"])  # the source stops at the cut-over, as a migration would
     deadline = time.monotonic() + 180
     while not events(tgt["log"], "done") and time.monotonic() < deadline:

@@ -28,8 +28,9 @@ import yaml
 from gpumigrate import transfer
 from gpumigrate.errors import PlanError
 from gpumigrate.plan import load_plan, parse_plan
+from gpumigrate.snapshot.gpumap import gpu_pairs, rank_gpu_pairs
 from gpumigrate.snapshot.ranks import visible_gpu_uuids
-from gpumigrate.snapshot.world import World, gpu_pairs, rank_gpu_pairs
+from gpumigrate.snapshot.world import World
 from gpumigrate.traffic.loadgen import LoadGenerator
 from gpumigrate.workloads.worlds import LocalWorld, start_plan_launch, start_world
 
@@ -94,12 +95,12 @@ def connect(world: LocalWorld, timeout_s: float = 240.0) -> World:
 def migrate(source: World, target: World, store: tuple[str, dict[str, str]], rounds: int = 2) -> dict[str, Any]:
     url, key_ref = store
     for _ in range(rounds):  # live rounds, each pre-loaded into the target world (which stays unready)
-        image = source.precopy(url, key_ref)["image"]["id"]
-        loaded = target.restore(url, image, key_ref, ready=False)
+        image = source.precopy_ranks(url, key_ref)["image"]["id"]
+        loaded = target.restore_ranks(url, image, key_ref, ready=False)
         assert all(r["ready"] is False for r in loaded["ranks"])
-    frozen = source.freeze(lease_s=120)
-    final = source.final(url, key_ref)
-    restored = target.restore(url, final["image"]["id"], key_ref)
+    frozen = source.freeze_ranks(lease_s=120)
+    final = source.final_ranks(url, key_ref)
+    restored = target.restore_ranks(url, final["image"]["id"], key_ref)
     assert all(r["ready"] is True for r in restored["ranks"])
     return {"freeze": frozen, "final": final, "restore": restored}
 
@@ -130,9 +131,9 @@ def _dp_migration(
         done = migrate(source, target, store)
         cut = done["freeze"]["step"]
         assert done["freeze"]["steps"] == [cut, cut]  # both ranks parked after the same step
-        advanced = source.advance(PARITY_STEPS)  # the source's losses for the steps the target takes next
+        advanced = source.advance_ranks(PARITY_STEPS)  # the source's losses for the steps the target takes next
         assert [a["steps"] for a in advanced] == [cut + PARITY_STEPS] * 2
-        source.resume()
+        source.resume_ranks()
     devices = [m["source"][0] for m in done["restore"]["device_map"]]
     _check_world_image(store, done["final"]["image"]["id"], cut, devices)
     dst.wait_steps(cut + PARITY_STEPS)
@@ -194,7 +195,7 @@ def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: Local
         _wait_answered(load, 20)
         done = migrate(source, target, store)
         assert httpx.get(dst_url + "/readyz").status_code == 200
-        source.resume()  # the requests held at the freeze go on: slow for a moment, never failed
+        source.resume_ranks()  # the requests held at the freeze go on: slow for a moment, never failed
         _wait_answered(load, _answered(load) + 20)
     load.stop()
     report = load.wait(120)
@@ -224,11 +225,11 @@ def test_teardown_and_rebuild_of_the_group_keep_the_losses(worlds: Worlds) -> No
     src = worlds(DP, ["--steps", "400", "--step-delay-ms", "50"], name="source")
     src.wait_steps(3)
     with connect(src) as source:
-        cut = source.freeze(lease_s=120)["step"]
-        source.teardown()
+        cut = source.freeze_ranks(lease_s=120)["step"]
+        source.teardown_ranks()
         assert [r["group"] for r in source.describe()] == ["torn down", "torn down"]
-        source.rebuild()
-        source.resume()
+        source.rebuild_ranks()
+        source.resume_ranks()
     src.wait_steps(cut + 5)
     control.wait_steps(cut + 5)
     for rank in range(2):

@@ -21,7 +21,7 @@ def running():
     state = ServingState(build_model(0, "tiny"), name="inproc", model_id="tinylm-tiny-float32-s0")
     srv = start_in_thread(state, workers=4)
     yield srv
-    srv.state.safe_point.resume()
+    srv.state.safe_point.reopen()
     srv.stop()
 
 
@@ -31,7 +31,7 @@ def _gen(url: str, prompt: str) -> httpx.Response:
 
 def test_freeze_holds_requests_until_resume(running) -> None:
     sp = running.state.safe_point
-    sp.freeze(timeout_s=5)
+    sp.shut(timeout_s=5)
     assert httpx.get(f"{running.url}/readyz").json()["status"] == "held"
     assert httpx.get(f"{running.url}/healthz").status_code == 200  # the event loop still answers
     with ThreadPoolExecutor(4) as pool:
@@ -42,7 +42,7 @@ def test_freeze_holds_requests_until_resume(running) -> None:
         assert sp.waiting == 4 and not any(f.done() for f in futures)
         # Environment facts still answer while every request worker waits at the gate.
         assert httpx.get(f"{running.url}/v1/info", timeout=10).json()["host"] == "inproc"
-        sp.resume()
+        sp.reopen()
         codes = [f.result(timeout=30).status_code for f in futures]
     assert codes == [200, 200, 200, 200]
     assert httpx.get(f"{running.url}/readyz").json()["status"] == "ready"
@@ -57,18 +57,18 @@ def test_freeze_waits_for_in_flight_request(running) -> None:
     deadline = time.monotonic() + 10
     while sp.in_flight == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
-    sp.freeze(timeout_s=10)
+    sp.shut(timeout_s=10)
     assert sp.in_flight == 0  # the in-flight request finished before freeze returned
     t.join(10)
     assert result["code"] == 200
-    sp.resume()
+    sp.reopen()
 
 
 def test_freeze_timeout_reopens_the_gate() -> None:
     sp = SafePointGate()
     sp.enter()
     with pytest.raises(SnapshotError, match="in flight"):
-        sp.freeze(timeout_s=0.1)
+        sp.shut(timeout_s=0.1)
     assert not sp.frozen
     sp.leave()
     sp.enter(timeout_s=0.1)  # admitted at once: not frozen
@@ -77,11 +77,11 @@ def test_freeze_timeout_reopens_the_gate() -> None:
 
 def test_enter_times_out_while_frozen() -> None:
     sp = SafePointGate()
-    sp.freeze()
+    sp.shut()
     with pytest.raises(SnapshotError, match="frozen"):
         sp.enter(timeout_s=0.05)
-    sp.resume()
-    sp.resume()  # idempotent
+    sp.reopen()
+    sp.reopen()  # idempotent
 
 
 def test_restore_in_place_then_set_ready() -> None:
@@ -106,13 +106,13 @@ def test_a_retired_source_says_so_and_refuses_requests_at_once(running) -> None:
     """After `retire` zeroized it: /readyz 503 "retired" (not "awaiting restore"), and a request fails with 503
     at once instead of waiting out the 30 s a target awaiting its restore holds it."""
     sp = running.state.safe_point
-    sp.freeze(timeout_s=5)
+    sp.shut(timeout_s=5)
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(_gen, running.url, "held")
         deadline = time.monotonic() + 10
         while sp.waiting < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        sp.retire()  # a request held by the freeze is refused too, not left to time out
+        sp.mark_retired()  # a request held by the freeze is refused too, not left to time out
         assert held.result(timeout=5).status_code == 503
     ready = httpx.get(f"{running.url}/readyz")
     assert ready.status_code == 503 and ready.json()["status"] == "retired"
@@ -123,15 +123,15 @@ def test_a_retired_source_says_so_and_refuses_requests_at_once(running) -> None:
     assert "retired" in answer.text and "serves no more" in answer.text
     assert running.state.reason() == "retired: state zeroized" and sp.metrics()["retired"] is True
     sp.set_ready(True)  # a restore loaded state into it again: it serves again
-    sp.resume()
+    sp.reopen()
     assert _gen(running.url, "x").status_code == 200 and not sp.retired
 
 
 def test_the_agents_zeroize_retires_its_safe_point() -> None:
-    from gpumigrate.snapshot.agent import Agent
+    from gpumigrate.snapshot.engine import SnapshotEngine
 
     gate = SafePointGate()
-    agent = Agent(freezer=gate, set_ready=gate.set_ready)
+    agent = SnapshotEngine(freezer=gate, set_ready=gate.set_ready)
     assert agent.zeroize()["verified"] is True
     assert gate.retired and gate.readiness() == (503, {"status": "retired", "reason": "retired: state zeroized"})
     with pytest.raises(SnapshotError, match="serves no more"):
@@ -144,7 +144,7 @@ def test_a_retired_gate_parks_a_training_step_instead_of_failing_it() -> None:
     import threading
 
     gate = SafePointGate()
-    gate.freeze()
+    gate.shut()
     outcome: list[str] = []
 
     def step() -> None:
@@ -156,12 +156,12 @@ def test_a_retired_gate_parks_a_training_step_instead_of_failing_it() -> None:
 
     worker = threading.Thread(target=step, daemon=True)
     worker.start()
-    gate.retire()
+    gate.mark_retired()
     worker.join(0.3)
     assert worker.is_alive() and outcome == []  # parked, as on a frozen gate
     with pytest.raises(SnapshotError, match="serves no more"):
         gate.enter(timeout_s=5)  # a request fails at once
     gate.set_ready(True)  # only a restore that loads state again lets it on
-    gate.resume()
+    gate.reopen()
     worker.join(5)
     assert outcome == ["stepped"]

@@ -1,6 +1,6 @@
 """An in-process image sink: ImageWriter/ImageReader over host memory, for benchmarks and tests.
 
-It is the "capture to host memory" end of the agent's pipeline: chunk ids are BLAKE3 of the
+It is the "capture to host memory" end of the snapshot engine's pipeline: chunk ids are BLAKE3 of the
 plaintext, chunks are content-addressed (dedup), and the manifest is signed with HMAC-SHA256 so a
 reader refuses forged or altered manifests and chunks, as the transfer engine's reader does. It
 does no compression or encryption and moves nothing between hosts; real migrations use

@@ -1,0 +1,173 @@
+"""The agent backend (``snapshot.backend: agent``): the agents embedded in the workload, driven over their
+control addresses (PROTOCOL.md).
+
+The workload's agents are a :class:`~gpumigrate.snapshot.world.World` of ``workload.ranks`` agents, rank
+r's at the plan's agent address with its port + r; a world of one is a plain process (its own image, a
+plain freeze). Source side: pre-copy rounds into the plan's store while the workload serves, a freeze at
+its safe point under a lease that the flow renews, the final dirty set, and for a training job the steps
+that prove parity (``advance``); resume. Target side: a workload the flow started (``workload.launch``,
+awaiting restore) loads each image through its own agents, the pre-copy ones unready, then trains or
+serves on. Each call opens its own connections: the flow may call from any process (a resumed
+migration, the rollback flow).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpumigrate.errors import InvalidInputError, SnapshotError
+from gpumigrate.interfaces import ImageRef, Restored, Round, Side, StepLosses
+from gpumigrate.snapshot.backends import Setup
+from gpumigrate.snapshot.client import Zeroized, agent_environment, decode_steps
+from gpumigrate.snapshot.world import World
+
+COMMAND_TIMEOUT_S = 600.0  # one command (a round, a restore); a stalled agent fails it rather than hanging
+STEPS_POLL_S = 0.01
+
+
+class EmbeddedAgentBackend:
+    name = "agent"
+    needs_launch = True
+    live_rounds = True
+    preloads = True  # the target's agents load each pre-copy image unready, then only what changed
+    leases = True  # a freeze parks the source under a lease: an orchestrator that dies costs one lease
+
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self._parent = setup.parent  # each round's image is the next round's parent
+
+    def _address(self, side: Side) -> str:
+        address = self.setup.source_agent if side == "source" else self.setup.target_agent
+        if not address:
+            where = "workload.agent in the plan" if side == "source" else "the target's agent, known once provisioned"
+            raise InvalidInputError(f"the {side} has no snapshot agent address ({where})")
+        return address
+
+    def _world(self, side: Side, *, timeout_s: float = COMMAND_TIMEOUT_S) -> World:
+        return World.consecutive(self._address(side), self.setup.ranks, timeout_s=timeout_s)
+
+    def check(self) -> dict[str, Any]:
+        """The source's agents answer on their control addresses."""
+        with self._world("source") as world:
+            world.ping_ranks()
+        return {"agent": self.setup.source_agent}
+
+    def facts(self, side: Side) -> dict[str, Any]:
+        """The environment rank 0's agent reports (every rank runs on the same software)."""
+        address = self.setup.source_agent if side == "source" else self.setup.target_agent
+        return agent_environment(address)
+
+    # -- source side
+    def precopy(self) -> Round:
+        with self._world("source") as world:
+            done = world.precopy_ranks(
+                self.setup.store, self.setup.key_ref, parent=self._parent, options=self.setup.writer_options
+            )
+        self._parent = done["image"]["id"]
+        return Round(stats=done["stats"], image=ImageRef(**done["image"]))
+
+    def freeze(self, lease_s: float | None = None) -> int:
+        with self._world("source") as world:  # unless renewed within lease_s, it resumes by itself
+            return int(world.freeze_ranks(lease_s=lease_s)["step"])
+
+    def renew(self, lease_s: float) -> bool:
+        with self._world("source", timeout_s=max(5.0, lease_s / 3)) as world:
+            return all(bool(r.get("frozen")) for r in world.renew_ranks(lease_s))
+
+    def final(self) -> ImageRef:
+        with self._world("source") as world:
+            done = world.final_ranks(
+                self.setup.store, self.setup.key_ref, parent=self._parent, options=self.setup.writer_options
+            )
+        image = ImageRef(**done["image"])
+        if not image.id:
+            raise SnapshotError("the source agent committed no image")
+        self._parent = image.id
+        return image
+
+    def advance(self, steps: int, *, timeout_s: float) -> StepLosses:
+        """Rank 0's losses for the steps every rank took (they step together)."""
+        with self._world("source", timeout_s=timeout_s + 30) as world:
+            return decode_steps(world.advance_ranks(steps, timeout_s=timeout_s)[0])
+
+    def resume(self) -> None:
+        with self._world("source") as world:
+            world.resume_ranks()
+
+    def retire(self) -> dict[str, Any]:
+        with self._world("source") as world:
+            record = zeroized_of(world.zeroize_ranks())
+        if not record.verified:
+            raise SnapshotError(f"the zeroize of the source could not be verified: {record}")
+        return record.record()
+
+    # -- target side
+    def _load(self, image: ImageRef, *, ready: bool) -> Restored:
+        with self._world("target") as world:
+            done = world.restore_ranks(
+                self.setup.target_store or self.setup.store,
+                image.id,
+                self.setup.key_ref,
+                policy=self.setup.policy,
+                ready=ready,
+                source=self.setup.source_agent if self.setup.fill_from_source else None,
+            )
+        return restored_of(done)
+
+    def preload(self, image: ImageRef) -> Restored:
+        return self._load(image, ready=False)
+
+    def restore(self, image: ImageRef | None) -> Restored:
+        if image is None:
+            raise SnapshotError("the agent backend restores from an image, and the snapshot committed none")
+        return self._load(image, ready=True)
+
+    def wait_for_steps(self, side: Side, *, since: int, count: int, timeout_s: float) -> StepLosses:
+        """Poll rank 0's agent on ``side`` until it reported ``count`` losses after step ``since``."""
+        deadline = time.monotonic() + timeout_s
+        with self._world(side, timeout_s=30) as world:
+            while True:
+                seen = decode_steps(world.metrics_ranks(since)[0])
+                if len(seen.losses) >= count:
+                    return seen
+                if time.monotonic() > deadline:
+                    raise SnapshotError(
+                        f"the {side}'s agent at {self._address(side)} reported {len(seen.losses)} of {count} steps "
+                        f"after step {since} within {timeout_s:g} s: is the training loop running (safe_point, "
+                        "step.report)?"
+                    )
+                time.sleep(STEPS_POLL_S)
+
+    def discard(self) -> None:
+        """The target workload is a process of the target host: terminating the host stops it."""
+
+
+def restored_of(done: Mapping[str, Any]) -> Restored:
+    """A ``restore_ranks`` reply as the seam's :class:`~gpumigrate.interfaces.Restored`: the ranks' loads summed
+    (seconds of the slowest, as they run side by side), ready once every rank is; rank 0's environment check."""
+    ranks: Sequence[Mapping[str, Any]] = done["ranks"]
+    first = ranks[0]
+    return Restored(
+        image_id=str(first["image"]),
+        seconds=max(float(r["seconds"]) for r in ranks),
+        bytes_loaded=sum(int(r["bytes_loaded"]) for r in ranks),
+        chunks_loaded=sum(int(r["chunks_loaded"]) for r in ranks),
+        chunks_skipped=sum(int(r["chunks_skipped"]) for r in ranks),
+        ready=all(bool(r["ready"]) for r in ranks),
+        environment=dict(first.get("environment") or {}),
+        from_source=dict(first.get("from_source") or {}),
+    )
+
+
+def zeroized_of(replies: Sequence[Mapping[str, Any]]) -> Zeroized:
+    """The ranks' ``zeroize`` replies as one audit record: regions and bytes summed, verified where every rank
+    verified, every device, seconds of the slowest."""
+    return Zeroized(
+        regions=sum(int(r["zeroized_regions"]) for r in replies),
+        bytes=sum(int(r["zeroized_bytes"]) for r in replies),
+        verified=all(bool(r["verified"]) for r in replies),
+        devices=tuple(d for r in replies for d in r.get("devices") or ()),
+        seconds=max(float(r["seconds"]) for r in replies),
+    )

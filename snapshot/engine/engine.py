@@ -1,0 +1,291 @@
+"""The snapshot engine: embedded in a workload's process, it captures and restores the state it tracks.
+
+One small object composing one part per concern, each in its module of this package:
+
+* ``tracking.py``: what is tracked (modules, optimizers, tensors, opaque state, RNG streams) and its regions;
+* ``capture.py``: capture rounds into an image writer, live (only what changed ships) or frozen (the final
+  round, each chunk it reuses confirmed by its BLAKE3);
+* ``loading.py``: loading an image into the tracked state (a pre-load stays unready), filled from the
+  source's memory where it can;
+* ``lending.py``: the source's side of that fill;
+* ``freezing.py``: parking at the safe point under a lease, holding, advancing N steps, unparking;
+* ``group.py``: the process as one rank of a group (teardown and rebuild of its communicators);
+* ``zeroize.py``: wiping the tracked memory after the cut-over.
+
+Every command runs under the engine's lock (:attr:`lock`); the lease's renewal never waits for it. The
+engine moves bytes only through the writers, readers and filler it is given: the public SDK
+(``gpumigrate.agent``) wires the transfer engine's, and the control server (``server.py``,
+``server_commands.py``) is the engine's face on the wire.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from gpumigrate.errors import SnapshotError
+from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, Round
+from gpumigrate.snapshot import tracked as tr
+from gpumigrate.snapshot.engine.capture import CaptureRounds
+from gpumigrate.snapshot.engine.clock import Phases
+from gpumigrate.snapshot.engine.freezing import ADVANCE_TIMEOUT_S, Freezing
+from gpumigrate.snapshot.engine.group import GroupControl
+from gpumigrate.snapshot.engine.lending import lend
+from gpumigrate.snapshot.engine.loading import Loader
+from gpumigrate.snapshot.engine.pipelines import Pipelines
+from gpumigrate.snapshot.engine.state import EngineState
+from gpumigrate.snapshot.engine.tracking import Tracker, devices
+from gpumigrate.snapshot.engine.zeroize import zeroize
+from gpumigrate.snapshot.environment import env_facts
+from gpumigrate.snapshot.fill import Filler, Run
+from gpumigrate.snapshot.gchold import gc_held
+from gpumigrate.snapshot.lease import Lease
+from gpumigrate.snapshot.ranks import RankGroup
+from gpumigrate.snapshot.stepgate import SafePointGate
+
+# (store, key reference, parent image) -> a writer; options (compression, parallelism) as keywords when given
+WriterFactory = Callable[..., ImageWriter]
+ReaderFactory = Callable[[str, str, Mapping[str, str]], ImageReader]  # (store, image id, key reference) -> a reader
+
+
+class SnapshotEngine:
+    """Tracks a workload's state and moves it through ImageWriter/ImageReader objects, in its own process."""
+
+    def __init__(
+        self,
+        *,
+        writer_factory: WriterFactory | None = None,
+        reader_factory: ReaderFactory | None = None,
+        freezer: SafePointGate | None = None,
+        set_ready: Callable[[bool], None] | None = None,
+        workers: int = 4,
+        streams: int = 2,
+        group: RankGroup | None = None,
+        filler: Filler | None = None,
+        warming: Callable[[], bool] | None = None,
+    ) -> None:
+        self.writer_factory = writer_factory  # how images are opened for a store URL and a key reference
+        self.reader_factory = reader_factory
+        self.filler = filler  # a restore filled straight from the source's memory (fill.py), and its lending
+        self.warming = warming  # whether the SDK still compiles the device kernels in the background
+        self.freezer = freezer  # the workload's safe point: park waits for it, unpark reopens it
+        self.set_ready = set_ready
+        self.lock = threading.RLock()
+        self.state = EngineState()
+        self.tracker = Tracker()
+        self.ranks = GroupControl(group, self.state)
+        self.pipelines = Pipelines(workers=workers, streams=streams)
+        self.capture = CaptureRounds(self.tracker, self.pipelines, self.state, self.ranks.rank_id)
+        self.loader = Loader(
+            self.tracker, self.pipelines, self.state, rank_id=self.ranks.rank_id, filler=filler, set_ready=set_ready
+        )
+        self.freezing = Freezing(freezer, self.state, self.ranks, self.lock)
+        if freezer is not None:  # the step counter and reported losses travel with the state
+            self.track_state("progress", freezer.progress, freezer.set_progress)
+
+    # ------------------------------------------------------------------ what it tracks (tracking.py)
+    def track(self, item: tr.Item) -> None:
+        self.tracker.track(item)
+
+    def track_module(self, name: str, module: torch.nn.Module) -> None:
+        self.tracker.track_module(name, module)
+
+    def track_optimizer(self, name: str, optimizer: torch.optim.Optimizer) -> None:
+        self.tracker.track_optimizer(name, optimizer)
+
+    def track_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        self.tracker.track_tensor(name, tensor)
+
+    def track_tensors(
+        self, name: str, tensors: Mapping[str, torch.Tensor] | Callable[[], Mapping[str, torch.Tensor]]
+    ) -> None:
+        self.tracker.track_tensors(name, tensors)
+
+    def track_state(
+        self, name: str, getter: Callable[[], Any], setter: Callable[[Any], None], *, raw: bool = False
+    ) -> None:
+        """Arbitrary state: JSON values by default, bytes with ``raw=True``."""
+        self.tracker.track_state(name, getter, setter, raw=raw)
+
+    def track_rng(self, name: str = "rng", *, cuda_devices: list[int] | None = None) -> None:
+        self.tracker.track_rng(name, cuda_devices=cuda_devices)
+
+    # ------------------------------------------------------------------ where it stands
+    @property
+    def items(self) -> list[tr.Item]:
+        return self.tracker.items
+
+    @property
+    def frozen(self) -> bool:
+        return self.state.frozen
+
+    @property
+    def held(self) -> bool:
+        return self.state.held
+
+    @property
+    def ready(self) -> bool | None:
+        return self.state.ready
+
+    @property
+    def rounds(self) -> int:
+        return self.state.rounds
+
+    @property
+    def last_image(self) -> ImageRef | None:
+        return self.state.last_image
+
+    @property
+    def fingerprint_collisions(self) -> int:
+        return self.state.fingerprint_collisions
+
+    @property
+    def state_version(self) -> int:
+        return self.state.state_version
+
+    @property
+    def group(self) -> RankGroup | None:
+        return self.ranks.group
+
+    @property
+    def lease(self) -> Lease:
+        return self.freezing.lease
+
+    def info(self) -> dict[str, Any]:
+        with self.lock:
+            regions = [self.tracker.describe(n, it, t) for n, (it, t) in self.tracker.live().items()]
+        return {
+            "regions": [asdict(r) for r in regions],
+            "bytes_total": sum(r.nbytes for r in regions),
+            "environment": env_facts(),
+            "frozen": self.state.frozen,
+            "held": self.state.held,
+            "ready": self.state.ready,
+            "rank": self.ranks.describe(devices(regions)),
+            "rounds": self.state.rounds,
+            "last_image": self.state.last_image.id if self.state.last_image else None,
+            "lease": self.lease.state(),
+            "lease_expiries": self.lease.expiries,
+            "fingerprint_collisions": self.state.fingerprint_collisions,
+            "steps": self.freezer.steps if self.freezer is not None else 0,
+            "warming": bool(self.warming()) if self.warming is not None else False,
+        }
+
+    # ------------------------------------------------------------------ capture (capture.py)
+    def open_writer(
+        self, store: str, key_ref: Mapping[str, str], parent: str | None, options: Mapping[str, Any] | None = None
+    ) -> ImageWriter:
+        """A writer for the next round into ``store``: its parent is the last image there unless ``parent`` says
+        otherwise, and a round on another parent ships everything (that parent holds none of our chunk ids)."""
+        if self.writer_factory is None:
+            raise SnapshotError("this agent has no image writer: the workload did not wire the transfer engine")
+        last = self.state.last_image
+        if parent is None and last is not None and last.store == store:
+            parent = last.id
+        if parent is None or last is None or parent != last.id:
+            self.capture.forget()
+        # Options (compression, parallelism from the plan) only when given: factories may take just three.
+        return (
+            self.writer_factory(store, key_ref, parent, **dict(options))
+            if options
+            else self.writer_factory(store, key_ref, parent)
+        )
+
+    def capture_round(self, writer: ImageWriter, *, clock: Phases | None = None) -> Round:
+        """One round (live unless the workload is parked). The writer's parent must hold the last shipped image."""
+        with self.lock:
+            return Round(*self.capture.run(writer, frozen=self.state.frozen, clock=clock))
+
+    def capture_final(self, writer: ImageWriter, *, clock: Phases | None = None) -> Round:
+        """The frozen round: the last dirty set, every reused chunk confirmed by its hash."""
+        with gc_held(), self.lock:
+            if not self.state.frozen:
+                raise SnapshotError("final needs a frozen workload: send freeze first")
+            return Round(*self.capture.run(writer, frozen=True, clock=clock))
+
+    def forget_shipped(self) -> None:
+        """The next round ships everything (e.g. a new store that holds none of the earlier chunks)."""
+        with self.lock:
+            self.capture.forget()
+
+    # ------------------------------------------------------------------ the safe point (freezing.py, group.py)
+    def park(self, lease_s: float | None = None, *, timeout_s: float = 60.0, at_step: int | None = None) -> None:
+        self.freezing.park(lease_s, timeout_s=timeout_s, at_step=at_step)
+
+    def hold(self, lease_s: float | None = None) -> dict[str, Any]:
+        return self.freezing.hold(lease_s)
+
+    def renew_lease(self, lease_s: float | None = None) -> dict[str, Any]:
+        return self.freezing.renew_lease(lease_s)
+
+    def advance_steps(self, steps: int, *, timeout_s: float = ADVANCE_TIMEOUT_S) -> dict[str, Any]:
+        return self.freezing.advance_steps(steps, timeout_s=timeout_s)
+
+    def step_metrics(self, since: int = 0) -> dict[str, Any]:
+        return self.freezing.step_metrics(since)
+
+    def unpark(self) -> None:
+        self.freezing.unpark()
+
+    def teardown_group(self) -> dict[str, Any]:
+        with self.lock:
+            return self.ranks.teardown()
+
+    def rebuild_group(self) -> dict[str, Any]:
+        with self.lock:
+            return self.ranks.rebuild()
+
+    # ------------------------------------------------------------------ target side (loading.py, lending.py)
+    def load(
+        self,
+        reader: ImageReader,
+        *,
+        policy: Mapping[str, str] | None = None,
+        ready: bool = True,
+        rank: int | None = None,
+        source: str | None = None,
+        control_key: bytes | None = None,
+        clock: Phases | None = None,
+    ) -> dict[str, Any]:
+        """Load a verified image into the tracked state; with ``ready`` report ready afterwards (loading.py).
+
+        A world image loads rank ``rank``'s part (default: this process's rank). ``source``: the source agent's
+        address on this host; its tensors' chunks are copied out of its memory and checked (``fill.py``)."""
+        if source is not None and (self.filler is None or control_key is None):
+            raise SnapshotError("this agent cannot fill from the source: the workload did not wire the transfer engine")
+        clock = clock or Phases()  # restore_from's started before it opened the reader
+        with gc_held(), self.lock:
+            clock.mark("lock")
+            return self.loader.run(
+                reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
+            )
+
+    def lend(
+        self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool
+    ) -> dict[str, Any]:
+        """Source: move ``runs`` of the tracked tensors into the target's landing at ``landing`` (lending.py)."""
+        with gc_held(), self.lock:  # the target's final restore waits on this lend: downtime, as final's is
+            return lend(
+                self.tracker, self.filler, landing, runs, chunk_size, control_key=control_key, tolerate=tolerate
+            )
+
+    # ------------------------------------------------------------------ after the cut-over (zeroize.py)
+    def zeroize(self) -> dict[str, Any]:
+        with self.lock:
+            return zeroize(
+                self.tracker, self.pipelines, gate=self.freezer, set_ready=self.set_ready, forget=self._forget_memory
+            )
+
+    def _forget_memory(self) -> None:
+        self.state.state_version += 1
+        self.capture.forget()
+        self.loader.forget()
+
+    def close(self) -> None:
+        self.lease.close()
+        self.pipelines.close()
+        self.capture.close()
