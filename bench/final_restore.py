@@ -85,7 +85,7 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
             src_state["cache"][r * 1000 : r * 1000 + (1 << 18)] += 1  # 4 of its 16 chunks change per round
             src_state["step"] = r
         if r == 2:
-            src.frozen = True  # the final round: a frozen source (no freezer here: nothing runs)
+            src.state.frozen = True  # the final round: a frozen source (no freezer here: nothing runs)
             images.append(final_to(src, store, {})["image"]["id"])
         else:
             images.append(precopy_to(src, store, {})["image"]["id"])
@@ -126,7 +126,7 @@ def worker(repeat: int, chunk: int) -> dict[str, Any]:
         shutil.rmtree(where, ignore_errors=True)
     return {
         "ms": {k: [round(v * 1e3, 3) for v in vs] for k, vs in per.items()},
-        "regions": len(tgt._live()),
+        "regions": len(tgt.tracker.live()),
         "identical": identical,  # the target's model and state after the last final restore are the source's
         **counts,
     }

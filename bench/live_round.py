@@ -130,14 +130,15 @@ def _restores_identical(
     model: Any, store: str, image_id: str, key_ref: dict[str, str], args: argparse.Namespace
 ) -> bool:
     """A second agent over a model of zeros restores the image: are its weights the source's, bit for bit?"""
-    from gpumigrate.agent.images import make_agent
+    from gpumigrate.agent.images import make_engine
+    from gpumigrate.snapshot.server_commands import restore_from
     from gpumigrate.workloads.model import build_model, weights_digest
 
     fresh = build_model(0, "small", dtype="bfloat16", device=args.device, params_mb=args.gib * 1024, load_weights=False)
-    target = make_agent()
+    target = make_engine()
     try:
         target.track_module("model", fresh)
-        target.restore_from(f"file://{store}", image_id, key_ref)
+        restore_from(target, f"file://{store}", image_id, key_ref)
     finally:
         target.close()
     return bool(weights_digest(fresh) == weights_digest(model))

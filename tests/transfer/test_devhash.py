@@ -11,7 +11,7 @@ import torch
 
 from gpumigrate import transfer
 from gpumigrate.errors import IntegrityError
-from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.transfer.device import devhash
 
 # One leaf (ROOT on the leaf), two (ROOT on the parent), and odd counts whose last node moves up
@@ -86,10 +86,10 @@ def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flip
         pytest.skip("Triton is not importable here")
     src = {"a": torch.randn(3 << 20, device=dev), "odd": torch.randn(777, device=dev)}  # odd: CPU-hashed tail
     url = f"file://{tmp_path / 'store'}"  # no key: only BLAKE3 stands between a flipped byte and the target
-    a = Agent()
+    a = SnapshotEngine()
     a.track_tensors("w", src)
-    a.freeze()
-    a.precopy(transfer.open_writer(url, key=None, chunk_size=1 << 20, compression="none"))
+    a.park()
+    a.capture_round(transfer.open_writer(url, key=None, chunk_size=1 << 20, compression="none"))
     image = a.last_image.id
     # Ids come from the GPU kernels: each must be the CPU's BLAKE3 of the stored plaintext.
     objects = sorted((tmp_path / "store" / "chunks").glob("*/*"))
@@ -97,18 +97,18 @@ def test_device_hashed_capture_and_verified_restore_round_trip_and_refuse_a_flip
     for path in objects:
         assert blake3.blake3(path.read_bytes()[60:]).hexdigest() == path.name
     out = {k: torch.zeros_like(v) for k, v in src.items()}
-    b = Agent()
+    b = SnapshotEngine()
     b.track_tensors("w", out)
-    b.restore(transfer.open_reader(url, image, key=None))
+    b.load(transfer.open_reader(url, image, key=None))
     assert all(torch.equal(out[k], src[k]) for k in src)
     victim = max(objects, key=lambda p: p.stat().st_size)
     raw = bytearray(victim.read_bytes())
     raw[4096] ^= 1
     victim.write_bytes(raw)
-    c = Agent()
+    c = SnapshotEngine()
     c.track_tensors("w", {k: torch.zeros_like(v) for k, v in src.items()})
     with pytest.raises(IntegrityError, match="BLAKE3"):
-        c.restore(transfer.open_reader(url, image, key=None))
+        c.load(transfer.open_reader(url, image, key=None))
     assert not c.ready
 
 

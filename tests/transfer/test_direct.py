@@ -20,7 +20,7 @@ import torch
 from gpumigrate import transfer
 from gpumigrate.errors import DecryptionError, IntegrityError
 from gpumigrate.interfaces import DirectImageReader, DirectImageWriter, RegionInfo, TensorChunk
-from gpumigrate.snapshot.agent import Agent
+from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.transfer import writer
 from gpumigrate.transfer.device import gpucodec
 
@@ -122,28 +122,29 @@ def test_a_damaged_chunk_is_caught_by_the_direct_reader(tmp_path: Path, key: byt
 def test_agent_round_trip_through_the_direct_path_refuses_damage_and_stays_unready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpumigrate.agent.images import make_agent
+    from gpumigrate.agent.images import make_engine
+    from gpumigrate.snapshot.server_commands import precopy_to, restore_from
 
     monkeypatch.setenv("GM_DIRECT_TEST_KEY", transfer.generate_key())
     key_env = {"env": "GM_DIRECT_TEST_KEY"}
     url = f"file://{tmp_path / 'store'}"
-    src = make_agent()
+    src = make_engine()
     data = _tensors()
     src.track_tensors("w", data)
-    ref = src.precopy_to(url, key_env)["image"]
-    dst = make_agent()
+    ref = precopy_to(src, url, key_env)["image"]
+    dst = make_engine()
     got = {k: torch.zeros_like(v) for k, v in data.items()}
     dst.track_tensors("w", got)
-    dst.restore_from(url, ref["id"], key_env)
+    restore_from(dst, url, ref["id"], key_env)
     assert dst.ready and all(torch.equal(got[k], data[k]) for k in data)
     for path in (tmp_path / "store" / "chunks").glob("*/*"):
         raw = bytearray(path.read_bytes())
         raw[-1] ^= 1
         path.write_bytes(raw)
-    cold = make_agent()
+    cold = make_engine()
     cold.track_tensors("w", {k: torch.zeros_like(v) for k, v in data.items()})
     with pytest.raises((IntegrityError, DecryptionError)):
-        cold.restore_from(url, ref["id"], key_env)
+        restore_from(cold, url, ref["id"], key_env)
     assert cold.ready is False
 
 
@@ -307,11 +308,11 @@ def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(
     monkeypatch.setenv("GPUMIGRATE_ALLOW_UNSIGNED_IMAGES", "1")
     url = f"file://{tmp_path / 's'}"
     w = {"a": torch.randn(5 << 20, device=dev).to(torch.bfloat16), "odd": torch.randn(777, device=dev)}
-    src = Agent()
+    src = SnapshotEngine()
     src.track_tensors("w", w)
-    src.precopy(transfer.open_writer(url, key=None, chunk_size=1 << 20))  # live: staged batches
+    src.capture_round(transfer.open_writer(url, key=None, chunk_size=1 << 20))  # live: staged batches
     w["a"][: 1 << 10].add_(1)
-    stats = src.precopy(transfer.open_writer(url, key=None, parent=src.last_image.id, chunk_size=1 << 20))
+    stats = src.capture_round(transfer.open_writer(url, key=None, parent=src.last_image.id, chunk_size=1 << 20)).stats
     assert stats.chunks_dirty == 1
     image = src.last_image.id
     for path in (tmp_path / "s" / "chunks").glob("*/*"):
@@ -320,18 +321,18 @@ def test_device_direct_path_refuses_a_flipped_byte_and_live_rounds_stage(
         if entry is not None and entry[1] == 0:
             assert blake3.blake3(body).hexdigest() == path.name
     out = {k: torch.zeros_like(v) for k, v in w.items()}
-    dst = Agent()
+    dst = SnapshotEngine()
     dst.track_tensors("w", out)
-    dst.restore(transfer.open_reader(url, image, key=None))
+    dst.load(transfer.open_reader(url, image, key=None))
     assert all(torch.equal(out[k], w[k]) for k in w)
     victim = max((tmp_path / "s" / "chunks").glob("*/*"), key=lambda p: p.stat().st_size)
     raw = bytearray(victim.read_bytes())
     raw[-100] ^= 1
     victim.write_bytes(raw)
-    cold = Agent()
+    cold = SnapshotEngine()
     cold.track_tensors("w", {k: torch.zeros_like(v) for k, v in w.items()})
     with pytest.raises(IntegrityError):
-        cold.restore(transfer.open_reader(url, image, key=None))
+        cold.load(transfer.open_reader(url, image, key=None))
     assert not cold.ready
 
 
@@ -347,16 +348,16 @@ def test_a_live_round_in_many_staging_batches_round_trips(tmp_path: Path) -> Non
     w = {f"t{i}": torch.randn(chunk // 2 * (1 + i % 5) + 17 * i, device=dev).to(torch.bfloat16) for i in range(60)}
     assert sum(-(-v.numel() * 2 // chunk) for v in w.values()) > 2 * pipeline.STAGE_SLOTS
     url = f"file://{tmp_path / 's'}"
-    src = Agent()
+    src = SnapshotEngine()
     src.track_tensors("w", w)
-    src.precopy(transfer.open_writer(url, key=KEY, chunk_size=chunk))
+    src.capture_round(transfer.open_writer(url, key=KEY, chunk_size=chunk))
     w["t7"][5:9].add_(1)
-    stats = src.precopy(transfer.open_writer(url, key=KEY, parent=src.last_image.id, chunk_size=chunk))
+    stats = src.capture_round(transfer.open_writer(url, key=KEY, parent=src.last_image.id, chunk_size=chunk)).stats
     assert stats.chunks_dirty == 1
     out = {k: torch.zeros_like(v) for k, v in w.items()}
-    dst = Agent()
+    dst = SnapshotEngine()
     dst.track_tensors("w", out)
-    dst.restore(transfer.open_reader(url, src.last_image.id, key=KEY))
+    dst.load(transfer.open_reader(url, src.last_image.id, key=KEY))
     assert all(torch.equal(out[k], w[k]) for k in w)
 
 
