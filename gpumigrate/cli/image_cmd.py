@@ -333,6 +333,15 @@ def receive(
     nixl_transports: str | None = typer.Option(
         None, "--nixl-transports", help="UCX transports for NIXL (UCX_TLS), e.g. tcp; default: UCX chooses"
     ),
+    handshake_timeout: float = typer.Option(
+        10.0, "--handshake-timeout", min=0.001, help="seconds a client has from connecting to a signed HELLO, all of it"
+    ),
+    max_unauthenticated: int = typer.Option(
+        16, "--max-unauthenticated", min=1, help="connections still proving themselves; past it the oldest is shed"
+    ),
+    max_clients: int = typer.Option(
+        64, "--max-clients", min=1, help="authenticated connections (a sender opens one per --parallelism)"
+    ),
     detach: bool = typer.Option(False, "--detach", help="run in the background; needs --state-dir"),
     exit_after: int = typer.Option(
         0, "--exit-after", min=0, help="exit after this many images arrived (0: until SIGTERM or `receive-stop`)"
@@ -343,11 +352,17 @@ def receive(
     Only clients holding the control key (GPUMIGRATE_CONTROL_KEY_FILE) are served. Prints one JSON
     line with the URL to push to (certificate pinned) once listening, and the counts when it stops.
     """
+    from gpumigrate.transfer.receiver.admission import ReceiverLimits
     from gpumigrate.transfer.receiver.host import ReceiverOptions, run_receiver, start_receiver
 
     key = _key(key_env, key_file, no_key)
     options = ReceiverOptions(
-        listen=listen, advertise=advertise, quota_bytes=parse_size(quota), nixl=nixl, nixl_transports=nixl_transports
+        listen=listen,
+        advertise=advertise,
+        quota_bytes=parse_size(quota),
+        nixl=nixl,
+        nixl_transports=nixl_transports,
+        limits=ReceiverLimits(handshake_timeout, max_unauthenticated, max_clients),
     )
     if detach:
         if state_dir is None:
