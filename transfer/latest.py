@@ -78,13 +78,20 @@ def _rank(body: dict[str, Any], image_id: str) -> tuple[int, int, str, str]:
     return (seq is not None, seq or 0, created if isinstance(created, str) else "", image_id)
 
 
+def check_image_ref(image: str | None) -> str | None:
+    """``image`` when an image URL may carry it: nothing or "latest" (the newest), a full id, or a prefix of one
+    (``^[0-9a-f]{1,63}$``); else :class:`~gpumigrate.transfer.stores.InvalidIdError` naming the rule."""
+    if image and image not in NEWEST and not _PREFIX.fullmatch(image):
+        check_image_id(image)  # a full id passes; anything else raises, naming the rule and nothing of the text
+    return image
+
+
 def resolve_image(store: Store, image: str | None, sealer: Sealer) -> Resolved:
     """The image ``image`` names in ``store`` (see the module's docstring); typed errors for everything else."""
-    if image and image not in NEWEST:
+    if check_image_ref(image) and image not in NEWEST:
+        assert image is not None  # checked just above
         if ID_PATTERN.fullmatch(image):
             return Resolved(image, "id")
-        if not _PREFIX.fullmatch(image):
-            check_image_id(image)  # raises, naming the rule
         ids = _listed(store)
         matches = [i for i in ids if i.startswith(image)]
         if len(matches) != 1:

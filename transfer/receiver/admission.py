@@ -68,6 +68,13 @@ class RateLimitedLog:
         suffix = f" ({held} more like it were not logged)" if held else ""
         self.logger.warning(message + suffix, *args)
 
+    def flush(self) -> None:
+        """Say how many warnings were held back since the last one written (at the end of a run)."""
+        with self._lock:
+            held, self._held = self._held, 0
+        if held:
+            self.logger.warning("%d more warnings like the last were not logged (rate limit)", held)
+
 
 class Admission:
     """The receiver's connections by state: still proving themselves (with a deadline each) or authenticated."""
@@ -77,59 +84,72 @@ class Admission:
         self.shed: Counter[str] = Counter()
         self.log = RateLimitedLog(log)
         self._cond = threading.Condition()
-        self._pending: dict[socket.socket, tuple[float, str]] = {}  # in accept order, so oldest (first deadline) first
-        self._clients: set[socket.socket] = set()
+        # Each connection by its accepted socket object, with a duplicate of its descriptor (``handle``): wrapping the
+        # socket in TLS detaches the object, and the handle can still shut the connection down, with no risk that
+        # its number was reused meanwhile. Unauthenticated ones in accept order: the oldest (first deadline) first.
+        self._pending: dict[socket.socket, tuple[float, str, socket.socket]] = {}
+        self._clients: dict[socket.socket, socket.socket] = {}
         self._closed = False
         self._reaper = threading.Thread(target=self._reap, name="gm-recv-deadline", daemon=True)
         self._reaper.start()
 
     def admit(self, raw: socket.socket, peer: str) -> None:
         """A new connection, unauthenticated until :meth:`authenticate`; the oldest such one is shed at the cap."""
-        victims: list[tuple[socket.socket, str]] = []
+        victims: list[tuple[float, str, socket.socket]] = []
+        handle = raw.dup()
         with self._cond:
             while len(self._pending) >= self.limits.max_unauthenticated:
-                oldest = next(iter(self._pending))
-                victims.append((oldest, self._pending.pop(oldest)[1]))
-            self._pending[raw] = (time.monotonic() + self.limits.handshake_timeout_s, peer)
+                victims.append(self._pending.pop(next(iter(self._pending))))
+            self._pending[raw] = (time.monotonic() + self.limits.handshake_timeout_s, peer, handle)
             self._cond.notify()
-        for victim, who in victims:
-            self._shed(
-                victim, who, UNAUTHENTICATED_CAP, f"{self.limits.max_unauthenticated} unauthenticated connections"
-            )
+        why = f"{self.limits.max_unauthenticated} unauthenticated connections already"
+        for _, who, victim in victims:
+            self._shed(victim, who, UNAUTHENTICATED_CAP, why)
 
     def authenticate(self, raw: socket.socket) -> str | None:
         """Move a connection whose HELLO verified to the authenticated ones; the reason it may not (None: it may)."""
         with self._cond:
             if raw not in self._pending:
                 return "the handshake took longer than allowed, or the connection was shed"
-            del self._pending[raw]
+            _, _, handle = self._pending.pop(raw)
             if len(self._clients) >= self.limits.max_clients:
                 self.shed[CLIENTS_CAP] += 1
+                handle.close()
                 return f"the receiver serves {self.limits.max_clients} authenticated connections already"
-            self._clients.add(raw)
+            self._clients[raw] = handle
         return None
 
     def forget(self, raw: socket.socket) -> None:
+        """The connection's thread is done with it (call before closing it)."""
         with self._cond:
-            self._pending.pop(raw, None)
-            self._clients.discard(raw)
+            pending = self._pending.pop(raw, None)
+            handle = self._clients.pop(raw, None) or (pending[2] if pending else None)
+        if handle is not None:
+            handle.close()
 
     def counts(self) -> dict[str, int]:
         with self._cond:
             return {"unauthenticated": len(self._pending), "authenticated": len(self._clients)}
 
     def close(self) -> None:
+        """Stop the deadline thread and shut every connection down (their threads see the end and finish)."""
         with self._cond:
             self._closed = True
             self._cond.notify()
+            handles = [entry[2] for entry in self._pending.values()] + list(self._clients.values())
         self._reaper.join(timeout=5)
+        self.log.flush()
+        for handle in handles:
+            with contextlib.suppress(OSError):
+                handle.shutdown(socket.SHUT_RDWR)
 
-    def _shed(self, raw: socket.socket, peer: str, reason: str, why: str) -> None:
+    def _shed(self, handle: socket.socket, peer: str, reason: str, why: str) -> None:
         with self._cond:
             self.shed[reason] += 1
         self.log.warning("receiver shed the connection from %s: %s", peer, why)
         with contextlib.suppress(OSError):
-            raw.shutdown(socket.SHUT_RDWR)  # its thread's blocked read returns and it closes the socket
+            handle.shutdown(socket.SHUT_RDWR)  # its thread's blocked read returns and it closes the socket
+        handle.close()
 
     def _reap(self) -> None:
         """Shed every connection still unauthenticated at its deadline (woken by the next deadline or a new one)."""
@@ -139,15 +159,15 @@ class Admission:
                 if self._closed:
                     return
                 now = time.monotonic()
-                for raw, (deadline, peer) in list(self._pending.items()):
+                for raw, (deadline, peer, handle) in list(self._pending.items()):
                     if deadline > now:
                         break
                     del self._pending[raw]
-                    expired.append((raw, peer))
+                    expired.append((handle, peer))
                 if not expired:
                     first = next(iter(self._pending.values()), None)
                     self._cond.wait(None if first is None else first[0] - now)
                     continue
-            for raw, peer in expired:
+            for handle, peer in expired:
                 why = f"no signed HELLO within {self.limits.handshake_timeout_s:g}s of connecting"
-                self._shed(raw, peer, HANDSHAKE_DEADLINE, why)
+                self._shed(handle, peer, HANDSHAKE_DEADLINE, why)

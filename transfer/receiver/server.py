@@ -125,7 +125,6 @@ class Receiver:
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self.kept = VerifiedStore(store, self.sealer, quota_bytes)  # checks what an earlier run left, on a thread
         self._acceptor = threading.Thread(target=self._accept_loop, name="gm-recv-accept", daemon=True)
@@ -150,13 +149,15 @@ class Receiver:
                 return
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer = f"{addr[0]}:{addr[1]}"
-            t = threading.Thread(target=self._serve, args=(raw, peer), name="gm-recv-conn")
-            t.daemon = True
+            try:
+                self.admission.admit(raw, peer)  # its handshake deadline starts now; the oldest unproven one may go
+            except OSError:  # no descriptor left for its handle: refused, the receiver serves on
+                raw.close()
+                continue
+            t = threading.Thread(target=self._serve, args=(raw, peer), name="gm-recv-conn", daemon=True)
             with self._lock:
-                self._conns.add(raw)
                 self._threads = [x for x in self._threads if x.is_alive()]
                 self._threads.append(t)
-            self.admission.admit(raw, peer)  # its handshake deadline starts now; the oldest unproven one may go
             t.start()
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
@@ -220,8 +221,6 @@ class Receiver:
 
     def _forget(self, raw: socket.socket) -> None:
         self.admission.forget(raw)
-        with self._lock:
-            self._conns.discard(raw)
 
     def _signed(self, payload: memoryview, op: str) -> tuple[dict[str, Any], str]:
         """A request signed with the control key for this channel (HELLO, NIXL_OPEN); else _Refused."""
@@ -372,13 +371,9 @@ class Receiver:
         with contextlib.suppress(OSError):
             self._sock.close()
         with self._lock:
-            conns = list(self._conns)
             threads = list(self._threads)
-        for raw in conns:
-            with contextlib.suppress(OSError):
-                raw.shutdown(socket.SHUT_RDWR)
         self._acceptor.join(timeout=5)
-        self.admission.close()
+        self.admission.close()  # shuts every connection down: their threads finish
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
