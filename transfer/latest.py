@@ -173,7 +173,7 @@ def _check_not_older(store: Store, sealer: Sealer, found: Resolved) -> None:
     served = _served(path)
     if served is not None and (found.sequence is None or found.sequence < served["sequence"]):
         raise OlderImageError(
-            f"the newest image in {store.url} is {found.image_id[:16]} "
+            f"the newest image in {store.url} is {found.image_id} "
             f"({'no sequence' if found.sequence is None else f'sequence {found.sequence}'}), older than "
             f"{str(served.get('image_id'))[:16]} (sequence {served['sequence']}) that a URL without an id took from "
             f"this store before: a newer image was removed or an older one put back, so it is not taken as the newest",

@@ -445,6 +445,7 @@ def ls(
             {
                 "image_id": image_id,
                 "created": body.get("created"),
+                "sequence": body.get("sequence"),  # the newest is the largest (unverified here, as the rest)
                 "parent": body.get("parent"),
                 "bytes": sum(int(r["nbytes"]) for r in body.get("regions", [])),
                 "encryption": body.get("encryption"),

@@ -43,11 +43,14 @@ class InvalidIdError(InvalidInputError):
 
 
 def _bad_id(value: object, what: str) -> InvalidIdError:
-    shown = repr(value[:16]) + ("…" if len(value) > 16 else "") if isinstance(value, str) else type(value).__name__
-    length = f", {len(value)} characters" if isinstance(value, str) else ""
+    if isinstance(value, str):
+        shown = f"{value[:16]!r}{'…' if len(value) > 16 else ''} ({len(value)} characters)"
+    else:
+        shown = type(value).__name__
     return InvalidIdError(
-        f"{shown}{length} is not {what}: an id is {ID_RULE}",
-        hint="an image id is the BLAKE3 of its manifest, as `gpumigrate image pack` and `image ls` print it",
+        f"{shown} is not {what}: an id is {ID_RULE}",
+        hint="an image URL is STORE_URL#ID with the id `gpumigrate image pack` or `image ls` printed, a unique "
+        "hex prefix of it, or no id for the newest image",
     )
 
 
