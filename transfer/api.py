@@ -5,9 +5,10 @@ from __future__ import annotations
 from gpumigrate.transfer.direct_reader import DirectStoreImageReader
 from gpumigrate.transfer.direct_writer import DirectStoreImageWriter
 from gpumigrate.transfer.format.chunkobj import Sealer
+from gpumigrate.transfer.latest import resolve_image_id
 from gpumigrate.transfer.progress import ProgressCallback
 from gpumigrate.transfer.reader import StoreImageReader
-from gpumigrate.transfer.stores import Store, open_store, resolve_image_id
+from gpumigrate.transfer.stores import Store, open_store
 from gpumigrate.transfer.writer import committed_body
 
 
@@ -43,7 +44,7 @@ def open_writer(
     parent_reader = None
     if parent:
         pstore = store if parent_store is None else _store(parent_store, endpoint_url)
-        parent_id = resolve_image_id(pstore, parent)
+        parent_id = resolve_image_id(pstore, parent, sealer)
         # A parent this process committed itself needs no read back (delta chunks read its objects, though).
         parent_body = None if delta else committed_body(pstore.url, parent_id, sealer.key_id)
         if parent_body is None:
@@ -70,4 +71,5 @@ def open_reader(
 ) -> DirectStoreImageReader:
     """A verified ImageReader (a DirectImageReader: it also fills tensors): the manifest's id, key id and signature are checked here."""
     store = _store(store_url, endpoint_url)
-    return DirectStoreImageReader(store, resolve_image_id(store, image_id), Sealer(key))
+    sealer = Sealer(key)
+    return DirectStoreImageReader(store, resolve_image_id(store, image_id, sealer), sealer)

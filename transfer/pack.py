@@ -1,21 +1,16 @@
-"""Files and directories in and out of images: ``pack_paths`` and ``unpack``.
+"""Files and directories into images: ``pack_paths`` (and ``unpack``, out of them, from ``unpack.py``).
 
 Packing maps each file read-only (mmap) and hands zero-copy slices to the writer from a thread
 pool, so reading, hashing, compressing, encrypting and storing overlap. Opaque files are cut by
 FastCDC (an insert moves only nearby chunks); files whose bytes look like float tensors (a sample
 compresses clearly better by byte planes) get fixed-size chunks and the byte-plane codec.
-Unpacking stages everything in a hidden directory and renames into place only after every chunk
-verified, so a wrong key or a corrupt chunk leaves the output directory as it was.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import shutil
 import stat
-import tempfile
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -23,14 +18,16 @@ from typing import Any
 
 import pyfastcdc
 
-from gpumigrate.errors import IntegrityError, InvalidInputError, NotFoundError, TransferError
+from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
 from gpumigrate.interfaces import ImageRef, RegionInfo
-from gpumigrate.transfer.api import open_reader, open_writer
+from gpumigrate.transfer.api import open_writer
 from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.format import codecs
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
-from gpumigrate.transfer.reader import StoreImageReader
+from gpumigrate.transfer.unpack import unpack
 from gpumigrate.transfer.writer import StoreImageWriter
+
+__all__ = ["pack_paths", "sniff_itemsize", "unpack"]  # unpack stays importable from here, where callers found it
 
 # FastCDC 512 KiB / 2 MiB / 4 MiB (min/avg/max): every chunk is one stored object, and creating a file has a
 # cost of its own whatever its size, so chunks much under 2 MiB cost more than they dedup (bench/README.md).
@@ -268,145 +265,3 @@ def _put_read(
             pass
         else:
             POOL.give(buf)
-
-
-def _safe_target(root: Path, name: str) -> Path:
-    pure = PurePosixPath(name)
-    if pure.is_absolute() or any(part in ("..", "") for part in pure.parts) or not pure.parts:
-        raise IntegrityError(f"image names a path outside the output directory: {name!r}")
-    return root.joinpath(*pure.parts)
-
-
-def unpack(
-    store_url: str,
-    image_id: str,
-    out_dir: str | Path,
-    *,
-    key: bytes | None,
-    parallelism: int = 4,
-    endpoint_url: str | None = None,
-    progress: ProgressCallback | None = None,
-) -> dict[str, Any]:
-    """Restore a packed image's files under ``out_dir``; returns a summary. Verifies every chunk first."""
-    t0 = time.monotonic()
-    reader = open_reader(store_url, image_id, key=key, endpoint_url=endpoint_url)
-    tree: dict[str, dict[str, Any]] = dict(reader.metadata().get("tree") or {})
-    bundles = set(reader.metadata().get("bundles") or [])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    regions = [r for r in reader.regions() if r.name not in bundles]
-    for reg in regions:
-        _safe_target(out, reg.name)
-        tree.setdefault(reg.name, {"type": "file", "mode": 0o644})
-    for name in tree:
-        _safe_target(out, name)
-    stage = Path(tempfile.mkdtemp(prefix=".gpumigrate-unpack-", dir=out))
-    counter = ProgressCounter(progress, sum(r.nbytes for r in regions))
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-unpack") as pool:
-            futures = []
-            fds = []
-            for reg in regions:
-                target = _safe_target(stage, reg.name)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                fds.append(fd)
-                os.ftruncate(fd, reg.nbytes)
-                for i in range(reader.chunk_count(reg.name)):
-                    futures.append(pool.submit(_restore_chunk, reader, reg.name, i, fd, counter))
-            try:
-                for fut in futures:
-                    fut.result()
-            finally:
-                for fd in fds:
-                    os.fsync(fd)
-                    os.close(fd)
-        _restore_bundled(reader, bundles, tree, stage)
-        moved = _install(stage, out, tree)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    counter.finish()
-    return {
-        "image_id": reader.image_id,
-        "files": moved,
-        "bytes": reader.ref.bytes_image,
-        "seconds": round(time.monotonic() - t0, 3),
-        "out_dir": str(out),
-    }
-
-
-def _restore_bundled(reader: StoreImageReader, bundles: set[str], tree: dict[str, dict[str, Any]], stage: Path) -> None:
-    """Write the small files kept in bundle regions (each bundle read and verified once)."""
-    contents = {name: bytes(reader.read_region(name)) for name in sorted(bundles)}
-    for name, entry in tree.items():
-        if entry.get("type") != "file" or "bundle" not in entry:
-            continue
-        data = contents.get(entry["bundle"])
-        off, size = int(entry.get("offset", -1)), int(entry.get("size", -1))
-        if data is None or off < 0 or size < 0 or off + size > len(data):
-            raise IntegrityError(f"image's tree places {name!r} outside its bundle")
-        target = _safe_target(stage, name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data[off : off + size])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _restore_chunk(reader: StoreImageReader, region: str, index: int, fd: int, counter: ProgressCounter) -> None:
-    length = reader.chunk_length(region, index)
-    buf = bytearray(length)
-    reader.read_chunk_into(region, index, memoryview(buf))
-    os.pwrite(fd, buf, reader.chunk_offset(region, index))
-    counter.add(length)
-
-
-def _no_symlink_parents(out: Path, target: Path) -> None:
-    """Refuse to write through a symlink that already sits in the output tree (from an earlier unpack)."""
-    here = out
-    for part in target.relative_to(out).parts[:-1]:
-        here = here / part
-        if here.is_symlink():
-            raise IntegrityError(f"refusing to write {target} through the symlink {here}")
-
-
-def _install(stage: Path, out: Path, tree: dict[str, dict[str, Any]]) -> int:
-    """Move verified files into place (rename), then create dirs' modes and symlinks.
-
-    Every target is checked first, so a refused entry leaves the output untouched.
-    """
-    links = {name for name, e in tree.items() if e.get("type") == "symlink"}
-    for name in tree:
-        target = _safe_target(out, name)
-        _no_symlink_parents(out, target)
-        parents = {p.as_posix() for p in PurePosixPath(name).parents}
-        if parents & links:
-            raise IntegrityError(f"image puts {name!r} below one of its own symlinks")
-    moved = 0
-    for name in sorted(tree):
-        entry = tree[name]
-        target = _safe_target(out, name)
-        if entry.get("type") == "dir":
-            target.mkdir(parents=True, exist_ok=True)
-        elif entry.get("type") == "file":
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staged = _safe_target(stage, name)
-            os.chmod(staged, int(entry.get("mode", 0o644)) & 0o7777)
-            if "mtime_ns" in entry:
-                os.utime(staged, ns=(int(entry["mtime_ns"]), int(entry["mtime_ns"])))
-            os.replace(staged, target)
-            moved += 1
-    for name in sorted(tree):  # symlinks last, so no file above was written through one
-        entry = tree[name]
-        if entry.get("type") == "symlink":
-            target = _safe_target(out, name)
-            if target.is_symlink() or target.exists():
-                target.unlink()
-            os.symlink(str(entry["target"]), target)
-    for name in sorted(tree, reverse=True):
-        entry = tree[name]
-        if entry.get("type") == "dir":
-            os.chmod(_safe_target(out, name), int(entry.get("mode", 0o755)) & 0o7777)
-    return moved

@@ -21,9 +21,10 @@ from typing import Any
 from gpumigrate.errors import GpumigrateError, IntegrityError
 from gpumigrate.transfer.api import _store
 from gpumigrate.transfer.format.chunkobj import Sealer, parse_header
+from gpumigrate.transfer.latest import resolve_image_id
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter, TransferStats
 from gpumigrate.transfer.reader import StoreImageReader
-from gpumigrate.transfer.stores import BucketStore, Store, resolve_image_id, split_url
+from gpumigrate.transfer.stores import BucketStore, Store, split_url
 
 
 class _Scratch(threading.local):
@@ -94,8 +95,9 @@ def push(
     src = _store(src_url, endpoint_url)
     dst = _store(dst_url, endpoint_url, parallelism)
     try:
-        image_id = resolve_image_id(src, image_id)
-        reader = StoreImageReader(src, image_id, Sealer(key))  # the signed manifest, checked
+        sealer = Sealer(key)
+        image_id = resolve_image_id(src, image_id, sealer)
+        reader = StoreImageReader(src, image_id, sealer)  # the signed manifest, checked
         manifest = src.get_manifest(image_id)
         objects: dict[str, list[Any]] = reader.objects
         stats = TransferStats(image_id=image_id, chunks_total=len(objects), bytes_logical=reader.ref.bytes_image)
@@ -163,8 +165,9 @@ def verify(
     """Check the manifest and every chunk (authenticate, decode, BLAKE3); raise IntegrityError naming the bad ones."""
     t0 = time.monotonic()
     store = _store(store_url, endpoint_url)
-    image_id = resolve_image_id(store, image_id)
-    reader = StoreImageReader(store, image_id, Sealer(key))
+    sealer = Sealer(key)
+    image_id = resolve_image_id(store, image_id, sealer)
+    reader = StoreImageReader(store, image_id, sealer)
     objects = reader.objects
     stats = TransferStats(image_id=image_id, chunks_total=len(objects), bytes_logical=reader.ref.bytes_image)
     for reg in reader.body["regions"]:
@@ -206,8 +209,9 @@ def check_landed(
     t0 = time.monotonic()
     store = _store(store_url, endpoint_url)
     try:
-        image_id = resolve_image_id(store, image_id)
-        reader = StoreImageReader(store, image_id, Sealer(key))
+        sealer = Sealer(key)
+        image_id = resolve_image_id(store, image_id, sealer)
+        reader = StoreImageReader(store, image_id, sealer)
         objects = reader.objects
         have = store.list_chunks()
     finally:

@@ -13,7 +13,7 @@ from gpumigrate.interfaces import ImageRef, RegionInfo
 from gpumigrate.transfer.device import gpucodec
 from gpumigrate.transfer.format.chunkobj import Sealer, parse_header
 from gpumigrate.transfer.format.manifest import open_manifest
-from gpumigrate.transfer.stores import Store
+from gpumigrate.transfer.stores import Store, check_image_id
 
 BASE_CACHE_BYTES = 64 << 20
 # RegionInfo objects by their fields, shared by the readers of one process: a frozen dataclass costs a fifth of a
@@ -44,6 +44,7 @@ class StoreImageReader:
     def __init__(self, store: Store, image_id: str, sealer: Sealer) -> None:
         self.store = store
         self.sealer = sealer
+        check_image_id(image_id)  # before it names anything in a store
         self.body: dict[str, Any] = open_manifest(store.get_manifest(image_id), image_id, sealer)
         self.image_id = image_id
         unknown = sorted(set(self.body.get("decoders") or ()) - KNOWN_DECODERS)

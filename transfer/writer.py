@@ -40,6 +40,19 @@ BUFFERS = POOL
 _COMMITTED: OrderedDict[tuple[str, str, str | None], dict[str, Any]] = OrderedDict()
 _COMMITTED_KEPT = 4
 _COMMITTED_LOCK = threading.Lock()
+_LAST_SEQUENCE = 0  # the last sequence this process gave a manifest (under _COMMITTED_LOCK)
+
+
+def next_sequence(parent: dict[str, Any] | None) -> int:
+    """A new manifest's ``sequence`` (FORMAT.md, Manifest): the clock in microseconds since the epoch, raised past
+    the parent's sequence and past every sequence this process gave before. So an image always sorts after its
+    parent and after this process's earlier images, and images of different writers sort as their clocks do."""
+    global _LAST_SEQUENCE
+    seq = (parent or {}).get("sequence")
+    after = seq + 1 if type(seq) is int else 0
+    with _COMMITTED_LOCK:
+        _LAST_SEQUENCE = max(time.time_ns() // 1000, after, _LAST_SEQUENCE + 1)
+        return _LAST_SEQUENCE
 
 
 def committed_body(store_url: str, image_id: str, key_id: str | None) -> dict[str, Any] | None:
@@ -392,6 +405,7 @@ class StoreImageWriter:
         self.store.flush()
         body: dict[str, Any] = {
             "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "sequence": next_sequence(self.parent_body),
             "source": self.source,
             "parent": self.parent_id,
             "chunk_size": self.chunk_size,

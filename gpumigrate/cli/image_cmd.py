@@ -1,7 +1,8 @@
 """``gpumigrate image``: pack, push, verify, unpack and receive checkpoint images (transfer/).
 
-An IMAGE URL is ``STORE_URL#IMAGE_ID``; the id may be a unique prefix, or left out when the store
-holds one image. Store URLs: file:///abs/dir, file://relative/dir, s3://bucket/prefix,
+An IMAGE URL is ``STORE_URL#IMAGE_ID``; the id may be a unique prefix, or left out for the newest image
+by the signed sequence in the manifests (``transfer/latest.py``: said on stderr, and refused when it is older
+than one the store already served that way). Store URLs: file:///abs/dir, file://relative/dir, s3://bucket/prefix,
 gs://bucket/prefix, and the receivers stream://host:port and nixl://host:port (push/pack
 destinations only; ``image receive`` writes what arrives to its own file:// store).
 """
@@ -24,8 +25,9 @@ from gpumigrate.errors import GpumigrateError, InvalidInputError
 app = typer.Typer(
     help="Checkpoint images: pack files, push between stores (file://, s3://, gs://) or to a receiver "
     "(stream://, nixl://), verify, unpack, receive.\n\n"
-    "IMAGE URLs are STORE_URL#IMAGE_ID (a unique id prefix is enough; the id may be left out when the store "
-    "holds one image), e.g. file:///data/images#3fa2c1. The key (32 bytes: hex, base64 or raw) comes from "
+    "IMAGE URLs are STORE_URL#IMAGE_ID (a unique id prefix is enough; without an id, the newest signed image is "
+    "taken and named, and one older than the store already served that way is refused), e.g. "
+    "file:///data/images#3fa2c1. The key (32 bytes: hex, base64 or raw) comes from "
     "--key-env VAR, --key-file FILE, or GPUMIGRATE_IMAGE_KEY; --no-key writes/reads unencrypted, unsigned images.\n\n"
     "Exit codes: 0 ok, 2 bad input (wrong key, bad URL, missing file), 1 integrity or transfer failure.",
     no_args_is_help=True,
@@ -97,9 +99,26 @@ def _parses(url: str) -> str:
 
 
 def _image_url(text: str) -> tuple[str, str | None]:
+    """(store URL, image) of ``STORE_URL#IMAGE``; an image part that is no id, prefix or "latest" is refused here."""
+    from gpumigrate.transfer.latest import check_image_ref
     from gpumigrate.transfer.stores import parse_image_url
 
-    return parse_image_url(_parses(text))
+    store, image = parse_image_url(_parses(text))
+    return store, check_image_ref(image)
+
+
+def _chosen(store_url: str, image: str | None, key: bytes | None, endpoint_url: str | None) -> tuple[str, Any]:
+    """The image id an image URL means, and (for a URL without an id) what was taken, also said on stderr."""
+    from gpumigrate.transfer.format.chunkobj import Sealer
+    from gpumigrate.transfer.latest import resolve_image
+    from gpumigrate.transfer.stores import open_store
+
+    with open_store(store_url, endpoint_url=endpoint_url) as store:
+        found = resolve_image(store, image, Sealer(key))
+    if found.how != "newest":
+        return found.image_id, None
+    console.print(Text(clean(found.describe(store_url))), soft_wrap=True)
+    return found.image_id, found.as_json()
 
 
 @contextlib.contextmanager
@@ -243,11 +262,12 @@ def push(
 
     store, image = _image_url(src)
     key = _key(key_env, key_file, no_key)
+    image_id, resolved = _chosen(store, image, key, endpoint_url)
     with _progress("push", quiet) as cb:
         stats = do_push(
             store,
             dst,
-            image or "",
+            image_id,
             key=key,
             parallelism=parallelism,
             progress=cb,
@@ -255,7 +275,7 @@ def push(
             endpoint_url=endpoint_url,
         )
     _summary(
-        stats.as_dict(),
+        {**stats.as_dict(), **({"resolved": resolved} if resolved else {})},
         as_json,
         f"pushed {stats.image_id[:16]}: {stats.chunks_sent} chunks sent ({stats.bytes_sent} bytes), "
         f"{stats.chunks_skipped} already there, in {stats.seconds:.2f}s",
@@ -278,10 +298,11 @@ def verify(
 
     store, image = _image_url(image_url)
     key = _key(key_env, key_file, no_key)
+    image_id, resolved = _chosen(store, image, key, endpoint_url)
     with _progress("verify", quiet) as cb:
-        stats = do_verify(store, image or "", key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb)
+        stats = do_verify(store, image_id, key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb)
     _summary(
-        {**stats.as_dict(), "ok": True},
+        {**stats.as_dict(), "ok": True, **({"resolved": resolved} if resolved else {})},
         as_json,
         f"image {stats.image_id[:16]} verified: {stats.chunks_total} chunks ok",
     )
@@ -304,10 +325,13 @@ def unpack(
 
     store, image = _image_url(image_url)
     key = _key(key_env, key_file, no_key)
+    image_id, resolved = _chosen(store, image, key, endpoint_url)
     with _progress("unpack", quiet) as cb:
         summary = do_unpack(
-            store, image or "", out_dir, key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb
+            store, image_id, out_dir, key=key, parallelism=parallelism, endpoint_url=endpoint_url, progress=cb
         )
+    if resolved:
+        summary["resolved"] = resolved
     _summary(summary, as_json, f"unpacked {summary['files']} files ({summary['bytes']} bytes) into {out_dir}")
 
 
@@ -333,6 +357,15 @@ def receive(
     nixl_transports: str | None = typer.Option(
         None, "--nixl-transports", help="UCX transports for NIXL (UCX_TLS), e.g. tcp; default: UCX chooses"
     ),
+    handshake_timeout: float = typer.Option(
+        10.0, "--handshake-timeout", min=0.001, help="seconds a client has from connecting to a signed HELLO, all of it"
+    ),
+    max_unauthenticated: int = typer.Option(
+        16, "--max-unauthenticated", min=1, help="connections still proving themselves; past it the oldest is shed"
+    ),
+    max_clients: int = typer.Option(
+        64, "--max-clients", min=1, help="authenticated connections (a sender opens one per --parallelism)"
+    ),
     detach: bool = typer.Option(False, "--detach", help="run in the background; needs --state-dir"),
     exit_after: int = typer.Option(
         0, "--exit-after", min=0, help="exit after this many images arrived (0: until SIGTERM or `receive-stop`)"
@@ -343,11 +376,17 @@ def receive(
     Only clients holding the control key (GPUMIGRATE_CONTROL_KEY_FILE) are served. Prints one JSON
     line with the URL to push to (certificate pinned) once listening, and the counts when it stops.
     """
+    from gpumigrate.transfer.receiver.admission import ReceiverLimits
     from gpumigrate.transfer.receiver.host import ReceiverOptions, run_receiver, start_receiver
 
     key = _key(key_env, key_file, no_key)
     options = ReceiverOptions(
-        listen=listen, advertise=advertise, quota_bytes=parse_size(quota), nixl=nixl, nixl_transports=nixl_transports
+        listen=listen,
+        advertise=advertise,
+        quota_bytes=parse_size(quota),
+        nixl=nixl,
+        nixl_transports=nixl_transports,
+        limits=ReceiverLimits(handshake_timeout, max_unauthenticated, max_clients),
     )
     if detach:
         if state_dir is None:
@@ -406,6 +445,7 @@ def ls(
             {
                 "image_id": image_id,
                 "created": body.get("created"),
+                "sequence": body.get("sequence"),  # the newest is the largest (unverified here, as the rest)
                 "parent": body.get("parent"),
                 "bytes": sum(int(r["nbytes"]) for r in body.get("regions", [])),
                 "encryption": body.get("encryption"),

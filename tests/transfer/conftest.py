@@ -14,6 +14,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer_fake_gcs import FakeGcs  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def own_state_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own $XDG_STATE_HOME (and its CLI subprocesses'): the record of the newest image each store gave
+    a URL without an id (transfer/latest.py) lives there, never in the home directory of whoever runs the tests.
+    It gives the code nothing a user's shell lacks: every shell has a state home."""
+    home = tmp_path / "xdg-state"
+    monkeypatch.setenv("XDG_STATE_HOME", str(home))
+    return home
+
+
 @pytest.fixture
 def key() -> bytes:
     return os.urandom(32)

@@ -73,6 +73,7 @@ def test_open_writer_and_reader_are_the_declared_direct_kinds(tmp_path: Path) ->
 
 def test_direct_and_plain_writers_make_the_same_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writer, "datetime", _FixedClock)
+    monkeypatch.setattr(writer, "next_sequence", lambda parent: 1)  # the same moment for both writers
     tensors = _tensors()
     plain = _write(f"file://{tmp_path / 'plain'}", tensors, direct=False, key=None)
     direct = _write(f"file://{tmp_path / 'direct'}", tensors, direct=True, key=None)

@@ -182,7 +182,7 @@ def _reuse_both_ways(store: str, key: bytes) -> tuple[dict[str, object], dict[st
         counts = (w.chunks_reused, w.chunks_new, w.bytes_logical, w.bytes_sent)
         ref = w.commit()
         body = dict(committed_body(store, ref.id, w.sealer.key_id) or {})
-        body.pop("created")
+        body.pop("created"), body.pop("sequence")  # when it was written: differs by design
         bodies.append(
             {"body": body, "counts": counts, "progress": seen[-1], "ref": (ref.bytes_image, ref.bytes_stored)}
         )

@@ -30,6 +30,7 @@ from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import GpumigrateError, InvalidInputError, TransferError
+from gpumigrate.transfer.receiver.admission import ReceiverLimits
 from gpumigrate.transfer.receiver.server import Receiver, serve_stream
 
 INFO_FILE = "receiver.json"
@@ -80,6 +81,7 @@ class ReceiverOptions:
     quota_bytes: int | None = None
     nixl: bool = False  # also land nixl:// WRITEs
     nixl_transports: str | None = None  # UCX_TLS for NIXL, e.g. "tcp"
+    limits: ReceiverLimits = field(default_factory=ReceiverLimits)  # the handshake's deadline, connection caps
 
     def flags(self) -> list[str]:
         out = ["--listen", self.listen]
@@ -91,6 +93,10 @@ class ReceiverOptions:
             out += ["--nixl"]
         if self.nixl_transports:
             out += ["--nixl-transports", self.nixl_transports]
+        if self.limits != ReceiverLimits():
+            out += ["--handshake-timeout", f"{self.limits.handshake_timeout_s:g}"]
+            out += ["--max-unauthenticated", str(self.limits.max_unauthenticated)]
+            out += ["--max-clients", str(self.limits.max_clients)]
         return out
 
 
@@ -159,6 +165,7 @@ def run_receiver(
         nixl=options.nixl,
         nixl_transports=options.nixl_transports,
         advertise=options.advertise,
+        limits=options.limits,
     )
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,7 +1,8 @@
 """The receiver behind ``stream://`` and ``nixl://`` (TRANSPORTS.md, Receiver): its connections and requests.
 
 It serves nothing to a client that has not authenticated (HELLO signed with the control key, ``stores/wire.py``),
-and it stores only what it verified, under a disk quota (``verified.py``). With ``nixl`` it also lands NIXL WRITEs
+gives it a deadline for the whole handshake and keeps few such clients (``admission.py``), and it stores only what it
+verified, under a disk quota (``verified.py``). With ``nixl`` it also lands NIXL WRITEs
 in a pool of registered slots (``landing.py``). Images land in a ``file://`` store that the target reads.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 from gpumigrate import control
 from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError, NotFoundError
 from gpumigrate.transfer.format.chunkobj import Sealer
+from gpumigrate.transfer.receiver.admission import Admission, ReceiverLimits
 from gpumigrate.transfer.receiver.landing import HostLanding
 from gpumigrate.transfer.receiver.tls import tls_context
 from gpumigrate.transfer.receiver.verified import VerifiedStore
@@ -56,12 +58,16 @@ from gpumigrate.transfer.stores.wire import (
 log = logging.getLogger(__name__)
 
 MAX_UNAUTHENTICATED_FRAME = 64 << 10  # HELLO is small: a client proves itself before we read more
-AUTH_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 64
+AUTHENTICATED_READ_TIMEOUT_S = 300.0  # a sender holding the key, between two requests
 
 
 class _Refused(Exception):
-    """A request from a client that has not authenticated: answered DENIED, then the connection closes."""
+    """A request from a client that has not authenticated: answered DENIED, then the connection closes. ``tell``:
+    the reply says why (a full receiver); otherwise it only says to authenticate (nothing for a prober to learn)."""
+
+    def __init__(self, why: str, *, tell: bool = False) -> None:
+        super().__init__(why)
+        self.tell = tell
 
 
 @dataclass
@@ -69,6 +75,7 @@ class _Session:
     """One client connection: authenticated yet, and the NIXL slots it holds."""
 
     peer: str
+    raw: socket.socket
     authenticated: bool = False
     slots: list[int] = field(default_factory=list)
     copy: bytearray | None = None  # where a landed object is copied before it is verified
@@ -79,7 +86,8 @@ class Receiver:
 
     ``key`` is the image key (None: only unencrypted chunks can be verified, so encrypted ones are
     refused); ``control_key`` authenticates clients; ``quota_bytes`` caps what the store may hold;
-    ``landing`` is a :class:`~gpumigrate.transfer.receiver.landing.HostLanding` for nixl:// senders.
+    ``landing`` is a :class:`~gpumigrate.transfer.receiver.landing.HostLanding` for nixl:// senders;
+    ``limits`` bound the handshake and the connections (:class:`~gpumigrate.transfer.receiver.admission.ReceiverLimits`).
     """
 
     def __init__(
@@ -92,8 +100,10 @@ class Receiver:
         quota_bytes: int | None = None,
         landing: HostLanding | None = None,
         advertise: str | None = None,
+        limits: ReceiverLimits | None = None,
     ) -> None:
         host, port = parse_listen(listen)
+        self.limits = limits or ReceiverLimits()
         self.advertise = advertise
         self.store = store
         self.sealer = Sealer(key)
@@ -111,10 +121,10 @@ class Receiver:
         self._lock = threading.Lock()
         self._ctx, self.fingerprint = tls_context(host)
         self._sock = socket.create_server((host, port), reuse_port=False, backlog=64)
+        self.admission = Admission(self.limits)
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self.kept = VerifiedStore(store, self.sealer, quota_bytes)  # checks what an earlier run left, on a thread
         self._acceptor = threading.Thread(target=self._accept_loop, name="gm-recv-accept", daemon=True)
@@ -137,27 +147,29 @@ class Receiver:
                 raw, addr = self._sock.accept()
             except OSError:
                 return
-            with self._lock:
-                crowded = len(self._conns) >= MAX_CONNECTIONS
-            if crowded:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer = f"{addr[0]}:{addr[1]}"
+            try:
+                self.admission.admit(raw, peer)  # its handshake deadline starts now; the oldest unproven one may go
+            except OSError:  # no descriptor left for its handle: refused, the receiver serves on
                 raw.close()
                 continue
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self._serve, args=(raw, f"{addr[0]}:{addr[1]}"), name="gm-recv-conn")
-            t.daemon = True
+            t = threading.Thread(target=self._serve, args=(raw, peer), name="gm-recv-conn", daemon=True)
             with self._lock:
-                self._conns.add(raw)
+                self._threads = [x for x in self._threads if x.is_alive()]
                 self._threads.append(t)
             t.start()
 
     def _serve(self, raw: socket.socket, peer: str) -> None:
-        raw.settimeout(AUTH_TIMEOUT_S)  # the handshake and HELLO must come promptly
+        # No single read may outlast the handshake's deadline either; admission sheds the connection at the deadline
+        # however the bytes trickle in.
+        raw.settimeout(self.limits.handshake_timeout_s)
         try:
             sock = self._ctx.wrap_socket(raw, server_side=True)
         except (OSError, ssl.SSLError):
             self._forget(raw)
             return
-        session = _Session(peer)
+        session = _Session(peer, raw)
         buf = bytearray(1 << 20)
         scratch = bytearray(8 << 20)
         try:
@@ -178,11 +190,11 @@ class Receiver:
                 try:
                     status, body = self._handle(session, kind, ident.hex(), payload, scratch)
                 except _Refused as exc:
-                    self._refuse(sock, session, str(exc))
+                    self._refuse(sock, session, str(exc), tell=exc.tell)
                     return
                 sock.sendall(REPLY.pack(status, len(body)) + body)
                 if kind == HELLO:
-                    sock.settimeout(300)
+                    sock.settimeout(AUTHENTICATED_READ_TIMEOUT_S)
                 if kind == SHUTDOWN:
                     threading.Thread(target=self.close, name="gm-recv-stop", daemon=True).start()
         except (ConnectionError, OSError):
@@ -194,18 +206,21 @@ class Receiver:
                 sock.close()
             self._forget(raw)
 
-    def _refuse(self, sock: ssl.SSLSocket, session: _Session, why: str) -> None:
-        """Answer DENIED and count it; the log names the peer and the reason, never the request's content."""
+    def _refuse(self, sock: ssl.SSLSocket, session: _Session, why: str, *, tell: bool = False) -> None:
+        """Answer DENIED and count it; the log (rate-limited) names the peer and the reason, never the request's
+        content."""
         with self._lock:
             self.refusals += 1
-        log.warning("receiver refused client %s: %s", session.peer, why)
-        message = b"unauthenticated: send HELLO signed with the control key first"
+        self.admission.log.warning("receiver refused client %s: %s", session.peer, why)
+        if tell or session.authenticated:
+            message = f"refused: {why}".encode()
+        else:
+            message = b"unauthenticated: send HELLO signed with the control key first"
         with contextlib.suppress(OSError):
             sock.sendall(REPLY.pack(DENIED, len(message)) + message)
 
     def _forget(self, raw: socket.socket) -> None:
-        with self._lock:
-            self._conns.discard(raw)
+        self.admission.forget(raw)
 
     def _signed(self, payload: memoryview, op: str) -> tuple[dict[str, Any], str]:
         """A request signed with the control key for this channel (HELLO, NIXL_OPEN); else _Refused."""
@@ -230,6 +245,9 @@ class Receiver:
             hello, nonce = self._signed(payload, "hello")
             if hello.get("server") != f"sha256:{self.fingerprint}":
                 raise _Refused("HELLO names another certificate (a relayed handshake)")
+            crowded = self.admission.authenticate(session.raw)
+            if crowded is not None:
+                raise _Refused(crowded, tell=True)
             session.authenticated = True
             with self._lock:
                 self.clients += 1
@@ -338,6 +356,7 @@ class Receiver:
                 "bytes_received": kept.bytes_received,
                 "bytes_stored": kept.bytes_stored,
                 "refusals": self.refusals,
+                "connections_shed": dict(self.admission.shed),
                 "clients": self.clients,
                 "chunks_via_nixl": self.chunks_via_nixl,
             }
@@ -352,12 +371,9 @@ class Receiver:
         with contextlib.suppress(OSError):
             self._sock.close()
         with self._lock:
-            conns = list(self._conns)
             threads = list(self._threads)
-        for raw in conns:
-            with contextlib.suppress(OSError):
-                raw.shutdown(socket.SHUT_RDWR)
         self._acceptor.join(timeout=5)
+        self.admission.close()  # shuts every connection down: their threads finish
         for t in threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
@@ -384,12 +400,14 @@ def serve_stream(
     nixl: bool = False,
     nixl_transports: str | None = None,
     advertise: str | None = None,
+    limits: ReceiverLimits | None = None,
 ) -> Receiver:
     """Start a receiver on ``listen`` (host:port, port 0 = any) that writes into the ``file://`` store ``store_url``.
 
     ``control_key`` defaults to the deployment's (``gpumigrate.control.load_key``, created under the
     state root on first use). ``nixl=True`` adds a NIXL landing pool (nixl:// senders). ``advertise``
-    is the host name senders use when the listen address is a wildcard.
+    is the host name senders use when the listen address is a wildcard; ``limits`` bound the handshake and the
+    connections (defaults: :class:`~gpumigrate.transfer.receiver.admission.ReceiverLimits`).
     """
     store = open_store(store_url, sync="deferred")
     if not isinstance(store, FileStore):
@@ -407,6 +425,7 @@ def serve_stream(
             quota_bytes=quota_bytes,
             landing=landing,
             advertise=advertise,
+            limits=limits,
         )
     except BaseException:
         if landing is not None:

@@ -8,15 +8,14 @@ only once every chunk it names is here, verified, at its size.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from gpumigrate.errors import GpumigrateError
 from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, Sealer, parse_header
 from gpumigrate.transfer.format.manifest import open_manifest
+from gpumigrate.transfer.stores import check_image_id
 from gpumigrate.transfer.stores.file import FileStore
 from gpumigrate.transfer.stores.wire import FULL, OK, REJECTED
 
@@ -41,7 +40,9 @@ class VerifiedStore:
         self.chunks_present = 0  # verified chunks found at start (left by an earlier run)
         self.chunks_discarded = 0  # chunks found at start that failed verification, removed
         self._lock = threading.Lock()
+        self._manifest_lock = threading.Lock()
         self._verified: dict[str, int] = {}
+        self._manifests: dict[str, int] = {}  # image id -> size: what is held already costs no quota again
         self._used = 0
         self._audited = threading.Event()
         threading.Thread(target=self._audit, name="gm-recv-audit", daemon=True).start()
@@ -56,14 +57,9 @@ class VerifiedStore:
         """Verify what an earlier run left before listing any of it (a kill -9 leaves whole files whose
         data may not have reached the disk, and hidden temp files); remove what fails."""
         try:
-            root = self.store.root / "chunks"
-            if root.is_dir():
-                for sub in os.scandir(root):
-                    if sub.is_dir():
-                        for entry in os.scandir(sub.path):
-                            if entry.name.startswith("."):
-                                with contextlib.suppress(OSError):
-                                    os.unlink(entry.path)
+            # through the store's own directory handles: a link planted in the store is neither listed,
+            # followed nor deleted through (it points outside), only named in the log when it blocks a write
+            self.store.remove_leftovers()
             found = self.store.list_chunks()
             is_delta = {c: self._is_delta(c) for c in found}
             bases = [c for c, delta in is_delta.items() if not delta]
@@ -71,10 +67,10 @@ class VerifiedStore:
             with ThreadPoolExecutor(AUDIT_THREADS, thread_name_prefix="gm-recv-audit") as pool:
                 for phase in (bases, deltas):  # a delta's base must be verified first
                     list(pool.map(self._audit_one, phase))
-            manifests = self.store.root / "manifests"
-            extra = sum(e.stat().st_size for e in os.scandir(manifests)) if manifests.is_dir() else 0
+            manifests = self.store.manifest_sizes()
             with self._lock:
-                self._used = sum(self._verified.values()) + extra
+                self._manifests.update(manifests)
+                self._used = sum(self._verified.values()) + sum(manifests.values())
                 self.chunks_present = len(self._verified)
         except Exception:  # a receiver that cannot read its own store serves an empty listing, never a wrong one
             log.exception("checking the chunks already in %s failed", self.store.url)
@@ -121,8 +117,7 @@ class VerifiedStore:
     # ------------------------------------------------------------------ arrivals
     def _reserve(self, nbytes: int) -> bool:
         """Count ``nbytes`` against the quota and the disk's free space; False when either would overflow."""
-        st = os.statvfs(self.store.root if self.store.root.exists() else self.store.root.parent)
-        if st.f_bavail * st.f_frsize < nbytes + DISK_RESERVE_BYTES:
+        if self.store.free_bytes() < nbytes + DISK_RESERVE_BYTES:
             return False
         with self._lock:
             if self.quota_bytes is not None and self._used + nbytes > self.quota_bytes:
@@ -156,15 +151,20 @@ class VerifiedStore:
             self._unreserve(n)
             raise
         with self._lock:
-            if have is not None:
-                self._used -= have
+            replaced = self._verified.get(ident)  # read again: another connection may have landed it meanwhile
+            if replaced is not None:
+                self._used -= replaced
             self._verified[ident] = n
             self.chunks_received += 1
             self.bytes_received += n
         return OK, b""
 
     def accept_manifest(self, image_id: str, data: bytes) -> tuple[int, bytes]:
-        """Store a manifest whose signature checks out and whose every chunk is here, verified (status, body)."""
+        """Store a manifest whose signature checks out and whose every chunk is here, verified (status, body).
+
+        The quota is counted once per image: a manifest this store already holds (the same id is the same bytes)
+        is acknowledged again without a second reservation, however often it is sent."""
+        check_image_id(image_id)
         body = open_manifest(data, image_id, self.sealer)  # signature, key id; alg none only where allowed
         have = self.verified_chunks()
         missing = [cid for cid, entry in body["objects"].items() if have.get(cid) != int(entry[0])]
@@ -173,8 +173,22 @@ class VerifiedStore:
                 REJECTED,
                 f"{len(missing)} chunks named by the manifest have not arrived (first {missing[0][:16]})".encode(),
             )
-        if not self._reserve(len(data)):
-            return FULL, b"quota: no room for the manifest"
-        self.store.flush()
-        self.store.put_manifest(image_id, data)
+        self._audited.wait()
+        with self._manifest_lock:  # one reservation per image, however many connections send it at once
+            with self._lock:
+                held = self._manifests.get(image_id)
+            if held == len(data) and self.store.manifest_sizes().get(image_id) == held:
+                return OK, b""  # already here, already counted
+            if not self._reserve(len(data)):
+                return FULL, b"quota: no room for the manifest"
+            try:
+                self.store.flush()
+                self.store.put_manifest(image_id, data)
+            except BaseException:
+                self._unreserve(len(data))
+                raise
+            with self._lock:
+                if held is not None:
+                    self._used -= held  # a damaged copy replaced: counted once
+                self._manifests[image_id] = len(data)
         return OK, b""

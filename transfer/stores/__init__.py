@@ -12,15 +12,19 @@ from __future__ import annotations
 from importlib import import_module
 
 from gpumigrate.transfer.stores.base import (
+    ID_PATTERN,
+    ID_RULE,
     SCHEMES,
     BucketStore,
+    InvalidIdError,
     Store,
     StoreOptions,
+    check_chunk_id,
+    check_image_id,
     chunk_key,
     manifest_key,
     parse_image_url,
     query_param,
-    resolve_image_id,
     split_url,
 )
 
@@ -50,17 +54,21 @@ def open_store(url: str, *, endpoint_url: str | None = None, parallelism: int = 
 
 
 __all__ = [
+    "ID_PATTERN",
+    "ID_RULE",
     "SCHEMES",
     "STORES",
     "BucketStore",
+    "InvalidIdError",
     "Store",
     "StoreOptions",
+    "check_chunk_id",
+    "check_image_id",
     "chunk_key",
     "manifest_key",
     "open_store",
     "parse_image_url",
     "query_param",
-    "resolve_image_id",
     "split_url",
     "store_class",
 ]

@@ -7,6 +7,7 @@ is atomic: an object is either absent or complete. This module imports no implem
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Self
 from urllib.parse import parse_qs, urlsplit
@@ -31,11 +32,50 @@ class StoreOptions:
     sync: str | None = None
 
 
+# An id names an object in every store (a file name, an object key), so it is checked before it touches one: a
+# string that is anything else (``../../outside``, a prefix, upper case) never becomes a path. One rule, one place.
+ID_RULE = "64 lowercase hex digits (^[0-9a-f]{64}$)"
+ID_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+class InvalidIdError(InvalidInputError):
+    """A string given as an image or chunk id is not one: refused before it touches a path or a key (exit 2)."""
+
+
+def _bad_id(value: object, what: str) -> InvalidIdError:
+    if isinstance(value, str):
+        shown = f"{value[:16]!r}{'…' if len(value) > 16 else ''} ({len(value)} characters)"
+    else:
+        shown = type(value).__name__
+    return InvalidIdError(
+        f"{shown} is not {what}: an id is {ID_RULE}",
+        hint="an image URL is STORE_URL#ID with the id `gpumigrate image pack` or `image ls` printed, a unique "
+        "hex prefix of it, or no id for the newest image",
+    )
+
+
+def check_image_id(value: object) -> str:
+    """``value`` when it is an image id (:data:`ID_RULE`); else :class:`InvalidIdError`, naming the rule and no
+    content of anything. Every entry point (CLI, stores, receiver, reader) goes through this one check."""
+    if type(value) is str and ID_PATTERN.fullmatch(value):
+        return value
+    raise _bad_id(value, "an image id")
+
+
+def check_chunk_id(value: object) -> str:
+    """``value`` when it is a chunk id (the same rule as an image id); else :class:`InvalidIdError`."""
+    if type(value) is str and ID_PATTERN.fullmatch(value):
+        return value
+    raise _bad_id(value, "a chunk id")
+
+
 def chunk_key(chunk_id: str) -> str:
+    check_chunk_id(chunk_id)
     return f"chunks/{chunk_id[:2]}/{chunk_id}"
 
 
 def manifest_key(image_id: str) -> str:
+    check_image_id(image_id)
     return f"manifests/{image_id}"
 
 
@@ -107,6 +147,11 @@ class Store:
         """Chunks the far side refused after checking them (a receiver), to send again; none for a store."""
         return []
 
+    def location(self) -> str:
+        """The store without its options (a file store: its real directory): what a reader's record of the newest
+        image it took from the store is kept under (``transfer/latest.py``)."""
+        return self.url.split("?", 1)[0]
+
     def region(self) -> str | None:
         """Where the store's data lives (cloud region), for residency checks; None when not a cloud."""
         return None
@@ -166,7 +211,7 @@ class BucketStore(Store):
             raise NotFoundError(f"no image {image_id} in {self.url}") from None
 
     def list_manifests(self) -> list[str]:
-        return sorted(self._list("manifests/"))
+        return sorted(name for name in self._list("manifests/") if ID_PATTERN.fullmatch(name))
 
 
 def split_url(url: str) -> tuple[str, str, str, dict[str, list[str]]]:
@@ -191,25 +236,3 @@ def parse_image_url(text: str) -> tuple[str, str | None]:
     """``STORE_URL#IMAGE_ID`` → (store URL, image id or None)."""
     store, sep, image = text.partition("#")
     return store, (image or None) if sep else None
-
-
-def resolve_image_id(store: Store, image: str | None) -> str:
-    """A full id, a unique prefix of one, or None/"latest" for the store's only/newest image."""
-    if image and len(image) == 64:
-        return image
-    ids = store.list_manifests()
-    if not ids and (missing := store.missing()) is not None:
-        raise missing
-    if not image or image == "latest":
-        if not ids:
-            raise NotFoundError(f"{store.url} holds no images")
-        if len(ids) == 1:
-            return ids[0]
-        raise InvalidInputError(
-            f"{store.url} holds {len(ids)} images; name one as URL#IMAGE_ID",
-            hint="ids: " + ", ".join(i[:12] for i in ids),
-        )
-    matches = [i for i in ids if i.startswith(image)]
-    if len(matches) != 1:
-        raise NotFoundError(f"{'no' if not matches else 'more than one'} image in {store.url} matches {image!r}")
-    return matches[0]

@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from gpumigrate import control
 from gpumigrate.errors import TransferError
-from gpumigrate.transfer.stores.base import split_url
+from gpumigrate.transfer.stores.base import check_chunk_id, split_url
 from gpumigrate.transfer.stores.connections import WINDOW_BYTES, Conn, Pending
 from gpumigrate.transfer.stores.nixl_agent import NixlAgent, XferHandle, load_nixl, make_agent, register_host
 from gpumigrate.transfer.stores.stream import StreamStore
@@ -230,7 +230,7 @@ class NixlStore(StreamStore):
                     if slots is not None:
                         self._announce(conn, slots, wait=True)  # keep the connection's requests in order
                     p = Pending(f"chunk {chunk_id[:16]}", len(blob), conn)
-                    self._send(conn, PUT_CHUNK, bytes.fromhex(chunk_id), blob, p)
+                    self._send(conn, PUT_CHUNK, bytes.fromhex(check_chunk_id(chunk_id)), blob, p)
                     self._drain_ready(conn)
                     with self._lock:
                         self.chunks_inline += 1

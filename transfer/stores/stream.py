@@ -14,7 +14,15 @@ from typing import Self
 
 from gpumigrate import control
 from gpumigrate.errors import InvalidInputError, NotFoundError, TransferError
-from gpumigrate.transfer.stores.base import Store, StoreOptions, query_param, split_url
+from gpumigrate.transfer.stores.base import (
+    ID_PATTERN,
+    Store,
+    StoreOptions,
+    check_chunk_id,
+    check_image_id,
+    query_param,
+    split_url,
+)
 from gpumigrate.transfer.stores.connections import WINDOW_BYTES, ReceiverConnections
 from gpumigrate.transfer.stores.wire import (
     FLUSH,
@@ -79,13 +87,13 @@ class StreamStore(ReceiverConnections, Store):
         A rejection is raised by flush(), which always precedes a manifest; a lost connection sooner.
         """
         self._raise_errors(rejected=False)
-        self._request(PUT_CHUNK, bytes.fromhex(chunk_id), blob, f"chunk {chunk_id[:16]}", wait=False)
+        self._request(PUT_CHUNK, bytes.fromhex(check_chunk_id(chunk_id)), blob, f"chunk {chunk_id[:16]}", wait=False)
 
     def get_chunk(self, chunk_id: str) -> bytes:
         raise InvalidInputError(f"{self.url} is write-only: read from the receiver's store")
 
     def _has(self, chunk_id: str) -> tuple[int, bytes] | None:
-        status, body = self._call(HAS_CHUNK, bytes.fromhex(chunk_id))
+        status, body = self._call(HAS_CHUNK, bytes.fromhex(check_chunk_id(chunk_id)))
         if status == NOT_FOUND:
             return None
         self._check(status, body, "a chunk query")
@@ -108,12 +116,12 @@ class StreamStore(ReceiverConnections, Store):
         return {k: int(v) for k, v in json.loads(body).items()}
 
     def put_manifest(self, image_id: str, data: bytes) -> None:
-        status, body = self._call(PUT_MANIFEST, bytes.fromhex(image_id), data)
+        status, body = self._call(PUT_MANIFEST, bytes.fromhex(check_image_id(image_id)), data)
         self._check(status, body, f"manifest {image_id[:16]}")
 
     def get_manifest(self, image_id: str) -> bytes:
         """The receiver's copy of a manifest (a parent for the next pre-copy round); the caller verifies it."""
-        status, body = self._call(GET_MANIFEST, bytes.fromhex(image_id))
+        status, body = self._call(GET_MANIFEST, bytes.fromhex(check_image_id(image_id)))
         if status == NOT_FOUND:
             raise NotFoundError(f"no image {image_id} at receiver {self.host}:{self.port}")
         self._check(status, body, f"manifest {image_id[:16]}")
@@ -122,7 +130,7 @@ class StreamStore(ReceiverConnections, Store):
     def list_manifests(self) -> list[str]:
         status, body = self._call(LIST_MANIFESTS, NO_ID)
         self._check(status, body, "the image listing")
-        return list(json.loads(body))
+        return [name for name in json.loads(body) if isinstance(name, str) and ID_PATTERN.fullmatch(name)]
 
     def flush(self) -> None:
         """Wait for every chunk's acknowledgement, raise the first rejection, then flush the receiver's store."""
