@@ -87,10 +87,13 @@ def test_a_link_planted_at_an_object_name_is_replaced_never_written_through(tmp_
     """The attacker plants a link where a chunk will land (ids of known content can be computed): the writer
     treats it as absent, and the rename that installs the chunk replaces the link itself."""
     from gpumigrate.transfer.format.chunkobj import chunk_id_of
+    from gpumigrate.transfer.pack import CDC_MIN
 
     outside = victim_dir(tmp_path)
     before = snapshot(outside)
-    data = os.urandom(1 << 20)
+    # Below FastCDC's minimum the file is exactly one chunk whose id the attacker computes; a 1 MiB file could
+    # be cut in two (random content), and then no chunk lands on the planted name at all.
+    data = os.urandom(CDC_MIN // 2)
     cid = chunk_id_of(data)
     store = tmp_path / "store"
     (store / "chunks" / cid[:2]).mkdir(parents=True)
