@@ -138,15 +138,18 @@ def wait_for(event: Landed, stream: torch.cuda.Stream) -> None:
         stream.wait_event(event)
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def pool() -> ThreadPoolExecutor:
-    """The process's sealing/opening threads, one per core, shared by every direct writer and reader
-    (an agent opens a new writer or reader every round: a pool each would leave threads behind)."""
-    global _POOL
+def pool(workers: int | None = None) -> ThreadPoolExecutor:
+    """The process's sealing/opening threads: ``workers`` of them (a plan's ``transfer.parallelism`` for a live
+    round), or one per core (:data:`WORKERS`; restores and frozen rounds). Shared by every direct writer and reader
+    that asks for that many (an agent opens a new writer or reader every round: a pool each would leave threads
+    behind), so a process holds one pool per count it was asked for, a migration's one or two."""
+    size = workers or WORKERS
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gm-direct")
-        return _POOL
+        found = _POOLS.get(size)
+        if found is None:
+            found = _POOLS[size] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"gm-direct{size}")
+        return found

@@ -282,11 +282,12 @@ class CaptureRounds:
         clock.mark("metadata")
         ref = writer.commit()
         clock.mark("commit")
+        pacing = writer.pacing() if isinstance(writer, DirectImageWriter) else {}
         self.shipped = plan.new
         self.state.last_image = ref
         self.state.rounds += 1
         stats = RoundStats(
-            self.state.rounds, plan.total, plan.dirty_chunks, plan.dirty_bytes, clock.seconds(), clock.phases()
+            self.state.rounds, plan.total, plan.dirty_chunks, plan.dirty_bytes, clock.seconds(), clock.phases(), pacing
         )
         return stats, ref
 

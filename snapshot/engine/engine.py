@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gpumigrate.bounds import OPTION_KEYS
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, Round
 from gpumigrate.snapshot import tracked as tr
@@ -47,7 +48,7 @@ from gpumigrate.snapshot.lease import Lease
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.stepgate import SafePointGate
 
-# (store, key reference, parent image) -> a writer; options (compression, parallelism) as keywords when given
+# (store, key reference, parent image) -> a writer; options (compression, a live round's bounds) as keywords when given
 WriterFactory = Callable[..., ImageWriter]
 ReaderFactory = Callable[[str, str, Mapping[str, str]], ImageReader]  # (store, image id, key reference) -> a reader
 
@@ -188,7 +189,11 @@ class SnapshotEngine:
             parent = last.id
         if parent is None or last is None or parent != last.id:
             self.capture.forget()
-        # Options (compression, parallelism from the plan) only when given: factories may take just three.
+        if options and self.state.frozen:
+            # The plan's bounds (threads, bytes/s, pacing: gpumigrate/bounds.py) are for rounds of a serving source;
+            # a frozen one serves nobody, and every core it takes shortens the downtime.
+            options = {k: v for k, v in options.items() if k not in OPTION_KEYS}
+        # Options (compression, the bounds from the plan) only when given: factories may take just three.
         return (
             self.writer_factory(store, key_ref, parent, **dict(options))
             if options
