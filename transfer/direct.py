@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from gpumigrate import cudacalls
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
 from gpumigrate.transfer.format import codecs
-from gpumigrate.transfer.format.chunkobj import TAG_SIZE
+from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, TAG_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     # How a copy's completion is marked: a raw CUDA event (cudacalls) where the runtime library is here, else torch's.
     Landed = cudacalls.Event | torch.cuda.Event
 
-# A slot's payload starts on a page boundary (DMA-friendly); the object's header sits just before it.
-PAYLOAD_AT = 4096
+# A slot holds one sealed object from OBJECT_AT, a page boundary, so a disk store writes and reads it there with
+# direct I/O (stores/direct_io.py) and no copy through the page cache; its payload follows the object's header.
+OBJECT_AT = 4096
+PAYLOAD_AT = OBJECT_AT + HEADER_SIZE
 HASH_BATCH = 64  # chunks per device hash launch: few launches, and the hash still trails the copies closely
 # Sealing/opening threads: one per core (GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts).
 WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, os.cpu_count() or 2)

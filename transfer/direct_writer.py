@@ -20,9 +20,19 @@ from gpumigrate.stageclock import STAGES, log_stages
 from gpumigrate.transfer import confirm
 from gpumigrate.transfer.buffers import PinnedSlots
 from gpumigrate.transfer.device import gpucodec, gpupayload
-from gpumigrate.transfer.direct import PAYLOAD_AT, SLOTS, STREAMS, WORKERS, DeviceIds, pool, slots_for, wait_for
+from gpumigrate.transfer.direct import (
+    OBJECT_AT,
+    PAYLOAD_AT,
+    SLOTS,
+    STREAMS,
+    WORKERS,
+    DeviceIds,
+    pool,
+    slots_for,
+    wait_for,
+)
 from gpumigrate.transfer.format import codecs
-from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, chunk_id_of, sealed_size
+from gpumigrate.transfer.format.chunkobj import chunk_id_of, sealed_size
 from gpumigrate.transfer.writer import BUFFERS, StoreImageWriter
 
 if TYPE_CHECKING:
@@ -260,7 +270,7 @@ class DirectStoreImageWriter(StoreImageWriter):
                 if coded is not None:
                     with self._lock:
                         self.decoders.add(gpucodec.DECODER)
-                    self._store_sealed(chunk_id, codecs.BYTEPLANE, n, view[PAYLOAD_AT - HEADER_SIZE :], length)
+                    self._store_sealed(chunk_id, codecs.BYTEPLANE, n, view[OBJECT_AT:], length)
                     STAGES.add("capture.worker.seal_store", t)
                 else:  # raw bytes in pinned memory: the CPU codec reads them there
                     self._send(reg, chunk.index, chunk_id, view[PAYLOAD_AT : PAYLOAD_AT + n])

@@ -30,6 +30,7 @@ from gpumigrate.transfer.stores.base import (
     query_param,
     split_url,
 )
+from gpumigrate.transfer.stores.direct_io import DirectIO
 
 SYNC_MODES = ("chunk", "deferred", "none")
 # Concurrent fdatasyncs let the filesystem commit several files' data in one journal transaction.
@@ -79,6 +80,7 @@ class FileStore(Store):
         # large share of a GPU capture's sealing threads' time (bench/README.md). Only real disks get it.
         self._in_memory = filesystem_of(root) in MEMORY_FILESYSTEMS
         self._preallocate = not self._in_memory
+        self.io = DirectIO(enabled=not self._in_memory)  # objects' bytes to and from the disk (direct_io.py)
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions) -> Self:
@@ -103,8 +105,7 @@ class FileStore(Store):
             view = memoryview(data)
             if len(view) >= PREALLOCATE_BYTES and self._preallocate:
                 self._reserve(fd, len(view))
-            while view:
-                view = view[os.write(fd, view) :]
+            self.io.write(fd, view)
             if durable:
                 os.fdatasync(fd)
         except BaseException:
@@ -193,13 +194,8 @@ class FileStore(Store):
         except FileNotFoundError:
             raise TransferError(f"chunk {chunk_id[:16]} is missing from {self.url}") from None
         with fh:
-            got = 0
-            while got < len(out):
-                n = fh.readinto(out[got:])
-                if not n:
-                    return got
-                got += n
-            if fh.read(1):
+            got, more = self.io.read_into(fh.fileno(), out)
+            if more:
                 raise TransferError(f"chunk {chunk_id[:16]} is more than the {len(out)} bytes expected")
             return got
 
