@@ -18,7 +18,7 @@ from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.stepgate import SafePointGate
 
 from .fill import SourceFill
-from .warmup import chunk_size, kernels_warming, wait_for_kernels
+from .warmup import chunk_size, kernels_warming, timeline, wait_for_kernels
 
 
 def _key(key_ref: Mapping[str, str]) -> bytes | None:
@@ -95,6 +95,7 @@ def make_engine(
         reader_factory=open_reader,
         filler=SourceFill(),
         warming=kernels_warming,
+        timeline=timeline,
         freezer=freezer,
         set_ready=set_ready,
         group=group,

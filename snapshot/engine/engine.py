@@ -68,11 +68,13 @@ class SnapshotEngine:
         group: RankGroup | None = None,
         filler: Filler | None = None,
         warming: Callable[[], bool] | None = None,
+        timeline: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.writer_factory = writer_factory  # how images are opened for a store URL and a key reference
         self.reader_factory = reader_factory
         self.filler = filler  # a restore filled straight from the source's memory (fill.py), and its lending
         self.warming = warming  # whether the SDK still compiles the device kernels in the background
+        self.timeline = timeline  # when the process reached each point of its start (the SDK's, for ``info``)
         self.freezer = freezer  # the workload's safe point: park waits for it, unpark reopens it
         self.set_ready = set_ready
         self.lock = threading.RLock()
@@ -174,6 +176,7 @@ class SnapshotEngine:
             "fingerprint_collisions": self.state.fingerprint_collisions,
             "steps": self.freezer.steps if self.freezer is not None else 0,
             "warming": bool(self.warming()) if self.warming is not None else False,
+            "timeline": dict(self.timeline()) if self.timeline is not None else {},
         }
 
     # ------------------------------------------------------------------ capture (capture.py)
