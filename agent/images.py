@@ -8,16 +8,17 @@ workload's own process, and never crosses the control channel.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 
-from gpumigrate.interfaces import ImageReader, ImageWriter
+from gpumigrate.interfaces import ImageReader, ImageWriter, LatencySignal
 from gpumigrate.snapshot.engine import SnapshotEngine
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.stepgate import SafePointGate
 
 from .fill import SourceFill
-from .warmup import chunk_size, kernels_warming, wait_for_kernels
+from .warmup import chunk_size, kernels_warming, timeline, wait_for_kernels
 
 
 def _key(key_ref: Mapping[str, str]) -> bytes | None:
@@ -46,11 +47,16 @@ def open_writer(
     *,
     compression: str = "auto",
     parallelism: int | None = None,
+    rate_limit: int | None = None,
+    pacing: str = "off",
+    latency: LatencySignal | None = None,
 ) -> ImageWriter:
+    """A writer for one round, bounded as the round's options say (gpumigrate/bounds.py: threads, bytes/s, and
+    with ``pacing="adaptive"`` a pace that yields to ``latency``, the workload's own request latency)."""
     from gpumigrate import transfer
 
     wait_for_kernels()  # the attach's warm-up first: a round must not compile the same kernels beside it
-    workers = parallelism or int(os.environ.get("GPUMIGRATE_SNAPSHOT_PARALLELISM", "4"))
+    workers = parallelism or int(os.environ.get("GPUMIGRATE_SNAPSHOT_PARALLELISM", "0") or 0) or None
     writer: ImageWriter = transfer.open_writer(
         store,
         key=_key(key_ref),
@@ -59,6 +65,8 @@ def open_writer(
         source="agent",
         compression=compression,
         chunk_size=chunk_size(),
+        rate_limit=rate_limit,
+        latency=latency if pacing == "adaptive" else None,
     )
     return writer
 
@@ -82,10 +90,12 @@ def make_engine(
     """A snapshot engine whose images go through gpumigrate.transfer (for a program that tracks its state by
     hand with ``track_module``/``track_tensor``/...; ``attach()`` builds one for you)."""
     return SnapshotEngine(
-        writer_factory=open_writer,
+        # a round's pacing yields to the requests that pass the workload's safe point
+        writer_factory=functools.partial(open_writer, latency=freezer) if freezer is not None else open_writer,
         reader_factory=open_reader,
         filler=SourceFill(),
         warming=kernels_warming,
+        timeline=timeline,
         freezer=freezer,
         set_ready=set_ready,
         group=group,

@@ -31,6 +31,38 @@ if TYPE_CHECKING:
 GPU_CHUNK_SIZE = 32 << 20  # for state on a GPU; the image format's 4 MiB default stays for state in host memory
 _state_on_gpu = threading.Event()  # set by warm_device_kernels: the attach found tracked state on a GPU
 _warming: list[threading.Thread] = []
+# When this process reached each point of its start (epoch seconds), and what each warm-up step took (seconds):
+# the agent's ``info`` reports them (``timeline``), so a benchmark can say where a target's start-up goes.
+_marks: dict[str, float] = {}
+_steps: dict[str, float] = {}
+
+
+def _step(name: str, t0: float) -> float:
+    now = time.perf_counter()
+    _steps[name] = round(_steps.get(name, 0.0) + now - t0, 4)
+    return now
+
+
+def process_started() -> float | None:
+    """When this process started (epoch seconds), from the kernel's records; None where they cannot be read.
+
+    Its age (the uptime now less the uptime at its start, both in clock ticks) taken from the wall clock now: the
+    boot time ``/proc/stat`` gives is whole seconds, which would put the start up to a second early."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as fh:
+            uptime = float(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def timeline() -> dict[str, object]:
+    """Where this process's start went: ``process_start``, ``attach`` (the warm-up began), ``warm_done`` (epoch
+    seconds, those reached so far) and ``warm_steps`` (seconds each warm-up step took)."""
+    started = process_started()
+    return {**({"process_start": round(started, 3)} if started else {}), **_marks, "warm_steps": dict(_steps)}
 
 
 def chunk_size() -> int | None:
@@ -50,6 +82,7 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
     the direct path's host slots, and (unless ``capture`` is false) runs one capture of a two-chunk probe into a
     temporary store (:func:`_warm_capture`), which compiles the fingerprint kernels. A target awaiting its restore
     warms only what a restore runs: warming a capture then would hold the GIL and the GPU beside that restore."""
+    _marks["attach"] = round(time.time(), 3)
     if not devices:
         return None
     _state_on_gpu.set()  # before the warm-up below, which page-locks slots and captures a probe at the chunk size
@@ -58,28 +91,36 @@ def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> t
     def compile_all() -> None:
         import torch
 
+        t = time.perf_counter()
         with contextlib.suppress(Exception):
             importlib.import_module("gpumigrate.transfer.api")
             importlib.import_module("gpumigrate.transfer.device.gpucodec").available()
+        t = _step("transfer_and_codec_libraries", t)
         with contextlib.suppress(Exception):
             # a fill from the source (either side of it): the landing and its sender, and the driver's IPC calls,
             # loaded here rather than inside the first lend
             importlib.import_module("gpumigrate.transfer.device.landing")
             importlib.import_module("gpumigrate.transfer.device.cuda_ipc")._driver()
+        t = _step("fill_libraries", t)
         with contextlib.suppress(Exception):
             from gpumigrate.transfer.writer import DEFAULT_CHUNK_SIZE
 
             importlib.import_module("gpumigrate.transfer.direct").warm_slots(chunk_size() or DEFAULT_CHUNK_SIZE)
+        t = _step("page_locked_slots", t)
         for index in devices:
             device = torch.device("cuda", index)
             if devhash.available(device):
                 with contextlib.suppress(Exception):
                     devhash.warm(device)
+                t = _step("hash_kernels", t)
                 with contextlib.suppress(Exception):  # the byte-plane split and merge (capture and restore)
                     importlib.import_module("gpumigrate.transfer.device.plane_kernels").warm(device)
+                t = _step("plane_kernels", t)
             if capture:
                 with contextlib.suppress(Exception):
                     _warm_capture(device)
+                t = _step("capture_probe", t)
+        _marks["warm_done"] = round(time.time(), 3)
 
     thread = threading.Thread(target=compile_all, name="gm-warm-kernels", daemon=True)
     thread.start()
@@ -134,4 +175,12 @@ def wait_for_kernels(timeout_s: float = 120.0) -> float:
     return time.perf_counter() - t0
 
 
-__all__ = ["GPU_CHUNK_SIZE", "chunk_size", "kernels_warming", "wait_for_kernels", "warm_device_kernels"]
+__all__ = [
+    "GPU_CHUNK_SIZE",
+    "chunk_size",
+    "kernels_warming",
+    "process_started",
+    "timeline",
+    "wait_for_kernels",
+    "warm_device_kernels",
+]

@@ -1,22 +1,30 @@
 """End-to-end migration benchmark: the product path between two processes, beside its baselines.
 
     python bench/e2e.py --json [--gb 16] [--mutable-mb 256] [--chunk-mb N] [--device cuda]
-                        [--runs shm:auto,disk:auto,shm:cpu] [--root DIR] [--out FILE]
+                        [--runs shm:auto,disk:auto] [--repeat 5] [--load-fraction 0.5] [--pacing adaptive|off]
+                        [--workers N] [--rate-limit 4GB/s] [--root DIR] [--out FILE]
+    python bench/e2e.py --json --runs shm:auto,disk:auto --repeat 5 --no-driver   # issue 34's table, one call
 
 Source: the reference inference server (``--params-mb``, ``--device``, bf16, ``--mutable-mb``: state
 that every request changes) with its embedded agent. Target: the same server awaiting a restore. Both
 start the way a migration starts a workload: a ``WorkloadLaunch`` (argv with placeholders, the env
 contract: ``GPUMIGRATE_AWAIT_RESTORE=1`` for the target) handed to the one launcher,
 ``LocalProvider.bootstrap``, on a local host of its own (supervised processes; ``GPUMIGRATE_HOME``
-defaults to a directory under ``--root``). Everything moves through the real
-agent control channel and the transfer engine into a ``file://`` store (tmpfs and a disk directory),
-the way the migrate flow runs its snapshot, transfer and restore phases with a pre-loaded target:
+defaults to a directory under ``--root``). Everything moves through the real agent control channel and the
+transfer engine into a ``file://`` store, the way the migrate flow runs its snapshot, transfer and restore
+phases with a pre-loaded target, each round bounded as the plan's transfer section bounds it
+(``--workers`` = ``transfer.parallelism``, ``--pacing``, ``--rate-limit``; gpumigrate/bounds.py):
 
-  1. the target starts while pre-copy round 1 writes the full image (capture figure);
+  0. the source's capacity is measured (closed loop), then an open-loop load at ``--load-fraction`` of it runs
+     through the whole migration (``load.windows``: p50, p99, throughput before, in each round, in the downtime,
+     after; ``load.ratios``: round 1's p99 and the pre-copy's throughput over the ones before);
+  1. the target starts while pre-copy round 1 writes the full image (capture figure; ``capture.pacing``: what the
+     round's pacing did; ``target_start``: where the target's start went, from its SDK's own timeline);
   2. the target pre-loads round 1 (``restore``, ``ready: false``: restore figure);
   3. requests dirty the source's mutable state; round 2 ships the delta; the target pre-loads it;
   4. requests dirty it again; freeze → final → target restore(ready) is the downtime;
-  5. the target's weights and mutable digests and its answer must equal the source's.
+  5. the target's weights and mutable digests and its answer must equal the source's;
+  6. the stop-and-copy again, ``--repeat`` times in all, on the same pair (``downtime_repeats_ms``, median, max).
 
 Before the migration the bench waits until the source's agent no longer reports ``warming`` (the SDK's
 one-time kernel compiles at attach: a source serves for a while before it moves) and reports the wait
@@ -24,145 +32,100 @@ one-time kernel compiles at attach: a source serves for a while before it moves)
 time. ``STORE:CODEC:source`` runs fill the target from the source's memory (``transfer.restore_from:
 source``) instead of reading the store; the image is still written.
 
-Each run is one ``STORE:CODEC`` pair: ``shm`` (/dev/shm) or ``disk`` (``--root``), and ``auto``
-(the GPU codec where nvCOMP and a GPU are present) or ``cpu`` (``GPUMIGRATE_GPU_CODEC=0``).
-Baselines from the same run: a safetensors cold load in a fresh process (load, and with start-up),
-``torch.save``/``torch.load`` through a file in the same store directory, the CUDA driver checkpoint
-of the source process, and the pinned device→host line rate. The last stdout line is one JSON
-object; every figure says what it includes. Each run also holds ``direct_stages_s``: the agents' own
-stage totals (``gpumigrate.stageclock.STAGES``, seconds summed over threads) per capture and restore, by role.
-``--target-after-capture`` starts the target after round 1 instead of during it: a diagnostic that
-shows the capture without the target's start-up beside it. ``--smoke`` runs a small CPU migration and
-exits 1 unless the state came back bit-identical (CI runs it; it asserts no timings).
+Each run is one ``STORE:CODEC`` pair: ``shm`` (/dev/shm) or ``disk`` (the target host's own ``<workdir>/store``
+under ``--root``, where a migration to a local target puts it), and ``auto`` (the GPU codec where nvCOMP and a GPU
+are present) or ``cpu`` (``GPUMIGRATE_GPU_CODEC=0``). A disk run also measures the disk itself: a plain
+sequential write and read of the image's stored size (``fio`` or ``dd``, direct I/O) in the same filesystem,
+and gives the store's capture and restore rates over them (``disk``). Baselines from the same run: a safetensors
+cold load in a fresh process (load, and with start-up), ``torch.save``/``torch.load`` (``--torch-baseline``),
+the CUDA driver checkpoint of the source process, and the pinned device→host line rate. The last stdout line is
+one JSON object (``summary``: each run's figures beside their baselines); every figure says what it includes.
+Each run also holds ``direct_stages_s``: the agents' own stage totals (``gpumigrate.stageclock.STAGES``, seconds
+summed over threads) per capture and restore, by role. ``--target-after-capture`` starts the target after round 1
+instead of during it: a diagnostic that shows the capture without the target's start-up beside it. ``--smoke``
+runs a small CPU migration twice (from the image and from the source) under load, two stop-and-copies each, and
+exits 1 unless the state came back bit-identical and every figure is there (CI runs it; it asserts no timings).
+The parts beside the migration are in ``e2e_parts.py``, the two processes and the stop-and-copy in
+``e2e_workloads.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from benchlib import gbps, pinned_d2h_GBps
+from benchlib import gbps
+from e2e_parts import (
+    SourceLoad,
+    baselines,
+    capacity,
+    disk_rate,
+    driver_checkpoint,
+    line_rate,
+    load_ratios,
+    start_timeline,
+)
+from e2e_workloads import (
+    KEY_ENV,
+    PROMPT,
+    Run,
+    Workload,
+    bootstrap,
+    log,
+    provision,
+    read_stages,
+    roles_of,
+    stop_and_copy,
+    stop_and_copy_again,
+    wait_warm,
+    workload_launch,
+)
 
 from gpumigrate import control
 from gpumigrate.agent.warmup import GPU_CHUNK_SIZE
-from gpumigrate.infra.launch import service_url
 from gpumigrate.infra.local import LocalProvider
-from gpumigrate.interfaces import Host, HostSpec
-from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
-from gpumigrate.settings import state_root
-from gpumigrate.snapshot.client import AgentClient
-from gpumigrate.snapshot.gchold import gc_held
-
-KEY_ENV = "GM_E2E_IMAGE_KEY"
-PROMPT = {"prompt": "The quick brown fox", "max_new_tokens": 4}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- the two processes
-@dataclass
-class Workload:
-    """A workload started by the one launcher (``LocalProvider.bootstrap`` from a ``WorkloadLaunch``) on
-    a local host, as a migration starts its target: its host, HTTP address and agent client."""
-
-    host: Host
-    url: str
-    agent: AgentClient
-    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=120, trust_env=False))
-
-    @property
-    def pid(self) -> int:
-        return int(self.host.meta["workload"]["pid"])
-
-    def info(self) -> dict[str, Any]:
-        return dict(self.http.get(f"{self.url}/v1/info").json())
-
-    def generate(self) -> dict[str, Any]:
-        r = self.http.post(f"{self.url}/v1/generate", json=PROMPT)
-        r.raise_for_status()
-        return dict(r.json())
-
-    def ready(self) -> bool:
-        return self.http.get(f"{self.url}/readyz").status_code == 200
-
-    def close(self) -> None:
-        self.agent.close()
-        self.http.close()
-
-
-def workload_launch(args: argparse.Namespace, env: dict[str, str], *, await_restore: bool) -> WorkloadLaunch:
-    """The reference server as a plan's ``workload.launch`` would name it, placeholders and all."""
-    argv = ("{python}", "-m", "gpumigrate.workloads.inference", "--host", "{host}", "--port", "{service_port}")
-    model = ("--params-mb", str(args.params_mb), "--device", args.device, "--dtype", "bfloat16")
-    more = ("--mutable-mb", str(args.mutable_mb), "--threads", "2", "--name", "{name}")
-    contract = {"GPUMIGRATE_HOME": str(state_root())}
-    if await_restore:
-        contract[AWAIT_RESTORE_ENV] = "1"
-    return WorkloadLaunch(
-        argv=(*argv, *model, *more), env=env, contract_env=contract, ready_timeout_s=args.start_timeout
-    )
-
-
-def provision(provider: LocalProvider, name: str) -> Host:
-    host = provider.provision(HostSpec(name=name, provider="local", region="local"), migration_id="e2e")
-    return provider.wait_ready(host, timeout_s=60)
-
-
-def bootstrap(provider: LocalProvider, host: Host, launch: WorkloadLaunch) -> Workload:
-    """Start the workload through the launcher; return once it serves its health path and its agent answers."""
-    host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
-    agent = AgentClient(f"{host.address}:{host.ports['agent']}")
-    deadline = time.monotonic() + launch.ready_timeout_s
-    while True:
-        try:
-            agent.call("ping")
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    return Workload(host, service_url(host), agent)
+from gpumigrate.interfaces import Host
 
 
 # --------------------------------------------------------------------------- one migration
-def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from: str = "store") -> dict[str, Any]:
-    """Source → image in ``store_dir`` → pre-loaded target → stop-and-copy → ready, timed and checked.
+def migrate(args: argparse.Namespace, where: str, codec: str, restore_from: str = "store") -> dict[str, Any]:
+    """Source → image in a ``file://`` store (``where``: shm, or disk: the target host's own ``<workdir>/store``, where
+    a migration to a local target writes it) → pre-loaded target → stop-and-copy → ready, timed and checked; with
+    the source under an open-loop load throughout (``--load-fraction``), and the stop-and-copy ``--repeat`` times.
 
     ``restore_from="source"``: the target's loads copy the source's tensors out of its memory (``transfer.restore_from:
     source``, snapshot/fill.py), each chunk checked against the image; the image is still written."""
-    shutil.rmtree(store_dir, ignore_errors=True)
-    store = f"file://{store_dir}"
     env = {"GPUMIGRATE_GPU_CODEC": "0" if codec == "cpu" else "1"}
     if args.chunk_mb:  # else the SDK's own choice (agent/warmup.py: 32 MiB for state on a GPU, 4 MiB in host memory)
         env["GPUMIGRATE_SNAPSHOT_CHUNK_MB"] = str(args.chunk_mb)
-    # Both agents' direct paths log their stage totals per capture and restore (transfer/direct_writer.py, direct_reader.py); they go into
-    # this run's JSON, by role (where a migration's threads spend their time, beside the figures they explain).
-    stages_log = store_dir.parent / f"{store_dir.name}-stages.jsonl"
-    stages_log.parent.mkdir(parents=True, exist_ok=True)
-    stages_log.unlink(missing_ok=True)
-    env["GPUMIGRATE_STAGES_LOG"] = str(stages_log)
-    key_ref = {"env": KEY_ENV}  # the key itself is in this process's environment, inherited by the hosts
-    options = {"compression": "auto", "parallelism": args.workers}
     provider = LocalProvider()
     hosts = [provision(provider, "e2e-source"), provision(provider, "e2e-target")]
+    store_dir = (args.shm / "store") if where == "shm" else Path(str(hosts[1].workdir)) / "store"
+    shutil.rmtree(store_dir, ignore_errors=True)
+    # Both agents' direct paths log their stage totals per capture and restore (transfer/direct_writer.py, direct_reader.py); they go into
+    # this run's JSON, by role (where a migration's threads spend their time, beside the figures they explain).
+    stages_log = args.root / f"stages-{where}-{codec}-{restore_from}.jsonl"
+    stages_log.unlink(missing_ok=True)
+    env["GPUMIGRATE_STAGES_LOG"] = str(stages_log)
+    # the plan's transfer section as the flow sends it with every round (gpumigrate/bounds.py)
+    bounds = {"parallelism": args.workers, "pacing": args.pacing}
+    if args.rate_limit:
+        bounds["rate_limit"] = args.rate_limit
+    run = Run(args, f"file://{store_dir}", {"env": KEY_ENV}, {"compression": "auto", **bounds})
+    out: dict[str, Any] = {"store": run.store, "codec": codec, "restore_from": restore_from, "bounds": bounds}
+    out["target_starts"] = "after the capture" if args.target_after_capture else "during the capture"
     source: Workload | None = None
     target: Workload | None = None
-    out: dict[str, Any] = {"store": store, "codec": codec, "restore_from": restore_from}
-    out["target_starts"] = "after the capture" if args.target_after_capture else "during the capture"
+    load: SourceLoad | None = None
     try:
         t0 = time.perf_counter()
         source = bootstrap(provider, hosts[0], workload_launch(args, env, await_restore=False))
@@ -171,266 +134,181 @@ def migrate(args: argparse.Namespace, store_dir: Path, codec: str, restore_from:
         # fresh host's empty caches make long) is over by then. Waited for here, and reported, not timed below.
         out["source_warmup_wait_s"] = wait_warm(source)
         source.generate()  # warm: the first request compiles/allocates what later ones reuse
-        # The target starts (through the launcher, as the provision phase starts it) while round 1 runs.
-        t_migration = time.perf_counter()
-        with ThreadPoolExecutor(1) as starter:
-            if args.target_after_capture:  # a diagnostic: the capture alone on the host, the total made longer
-                t0 = time.perf_counter()
-                round1 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
-                capture_s = time.perf_counter() - t0
-                target = bootstrap(provider, hosts[1], workload_launch(args, env, await_restore=True))
-            else:
-                starting = starter.submit(bootstrap, provider, hosts[1], workload_launch(args, env, await_restore=True))
-                t0 = time.perf_counter()
-                round1 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
-                capture_s = time.perf_counter() - t0
-                target = starting.result()
-        out["target_start_s"] = round(time.perf_counter() - t_migration, 2)
-        out["target_warmup_wait_s"] = wait_warm(target)  # inside the total migration time
-        image_bytes = int(round1["image"]["bytes_image"])
-        out["capture"] = {
-            "bytes": image_bytes,
-            "stored_bytes": int(round1["image"]["bytes_sent"]),
-            "stored_fraction": round(int(round1["image"]["bytes_sent"]) / max(1, image_bytes), 4),
-            "seconds": round(capture_s, 3),
-            "GBps": gbps(image_bytes, capture_s),
-            "agent_seconds": round(float(round1["stats"]["seconds"]), 3),
-            "agent_phases": round1["stats"].get("phases"),
-            "includes": "pre-copy round 1 of the live source (all chunks): fingerprint, stage, device BLAKE3, codec "
-            "(GPU planes where nvCOMP is present, else the CPU byte-plane coder), AES-256-GCM, file:// store writes, "
-            "signed manifest; timed at the orchestrator around the agent call, "
-            + (
-                "before the target starts (--target-after-capture)"
-                if args.target_after_capture
-                else "while the target starts"
-            ),
-        }
-        fill = {"source": source.agent.address} if restore_from == "source" else {}
-        t0 = time.perf_counter()
-        pre1 = target.agent.call(
-            "restore", store=store, image_id=round1["image"]["id"], key_ref=key_ref, ready=False, **fill
-        )
-        restore_s = time.perf_counter() - t0
-        out["restore"] = {
-            "bytes": int(pre1["bytes_loaded"]),
-            "seconds": round(restore_s, 3),
-            "GBps": gbps(int(pre1["bytes_loaded"]), restore_s),
-            "agent_seconds": round(float(pre1["seconds"]), 3),
-            "includes": "pre-load of round 1 into the cold target: manifest signature, store reads, AES-256-GCM open, "
-            "decode (GPU or CPU), host→device copies, BLAKE3 of every chunk where it landed; timed around the call"
-            if not fill
-            else "pre-load of round 1 into the cold target, filled from the source's memory: manifest signature, "
-            "the source's lend over the agent channel (CUDA IPC handles on a GPU, NIXL READs for host memory), the "
-            "copy, BLAKE3 of every chunk where it landed against the manifest (blobs read from the store); timed "
-            "around the call",
-            "from_source": pre1.get("from_source"),
-            "agent_phases": pre1.get("phases"),
-        }
-        source.generate()
-        round2 = source.agent.call("precopy", store=store, key_ref=key_ref, options=options)
-        pre2 = target.agent.call(
-            "restore", store=store, image_id=round2["image"]["id"], key_ref=key_ref, ready=False, **fill
-        )
-        out["round2"] = {"stats": round2["stats"], "preload_seconds": round(float(pre2["seconds"]), 4)}
-        source.generate()  # the mutable state is dirty again: the final round ships it
-        with gc_held():  # the orchestrator's own collector pauses would be downtime too (snapshot/gchold.py)
-            t_freeze = time.perf_counter()
-            source.agent.call("freeze")
-            t_frozen = time.perf_counter()
-            final = source.agent.call("final", store=store, key_ref=key_ref, options=options)
-            t_final = time.perf_counter()
-            done = target.agent.call(
-                "restore", store=store, image_id=final["image"]["id"], key_ref=key_ref, ready=True, **fill
-            )
-            t_ready = time.perf_counter()
-        out["total_migration_s"] = round(t_ready - t_migration, 3)
-        out["downtime"] = {
-            "ms": round((t_ready - t_freeze) * 1000, 1),
-            "freeze_ms": round((t_frozen - t_freeze) * 1000, 1),
-            "final_ms": round((t_final - t_frozen) * 1000, 1),
-            "restore_ms": round((t_ready - t_final) * 1000, 1),
-            "final_stats": final["stats"],
-            # where the final call's time went in the source's agent (its round's phases), and the rest of the call:
-            # the control channel (request and reply, signed and checked) and the orchestrator
-            "final_agent_phases": final["stats"].get("phases"),
-            "final_outside_agent_ms": round((t_final - t_frozen - float(final["stats"]["seconds"])) * 1000, 1),
-            "restore_outside_agent_ms": round((t_ready - t_final - float(done["seconds"])) * 1000, 1),
-            "restore_chunks_loaded": done["chunks_loaded"],
-            "restore_bytes_loaded": done["bytes_loaded"],
-            "restore_from_source": done.get("from_source"),
-            "restore_agent_phases": done.get("phases"),
-            "includes": "freeze (request safe point) → final round (fingerprint all, ship the dirty set: the mutable "
-            "state, beside the BLAKE3 confirmation of the rest; commit) → target restore of the changed chunks → "
-            "ready; two processes, agent calls over TCP. final_agent_phases / restore_agent_phases: the agents' own "
-            "steps; *_outside_agent_ms: the rest of each call (control channel, JSON, signatures)",
-        }
-        out["target_ready_endpoint"] = target.ready()
-        src_info, dst_info = source.info(), target.info()
-        out["bit_identical"] = {
-            "weights": src_info["weights_digest"] == dst_info["weights_digest"],
-            "mutable": src_info.get("mutable_digest") == dst_info.get("mutable_digest") is not None,
-        }
-        source.agent.call("resume")
-        out["same_answer"] = source.generate()["tokens"] == target.generate()["tokens"]
+        if restore_from == "source":
+            run.fill = {"source": source.agent.address}
+        if args.load_fraction > 0:
+            load = start_load(args, source, out)
+        target = first_migration(args, run, provider, hosts[1], env, source, load, out)
+        if load is not None:
+            out["load"] = load.stop()
+            out["load"]["ratios"] = load_ratios(out["load"]["windows"])
+            load = None
+        repeats = [out["downtime"]["ms"]]
+        for k in range(1, args.repeat):
+            log(f"  stop-and-copy {k + 1}/{args.repeat} ...")
+            repeats.append(stop_and_copy_again(run, source, target)["ms"])
+        out["downtime_repeats_ms"] = repeats
+        out["downtime_median_ms"] = round(statistics.median(repeats), 1)
+        out["downtime_max_ms"] = max(repeats)
         out["image_files_bytes"] = sum(p.stat().st_size for p in store_dir.rglob("*") if p.is_file())
-        if args.device.startswith("cuda") and args.driver and codec == "auto" and "shm" in str(store_dir):
+        if args.device.startswith("cuda") and args.driver and codec == "auto" and where == "shm":
             target.close()
             provider.terminate(hosts[1])  # its GPU memory is free for the driver's copy
             target = None
-            out["driver_checkpoint_of_source"] = driver_checkpoint(source.pid, image_bytes)
+            out["driver_checkpoint_of_source"] = driver_checkpoint(source.pid, out["capture"]["bytes"])
     finally:
-        roles = _roles(source=source, target=target)
+        if load is not None:
+            load.proc.kill()
+        roles = roles_of(source=source, target=target)
         for w in (target, source):
             if w is not None:
                 w.close()
         for host in hosts:
             provider.terminate(host)
+        shutil.rmtree(store_dir, ignore_errors=True)
     out["direct_stages_s"] = read_stages(stages_log, roles)
+    if where == "disk" and args.disk_rate and "capture" in out:
+        out["disk"] = disk_figures(args, out)
     return out
 
 
-def _roles(**workloads: Workload | None) -> dict[int, str]:
-    roles: dict[int, str] = {}
-    for name, w in workloads.items():
-        with contextlib.suppress(KeyError, TypeError, ValueError):  # a workload that never started has no pid
-            if w is not None:
-                roles[w.pid] = name
-    return roles
+def start_load(args: argparse.Namespace, source: Workload, out: dict[str, Any]) -> SourceLoad:
+    """The source's capacity, then an open-loop load at ``--load-fraction`` of it, and a window of it before the
+    migration starts (its p50/p99/throughput are what the migration's windows are compared with)."""
+    url = f"{source.url}/v1/generate"
+    out["source_capacity"] = capacity(url, PROMPT, clients=args.load_clients, seconds=args.window_s)
+    rps = max(1.0, out["source_capacity"]["rps"] * args.load_fraction)
+    load = SourceLoad(url, PROMPT, rps)
+    load.mark("_settle")
+    time.sleep(min(1.0, args.window_s))
+    load.mark("before")
+    time.sleep(args.window_s)
+    return load
 
 
-def read_stages(path: Path, roles: dict[int, str]) -> list[dict[str, Any]]:
-    """The agents' stage totals (one line per direct capture or restore, warm-up probes included), in order, each
-    named by the process's role in this run."""
-    found: list[dict[str, Any]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return found
-    for line in lines:
-        entry = json.loads(line)
-        found.append({"role": roles.get(entry.get("pid"), "other"), "what": entry.get("what"), **entry["stages"]})
-    return found
-
-
-def wait_warm(workload: Workload, timeout_s: float = 900.0) -> float:
-    """Seconds until the workload's agent no longer reports ``warming`` (the SDK's background kernel compiles)."""
-    t0 = time.perf_counter()
-    while workload.agent.call("info").get("warming") and time.perf_counter() - t0 < timeout_s:
-        time.sleep(0.2)
-    return round(time.perf_counter() - t0, 2)
-
-
-def driver_checkpoint(pid: int, nbytes: int) -> dict[str, Any]:
-    """The CUDA driver's own checkpoint and restore of the source process (to/from host memory)."""
-    try:
-        from gpumigrate.snapshot import cuda_driver
-
-        proc = cuda_driver.CudaProcess(pid)
-        proc.lock(timeout_ms=10_000)
-        proc.checkpoint()
-        proc.restore_memory()
-        proc.unlock()
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-    return {
-        "bytes_tracked_state": nbytes,
-        "checkpoint_s": round(proc.timing.checkpoint_s, 3),
-        "restore_s": round(proc.timing.restore_s, 3),
-        "checkpoint_GBps_of_state": gbps(nbytes, proc.timing.checkpoint_s),
-        "restore_GBps_of_state": gbps(nbytes, proc.timing.restore_s),
-        "includes": "cuCheckpointProcessCheckpoint/Restore of the whole source process (all its device memory, "
-        "driver-managed host copy); GB/s counted over the same tracked bytes as the agent's figures",
-    }
-
-
-# --------------------------------------------------------------------------- baselines
-SAVE = r"""
-import json, sys, time, torch
-from gpumigrate.workloads.model import build_model
-params_mb, device, st_path, pt_path = float(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-state = {k: v.contiguous() for k, v in build_model(0, dtype="bfloat16", device=device, params_mb=params_mb).state_dict().items()}
-n = sum(v.numel() * v.element_size() for v in state.values())
-out = {"bytes": n}
-try:
-    import safetensors.torch as st
-    t = time.perf_counter(); st.save_file(state, st_path); out["safetensors_save_s"] = time.perf_counter() - t
-except ImportError:
-    out["safetensors_save_s"] = None
-t = time.perf_counter(); torch.save(state, pt_path); out["torch_save_s"] = time.perf_counter() - t
-print(json.dumps(out), flush=True)
-"""
-
-LOAD = r"""
-import json, sys, time
-t0 = time.perf_counter()
-import torch
-kind, path, device = sys.argv[1], sys.argv[2], sys.argv[3]
-if device.startswith("cuda"):
-    torch.zeros(1, device=device)  # CUDA context: part of a cold start, kept out of the load figure
-t1 = time.perf_counter()
-if kind == "safetensors":
-    import safetensors.torch as st
-    state = st.load_file(path, device=device)
-else:
-    state = {k: v.to(device) for k, v in torch.load(path, map_location="cpu", mmap=False).items()}
-if device.startswith("cuda"):
-    torch.cuda.synchronize()
-t2 = time.perf_counter()
-print(json.dumps({"load_s": t2 - t1, "in_process_s": t2 - t0, "tensors": len(state)}), flush=True)
-"""
-
-
-def baselines(args: argparse.Namespace, where: Path) -> dict[str, Any]:
-    """Files written by a process that built the same model; each loaded by a fresh process."""
-    where.mkdir(parents=True, exist_ok=True)
-    st_path, pt_path = where / "weights.safetensors", where / "weights.pt"
-    saved = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", SAVE, str(args.params_mb), args.device, str(st_path), str(pt_path)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
+def first_migration(
+    args: argparse.Namespace,
+    run: Run,
+    provider: LocalProvider,
+    host: Host,
+    env: dict[str, str],
+    source: Workload,
+    load: SourceLoad | None,
+    out: dict[str, Any],
+) -> Workload:
+    """Round 1 while the target starts, its pre-load, round 2 and its pre-load, the stop-and-copy; the source's
+    clients' windows marked on ``load``."""
+    mark = load.mark if load is not None else (lambda name: None)
+    # The target starts (through the launcher, as the provision phase starts it) while round 1 runs.
+    t_migration = time.perf_counter()
+    launched = time.time()
+    with ThreadPoolExecutor(1) as starter:
+        if args.target_after_capture:  # a diagnostic: the capture alone on the host, the total made longer
+            mark("round1")
+            t0 = time.perf_counter()
+            round1 = run.precopy(source)
+            capture_s = time.perf_counter() - t0
+            mark("_to_round2")
+            launched = time.time()
+            target = bootstrap(provider, host, workload_launch(args, env, await_restore=True))
+        else:
+            starting = starter.submit(bootstrap, provider, host, workload_launch(args, env, await_restore=True))
+            mark("round1")
+            t0 = time.perf_counter()
+            round1 = run.precopy(source)
+            capture_s = time.perf_counter() - t0
+            mark("_to_round2")
+            target = starting.result()
+    serving = time.time()
+    out["target_start_s"] = round(time.perf_counter() - t_migration, 2)
+    out["target_warmup_wait_s"] = wait_warm(target)  # inside the total migration time
+    out["target_start"] = start_timeline(
+        launched, serving, target.agent.call("info").get("timeline") or {}, time.time()
     )
-    n = int(saved["bytes"])
-    out: dict[str, Any] = {"bytes": n, "where": str(where)}
-    for kind, path in (("safetensors", st_path), ("torch_load", pt_path)):
-        if kind == "safetensors" and saved["safetensors_save_s"] is None:
-            out[kind] = {"not_run": "safetensors is not installed here"}
-            continue
-        t0 = time.perf_counter()
-        run = subprocess.run(
-            [sys.executable, "-c", LOAD, kind, str(path), args.device], check=True, capture_output=True, text=True
-        )
-        total = time.perf_counter() - t0
-        got = json.loads(run.stdout.strip().splitlines()[-1])
-        out[kind] = {
-            "load_s": round(got["load_s"], 3),
-            "load_GBps": gbps(n, got["load_s"]),
-            "cold_start_s": round(total, 3),
-            "includes": "a fresh process: interpreter + torch import + CUDA context (cold_start_s only), then the "
-            "file read from the same directory as the image and copied to the device",
-        }
-    out["safetensors_save_s"] = round(saved["safetensors_save_s"], 3) if saved["safetensors_save_s"] else None
-    out["torch_save_GBps"] = gbps(n, saved["torch_save_s"])
-    out["torch_save_includes"] = "torch.save of the state dict (device→pageable host copy included) to a file"
-    st_path.unlink(missing_ok=True)
-    pt_path.unlink(missing_ok=True)
-    return out
+    image_bytes = int(round1["image"]["bytes_image"])
+    stored = int(round1["image"]["bytes_sent"])
+    out["capture"] = {
+        "bytes": image_bytes,
+        "stored_bytes": stored,
+        "stored_fraction": round(stored / max(1, image_bytes), 4),
+        "seconds": round(capture_s, 3),
+        "GBps": gbps(image_bytes, capture_s),
+        "stored_GBps": gbps(stored, capture_s),
+        "agent_seconds": round(float(round1["stats"]["seconds"]), 3),
+        "agent_phases": round1["stats"].get("phases"),
+        "pacing": round1["stats"].get("pacing"),
+        "includes": "pre-copy round 1 of the live source (all chunks): fingerprint, stage, device BLAKE3, codec "
+        "(GPU planes where nvCOMP is present, else the CPU byte-plane coder), AES-256-GCM, file:// store writes, "
+        "signed manifest, under the run's bounds (parallelism, pacing); timed at the orchestrator around the agent "
+        "call, "
+        + (
+            "before the target starts (--target-after-capture)"
+            if args.target_after_capture
+            else "while the target starts"
+        ),
+    }
+    t0 = time.perf_counter()
+    pre1 = run.preload(target, round1["image"]["id"])
+    restore_s = time.perf_counter() - t0
+    out["restore"] = {
+        "bytes": int(pre1["bytes_loaded"]),
+        "seconds": round(restore_s, 3),
+        "GBps": gbps(int(pre1["bytes_loaded"]), restore_s),
+        "stored_GBps": gbps(stored, restore_s),
+        "agent_seconds": round(float(pre1["seconds"]), 3),
+        "includes": "pre-load of round 1 into the cold target: manifest signature, store reads, AES-256-GCM open, "
+        "decode (GPU or CPU), host→device copies, BLAKE3 of every chunk where it landed; timed around the call"
+        if not run.fill
+        else "pre-load of round 1 into the cold target, filled from the source's memory: manifest signature, "
+        "the source's lend over the agent channel (CUDA IPC handles on a GPU, NIXL READs for host memory), the "
+        "copy, BLAKE3 of every chunk where it landed against the manifest (blobs read from the store); timed "
+        "around the call",
+        "from_source": pre1.get("from_source"),
+        "agent_phases": pre1.get("phases"),
+    }
+    source.generate()
+    mark("round2")
+    round2 = run.precopy(source)
+    mark("_to_final")
+    pre2 = run.preload(target, round2["image"]["id"])
+    out["round2"] = {"stats": round2["stats"], "preload_seconds": round(float(pre2["seconds"]), 4)}
+    source.generate()  # the mutable state is dirty again: the final round ships it
+    mark("downtime")
+    out["downtime"] = stop_and_copy(run, source, target)
+    out["total_migration_s"] = round(out["downtime"].pop("t_ready") - t_migration, 3)
+    out["target_ready_endpoint"] = target.ready()
+    src_info, dst_info = source.info(), target.info()
+    out["bit_identical"] = {
+        "weights": src_info["weights_digest"] == dst_info["weights_digest"],
+        "mutable": src_info.get("mutable_digest") == dst_info.get("mutable_digest") is not None,
+    }
+    source.agent.call("resume")
+    mark("after")
+    out["same_answer"] = source.generate()["tokens"] == target.generate()["tokens"]
+    if load is not None:
+        time.sleep(args.window_s)
+        mark("_end")
+    return target
 
 
-def line_rate(device: str) -> float | None:
-    import torch
+def disk_figures(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    """The store's device measured with a plain sequential write and read of the image's stored size (same
+    filesystem as the store, same run), and the disk store's capture and restore beside them."""
+    rate = disk_rate(args.root / "disk-rate", int(out["capture"]["stored_bytes"]))
+    figures: dict[str, Any] = {"device": rate}
+    if "write_GBps" in rate:
+        figures["capture_vs_disk_write"] = round(out["capture"]["stored_GBps"] / rate["write_GBps"], 3)
+    if "read_GBps" in rate and not out["restore"].get("from_source"):
+        figures["restore_vs_disk_read"] = round(out["restore"]["stored_GBps"] / rate["read_GBps"], 3)
+    figures["includes"] = (
+        "the store's bytes (sealed, compressed objects) per second of the capture and of the pre-load, over the "
+        "device's own sequential rate for as many bytes"
+    )
+    return figures
 
-    if not device.startswith("cuda"):
-        return None
-    return pinned_d2h_GBps(torch.empty(1 << 28, dtype=torch.uint8, device=device).random_())
 
-
-# --------------------------------------------------------------------------- report
 def ratios(out: dict[str, Any]) -> dict[str, Any]:
+    """Each run's figures of issue 34's table beside their baselines from this run."""
     base = out.get("baselines") or {}
     cold = (base.get("safetensors") or {}) if "load_s" in (base.get("safetensors") or {}) else None
     line = out.get("line_rate_pinned_d2h_GBps")
@@ -442,8 +320,15 @@ def ratios(out: dict[str, Any]) -> dict[str, Any]:
             "capture_GBps": run["capture"]["GBps"],
             "restore_GBps": run["restore"]["GBps"],
             "downtime_ms": run["downtime"]["ms"],
+            "downtime_median_ms": run["downtime_median_ms"],
+            "downtime_max_ms": run["downtime_max_ms"],
+            "downtime_runs": len(run["downtime_repeats_ms"]),
             "total_migration_s": run["total_migration_s"],
+            **(run.get("load") or {}).get("ratios", {}),
         }
+        for key in ("capture_vs_disk_write", "restore_vs_disk_read"):
+            if key in (run.get("disk") or {}):
+                row[key] = run["disk"][key]
         if cold:
             row["restore_vs_safetensors_load"] = round(run["restore"]["GBps"] / cold["load_GBps"], 2)
             row["total_vs_cold_start"] = round(run["total_migration_s"] / cold["cold_start_s"], 2)
@@ -454,7 +339,7 @@ def ratios(out: dict[str, Any]) -> dict[str, Any]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="(always on) print the result as JSON on the last line")
     p.add_argument("--gb", type=float, default=None, help="model weights in GiB (default 16 on a GPU, 0.03 on CPU)")
@@ -463,13 +348,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
     p.add_argument(
         "--runs",
-        default="shm:auto,disk:auto,shm:cpu",
+        default="shm:auto,disk:auto",
         help="STORE:CODEC[:source] runs, comma-separated (:source fills the target from the source's memory)",
     )
-    p.add_argument("--root", default=None, help="disk directory for the 'disk' store and logs (default: a temp dir)")
-    p.add_argument("--workers", type=int, default=None, help="writer parallelism option (default: cores)")
+    p.add_argument(
+        "--root", default=None, help="disk directory for the hosts, the 'disk' store and logs (default: temp)"
+    )
+    p.add_argument("--workers", type=int, default=None, help="transfer.parallelism of each round (default: cores)")
+    p.add_argument("--pacing", choices=("adaptive", "off"), default="adaptive", help="transfer.pacing of each round")
+    p.add_argument("--rate-limit", default=None, help="transfer.rate_limit of each round (e.g. 4GB/s; default none)")
+    p.add_argument(
+        "--load-fraction", type=float, default=0.5, help="open-loop load on the source, of its capacity (0: none)"
+    )
+    p.add_argument("--load-clients", type=int, default=4, help="closed-loop clients measuring the capacity")
+    p.add_argument("--window-s", type=float, default=4.0, help="seconds of the capacity, before and after windows")
+    p.add_argument("--repeat", type=int, default=5, help="stop-and-copies measured per run (median and max)")
+    p.add_argument("--no-disk-rate", dest="disk_rate", action="store_false", help="skip the disk's own dd/fio rate")
     p.add_argument("--no-driver", dest="driver", action="store_false", help="skip the CUDA driver checkpoint")
     p.add_argument("--no-baselines", dest="baselines", action="store_false")
+    p.add_argument("--torch-baseline", action="store_true", help="also torch.save/torch.load (slow at 16 GiB)")
     p.add_argument("--smoke", action="store_true", help="small CPU run; exit 1 unless the state is bit-identical")
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--out", default=None, help="also write the JSON here")
@@ -479,26 +376,35 @@ def main(argv: list[str] | None = None) -> int:
         help="start the target after round 1's capture instead of during it (the flow's way): a diagnostic that "
         "separates the capture's own speed from the target's start-up beside it; the total migration time grows",
     )
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
     cuda = torch.cuda.is_available()
     if args.smoke:
         args.device, args.runs, args.driver, args.baselines = "cpu", "disk:auto,disk:auto:source", False, False
+        args.window_s, args.repeat = 0.5, 2
     args.device = args.device or ("cuda" if cuda else "cpu")
     gpu = args.device.startswith("cuda")
     args.gb = args.gb if args.gb is not None else (16.0 if gpu else 0.03)
     args.params_mb = round(args.gb * 1024, 3)
     args.mutable_mb = args.mutable_mb if args.mutable_mb is not None else (256 if gpu else 2)
     args.workers = args.workers or min(64, os.cpu_count() or 2)
+    args.repeat = max(1, args.repeat)
     from gpumigrate import transfer
 
     os.environ[KEY_ENV] = transfer.generate_key()  # the hosts' supervisors inherit it; the agents resolve it
+    args.root_given = bool(args.root)
     root = Path(args.root) if args.root else Path(tempfile.mkdtemp(prefix="gm-e2e-"))
     root.mkdir(parents=True, exist_ok=True)
+    args.root = root
     os.environ.setdefault("GPUMIGRATE_HOME", str(root / "home"))  # the local hosts, their logs, the control key
     control.load_key(None, create=True)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() and not args.smoke else root
+    args.shm = shm / f"gm-e2e-{os.getpid()}"
     out: dict[str, Any] = {
         "bench": "e2e",
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
@@ -509,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_MiB": args.chunk_mb
         or (f"{GPU_CHUNK_SIZE >> 20} (the SDK's default for GPU state)" if gpu else "4 (the SDK's default)"),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "load_fraction": args.load_fraction,
         "runs": {},
     }
     if gpu:
@@ -516,42 +423,47 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for spec in args.runs.split(","):
             where, codec, *fill = spec.split(":")
-            base = shm / f"gm-e2e-{os.getpid()}" if where == "shm" else root / "disk"
             log(f"migration {spec} ...")
             try:
-                out["runs"][spec] = migrate(args, base / "store", codec, "source" if fill == ["source"] else "store")
+                out["runs"][spec] = migrate(args, where, codec, "source" if fill == ["source"] else "store")
             except Exception as exc:
                 out["runs"][spec] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
-                shutil.rmtree(base, ignore_errors=True)
+                shutil.rmtree(args.shm, ignore_errors=True)
             if args.out:  # partial results survive a run cut short
                 Path(args.out).write_text(json.dumps(out) + "\n")
         if args.baselines:
             log("baselines ...")
+            where = shm / f"gm-e2e-base-{os.getpid()}"
             try:
-                out["baselines"] = baselines(args, shm / f"gm-e2e-base-{os.getpid()}")
+                out["baselines"] = baselines(args.params_mb, args.device, where, torch_load=args.torch_baseline)
             except Exception as exc:
                 out["baselines"] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
-                shutil.rmtree(shm / f"gm-e2e-base-{os.getpid()}", ignore_errors=True)
+                shutil.rmtree(where, ignore_errors=True)
     finally:
-        if not args.root:
+        if not args.root_given:
             shutil.rmtree(root, ignore_errors=True)
     out["summary"] = ratios(out)
     text = json.dumps(out)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
-    if args.smoke:
-        ok = all(
-            "error" not in run
-            and all(run["bit_identical"].values())
-            and run["same_answer"]
-            and run["target_ready_endpoint"]
-            for run in out["runs"].values()
-        )
-        return 0 if ok else 1
-    return 0
+    return 0 if not args.smoke or smoke_ok(args, out) else 1
+
+
+def smoke_ok(args: argparse.Namespace, out: dict[str, Any]) -> bool:
+    """Every run moved the state bit-identically, the target answered like the source, and the figures the issue
+    asks for are there: the load's windows, every stop-and-copy, the disk's own rate."""
+    for run in out["runs"].values():
+        if "error" in run or not (all(run["bit_identical"].values()) and run["same_answer"]):
+            return False
+        windows = (run.get("load") or {}).get("windows") or {}
+        if not run["target_ready_endpoint"] or not {"before", "round1", "round2", "downtime", "after"} <= set(windows):
+            return False
+        if len(run["downtime_repeats_ms"]) != args.repeat or "write_GBps" not in run["disk"]["device"]:
+            return False
+    return bool(out["runs"])
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
+from gpumigrate.bounds import TransferBounds
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows.report import Sample
 from gpumigrate.interfaces import Host, HostActions, ImageRef, Provider, SnapshotBackend
@@ -211,7 +212,11 @@ class RunContext:
         setup = Setup(
             store=store,
             key_ref=self.key_ref() or {},
-            writer_options={"compression": plan.transfer.compression, "parallelism": plan.transfer.parallelism},
+            # the bounds reach each live pre-copy round's writer in the workload (gpumigrate/bounds.py)
+            writer_options={
+                "compression": plan.transfer.compression,
+                **TransferBounds.from_plan(plan.transfer).options(),
+            },
             policy=dict(plan.parity.environment),
             source_host=plan.workload.source_host,
             source_agent=plan.workload.agent,

@@ -24,6 +24,7 @@ from typing import Any
 
 _COPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
 _EVENT_DISABLE_TIMING = 2
+_HOST_REGISTER_PORTABLE = 1
 _RUNTIMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
 
@@ -46,8 +47,10 @@ class _Runtime:
         self.destroy.argtypes = [vp]
         self.synchronize = releasing.cudaEventSynchronize  # blocks: lets the GIL go
         self.synchronize.argtypes = [vp]
+        self.host_register = releasing.cudaHostRegister  # pins every page: lets the GIL go
+        self.host_register.argtypes = [vp, sz, ctypes.c_uint]
         calls = (self.copy, self.record, self.wait, self.set_device, self.get_device, self.create, self.destroy)
-        for call in (*calls, self.synchronize):
+        for call in (*calls, self.synchronize, self.host_register):
             call.restype = ctypes.c_int
 
 
@@ -97,6 +100,13 @@ def copy(rt: _Runtime, device: int, dst: int, src: int, nbytes: int, stream: int
     if nbytes:
         with _on(rt, device):
             _check(rt.copy(dst, src, nbytes, _COPY_DEFAULT, stream), "copy")
+
+
+def register_host(rt: _Runtime, address: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of ordinary host memory at ``address`` for every device (``cudaHostRegisterPortable``):
+    copies to and from it run at the link's rate, and its pages stay ordinary pages, which direct I/O (``O_DIRECT``)
+    can read and write, where the driver's own page-locked allocations may refuse it."""
+    _check(rt.host_register(address, nbytes, _HOST_REGISTER_PORTABLE), "host register")
 
 
 class Event:

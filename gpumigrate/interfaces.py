@@ -195,6 +195,9 @@ class DirectImageWriter(ImageWriter, Protocol):
         Host tensors may be overwritten once their futures are done.
         """
 
+    def pacing(self) -> Mapping[str, Any]:
+        """What this round's pacing did (transfer/pacing.py: the rates it set and why); empty when unpaced."""
+
     def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
         """Start hashing the runs' chunks where they live (BLAKE3, as chunk ids are); nothing is stored.
 
@@ -204,6 +207,19 @@ class DirectImageWriter(ImageWriter, Protocol):
         confirmed are frozen). The frozen final round confirms with it that chunks its fingerprints call
         unchanged really are.
         """
+
+
+class LatencySignal(Protocol):
+    """How long the source's own requests take, as the workload sees them: what the pacing of a live capture round
+    yields to (transfer/pacing.py). The SDK's safe point implements it (snapshot/stepgate.py: the time from a
+    request's admission to its end), so a service that wraps its requests in ``safe_point()`` needs nothing more."""
+
+    def latencies(self, since: float) -> list[float]:
+        """Durations in seconds of the requests that ended after ``since`` (``time.monotonic()``), oldest first."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests under way now."""
 
 
 @runtime_checkable
@@ -230,6 +246,7 @@ class RoundStats:
     bytes_dirty: int
     seconds: float
     phases: Mapping[str, float] = field(default_factory=dict)  # where ``seconds`` went, step by step
+    pacing: Mapping[str, Any] = field(default_factory=dict)  # what the round's pacing did (live rounds only)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from gpumigrate.bounds import parse_rate
 from gpumigrate.errors import PlanError
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -403,7 +404,23 @@ class Transfer(_Model):
         description="auto picks per chunk (byte-plane for float tensors, zstd, or none when a sample gains < 5%).",
     )
     encryption_key: KeyRef | None = None
-    parallelism: Annotated[int, Field(ge=1, le=64)] = 4
+    parallelism: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=4,
+        description="Host threads a pre-copy round of the live source seals and stores its chunks with (and the "
+        "connections or requests a store uses). The frozen final round takes every core: the source serves nobody "
+        "then (gpumigrate/bounds.py).",
+    )
+    rate_limit: int | None = Field(
+        default=None,
+        description="Bytes per second a pre-copy round of the live source may move, device copies included: a whole "
+        "number or a size per second such as 500MB/s or 2GiB/s (at least 1 MiB/s). Unset: no cap.",
+    )
+    pacing: Literal["adaptive", "off"] = Field(
+        default="adaptive",
+        description="adaptive: a pre-copy round slows down while the source's own requests (as its SDK's safe point "
+        "times them) take longer than before the round, and speeds up again when they do not or the source is idle "
+        "(transfer/pacing.py). off: it moves as fast as parallelism and rate_limit allow.",
+    )
     store_region: str | None = Field(default=None, description="Region of the store (bucket) for residency checks.")
     restore_from: Literal["store", "source"] = Field(
         default="store",
@@ -411,6 +428,11 @@ class Transfer(_Model):
         "source's host): the target copies the source's tensors straight out of its memory (CUDA IPC on a GPU, "
         "NIXL for host memory), each chunk checked against the image's signed manifest; the image is still written.",
     )
+
+    @field_validator("rate_limit", mode="before")
+    @classmethod
+    def _rate(cls, v: object) -> int | None:
+        return None if v is None else parse_rate(v)
 
     @field_validator("store")
     @classmethod

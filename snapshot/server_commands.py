@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from gpumigrate.bounds import OPTION_KEYS, TransferBounds
 from gpumigrate.errors import SnapshotError
 from gpumigrate.snapshot.client import parse_address
 from gpumigrate.snapshot.engine import Phases, SnapshotEngine
@@ -142,11 +143,13 @@ def key_ref_arg(value: Any) -> dict[str, str]:
 
 
 def writer_options_arg(value: Any) -> dict[str, Any]:
-    """How the image is written: ``{"compression": one of WRITER_COMPRESSION, "parallelism": 1..64}``."""
+    """How the image is written: ``{"compression": one of WRITER_COMPRESSION}`` and a live round's bounds
+    (``parallelism`` 1..64, ``rate_limit`` bytes/s, ``pacing``: gpumigrate/bounds.py), each optional."""
     if value in (None, {}):
         return {}
-    if not isinstance(value, Mapping) or set(value) - {"compression", "parallelism"}:
-        raise SnapshotError('options must be {"compression": ..., "parallelism": ...} and nothing else')
+    allowed = {"compression", *OPTION_KEYS}
+    if not isinstance(value, Mapping) or set(value) - allowed:
+        raise SnapshotError(f"options may hold {', '.join(sorted(allowed))} and nothing else")
     out: dict[str, Any] = {}
     if "compression" in value:
         if value["compression"] not in WRITER_COMPRESSION:
@@ -154,12 +157,11 @@ def writer_options_arg(value: Any) -> dict[str, Any]:
                 f"options.compression {value['compression']!r}: allowed are {', '.join(WRITER_COMPRESSION)}"
             )
         out["compression"] = value["compression"]
-    if "parallelism" in value:
-        p = value["parallelism"]
-        if not isinstance(p, int) or isinstance(p, bool) or not 1 <= p <= 64:
-            raise SnapshotError(f"options.parallelism {p!r}: must be a whole number from 1 to 64")
-        out["parallelism"] = p
-    return out
+    try:
+        bounds = TransferBounds.from_options(value)
+    except ValueError as exc:
+        raise SnapshotError(f"options: {exc}") from None
+    return out | {k: v for k, v in bounds.options().items() if k in value}
 
 
 def _steps_arg(value: Any) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 from gpumigrate.errors import SnapshotError
 
 HISTORY = 1024  # reported losses kept (and shipped in the image)
+LATENCIES = 4096  # durations of the last completed safe points kept for the capture's pacing (``latencies``)
 RETIRED = "retired: state zeroized"  # the reason a retired gate gives (readiness, refused safe points)
 
 
@@ -68,6 +69,7 @@ class SafePointGate:
         self._retired = False
         self.steps = 0
         self._losses: deque[tuple[int, float]] = deque(maxlen=history)
+        self._durations: deque[tuple[float, float]] = deque(maxlen=LATENCIES)  # (end, seconds), monotonic clock
 
     # ------------------------------------------------------------------ state
     @property
@@ -171,10 +173,14 @@ class SafePointGate:
                 hint="send requests to the migration's target",
             )
 
-    def leave(self, report: StepReport | None = None, *, completed: bool = True) -> None:
+    def leave(self, report: StepReport | None = None, *, completed: bool = True, began: float | None = None) -> None:
+        """The end of a safe point; ``began`` (``time.monotonic()`` at its admission) records how long it took."""
         with self._cond:
             self._in_flight -= 1
             if completed:
+                if began is not None:
+                    now = time.monotonic()
+                    self._durations.append((now, now - began))
                 self.steps += 1
                 if report is not None and report.loss is not None:
                     self._losses.append((self.steps, report.loss))
@@ -183,13 +189,27 @@ class SafePointGate:
     @contextmanager
     def safe_point(self, timeout_s: float | None = None) -> Iterator[StepReport]:
         self.enter(timeout_s)
+        began = time.monotonic()
         report = StepReport()
         completed = False
         try:
             yield report
             completed = True
         finally:
-            self.leave(report, completed=completed)
+            self.leave(report, completed=completed, began=began)
+
+    def latencies(self, since: float) -> list[float]:
+        """How long the safe points that ended after ``since`` (``time.monotonic()``) took, from admission to end,
+        oldest first: the source's own request latency, which a live capture round's pacing yields to
+        (:class:`~gpumigrate.interfaces.LatencySignal`). A held wait at a frozen gate is not in it."""
+        found: list[float] = []
+        with self._cond:
+            for end, seconds in reversed(self._durations):  # appended in order of their ends: newest first here
+                if end <= since:
+                    break
+                found.append(seconds)
+        found.reverse()
+        return found
 
     # ------------------------------------------------------------------ the agent's side
     @property

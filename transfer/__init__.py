@@ -2,7 +2,9 @@
 
 Importing this package is cheap: the public names load their modules on first use.
 
-- ``open_writer(store_url, *, key, parent=None, compression="auto", parallelism=4, chunk_size=None, source=None)``
+- ``open_writer(store_url, *, key, parent=None, compression="auto", parallelism=None, chunk_size=None, source=None,
+  rate_limit=None, latency=None)``: ``parallelism`` sealing threads (None: one per core), ``rate_limit`` bytes/s,
+  ``latency`` the source's request latency its pace yields to (pacing.py)
 - ``open_reader(store_url, image_id, *, key)``
 - ``resolve_key(env=None, file=None) -> bytes``, ``generate_key() -> str``
 - ``pack_paths(paths, store_url, *, key, parent=None, ...) -> ImageRef``, ``unpack(store_url, image_id, out_dir, *, key)``

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gpumigrate.interfaces import LatencySignal
 from gpumigrate.transfer.direct_reader import DirectStoreImageReader
 from gpumigrate.transfer.direct_writer import DirectStoreImageWriter
 from gpumigrate.transfer.format.chunkobj import Sealer
@@ -9,7 +10,7 @@ from gpumigrate.transfer.latest import resolve_image_id
 from gpumigrate.transfer.progress import ProgressCallback
 from gpumigrate.transfer.reader import StoreImageReader
 from gpumigrate.transfer.stores import Store, open_store
-from gpumigrate.transfer.writer import committed_body
+from gpumigrate.transfer.writer import UPLOADS, committed_body
 
 
 def _store(store_url: str | Store, endpoint_url: str | None, parallelism: int = 4) -> Store:
@@ -24,21 +25,26 @@ def open_writer(
     key: bytes | None,
     parent: str | None = None,
     compression: str = "auto",
-    parallelism: int = 4,
+    parallelism: int | None = None,
     chunk_size: int | None = None,
     source: str | None = None,
     delta: bool = False,
     parent_store: str | None = None,
     endpoint_url: str | None = None,
     progress: ProgressCallback | None = None,
+    rate_limit: float | None = None,
+    latency: LatencySignal | None = None,
 ) -> DirectStoreImageWriter:
     """An ImageWriter (a DirectImageWriter: it also takes chunks as tensors) into ``store_url``. With ``parent``, chunks the parent holds cost no bytes.
 
     ``parent`` is read (and verified) from ``parent_store`` or, by default, the same store; a
     ``stream://`` destination needs ``parent_store`` to name a readable copy of the parent.
     ``delta=True`` stores changed chunks as XOR deltas against the parent's chunk at the same index.
+    What the writer may take from its host (gpumigrate/bounds.py): ``parallelism`` threads seal and store (None:
+    one per core; a remote store then gets 4 connections), ``rate_limit`` caps its bytes per second, and with a
+    ``latency`` signal (the source's requests) its pace yields to the source (pacing.py).
     """
-    store = _store(store_url, endpoint_url, parallelism)
+    store = _store(store_url, endpoint_url, parallelism or UPLOADS)
     sealer = Sealer(key)
     parent_body = None
     parent_reader = None
@@ -63,6 +69,8 @@ def open_writer(
         source=source,
         delta=delta,
         progress=progress,
+        rate_limit=rate_limit,
+        latency=latency,
     )
 
 

@@ -8,6 +8,7 @@ are kept (up to ``max_idle_bytes``) and reused by any thread and any writer.
 
 from __future__ import annotations
 
+import mmap
 import queue
 import threading
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 
 # Buffers are rounded up to this granule so chunks of slightly different sizes share buffers.
 GRANULE = 256 << 10
+# Pinned slots start on this boundary (a page, and the block size direct I/O needs on any disk: stores/direct_io.py).
+ALIGN = 4096
 
 
 class BufferPool:
@@ -58,14 +61,33 @@ class PinnedSlots:
     host copy, but locking costs about a tenth of a second per GB, so one set per slot size serves
     every writer and reader of the process (:func:`pinned_slots`). ``take`` blocks while all slots
     are in use: that paces the copies to the threads that seal or decode the slots.
+
+    The memory is an anonymous mapping that the CUDA runtime page-locks (``cudacalls.register_host``), each slot
+    :data:`ALIGN`-aligned: a disk store then writes and reads a slot with direct I/O, no copy through the page
+    cache (stores/direct_io.py); the driver's own page-locked allocations may refuse it. Where the runtime is not
+    at hand, PyTorch's page-locked allocator serves instead.
     """
 
     def __init__(self, slot_bytes: int, count: int) -> None:
         import torch
 
-        self.slot_bytes = slot_bytes
+        from gpumigrate import cudacalls
+
+        self.slot_bytes = -(-slot_bytes // ALIGN) * ALIGN
         self.count = count
-        self._memory = torch.empty(slot_bytes * count, dtype=torch.uint8, pin_memory=True)
+        self._map: mmap.mmap | None = None
+        rt = cudacalls.runtime()
+        memory = None
+        if rt is not None:
+            self._map = mmap.mmap(-1, self.slot_bytes * count)
+            memory = torch.frombuffer(self._map, dtype=torch.uint8)
+            try:
+                cudacalls.register_host(rt, memory.data_ptr(), self.slot_bytes * count)
+            except Exception:
+                memory, self._map = None, None  # PyTorch's allocator below
+        if memory is None:
+            memory = torch.empty(self.slot_bytes * count, dtype=torch.uint8, pin_memory=True)
+        self._memory = memory
         self._array = self._memory.numpy()
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(count):
@@ -94,6 +116,7 @@ class PinnedSlots:
 
 _PINNED: dict[int, PinnedSlots] = {}
 _PINNED_LOCK = threading.Lock()
+_OUTGROWN: list[PinnedSlots] = []  # sets replaced by larger ones, kept for the process's life
 
 
 def pinned_slots(slot_bytes: int, count: int) -> PinnedSlots:
@@ -101,5 +124,7 @@ def pinned_slots(slot_bytes: int, count: int) -> PinnedSlots:
     with _PINNED_LOCK:
         found = _PINNED.get(slot_bytes)
         if found is None or found.count < count:
+            if found is not None:  # a writer may still copy through it; registered memory is never unmapped
+                _OUTGROWN.append(found)
             found = _PINNED[slot_bytes] = PinnedSlots(slot_bytes, count)
         return found

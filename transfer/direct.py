@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from gpumigrate import cudacalls
 from gpumigrate.transfer.buffers import PinnedSlots, pinned_slots
 from gpumigrate.transfer.format import codecs
-from gpumigrate.transfer.format.chunkobj import TAG_SIZE
+from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, TAG_SIZE
 
 if TYPE_CHECKING:
     import torch
@@ -39,8 +39,10 @@ if TYPE_CHECKING:
     # How a copy's completion is marked: a raw CUDA event (cudacalls) where the runtime library is here, else torch's.
     Landed = cudacalls.Event | torch.cuda.Event
 
-# A slot's payload starts on a page boundary (DMA-friendly); the object's header sits just before it.
-PAYLOAD_AT = 4096
+# A slot holds one sealed object from OBJECT_AT, a page boundary, so a disk store writes and reads it there with
+# direct I/O (stores/direct_io.py) and no copy through the page cache; its payload follows the object's header.
+OBJECT_AT = 4096
+PAYLOAD_AT = OBJECT_AT + HEADER_SIZE
 HASH_BATCH = 64  # chunks per device hash launch: few launches, and the hash still trails the copies closely
 # Sealing/opening threads: one per core (GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts).
 WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, os.cpu_count() or 2)
@@ -138,15 +140,18 @@ def wait_for(event: Landed, stream: torch.cuda.Stream) -> None:
         stream.wait_event(event)
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def pool() -> ThreadPoolExecutor:
-    """The process's sealing/opening threads, one per core, shared by every direct writer and reader
-    (an agent opens a new writer or reader every round: a pool each would leave threads behind)."""
-    global _POOL
+def pool(workers: int | None = None) -> ThreadPoolExecutor:
+    """The process's sealing/opening threads: ``workers`` of them (a plan's ``transfer.parallelism`` for a live
+    round), or one per core (:data:`WORKERS`; restores and frozen rounds). Shared by every direct writer and reader
+    that asks for that many (an agent opens a new writer or reader every round: a pool each would leave threads
+    behind), so a process holds one pool per count it was asked for, a migration's one or two."""
+    size = workers or WORKERS
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="gm-direct")
-        return _POOL
+        found = _POOLS.get(size)
+        if found is None:
+            found = _POOLS[size] = ThreadPoolExecutor(max_workers=size, thread_name_prefix=f"gm-direct{size}")
+        return found

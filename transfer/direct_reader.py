@@ -18,9 +18,9 @@ from gpumigrate.interfaces import TensorChunk
 from gpumigrate.stageclock import STAGES, log_stages
 from gpumigrate.transfer.buffers import PinnedSlots
 from gpumigrate.transfer.device import gpupayload
-from gpumigrate.transfer.direct import PAYLOAD_AT, SLOTS, STREAMS, DeviceIds, pool, slots_for, wait_for
+from gpumigrate.transfer.direct import OBJECT_AT, PAYLOAD_AT, SLOTS, STREAMS, DeviceIds, pool, slots_for, wait_for
 from gpumigrate.transfer.format import codecs
-from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, chunk_id_of
+from gpumigrate.transfer.format.chunkobj import chunk_id_of
 from gpumigrate.transfer.reader import StoreImageReader
 
 if TYPE_CHECKING:
@@ -84,11 +84,9 @@ class DirectStoreImageReader(StoreImageReader):
         plain: int | None = None
         try:
             view = slots.view(slot)
-            size = self._fetch_into(chunk_id, view[PAYLOAD_AT - HEADER_SIZE :])
+            size = self._fetch_into(chunk_id, view[OBJECT_AT:])
             t = STAGES.add("restore.worker.read", t)
-            hdr, payload = self.sealer.open_payload(
-                chunk_id, view[PAYLOAD_AT - HEADER_SIZE : PAYLOAD_AT - HEADER_SIZE + size], where
-            )
+            hdr, payload = self.sealer.open_payload(chunk_id, view[OBJECT_AT : OBJECT_AT + size], where)
             t = STAGES.add("restore.worker.open", t)
             if hdr.raw_len != n:
                 raise IntegrityError(f"chunk {chunk_id[:16]}{where} records {hdr.raw_len} bytes, the manifest says {n}")

@@ -20,9 +20,19 @@ from gpumigrate.stageclock import STAGES, log_stages
 from gpumigrate.transfer import confirm
 from gpumigrate.transfer.buffers import PinnedSlots
 from gpumigrate.transfer.device import gpucodec, gpupayload
-from gpumigrate.transfer.direct import PAYLOAD_AT, SLOTS, STREAMS, WORKERS, DeviceIds, pool, slots_for, wait_for
+from gpumigrate.transfer.direct import (
+    OBJECT_AT,
+    PAYLOAD_AT,
+    SLOTS,
+    STREAMS,
+    WORKERS,
+    DeviceIds,
+    pool,
+    slots_for,
+    wait_for,
+)
 from gpumigrate.transfer.format import codecs
-from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, chunk_id_of, sealed_size
+from gpumigrate.transfer.format.chunkobj import chunk_id_of, sealed_size
 from gpumigrate.transfer.writer import BUFFERS, StoreImageWriter
 
 if TYPE_CHECKING:
@@ -54,13 +64,16 @@ class DirectStoreImageWriter(StoreImageWriter):
         self._check_open()
         futures: list[Future[str] | None] = [None] * len(chunks)
         by_device: dict[str, list[int]] = {}
+        workers = pool(self.parallelism)
         for i, chunk in enumerate(chunks):
             self._region(chunk.region)  # unknown regions fail here, not in a worker
             if chunk.data.is_cuda:
                 by_device.setdefault(str(chunk.data.device), []).append(i)
             else:
-                futures[i] = pool().submit(self._put_host, chunk)
+                futures[i] = workers.submit(self._put_host, chunk)  # put_chunk passes the limiter
         for members in by_device.values():
+            # the round's pace (rate_limit, pacing): before any device work of these chunks is queued
+            self._limiter.take(sum(chunks[i].data.numel() for i in members))
             self._put_device([chunks[i] for i in members], futures, members)
         queued = [f for f in futures if f is not None]
         assert len(queued) == len(chunks)  # every chunk was queued, on the host or on its device
@@ -81,7 +94,7 @@ class DirectStoreImageWriter(StoreImageWriter):
 
     def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
         """Device chunks by the BLAKE3 kernels from byte offsets, on one of this writer's threads (``confirm.py``)."""
-        return confirm.start(runs, self.chunk_size, pool())
+        return confirm.start(runs, self.chunk_size, pool(self.parallelism))
 
     def _put_host(self, chunk: TensorChunk) -> str:
         return self.put_chunk(chunk.region, chunk.index, memoryview(chunk.data.numpy()))
@@ -173,7 +186,7 @@ class DirectStoreImageWriter(StoreImageWriter):
 
         t = time.perf_counter()
         if coded is not None:
-            futures[members[k]] = pool().submit(self._finish_coded, chunk, slots, ids, k, coded)
+            futures[members[k]] = pool(self.parallelism).submit(self._finish_coded, chunk, slots, ids, k, coded)
             STAGES.add("capture.main.queue", t)
             return
         n = chunk.data.numel()
@@ -189,7 +202,9 @@ class DirectStoreImageWriter(StoreImageWriter):
                 slots.tensor(slot, PAYLOAD_AT, PAYLOAD_AT + n).copy_(chunk.data, non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(current)
-        futures[members[k]] = pool().submit(self._finish_device, chunk, slots, slot, landed, ids, k, n, None)
+        futures[members[k]] = pool(self.parallelism).submit(
+            self._finish_device, chunk, slots, slot, landed, ids, k, n, None
+        )
         STAGES.add("capture.main.queue", t)
 
     def _finish_coded(self, chunk: TensorChunk, slots: PinnedSlots, ids: DeviceIds, k: int, coded: Coded) -> str:
@@ -255,7 +270,7 @@ class DirectStoreImageWriter(StoreImageWriter):
                 if coded is not None:
                     with self._lock:
                         self.decoders.add(gpucodec.DECODER)
-                    self._store_sealed(chunk_id, codecs.BYTEPLANE, n, view[PAYLOAD_AT - HEADER_SIZE :], length)
+                    self._store_sealed(chunk_id, codecs.BYTEPLANE, n, view[OBJECT_AT:], length)
                     STAGES.add("capture.worker.seal_store", t)
                 else:  # raw bytes in pinned memory: the CPU codec reads them there
                     self._send(reg, chunk.index, chunk_id, view[PAYLOAD_AT : PAYLOAD_AT + n])

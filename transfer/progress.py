@@ -70,20 +70,43 @@ class TransferStats:
 
 
 class RateLimiter:
-    """Token bucket shared by threads: caps bytes/s on a shared link (``--rate-limit``)."""
+    """Bytes per second through a point that several threads pass (push's ``--rate-limit``, a capture round's
+    ``transfer.rate_limit`` and its pacing, ``pacing.py``).
+
+    A bucket that may go into debt: a ``take`` passes at once while the bucket holds no debt, and its bytes are
+    then repaid at the rate before the next one passes. So a whole chunk moves in one piece, the average holds,
+    and a rate raised meanwhile (:meth:`set_rate`) frees the waiting threads at once rather than after the wait
+    the old rate set. ``admitted`` counts every byte passed, capped or not (what the pacing measures)."""
 
     def __init__(self, bytes_per_s: float | None) -> None:
-        self.rate = bytes_per_s
-        self._lock = threading.Lock()
-        self._next = time.monotonic()
+        self.rate = bytes_per_s or None
+        self.admitted = 0
+        self._cond = threading.Condition()
+        self._balance = 0.0  # bytes: negative while a passed take is still being repaid
+        self._at = time.monotonic()
+
+    def _refill(self, now: float) -> None:
+        if self.rate is not None:
+            self._balance = min(0.0, self._balance + (now - self._at) * self.rate)
+        self._at = now
 
     def take(self, nbytes: int) -> None:
-        if not self.rate:
-            return
-        with self._lock:
-            now = time.monotonic()
-            start = max(now, self._next)
-            self._next = start + nbytes / self.rate
-            wait = start - now
-        if wait > 0:
-            time.sleep(wait)
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                self._refill(now)
+                if self.rate is None or self._balance >= 0:
+                    break
+                self._cond.wait(-self._balance / self.rate)
+            if self.rate is not None:
+                self._balance -= nbytes
+            self.admitted += nbytes
+
+    def set_rate(self, bytes_per_s: float | None) -> None:
+        """A new rate from now on (None: no cap); waiting threads re-check at once."""
+        with self._cond:
+            self._refill(time.monotonic())
+            self.rate = bytes_per_s or None
+            if self.rate is None:
+                self._balance = 0.0
+            self._cond.notify_all()

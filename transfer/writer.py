@@ -20,18 +20,20 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from gpumigrate.errors import InvalidInputError, TransferError
-from gpumigrate.interfaces import ImageRef, RegionInfo
+from gpumigrate.interfaces import ImageRef, LatencySignal, RegionInfo
 from gpumigrate.transfer.buffers import POOL
 from gpumigrate.transfer.format import codecs
 from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
 from gpumigrate.transfer.format.manifest import region_entry, seal_manifest
-from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter
+from gpumigrate.transfer.pacing import PacingController, fixed_rate_report
+from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter
 from gpumigrate.transfer.stores import Store
 
 if TYPE_CHECKING:
     from gpumigrate.transfer.reader import StoreImageReader
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+UPLOADS = 4  # upload threads (connections, requests in flight) to a remote store when no parallelism is given
 # Encoding scratch and sealed objects live in recycled buffers (buffers.py says why).
 BUFFERS = POOL
 # Manifests this process committed, by (store URL, image id, key id): the next round's writer takes its
@@ -89,11 +91,13 @@ class StoreImageWriter:
         parent_id: str | None = None,
         parent_reader: StoreImageReader | None = None,
         compression: str = "auto",
-        parallelism: int = 4,
+        parallelism: int | None = None,
         chunk_size: int | None = None,
         source: str | None = None,
         delta: bool = False,
         progress: ProgressCallback | None = None,
+        rate_limit: float | None = None,
+        latency: LatencySignal | None = None,
     ) -> None:
         self.store = store
         self.sealer = sealer
@@ -118,8 +122,17 @@ class StoreImageWriter:
         self._objects: dict[str, list[Any]] = {}
         self._metadata: dict[str, Any] = {}
         self._lock = threading.RLock()  # re-entered when an object's delta base is looked up
-        self._slots = threading.BoundedSemaphore(max(2, parallelism * 2))
-        self._pool = ThreadPoolExecutor(max_workers=max(1, parallelism), thread_name_prefix="gm-upload")
+        # parallelism: the threads this writer seals and stores with (None: a direct writer's one per core; uploads
+        # to a remote store then use UPLOADS connections)
+        self.parallelism = parallelism
+        uploads = parallelism or UPLOADS
+        self._slots = threading.BoundedSemaphore(max(2, uploads * 2))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, uploads), thread_name_prefix="gm-upload")
+        # Every chunk passes the limiter before its bytes move: a fixed rate_limit, or one the pacing steers from the
+        # source's request latency (pacing.py). Uncapped, it only counts.
+        self._limiter = RateLimiter(rate_limit)
+        self._pacer = PacingController(latency, self._limiter, ceiling=rate_limit) if latency is not None else None
+        self._pacing: dict[str, Any] = {}
         self._futures: list[Future[None]] = []
         self._errors: list[BaseException] = []
         self._committed = False
@@ -131,6 +144,8 @@ class StoreImageWriter:
         self._progress = ProgressCounter(progress, 0)
         self.decoders: set[str] = set()  # optional decoders a reader needs (FORMAT.md, "decoders")
         self._opened()
+        if self._pacer is not None:
+            self._pacer.start()  # the base latency: the source's requests before this round moved a byte
 
     def _opened(self) -> None:
         """A subclass's own set-up, once the writer is ready (the direct writer's slots and queue)."""
@@ -209,6 +224,7 @@ class StoreImageWriter:
             raise InvalidInputError(
                 f"put_chunk({region!r}, {index}): {len(view)} bytes is more than a chunk may hold ({MAX_RAW_LEN})"
             )
+        self._limiter.take(len(view))
         chunk_id = chunk_id_of(view)
         if self._claim(reg, index, chunk_id, len(view)):
             self._send(reg, index, chunk_id, view)
@@ -400,6 +416,7 @@ class StoreImageWriter:
             self._wait_uploads()
         finally:
             self._pool.shutdown(wait=True)
+            self._end_pacing()
         self._committed = True
         regions = [region_entry(r.info, r.chunks, r.lengths, self.chunk_size) for r in self._regions.values()]
         self.store.flush()
@@ -435,6 +452,17 @@ class StoreImageWriter:
         """Stop without writing a manifest (chunks already stored stay, harmless and reusable)."""
         self._committed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._end_pacing()
+
+    def _end_pacing(self) -> None:
+        if self._pacer is not None:
+            self._pacing, self._pacer = self._pacer.stop(), None
+        elif self._limiter.rate is not None:
+            self._pacing = fixed_rate_report(self._limiter)
+
+    def pacing(self) -> dict[str, Any]:
+        """What this round's pacing did (``pacing.py``), once committed; empty for a round that was not bounded."""
+        return self._pacing
 
     @property
     def seconds(self) -> float:

@@ -186,8 +186,8 @@ def build_model(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("device cuda requested but CUDA is not available; allowed here: cpu")
     with torch.device("meta"):
-        model = TinyLM(cfg)
-    model = model.to_empty(device=dev).to(dtype_of(dtype))
+        model = TinyLM(cfg).to(dtype_of(dtype))  # the dtype on the meta device: memory is taken once, in it
+    model = model.to_empty(device=dev)
     if load_weights:
         _init_parameters(model, seed, dev)
     else:

@@ -22,7 +22,7 @@ import torch
 
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import ChunkRun, DirectImageWriter, ImageRef, ImageWriter, RegionInfo, RoundStats
-from gpumigrate.snapshot.chunks import byte_view, chunk_count
+from gpumigrate.snapshot.chunks import chunk_count
 from gpumigrate.snapshot.engine.clock import Phases
 from gpumigrate.snapshot.engine.fingerprinting import (
     chunk_fingerprints,
@@ -87,9 +87,7 @@ class CaptureRounds:
         cs = int(writer.chunk_size)
         if cs <= 0 or cs % 8:
             raise SnapshotError(f"writer chunk size {cs} is not a positive multiple of 8 bytes")
-        live = self.tracker.live()
-        views = {n: byte_view(t) for n, (_, t) in live.items()}
-        infos = {n: self.tracker.region_info(n, it, t) for n, (it, t) in live.items()}
+        _, views, infos = self.tracker.regions()
         for info in infos.values():
             writer.add_region(info)
         clock.mark("regions")
@@ -282,11 +280,12 @@ class CaptureRounds:
         clock.mark("metadata")
         ref = writer.commit()
         clock.mark("commit")
+        pacing = writer.pacing() if isinstance(writer, DirectImageWriter) else {}
         self.shipped = plan.new
         self.state.last_image = ref
         self.state.rounds += 1
         stats = RoundStats(
-            self.state.rounds, plan.total, plan.dirty_chunks, plan.dirty_bytes, clock.seconds(), clock.phases()
+            self.state.rounds, plan.total, plan.dirty_chunks, plan.dirty_bytes, clock.seconds(), clock.phases(), pacing
         )
         return stats, ref
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from gpumigrate.bounds import OPTION_KEYS
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, Round
 from gpumigrate.snapshot import tracked as tr
@@ -47,7 +48,7 @@ from gpumigrate.snapshot.lease import Lease
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.stepgate import SafePointGate
 
-# (store, key reference, parent image) -> a writer; options (compression, parallelism) as keywords when given
+# (store, key reference, parent image) -> a writer; options (compression, a live round's bounds) as keywords when given
 WriterFactory = Callable[..., ImageWriter]
 ReaderFactory = Callable[[str, str, Mapping[str, str]], ImageReader]  # (store, image id, key reference) -> a reader
 
@@ -67,11 +68,13 @@ class SnapshotEngine:
         group: RankGroup | None = None,
         filler: Filler | None = None,
         warming: Callable[[], bool] | None = None,
+        timeline: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.writer_factory = writer_factory  # how images are opened for a store URL and a key reference
         self.reader_factory = reader_factory
         self.filler = filler  # a restore filled straight from the source's memory (fill.py), and its lending
         self.warming = warming  # whether the SDK still compiles the device kernels in the background
+        self.timeline = timeline  # when the process reached each point of its start (the SDK's, for ``info``)
         self.freezer = freezer  # the workload's safe point: park waits for it, unpark reopens it
         self.set_ready = set_ready
         self.lock = threading.RLock()
@@ -173,6 +176,7 @@ class SnapshotEngine:
             "fingerprint_collisions": self.state.fingerprint_collisions,
             "steps": self.freezer.steps if self.freezer is not None else 0,
             "warming": bool(self.warming()) if self.warming is not None else False,
+            "timeline": dict(self.timeline()) if self.timeline is not None else {},
         }
 
     # ------------------------------------------------------------------ capture (capture.py)
@@ -188,7 +192,11 @@ class SnapshotEngine:
             parent = last.id
         if parent is None or last is None or parent != last.id:
             self.capture.forget()
-        # Options (compression, parallelism from the plan) only when given: factories may take just three.
+        if options and self.state.frozen:
+            # The plan's bounds (threads, bytes/s, pacing: gpumigrate/bounds.py) are for rounds of a serving source;
+            # a frozen one serves nobody, and every core it takes shortens the downtime.
+            options = {k: v for k, v in options.items() if k not in OPTION_KEYS}
+        # Options (compression, the bounds from the plan) only when given: factories may take just three.
         return (
             self.writer_factory(store, key_ref, parent, **dict(options))
             if options

@@ -16,6 +16,7 @@ import torch
 from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import RegionInfo
 from gpumigrate.snapshot import tracked as tr
+from gpumigrate.snapshot.chunks import byte_view
 
 _V = TypeVar("_V")
 Live = dict[str, tuple[tr.Item, torch.Tensor]]
@@ -27,6 +28,9 @@ class Tracker:
     def __init__(self) -> None:
         self.items: list[tr.Item] = []
         self._infos: dict[str, RegionInfo] = {}  # the last round's region infos (reused where unchanged)
+        # the last round's regions: name -> (tensor, its address, its byte view, its info), reused for the very same
+        # tensor at the same address (a frozen round's, and a frozen source's next, find them all so)
+        self._last: dict[str, tuple[torch.Tensor, int, torch.dtype, torch.Size, torch.Tensor, RegionInfo]] = {}
 
     # ------------------------------------------------------------------ what to track
     def track(self, item: tr.Item) -> None:
@@ -72,6 +76,27 @@ class Tracker:
             for name, tensor in item.tensors().items():
                 out[name] = (item, tensor)
         return out
+
+    def regions(self) -> tuple[Live, dict[str, torch.Tensor], dict[str, RegionInfo]]:
+        """Every region as a round captures it: its tensor and item (:meth:`live`), its bytes (a flat uint8 view)
+        and its :class:`RegionInfo`. The view and info of the very tensor object the last round had, at the same
+        address, are that round's: between two rounds of a model nearly every tensor is, and a view and an info per
+        tensor were most of a frozen round's bookkeeping (downtime)."""
+        live = self.live()
+        views: dict[str, torch.Tensor] = {}
+        infos: dict[str, RegionInfo] = {}
+        last, kept = self._last, {}
+        for name, (item, t) in live.items():
+            hit = last.get(name)
+            address, dtype, shape = t.data_ptr(), t.dtype, t.shape
+            if hit is not None and hit[0] is t and hit[1] == address and hit[2] is dtype and hit[3] == shape:
+                view, info = hit[4], hit[5]
+            else:
+                view, info = byte_view(t), self.region_info(name, item, t)
+            views[name], infos[name] = view, info
+            kept[name] = (t, address, dtype, shape, view, info)
+        self._last = kept
+        return live, views, infos
 
     @staticmethod
     def describe(name: str, item: tr.Item, t: torch.Tensor) -> RegionInfo:

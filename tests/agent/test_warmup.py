@@ -52,3 +52,29 @@ def test_the_chunk_size_follows_where_the_state_lives_unless_the_environment_say
     assert warmup.chunk_size() == warmup.GPU_CHUNK_SIZE == 32 << 20
     monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "8")
     assert warmup.chunk_size() == 8 << 20
+
+
+def test_the_timeline_says_when_this_process_started_and_attached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``info``'s ``timeline``: the process's start as the kernel recorded it (it began before this test did and
+    not long before the interpreter's own clock started), and the attach's moment once the SDK warmed up."""
+    import os
+    import subprocess
+    import sys
+
+    from gpumigrate.agent import warmup
+
+    monkeypatch.setattr(warmup, "_marks", {})
+    monkeypatch.setattr(warmup, "_steps", {})
+    before = time.time()
+    assert "attach" not in warmup.timeline()
+    warmup.warm_device_kernels([])  # host memory: nothing to compile, but the attach is marked
+    line = warmup.timeline()
+    started = line["process_start"]
+    assert isinstance(started, float) and started <= before
+    assert isinstance(line["attach"], float) and before - 1 <= line["attach"] <= time.time() + 1
+    assert line["warm_steps"] == {}
+    # a fresh process's own record of its start lies within a few seconds of when it was launched
+    launched = time.time()
+    code = "from gpumigrate.agent.warmup import process_started; print(process_started())"
+    child = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=os.environ)
+    assert launched - 2 <= float(child.stdout.strip()) <= time.time() + 1

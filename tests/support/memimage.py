@@ -142,6 +142,9 @@ class MemoryWriter:
 
         return _POOL.submit(confirm).result
 
+    def pacing(self) -> dict[str, Any]:
+        return {}  # an in-memory sink moves nothing a source's requests could feel: it is never paced
+
     def put_tensors(self, chunks: Sequence[TensorChunk]) -> list[Future[str]]:
         """Each chunk copied once into an arena slice (device chunks on the current stream), then hashed
         and recorded on the pool's threads; without room in the arena, the plain way."""

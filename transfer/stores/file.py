@@ -39,6 +39,7 @@ from gpumigrate.transfer.stores.base import (
     query_param,
     split_url,
 )
+from gpumigrate.transfer.stores.direct_io import DirectIO
 from gpumigrate.transfer.stores.nofollow import (
     CREATE_FLAGS,
     READ_FLAGS,
@@ -101,6 +102,7 @@ class FileStore(Store):
         # large share of a GPU capture's sealing threads' time (bench/README.md). Only real disks get it.
         self._in_memory = filesystem_of(root) in MEMORY_FILESYSTEMS
         self._preallocate = not self._in_memory
+        self.io = DirectIO(enabled=not self._in_memory)  # objects' bytes to and from the disk (direct_io.py)
 
     @classmethod
     def from_url(cls, url: str, options: StoreOptions) -> Self:
@@ -138,8 +140,7 @@ class FileStore(Store):
             view = memoryview(data)
             if len(view) >= PREALLOCATE_BYTES and self._preallocate:
                 self._reserve(fd, len(view))
-            while view:
-                view = view[os.write(fd, view) :]
+            self.io.write(fd, view)
             if durable:
                 os.fdatasync(fd)
         except BaseException:
@@ -257,13 +258,8 @@ class FileStore(Store):
     def get_chunk_into(self, chunk_id: str, out: memoryview) -> int:
         """Straight into ``out``: no intermediate bytes object (a fresh multi-MiB one faults its pages in)."""
         with open(self._open_chunk(chunk_id), "rb", buffering=0, closefd=True) as fh:
-            got = 0
-            while got < len(out):
-                n = fh.readinto(out[got:])
-                if not n:
-                    return got
-                got += n
-            if fh.read(1):
+            got, more = self.io.read_into(fh.fileno(), out)
+            if more:
                 raise TransferError(f"chunk {chunk_id[:16]} is more than the {len(out)} bytes expected")
             return got
 

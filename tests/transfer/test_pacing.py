@@ -1,0 +1,166 @@
+"""A capture round's pace: the rate limiter every chunk passes, and the controller that steers it from the source's
+request latency (transfer/pacing.py). The controller is the real one; its latency signal here is a fake, whose
+latency the test raises and lowers (the one place a fake signal is used: the SDK's real one is tested below and in
+tests/agent/test_bounds.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from gpumigrate.snapshot.stepgate import SafePointGate
+from gpumigrate.transfer.pacing import PacingController, PacingRules
+from gpumigrate.transfer.progress import RateLimiter
+
+MiB = 1 << 20
+
+
+def wait_until(what: str, ok: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:g}s for {what}")
+        time.sleep(0.005)
+
+
+class FakeLatency:
+    """A source whose requests take ``latency`` seconds: one ends every ``every_s`` while ``serving``."""
+
+    def __init__(self, latency: float, every_s: float = 0.004) -> None:
+        self.latency = latency
+        self.serving = True
+        self._ended: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        now = time.monotonic()
+        self._ended = [(now - 1.0 + i * 0.05, latency) for i in range(20)]  # the requests before the round
+        self._thread = threading.Thread(target=self._serve, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _serve(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            if self.serving:
+                with self._lock:
+                    self._ended.append((time.monotonic(), self.latency))
+
+    def latencies(self, since: float) -> list[float]:
+        with self._lock:
+            return [d for end, d in self._ended if end > since]
+
+    @property
+    def in_flight(self) -> int:
+        return 1 if self.serving else 0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class Mover:
+    """A capture's chunks passing the limiter: 256 KiB at a time, about 100 MB/s at most."""
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        self.limiter = limiter
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._move, daemon=True)
+        self._thread.start()
+
+    def _move(self) -> None:
+        while not self._stop.is_set():
+            self.limiter.take(256 << 10)
+            time.sleep(0.0025)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.limiter.set_rate(None)  # a take waiting on a low rate passes at once
+        self._thread.join(timeout=30)
+
+
+def test_the_controller_backs_off_when_the_sources_latency_rises_and_speeds_up_when_it_is_idle() -> None:
+    source = FakeLatency(0.010)
+    limiter = RateLimiter(None)
+    rules = PacingRules(interval_s=0.02, settle_s=0.05, idle_s=0.1, min_samples=3)
+    pacer = PacingController(source, limiter, rules=rules)
+    mover = Mover(limiter)
+    try:
+        pacer.start()
+        assert pacer.report.base_latency_ms == 10.0  # the median of the requests before the round
+        wait_until("verdicts at the base latency", lambda: pacer.report.verdicts >= 5)
+        assert limiter.rate is None and pacer.report.cuts == 0  # within tolerance: the round runs uncapped
+
+        source.latency = 0.030  # the round is felt: requests take three times as long
+        wait_until("a cut", lambda: pacer.report.cuts >= 1)
+        first = limiter.rate
+        assert first is not None
+        wait_until("more cuts while it stays slow", lambda: pacer.report.cuts >= 3)
+        assert limiter.rate is not None and limiter.rate < first  # cut again and again, multiplicatively
+        assert limiter.rate >= max(float(MiB), rules.floor_fraction * first)  # never below the floor
+
+        source.serving = False  # the source goes idle: no request ends, none under way
+        wait_until("the cap lifted", lambda: limiter.rate is None)
+        assert pacer.report.idle_raises >= 1
+    finally:
+        report = pacer.stop()
+        mover.close()
+        source.close()
+    assert report["cuts"] >= 3 and report["lowest_rate"] > 0 and report["capped_s"] > 0
+    assert "base 10.0 ms" in report["changes"][0][2]  # each change says why
+
+
+def test_a_capped_controller_never_goes_above_the_rate_limit() -> None:
+    source = FakeLatency(0.010)
+    limiter = RateLimiter(64 * MiB)
+    pacer = PacingController(source, limiter, ceiling=64 * MiB, rules=PacingRules(interval_s=0.02, min_samples=3))
+    mover = Mover(limiter)
+    try:
+        pacer.start()
+        source.latency = 0.050
+        wait_until("a cut below the cap", lambda: pacer.report.cuts >= 1)
+        assert limiter.rate is not None and limiter.rate <= 32 * MiB
+        source.latency = 0.010
+        wait_until("back at the cap", lambda: limiter.rate == 64 * MiB)
+        pacer.stop()
+        assert limiter.rate == 64 * MiB  # the round ends where the plan put it
+    finally:
+        pacer.stop()
+        mover.close()
+        source.close()
+
+
+def test_the_limiter_holds_the_rate_across_threads() -> None:
+    limiter = RateLimiter(8 * MiB)
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=lambda: [limiter.take(MiB) for _ in range(3)]) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    # 6 MiB at 8 MiB/s: the first MiB passes at once, the other 5 wait their turn (a loaded machine only adds)
+    assert time.monotonic() - t0 >= 5 / 8
+    assert limiter.admitted == 6 * MiB
+
+
+def test_a_raised_rate_frees_a_waiting_take_at_once() -> None:
+    limiter = RateLimiter(MiB)
+    limiter.take(64 * MiB)  # passes, leaving 64 s of debt
+    waiting = threading.Thread(target=limiter.take, args=(MiB,))
+    waiting.start()
+    wait_until("the take to wait", lambda: waiting.is_alive(), timeout_s=5)
+    limiter.set_rate(None)
+    waiting.join(timeout=30)  # far less than the 64 s the old rate would make it wait
+    assert not waiting.is_alive()
+
+
+def test_the_safe_point_times_the_requests_it_admits() -> None:
+    gate = SafePointGate()
+    t0 = time.monotonic()
+    with gate.safe_point():
+        time.sleep(0.02)
+    with pytest.raises(RuntimeError), gate.safe_point():
+        raise RuntimeError("a failed request is not a served one")
+    got = gate.latencies(t0)
+    assert len(got) == 1 and got[0] >= 0.02
+    assert gate.latencies(time.monotonic()) == [] and gate.in_flight == 0

@@ -1,0 +1,220 @@
+"""Pacing: a live capture round yields to the source's own requests (``transfer.pacing: adaptive``).
+
+The controller is delay-based, in the manner of LEDBAT (RFC 6817, the "less than best effort" transport that
+yields to other traffic by watching the delay it adds). Its signal is the source's request latency as the
+workload's SDK times it (:class:`~gpumigrate.interfaces.LatencySignal`: the safe point around each request), so a
+service needs no setup beyond the SDK. Its lever is the round's :class:`~.progress.RateLimiter`, which every chunk
+passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
+
+* Before the round moves a byte, the requests of the last ``baseline_s`` set the base latency (their median).
+  With none (an idle source), the first verdict's requests set it; a lower median seen later lowers it.
+* Every ``interval_s`` the controller reads the requests that ended since its last verdict. With ``min_samples``
+  of them it compares their median with the base:
+  above ``base × (1 + tolerance)`` the round is felt: its rate is cut by ``backoff`` (from the rate it moves at,
+  measured, when it is uncapped), never below the floor, and the next verdict waits ``settle_s`` for the cut to
+  show; at or below it, the rate grows by ``growth``.
+* No request ended for ``idle_s`` and none under way: an idle source, the rate grows too.
+* Grown past the highest rate the round moved at uncapped (or to the plan's ``rate_limit``), the cap is lifted
+  (back to ``rate_limit``).
+
+Token buckets exist as libraries; a controller that steers one from a latency signal does not (asyncio-only
+limiters aside), hence this module, with its rules as data (:class:`PacingRules`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpumigrate.bounds import MIN_RATE
+from gpumigrate.interfaces import LatencySignal
+from gpumigrate.transfer.progress import RateLimiter
+
+LOG_KEPT = 64  # rate changes a round's report keeps (the first ones, then a count)
+
+
+@dataclass(frozen=True)
+class PacingRules:
+    """How the controller decides (see the module docstring)."""
+
+    interval_s: float = 0.05
+    tolerance: float = 0.10
+    backoff: float = 0.5
+    growth: float = 1.25
+    min_samples: int = 4
+    idle_s: float = 0.5
+    settle_s: float = 0.2
+    floor_fraction: float = 0.02  # of the highest rate: the round always moves (a freeze waits for it)
+    baseline_s: float = 30.0
+
+
+@dataclass
+class PacingReport:
+    """What the controller did in one round (a round's stats carry it: ``RoundStats.pacing``)."""
+
+    base_latency_ms: float | None = None
+    verdicts: int = 0
+    cuts: int = 0
+    raises: int = 0
+    idle_raises: int = 0
+    lowest_rate: float | None = None
+    capped_s: float = 0.0  # seconds the round spent under a cap below its top
+    changes: list[tuple[float, float | None, str]] = field(default_factory=list)  # (s since start, rate, why)
+
+    def as_dict(self, top: float | None) -> dict[str, Any]:
+        return {
+            "mode": "adaptive",
+            "base_latency_ms": self.base_latency_ms,
+            "verdicts": self.verdicts,
+            "cuts": self.cuts,
+            "raises": self.raises,
+            "idle_raises": self.idle_raises,
+            "lowest_rate": None if self.lowest_rate is None else round(self.lowest_rate),
+            "top_rate": None if top is None else round(top),
+            "capped_s": round(self.capped_s, 3),
+            "changes": [[round(t, 3), None if r is None else round(r), why] for t, r, why in self.changes],
+        }
+
+
+class PacingController:
+    """Steers ``limiter`` from ``signal`` on a thread of its own between :meth:`start` and :meth:`stop`."""
+
+    def __init__(
+        self,
+        signal: LatencySignal,
+        limiter: RateLimiter,
+        *,
+        ceiling: float | None = None,
+        rules: PacingRules | None = None,
+    ) -> None:
+        self.signal = signal
+        self.limiter = limiter
+        self.ceiling = ceiling  # the plan's rate_limit: never above it
+        self.rules = rules or PacingRules()
+        self.report = PacingReport()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._base: float | None = None
+        self._peak = 0.0  # the highest rate measured while uncapped (bytes/s)
+        now = time.monotonic()
+        self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
+        self._tick_bytes = self._verdict_bytes = limiter.admitted
+        self._window: list[float] = []  # latencies since the last verdict
+        self._capped_from: float | None = None
+
+    # ------------------------------------------------------------------ life
+    def start(self) -> None:
+        now = time.monotonic()
+        before = self.signal.latencies(now - self.rules.baseline_s)
+        if before:
+            self._base = statistics.median(before)
+            self.report.base_latency_ms = round(self._base * 1000, 3)
+        self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
+        self._tick_bytes = self._verdict_bytes = self.limiter.admitted
+        self._thread = threading.Thread(target=self._run, name="gm-pacing", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> dict[str, Any]:
+        """Stop steering; the limiter goes back to the ceiling. Returns the round's report."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._set(self.ceiling, "round over", time.monotonic())
+        return self.report.as_dict(self._top())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rules.interval_s):
+            self.step(time.monotonic())
+
+    # ------------------------------------------------------------------ one look
+    def step(self, now: float) -> None:
+        """Read what ended since the last look and decide (the thread calls it every ``interval_s``)."""
+        rules = self.rules
+        moved = self.limiter.admitted
+        if self.limiter.rate is None and now > self._tick_at:  # the round's own speed, uncapped
+            self._peak = max(self._peak, (moved - self._tick_bytes) / (now - self._tick_at))
+        self._tick_at, self._tick_bytes = now, moved
+        ended = self.signal.latencies(self._seen)
+        self._seen = now
+        if ended:
+            self._window.extend(ended)
+            self._quiet_since = now
+        if now < self._settled:  # a cut has yet to show: what ended meanwhile started before it
+            self._window.clear()
+            return
+        if len(self._window) >= rules.min_samples:
+            self._verdict(statistics.median(self._window), now)
+            self._window.clear()
+        elif now - self._quiet_since >= rules.idle_s and self.signal.in_flight == 0:
+            self._window.clear()
+            self._quiet_since = now
+            self.report.idle_raises += 1
+            self._raise(now, "source idle")
+
+    def _verdict(self, latency: float, now: float) -> None:
+        self.report.verdicts += 1
+        if self._base is None or latency < self._base:
+            self._base = latency
+            self.report.base_latency_ms = round(latency * 1000, 3)
+        if latency > self._base * (1 + self.rules.tolerance):
+            self._cut(now, f"latency {latency * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
+        else:
+            self._raise(now, f"latency {latency * 1000:.1f} ms within the base's tolerance")
+        self._verdict_at, self._verdict_bytes = now, self.limiter.admitted
+
+    def _cut(self, now: float, why: str) -> None:
+        current = self.limiter.rate if self.limiter.rate is not None else self._moving(now)
+        if current <= 0:
+            return  # nothing moves: nothing to slow
+        self.report.cuts += 1
+        self._set(max(self._floor(), current * self.rules.backoff), why, now)
+        self._settled = now + self.rules.settle_s
+
+    def _raise(self, now: float, why: str) -> None:
+        current = self.limiter.rate
+        if current is None or current == self.ceiling:
+            return  # already as fast as allowed
+        grown = current * self.rules.growth
+        top = self._top()
+        self.report.raises += 1
+        self._set(self.ceiling if top is None or grown >= top else grown, why, now)
+
+    # ------------------------------------------------------------------ helpers
+    def _moving(self, now: float) -> float:
+        """The rate the round moved at since the last verdict (uncapped), else the highest one measured."""
+        span = now - self._verdict_at
+        moved = (self.limiter.admitted - self._verdict_bytes) / span if span > 0 else 0.0
+        return moved if moved > 0 else self._peak
+
+    def _top(self) -> float | None:
+        """The fastest the round may go: the ceiling, else the highest rate it moved at uncapped (None: unknown)."""
+        return self.ceiling if self.ceiling is not None else (self._peak or None)
+
+    def _floor(self) -> float:
+        return max(float(MIN_RATE), self.rules.floor_fraction * (self._top() or 0.0))
+
+    def _set(self, rate: float | None, why: str, now: float) -> None:
+        if rate == self.limiter.rate:
+            return
+        self.limiter.set_rate(rate)
+        top = self._top()
+        if self._capped_from is not None:
+            self.report.capped_s += now - self._capped_from
+        below = rate is not None and (top is None or rate < top)
+        self._capped_from = now if below else None
+        if rate is not None:
+            self.report.lowest_rate = rate if self.report.lowest_rate is None else min(self.report.lowest_rate, rate)
+        if len(self.report.changes) < LOG_KEPT:
+            self.report.changes.append((now - self._t0, rate, why))
+
+
+def fixed_rate_report(limiter: RateLimiter) -> dict[str, Any]:
+    """A round under a fixed ``rate_limit`` and no pacing: what it was capped at."""
+    return {"mode": "off", "rate_limit": None if limiter.rate is None else round(limiter.rate)}
+
+
+__all__ = ["PacingController", "PacingReport", "PacingRules", "fixed_rate_report"]
