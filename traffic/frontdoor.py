@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,10 +89,38 @@ def _same_hostport(a: object, b: object) -> bool:
     return _hostport(a) is not None and _hostport(a) == _hostport(b)
 
 
-def up_command(source_url: str, workload: str, health_path: str = DEFAULT_HEALTH_PATH) -> str:
-    """The command that starts the front door a migration of ``workload`` needs (preflight says it)."""
+def up_command(source_url: str, health_path: str = DEFAULT_HEALTH_PATH) -> str:
+    """The command that starts the front door a migration needs, or sets a running one's health path (preflight
+    says it). Without ``--workload``: any plan whose endpoint the door fronts finds it (:func:`find_dir`)."""
     extra = f" --health-path {health_path}" if health_path != DEFAULT_HEALTH_PATH else ""
-    return f"gpumigrate frontdoor up --source {source_url} --workload {workload}{extra}"
+    return f"gpumigrate frontdoor up --source {source_url}{extra}"
+
+
+def health_path(state_dir: Path) -> str | None:
+    """The path Envoy health-checks the source on (the control plane's desired state), or None without one."""
+    store = StateStore(state_dir)
+    if not store.exists():
+        return None
+    source = store.read().upstreams.get(SOURCE)
+    return source.health_path if source is not None else None
+
+
+def set_health_path(state_dir: Path, path: str, *, timeout_s: float = 30.0) -> str | None:
+    """Envoy health-checks the source on ``path`` from now on: a cluster update over xDS (connections and weights
+    stay), waited for until every Envoy runs it. Returns the path checked before, or None if it already was ``path``."""
+    store = StateStore(state_dir)
+    before = health_path(state_dir)
+    if before is None or before == path:
+        return None
+
+    def change(s: DesiredState) -> None:
+        s.upstreams[SOURCE] = replace(s.upstreams[SOURCE], health_path=path)
+
+    state = store.update(change)
+    nodes = read(state_dir).nodes
+    if nodes:
+        store.wait_applied(state.version, nodes, timeout_s=timeout_s)
+    return before
 
 
 @dataclass(frozen=True)
@@ -117,7 +145,7 @@ def read(state_dir: Path) -> DoorInfo:
     admin = [u.strip() for u in admin_env.split(",") if u.strip()] if admin_env else info.get("admin_urls")
     if not isinstance(admin, list) or not admin:
         raise TrafficError(
-            f"no front door in {state_dir}: start one with `gpumigrate frontdoor up --source URL --workload NAME` "
+            f"no front door in {state_dir}: start one with `gpumigrate frontdoor up --source URL` "
             f"(or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR to an Envoy of your own)"
         )
     nodes, procs = info.get("nodes"), info.get("processes")
@@ -428,6 +456,7 @@ def door_status(state_dir: Path) -> dict[str, Any]:
         "admin_urls": door.admin_urls,
         "processes": {name: {"pid": pid, "running": _ours(pid, state_dir)} for name, pid in door.processes.items()},
         "weights": desired.weights if desired else None,
+        "health_path": desired.upstreams[SOURCE].health_path if desired and SOURCE in desired.upstreams else None,
         "rolled_back": desired.rolled_back if desired else None,
         "lease": lease.to_json() if lease is not None else None,
     }

@@ -42,7 +42,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         frozen_at, t_freeze = time.time(), time.monotonic()
         # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
         step = backend.freeze(plan.snapshot.freeze_lease_s)
-        ctx.update(source_frozen=True)
+        ctx.update(source_frozen=True, **({} if ctx.runtime.froze_at else {"froze_at": frozen_at}))
         try:
             keep_frozen(ctx, backend)  # renewed while this process lives, however long the final round takes
             image = backend.final()
@@ -54,7 +54,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         if plan.workload.kind == "inference":
             # Weights are read-only: the source serves on while the target is restored and ramped.
             backend.resume()
-            ctx.update(source_frozen=False)
+            ctx.update(source_frozen=False, resumed_at=time.time())
             release(ctx)
     ctx.update(image=image)
     emit(

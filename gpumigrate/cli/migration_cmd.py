@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -45,13 +46,17 @@ def rollback(
     reason: str = typer.Option("manual rollback requested", "--reason"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Roll a migration back: traffic to the source, target torn down. Acts within one analysis interval."""
-    Migration.open(migration_id)  # a wrong id fails fast (exit 2), before Prefect starts
-    from gpumigrate.flows.rollback import rollback_flow
+    """Roll a migration back: traffic to the source at once, then the target torn down and the source resumed."""
+    Migration.open(migration_id)  # a wrong id fails fast (exit 2)
+    from gpumigrate.flows.manual_rollback import rollback_migration
 
-    # Through the rollback flow: the same path as the Prefect UI's button.
-    outcome = rollback_flow(migration_id=migration_id, reason=reason)
+    # The same path as the Prefect UI's button, acted on here and now: no Prefect before the traffic moved.
+    outcome = rollback_migration(migration_id, reason=reason)
     console.print(f"migration {migration_id}: [bold]{outcome.get('status')}[/] ({outcome.get('how')})", soft_wrap=True)
+    if os.environ.get("PREFECT_API_URL") and not str(outcome.get("how", "")).startswith(("already", "denied")):
+        from gpumigrate.flows.rollback import rollback_recorded_flow
+
+        rollback_recorded_flow(migration_id=migration_id, outcome=outcome, reason=reason)  # a server's UI shows it
     if json_out:
         emit_json(outcome)
     raise typer.Exit(outcome.get("exit_code", 0))

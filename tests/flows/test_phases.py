@@ -45,8 +45,8 @@ FACTS = collect_facts(with_torch=False)
 
 # ----------------------------------------------------------------------------- a workload over HTTP
 class Workload:
-    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info; and /ready
-    as an Envoy admin does (the front door the source's plan names points its admin URL here)."""
+    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info, POST /v1/generate;
+    and /ready as an Envoy admin does (the front door the source's plan names points its admin URL here)."""
 
     def __init__(self, info: dict[str, Any], *, ready: bool = True) -> None:
         info_body = json.dumps(info).encode()
@@ -58,6 +58,15 @@ class Workload:
                     self.send_response(503)
                 else:
                     self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info", "/ready") else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.dumps({"tokens": [1, 2, 3]}).encode()  # the golden request preflight asks
+                self.send_response(200 if self.path == "/v1/generate" else 404)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -297,7 +306,7 @@ def test_preflight_without_a_front_door_says_how_to_start_it_and_touches_nothing
     with pytest.raises(PolicyDeniedError) as info:
         preflight.run(w.ctx)
     assert info.value.exit_code == 2
-    assert f"`gpumigrate frontdoor up --source {source.url} --workload svc`" in str(info.value)
+    assert str(info.value).endswith(f"no front door fronts {source.url}: start it with `gpumigrate frontdoor up --source {source.url}`")
     assert w.provider.calls == [] and w.backend.steps == []
 
 
