@@ -306,7 +306,9 @@ def test_preflight_without_a_front_door_says_how_to_start_it_and_touches_nothing
     with pytest.raises(PolicyDeniedError) as info:
         preflight.run(w.ctx)
     assert info.value.exit_code == 2
-    assert str(info.value).endswith(f"no front door fronts {source.url}: start it with `gpumigrate frontdoor up --source {source.url}`")
+    assert str(info.value).endswith(
+        f"no front door fronts {source.url}: start it with `gpumigrate frontdoor up --source {source.url}`"
+    )
     assert w.provider.calls == [] and w.backend.steps == []
 
 
