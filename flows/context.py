@@ -69,6 +69,8 @@ class Runtime(BaseModel):
     # after it resumed a source that had stopped: the migration rolled back.
     froze_at: float | None = None
     resumed_at: float | None = None
+    # access_marks: where each front-door Envoy's access log stood before the snapshot ({path: [inode, offset]}).
+    access_marks: dict[str, list[int]] = {}
     # traffic_state_dir overrides where the front door's control plane keeps its state (the demo's own).
     traffic_state_dir: str | None = None
     # ramp_samples are the ramp's intervals, flattened for the chart (the last 2000).

@@ -17,10 +17,17 @@ from typing import Any
 from uuid import UUID
 
 from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError
+from gpumigrate.flows import client_figures
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.report import merge_result, write_outputs
-from gpumigrate.flows.undo import applied_everywhere, rolled_back_or_not, source_lost_target_serves, undo_all
+from gpumigrate.flows.undo import (
+    applied_everywhere,
+    quietly,
+    rolled_back_or_not,
+    source_lost_target_serves,
+    undo_all,
+)
 from gpumigrate.result import MigrationResult
 from gpumigrate.traffic.frontdoor import traffic_to_source
 
@@ -59,6 +66,7 @@ def roll_back_here(ctx: RunContext, *, reason: str, actor: str | None, trigger: 
     """Undo in this process, in order (traffic first), and record the outcome: status, result, audit, report."""
     m = ctx.migration
     undo_all(ctx, reason=reason)
+    quietly("client figures", lambda: client_figures.record(ctx))  # the migration ends here: figures to now
     status, error = rolled_back_or_not(ctx, "rolled_back", f"rolled back: {reason}")
     m.update(status=status)
     merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": trigger, "actor": actor})

@@ -43,12 +43,12 @@ from gpumigrate.errors import (
     PolicyDeniedError,
     RolledBackError,
 )
-from gpumigrate.flows import flowrun, prefect_artifacts, run_page
+from gpumigrate.flows import client_figures, flowrun, prefect_artifacts, run_page
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
 from gpumigrate.flows.report import merge_result, write_outputs
-from gpumigrate.flows.undo import rolled_back_or_not, undo_all, undo_source, undo_traffic
+from gpumigrate.flows.undo import quietly, rolled_back_or_not, undo_all, undo_source, undo_traffic
 from gpumigrate.infra.launch import answers
 from gpumigrate.result import MigrationResult
 from gpumigrate.snapshot.errors import TrainingLoopError
@@ -250,6 +250,7 @@ def run_flow(ctx: RunContext, *, gate_timeout_s: int, hold_window: bool = False)
     status, error = _run_phases(ctx, gate_timeout_s=gate_timeout_s)
     if status == "completed":
         merge_result(m, rollback={"triggered": False})
+    quietly("client figures", lambda: client_figures.record(ctx))  # the one downtime figure, from the first freeze
     hold = status == "completed" and hold_window and not ctx.runtime.source_retired
     m.update(
         status=status,

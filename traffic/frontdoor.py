@@ -13,7 +13,7 @@ child, starts Envoy again if it dies, and on SIGTERM stops both and removes ``fr
 
 ``<state dir>/frontdoor.json`` (format 1): ``{"admin_urls": [Envoy admin URLs], "listener":
 "http://host:port", "probe_listener": "http://127.0.0.1:port", "nodes": [Envoy node ids], "xds_port": int,
-"source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid}}``
+"source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid}, "access_logs": [paths]}``
 (``probe_listener``: parity probes only, each request naming its side; ``processes``: the detached
 door's process and its Envoy, each recognised by its command line naming this state directory, so a
 reused pid is never signalled). ``GPUMIGRATE_ENVOY_ADMIN`` (comma-separated) overrides ``admin_urls``;
@@ -134,6 +134,7 @@ class DoorInfo:
     xds_port: int | None = None
     source: str | None = None  # the source it fronts (http://host:port)
     processes: dict[str, int] = field(default_factory=dict)  # a detached door's: {"frontdoor", "envoy"} -> pid
+    access_logs: list[str] = field(default_factory=list)  # each Envoy's client requests (traffic/access.py)
 
 
 def read(state_dir: Path) -> DoorInfo:
@@ -148,7 +149,7 @@ def read(state_dir: Path) -> DoorInfo:
             f"no front door in {state_dir}: start one with `gpumigrate frontdoor up --source URL` "
             f"(or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR to an Envoy of your own)"
         )
-    nodes, procs = info.get("nodes"), info.get("processes")
+    nodes, procs, logs = info.get("nodes"), info.get("processes"), info.get("access_logs")
     listener, xds_port, probe = info.get("listener"), info.get("xds_port"), info.get("probe_listener")
     return DoorInfo(
         admin_urls=[str(u) for u in admin],
@@ -158,6 +159,7 @@ def read(state_dir: Path) -> DoorInfo:
         xds_port=int(xds_port) if isinstance(xds_port, int) else None,
         source=str(info["source"]) if info.get("source") else None,
         processes={str(k): v for k, v in procs.items() if isinstance(v, int)} if isinstance(procs, dict) else {},
+        access_logs=[str(p) for p in logs] if isinstance(logs, list) and not admin_env else [],
     )
 
 
@@ -240,10 +242,25 @@ class FrontDoor:
             "nodes": [self.envoy.node_id],
             "xds_port": self.plane.port,
             "source": f"http://{host}:{source.port}",
+            "access_logs": [str(self.envoy.access_log_path)],
         }
         if self.detached and self.envoy.proc is not None:
             info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid}
         atomic_write_json(self.state_dir / FRONTDOOR, info)
+
+    def rotate_access_log(self) -> None:
+        """Keep the access log bounded (traffic/access.py): rotated once it is large, and Envoy reopens it."""
+        from gpumigrate.traffic import access
+
+        try:
+            if access.rotate(self.envoy.access_log_path):
+                admin = self.envoy.admin
+                try:
+                    admin.reopen_logs()
+                finally:
+                    admin.close()
+        except Exception as exc:  # a log that cannot rotate never stops the door; the next tick tries again
+            log.warning("the access log could not be rotated: %s", exc)
 
     def stop(self) -> None:
         for part in (self.envoy, self.plane):
@@ -494,6 +511,7 @@ def serve(state_dir: Path, *, source: str, health_path: str, listen: str, node_i
                 if door.envoy.ensure_running():
                     log.warning("envoy had exited: started again")
                     door.write_info()
+                door.rotate_access_log()
             except TrafficError as exc:  # keep the control plane (and its lease watch) up; try again
                 log.error("envoy could not be started again: %s", exc)
     finally:

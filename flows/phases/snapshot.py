@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gpumigrate.flows import client_figures
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.freeze_lease import keep_frozen, release
@@ -32,6 +33,7 @@ from gpumigrate.snapshot.gchold import gc_held
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     backend = ctx.backend()
+    client_figures.mark(ctx)  # the front door's requests from here on: the baseline, then the freeze's stall
     parent = ctx.runtime.image  # a resumed migration ships only what changed since
     rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
     live = precopy_rounds(ctx, backend, max_rounds=rounds)  # each pre-loaded into the target where it can

@@ -82,6 +82,10 @@ def status(
             name, ph.get("status", "pending"), f"{ph['seconds']:.2f}" if ph.get("seconds") is not None else ""
         )
     console.print(table)
+    from gpumigrate.flows.report import build_result, figure_lines
+
+    for line in figure_lines(build_result(Migration.open(migration_id))):  # the same figures as the report's
+        console.print(line, soft_wrap=True, highlight=False)
 
 
 LOGS = {"policy": "audit/policy.jsonl", "cost-moves": "audit/cost-moves.jsonl"}
