@@ -151,7 +151,7 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
     """The bootstrap config (Envoy JSON) of one :class:`Envoy`: its ports, node and listen address.
     Client requests are counted under ``http.ingress.*``, probes under ``http.probes.*``, so a
     migration's figures never include its own probes."""
-    timing = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
+    timing: dict[str, Any] = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
     return {
         "node": {"id": e.node_id, "cluster": "gpumigrate"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.admin_port}}},
