@@ -1,4 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+SHELL   := /bin/bash
 PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -14,11 +15,14 @@ setup: $(STAMP)
 
 # torch==2.13.0 is installed on its own first: pip takes the CPU build from this machine class's disk.
 # The editable install also compiles transfer/format/_huffplane.c (gcc and Python's headers), hence its place above.
+# pip warns once for every package an extra index of the machine lacks ("Location '...' is ignored: it is neither a
+# file nor a directory", about 240 lines for this project): those lines are dropped, pip's exit status is kept.
+QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }; test $${PIPESTATUS[0]} -eq 0
 $(STAMP): pyproject.toml constraints.txt setup.py transfer/format/_huffplane.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[workloads,nixl,dev,examples]'
+	$(BIN)/python -m pip install -q --upgrade pip $(QUIET_PIP)
+	$(BIN)/python -m pip install -q torch==2.13.0 $(QUIET_PIP)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[workloads,nixl,dev,examples]' $(QUIET_PIP)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -40,6 +40,15 @@ def _key(key_ref: Mapping[str, str]) -> bytes | None:
     return key
 
 
+def check_key(key_ref: Mapping[str, str]) -> str | None:
+    """The id of the image key ``key_ref`` names, read in this process (None: no key); the agent's ``key``
+    command, which preflight sends before anything moves."""
+    from gpumigrate import transfer
+
+    key = _key(key_ref)
+    return None if key is None else transfer.derive_keys(key).key_id
+
+
 def open_writer(
     store: str,
     key_ref: Mapping[str, str],
@@ -96,6 +105,7 @@ def make_engine(
         filler=SourceFill(),
         warming=kernels_warming,
         timeline=timeline,
+        key_check=check_key,
         freezer=freezer,
         set_ready=set_ready,
         group=group,

@@ -11,7 +11,7 @@ of the same Protocols in the phases' unit tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +65,13 @@ class Runtime(BaseModel):
     image: ImageRef | None = None
     # source_frozen is true between a freeze and the resume that follows it; an undo resumes the source.
     source_frozen: bool = False
+    # froze_at and resumed_at (epoch seconds): the source's first freeze and the resume after it (inference), what
+    # the client-visible stall is measured around (flows/client_figures.py); froze_at also means that an undo
+    # after it resumed a source that had stopped: the migration rolled back.
+    froze_at: float | None = None
+    resumed_at: float | None = None
+    # access_marks: where each front-door Envoy's access log stood before the snapshot ({path: [inode, offset]}).
+    access_marks: dict[str, list[int]] = {}
     # traffic_state_dir overrides where the front door's control plane keeps its state (the demo's own).
     traffic_state_dir: str | None = None
     # ramp_samples are the ramp's intervals, flattened for the chart (the last 2000).
@@ -101,14 +108,19 @@ class Siblings:
 
     @classmethod
     def real(cls) -> Siblings:
-        from gpumigrate.flows.host_actions import dispatch
-        from gpumigrate.infra import get_provider, provider_options
-
         def provider(plan: Plan, attached: bool) -> Provider:
+            from gpumigrate.infra import get_provider, provider_options
+
             name = plan.target.provider
             return get_provider(name, **provider_options(name, attached=attached, plan=plan))
 
-        return cls(provider=provider, backend=snapshot_backend, host_actions=dispatch)
+        def host_actions(host: str, action: str, params: Mapping[str, Any]) -> dict[str, Any]:
+            # Imported on first use: it loads Prefect (a host's worker), which a rollback must not wait for.
+            from gpumigrate.flows.host_actions import dispatch
+
+            return dispatch(host, action, params)
+
+        return cls(provider=provider, backend=snapshot_backend, host_actions=host_actions)
 
 
 @dataclass
@@ -233,6 +245,7 @@ class RunContext:
             target_pid=rt.target_pid,
             target_pid_start=rt.target_pid_start,
             host_actions=self.siblings.host_actions,
+            end_parked_source=plan.workload.kind == "training" and not plan.snapshot.keep_parked_source,
         )
         return self.siblings.backend(plan.snapshot.backend, setup)
 

@@ -43,14 +43,15 @@ from gpumigrate.errors import (
     PolicyDeniedError,
     RolledBackError,
 )
-from gpumigrate.flows import flowrun, prefect_artifacts, run_page
+from gpumigrate.flows import client_figures, flowrun, prefect_artifacts, run_page
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
 from gpumigrate.flows.report import merge_result, write_outputs
-from gpumigrate.flows.undo import rolled_back_or_not, undo_all, undo_source, undo_traffic
+from gpumigrate.flows.undo import quietly, rolled_back_or_not, undo_all, undo_source, undo_traffic
 from gpumigrate.infra.launch import answers
 from gpumigrate.result import MigrationResult
+from gpumigrate.snapshot.errors import TrainingLoopError
 from gpumigrate.state import PHASES
 
 Phase = Callable[[RunContext], dict[str, Any]]
@@ -75,6 +76,13 @@ def still_valid(ctx: RunContext, name: str) -> bool:
     return True
 
 
+def not_applicable(ctx: RunContext, name: str) -> str | None:
+    """Why a phase does not apply to this migration's workload (it is skipped), or None."""
+    if name == "ramp" and ctx.plan.workload.kind == "training":
+        return "a training job has no clients to shift"
+    return None
+
+
 def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     """Run one phase unless the state record says it is done and still valid; record the outcome."""
     m = ctx.migration
@@ -85,6 +93,12 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
     requested = m.rollback_requested()
     if requested and name != "finalize":
         raise RolledBackError(f"rollback requested by {requested.get('actor')}: {requested.get('reason')}")
+    why = not_applicable(ctx, name)
+    if why is not None:  # shown as skipped, never as a phase that completed in no time
+        m.set_phase(name, "skipped", result={"skipped": why})
+        m.record(f"phase.{name}.skipped", {"reason": why})
+        notify(m.id, f"phase.{name}.skipped", {"reason": why})
+        return {"skipped": why}
     notify(m.id, f"phase.{name}.started", {})
     try:
         with m.running_phase(name) as result:
@@ -107,7 +121,9 @@ def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:
 def _transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Retry only what a retry can fix: a decision (policy, bad input, wrong key, rollback) stays made."""
     exc = state.data if isinstance(state.data, BaseException) else None
-    return not isinstance(exc, (PolicyDeniedError, InvalidInputError, RolledBackError, DecryptionError))
+    return not isinstance(
+        exc, (PolicyDeniedError, InvalidInputError, RolledBackError, DecryptionError, TrainingLoopError)
+    )
 
 
 def _task_opts(**kw: Any) -> dict[str, Any]:
@@ -234,6 +250,7 @@ def run_flow(ctx: RunContext, *, gate_timeout_s: int, hold_window: bool = False)
     status, error = _run_phases(ctx, gate_timeout_s=gate_timeout_s)
     if status == "completed":
         merge_result(m, rollback={"triggered": False})
+    quietly("client figures", lambda: client_figures.record(ctx))  # the one downtime figure, from the first freeze
     hold = status == "completed" and hold_window and not ctx.runtime.source_retired
     m.update(
         status=status,
@@ -303,14 +320,27 @@ def _run_phases(ctx: RunContext, *, gate_timeout_s: int) -> tuple[str, str | Non
         return rolled_back_or_not(ctx, "rolled_back", f"rolled back: {reason}")
     except InvalidInputError as exc:
         # Bad input found by preflight (a transport that cannot load, a receiver's certificate, a key
-        # that cannot be read) is the plan's fault and nothing was launched: exit 2, like a denial.
-        if m.phase("provision").get("status") == "pending":
+        # that cannot be read) is the plan's fault and nothing was launched: exit 2, like a denial. So is a
+        # launch contract a started target broke (its health path, infra/launch.py) once that target is gone.
+        rt = ctx.runtime
+        if m.phase("provision").get("status") == "pending" or (rt.froze_at is None and rt.target_torn_down):
             return "denied", str(exc)
-        return "failed", str(exc)
+        return _failed(ctx, exc)
     except GpumigrateError as exc:
-        return "failed", str(exc)
+        return _failed(ctx, exc)
     except Exception as exc:  # a library bug must still leave a result and a safe source
         error = f"unexpected {type(exc).__name__}: {exc}"
         undo_all(ctx, reason=error)
         return "failed", error
     return "completed", None
+
+
+def _failed(ctx: RunContext, exc: GpumigrateError) -> tuple[str, str]:
+    """A phase failed. Once the source had frozen, the transactions' undo put it back (traffic, target torn
+    down, source resumed): the migration rolled back, and says why (exit 3, as the source serves again);
+    before the freeze, or where the undo could not finish, it failed (exit 1)."""
+    rt = ctx.runtime
+    if rt.froze_at is None or rt.source_frozen or not rt.target_torn_down:
+        return "failed", str(exc)
+    merge_result(ctx.migration, rollback={"triggered": True, "reason": str(exc)[:300], "trigger": "error"})
+    return rolled_back_or_not(ctx, "rolled_back", f"rolled back: {exc}")

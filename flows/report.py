@@ -165,13 +165,12 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
         "| --- | --- | --- | --- |",
     ]
     lines += [f"| {r['phase']} | {r['status']} | {_fmt(r['seconds'])} | {r['detail']} |" for r in phase_rows(migration)]
-    rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
+    by, pa, rb = result.bytes, result.parity, result.rollback
     lines += [
         "",
         "## Figures",
         "",
-        f"- requests: {_fmt(rq.total)} total, {_fmt(rq.failed)} failed, p50 {_fmt(rq.p50_ms)} ms, p99 {_fmt(rq.p99_ms)} ms",
-        f"- downtime: {_fmt(result.downtime_ms)} ms",
+        *figure_lines(result),
         *([f"- training pause (freeze → target's first step): {_fmt(result.pause_ms)} ms"] if result.pause_ms else []),
         f"- bytes: image {_fmt(by.image)}, sent {_fmt(by.sent)}, stored {_fmt(by.stored)}",
         *(
@@ -181,7 +180,7 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
         ),
         f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
         f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}"
-        + (f", detected in {_fmt(rb.seconds_to_detect)} s" if rb.seconds_to_detect is not None else ""),
+        + (f", detected in {seconds(rb.seconds_to_detect)}" if rb.seconds_to_detect is not None else ""),
     ]
     lines += _provenance(result)
     lines += _window(migration.id, state, result.status)
@@ -193,16 +192,29 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
     return "\n".join(lines)
 
 
+def figure_lines(result: MigrationResult) -> list[str]:
+    """The clients' figures, one way for the report, the Prefect summary, ``status`` and the CLI's summary: the
+    client-visible stall (the one downtime figure) and the requests it was judged over (flows/client_figures.py)."""
+    rq = result.requests
+    if rq.total is None and result.downtime_ms is None:
+        return []
+    latency = "".join(f", {name} {_fmt(ms)} ms" for name, ms in (("p50", rq.p50_ms), ("p99", rq.p99_ms)) if ms)
+    return [
+        f"- downtime (client-visible stall): {_fmt(result.downtime_ms)} ms, the longest extra wait any request "
+        "through the front door saw around the freeze",
+        f"- requests: {_fmt(rq.total)}, {_fmt(rq.failed)} failed{latency}: every request through the front door "
+        "from the first freeze to the end",
+    ]
+
+
+def seconds(value: float) -> str:
+    """A duration as people read it: 0.989 s, 12.3 s, 95 s."""
+    return f"{value:.3g} s" if value < 100 else f"{value:.0f} s"
+
+
 def _provenance(result: MigrationResult) -> list[str]:
-    """What the figures above include, and who rolled back (the form's 'acting as', Cancel, the lease)."""
+    """Who rolled back (the form's 'acting as', Cancel, the lease)."""
     out = []
-    if result.requests.measured_by == "envoy":
-        out.append(
-            "- requests and downtime: every client request through the front door during the ramp, "
-            "from Envoy's own stats"
-        )
-    elif result.requests.measured_by:
-        out.append(f"- requests and downtime measured by: {result.requests.measured_by}")
     rb = result.rollback
     if rb.triggered and (rb.trigger or rb.actor):
         out.append(f"- rolled back by: {_fmt(rb.trigger)}{f' ({rb.actor})' if rb.actor else ''}")

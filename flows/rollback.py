@@ -8,133 +8,22 @@ acts on the migration any more (it ended, or its process died), this module does
 traffic back to the source in one update, then the target torn down, then the source's agent resumed.
 
 A run of the ``rollback`` deployment publishes what it did (an artifact and log lines in its own run)
-and brings the migration's summary up to date, on the migration's own run page too.
+and brings the migration's summary up to date, on the migration's own run page too. ``gpumigrate rollback``
+acts first, without Prefect (flows/manual_rollback.py), then publishes the same where a server is set.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
-from uuid import UUID
 
 from prefect import flow
 
-from gpumigrate.errors import EXIT_FAILURE, EXIT_OK, InvalidInputError
 from gpumigrate.flows import flowrun, prefect_artifacts
 from gpumigrate.flows.context import RunContext
-from gpumigrate.flows.events import emit
-from gpumigrate.flows.report import build_result, merge_result, write_outputs
-from gpumigrate.flows.undo import rolled_back_or_not, undo_all
-from gpumigrate.result import MigrationResult
+from gpumigrate.flows.manual_rollback import roll_back_here, rollback_migration
+from gpumigrate.flows.report import build_result
 
-
-def _flow_alive(ctx: RunContext) -> bool | None:
-    """Is the process running this migration's flow alive? None when it ran on another host (unknown)."""
-    rt = ctx.runtime
-    if not rt.flow_pid:
-        return False
-    if rt.flow_host != os.uname().nodename:
-        return None
-    try:
-        os.kill(rt.flow_pid, 0)
-    except (ProcessLookupError, PermissionError, ValueError):
-        return False
-    return True
-
-
-def _answer_pause(flow_run_id: str | None, reason: str, actor: str | None) -> None:
-    """Answer the form of a flow paused on its run page (the gate, the rollback window) with "roll back":
-    a flow on another host may not see this host's request file."""
-    if not flow_run_id:
-        return
-    try:
-        from prefect.flow_runs import resume_flow_run
-
-        from gpumigrate.settings import identity
-
-        answer = {"action": "roll back", "acting_as": (actor or identity().name)[:200], "reason": reason[:300]}
-        resume_flow_run(UUID(flow_run_id), run_input=answer)
-    except Exception:  # not paused any more, or another API: the request file still stands
-        pass
-
-
-def roll_back_here(ctx: RunContext, *, reason: str, actor: str | None, trigger: str, after: str) -> MigrationResult:
-    """Undo in this process, in order (traffic first), and record the outcome: status, result, audit, report."""
-    m = ctx.migration
-    undo_all(ctx, reason=reason)
-    status, error = rolled_back_or_not(ctx, "rolled_back", f"rolled back: {reason}")
-    m.update(status=status)
-    merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": trigger, "actor": actor})
-    if status == "rolled_back":
-        emit(m, "rollback.completed", {"reason": reason[:300], "after": after, "trigger": trigger}, actor=actor)
-    return write_outputs(m, status=status, error=error)
-
-
-def rollback_migration(
-    migration_id: str, *, reason: str, actor: str | None = None, wait_s: float | None = None
-) -> dict[str, Any]:
-    """Roll a migration back. Idempotent. Returns ``{"status", "how", "exit_code", ...}``."""
-    ctx = RunContext.load(migration_id)
-    m, plan = ctx.migration, ctx.plan
-    status = m.read().get("status")
-    if status == "rolled_back":
-        return {"migration_id": m.id, "status": "rolled_back", "how": "already rolled back", "exit_code": EXIT_OK}
-    if status == "denied":
-        return {
-            "migration_id": m.id,
-            "status": "denied",
-            "how": "denied before anything moved: nothing to undo",
-            "exit_code": EXIT_OK,
-        }
-    if status == "completed" and ctx.runtime.source_zeroized:
-        raise InvalidInputError(
-            f"migration {m.id} cut over and its source was zeroized (retired): there is nothing to roll back to; "
-            "migrate back with a new plan instead"
-        )
-    if status == "completed":
-        deadline = ctx.runtime.rollback_deadline
-        if deadline is not None and time.time() > deadline:
-            raise InvalidInputError(
-                f"migration {m.id} cut over and its rollback window ({plan.traffic.rollback_window_s:.0f}s) is over: "
-                "the source may be zeroized; migrate back with a new plan instead"
-            )
-    m.request_rollback(reason, actor=actor)
-    alive = _flow_alive(ctx)
-    holding = status == "completed" and bool(m.read().get("window_hold"))  # paused on its page, in the window
-    if (status in ("running", "paused") or holding) and alive is not False:
-        if status == "paused" or holding:
-            _answer_pause(m.read().get("flow_run_id"), reason, actor)
-        # The running flow acts on the request within one analysis interval and undoes in order.
-        limit = wait_s if wait_s is not None else max(15.0, 5 * plan.traffic.analysis_interval_s)
-        deadline_t = time.monotonic() + limit
-        while time.monotonic() < deadline_t and _still_acting(m.read()):
-            time.sleep(0.1)
-        final = m.read().get("status")
-        if not _still_acting(m.read()) or alive:
-            how = "requested; the running flow rolled back" if final == "rolled_back" else f"requested; flow is {final}"
-            return {
-                "migration_id": m.id,
-                "status": final,
-                "how": how,
-                "exit_code": EXIT_OK if final == "rolled_back" else EXIT_FAILURE,
-            }
-        # Its flow ran on another host and did not act within the wait: treat it as gone.
-    # No flow is acting on it (it ended, or its process died): undo here, in the same order.
-    roll_back_here(ctx, reason=reason, actor=actor, trigger="manual", after=str(status))
-    return {
-        "migration_id": m.id,
-        "status": "rolled_back",
-        "how": "traffic to source, target torn down",
-        "exit_code": EXIT_OK,
-    }
-
-
-def _still_acting(state: dict[str, Any]) -> bool:
-    """The flow has not finished acting on the request yet: still running, paused, or holding the window."""
-    return state.get("status") in ("running", "paused") or (
-        state.get("status") == "completed" and bool(state.get("window_hold"))
-    )
+__all__ = ["roll_back_here", "rollback_flow", "rollback_migration"]  # the first two live in manual_rollback.py
 
 
 @flow(name="rollback", flow_run_name="rollback-{migration_id}", persist_result=False)
@@ -146,8 +35,21 @@ def rollback_flow(
     ``acting_as``: who is pressing it (the audit records it beside the identity this process has)."""
     flowrun.begin()  # a worker imported this module: Prefect's settings and the audit's actor
     outcome = rollback_migration(migration_id, reason=reason, actor=acting_as.strip()[:200] or None)
+    _publish(migration_id, outcome, reason, acting_as)
+    return outcome
+
+
+@flow(name="rollback", flow_run_name="rollback-{migration_id}", persist_result=False)
+def rollback_recorded_flow(migration_id: str, outcome: dict[str, Any], reason: str) -> dict[str, Any]:
+    """What ``gpumigrate rollback`` did, published as a ``rollback`` run (a server's UI shows it beside the button's
+    runs) once the command acted: the command never waits for Prefect before it moves traffic."""
+    flowrun.begin()
+    _publish(migration_id, outcome, reason, "")
+    return outcome
+
+
+def _publish(migration_id: str, outcome: dict[str, Any], reason: str, acting_as: str) -> None:
     m = RunContext.load(migration_id).migration
     prefect_artifacts.publish_action(m, "rollback", {**outcome, "reason": reason, "acting_as": acting_as or None})
     prefect_artifacts.publish(m, build_result(m))
     prefect_artifacts.anchor_audit(m)
-    return outcome

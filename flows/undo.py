@@ -12,7 +12,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
-from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.infra.launch import answers
@@ -62,12 +61,12 @@ def undo_traffic(ctx: RunContext, *, reason: str) -> None:
     weights = quietly("traffic", lambda: traffic_to_source(ctx.traffic_dir(), reason))
     if weights:
         # Every Envoy runs it before the target goes: a target torn down first fails the clients still sent to it.
-        quietly("applied", lambda: _applied_everywhere(ctx))
+        quietly("applied", lambda: applied_everywhere(ctx))
         quietly("record", lambda: emit(m, "traffic.rolled_back", {"reason": reason[:300], "weights": weights}))
         quietly("state", lambda: m.set_phase("ramp", "rolled_back"))
 
 
-def _applied_everywhere(ctx: RunContext, timeout_s: float = 10) -> None:
+def applied_everywhere(ctx: RunContext, timeout_s: float = 10) -> None:
     """Block until every Envoy of the front door runs the current desired state (at most ``timeout_s``)."""
     nodes = frontdoor.read(ctx.traffic_dir()).nodes
     if nodes:
@@ -76,11 +75,15 @@ def _applied_everywhere(ctx: RunContext, timeout_s: float = 10) -> None:
 
 
 def undo_source(ctx: RunContext) -> None:
-    """The source runs again (a snapshot may have left it frozen). Idempotent."""
+    """The source runs again (a snapshot may have left it frozen). Idempotent; recorded once, by the undo that
+    resumed a source the runtime knew frozen (a second undo of the same failure resumes nothing)."""
+    rt = quietly("runtime", lambda: ctx.runtime)
+    was_frozen = rt is None or rt.source_frozen
     backend = quietly("backend", ctx.backend)
     if backend is not None and quietly("resume", lambda: _done(backend.resume)):
         quietly("state", lambda: ctx.update(source_frozen=False))
-        quietly("record", lambda: emit(ctx.migration, "rollback.source_resumed", {"backend": backend.name}))
+        if was_frozen:
+            quietly("record", lambda: emit(ctx.migration, "rollback.source_resumed", {"backend": backend.name}))
 
 
 def undo_target(ctx: RunContext, *, reason: str) -> None:
@@ -91,7 +94,7 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
     rt = quietly("runtime", lambda: ctx.runtime)
     host = rt.target_host if rt is not None and not rt.target_torn_down else None
     if host is not None:
-        quietly("receiver", lambda: target_store.stop_target_receiver(ctx))
+        quietly("receiver", lambda: _stop_receiver(ctx))
         backend = quietly("backend", ctx.backend)
         if backend is not None:
             quietly("discard", backend.discard)
@@ -100,6 +103,13 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
             quietly("record", lambda: emit(m, "rollback.target_torn_down", {"host": host.name, "reason": reason}))
     for name in PHASES[PHASES.index("provision") :]:
         quietly("state", partial(_mark_rolled_back, m, name))
+
+
+def _stop_receiver(ctx: RunContext) -> None:
+    # Imported here: the transfer engine's receiver is heavy, and `gpumigrate rollback` must act at once.
+    from gpumigrate.flows import target_store
+
+    target_store.stop_target_receiver(ctx)
 
 
 def _mark_rolled_back(m: Migration, phase: str) -> None:
@@ -113,7 +123,7 @@ def undo_all(ctx: RunContext, *, reason: str) -> None:
     Not when the source itself is gone while the target serves: traffic sent back would fail every
     client and the torn-down target was the only process still serving (the fault matrix's "source
     killed during the ramp" cell). Then both stay as they are, and the audit says why."""
-    lost = quietly("source check", lambda: _source_lost_target_serves(ctx))
+    lost = quietly("source check", lambda: source_lost_target_serves(ctx))
     if lost:
         quietly("state", lambda: ctx.update(rollback_refused=True))
         quietly(
@@ -144,7 +154,7 @@ def rolled_back_or_not(ctx: RunContext, status: str, error: str) -> tuple[str, s
     return status, error
 
 
-def _source_lost_target_serves(ctx: RunContext) -> bool:
+def source_lost_target_serves(ctx: RunContext) -> bool:
     """A restored inference target answers while the source does not (the source asked a few times).
 
     The source is asked whether it lives (its health path), the target whether it serves (its ready path): a

@@ -47,6 +47,7 @@ class WorkloadLaunch:
     ready_path: str = "/readyz"
     contract_env: Mapping[str, str] = field(default_factory=dict)  # AWAIT_RESTORE, control key reference, ...
     plan_dir: str = "."
+    ends_host: bool = False  # a local host goes down once this process exits (a training job: its work is done)
 
     @classmethod
     def from_plan(

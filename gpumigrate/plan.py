@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -162,6 +163,18 @@ class Workload(_Model):
     @classmethod
     def _paths(cls, v: str) -> str:
         return _http_path(v)
+
+    @field_validator("ready_path")
+    @classmethod
+    def _ready_is_not_health(cls, v: str, info: ValidationInfo) -> str:
+        if v == info.data.get("health_path"):
+            raise ValueError(
+                f"{v} is also workload.health_path: they must differ. The health path answers 200 while the process "
+                "lives, also while a target awaits its restore (gpumigrate waits on it to start the target); the ready "
+                "path answers 200 once it serves (after the restore). The SDK's ReadinessMiddleware serves /healthz "
+                "and /readyz"
+            )
+        return v
 
     @field_validator("name")
     @classmethod
@@ -372,6 +385,11 @@ class Snapshot(_Model):
         default=60,
         description="The freeze is a lease: a frozen source resumes by itself unless the orchestrator renews it "
         "within this many seconds (the flow renews it while it works on the frozen source).",
+    )
+    keep_parked_source: bool = Field(
+        default=False,
+        description="Training: after the cut-over the source stays parked at its safe point, its state zeroized, for "
+        "one freeze lease (freeze_lease_s), then its process ends (exit 0). true: it stays parked until you stop it.",
     )
 
 

@@ -22,8 +22,8 @@ class Requests(BaseModel):
     p99_ms: float | None = None
     measured_by: str | None = Field(
         default=None,
-        description="Where the request figures (and downtime_ms) come from: 'envoy' (every client request through "
-        "the front door during the ramp, from Envoy's own stats) or the load generator that made them.",
+        description="What the request figures count and where they come from: every request through the front "
+        "door from the first freeze to the end of the migration, from the front door's access log.",
     )
 
 
@@ -67,8 +67,10 @@ class MigrationResult(BaseModel):
     requests: Requests = Field(default_factory=Requests)
     downtime_ms: float | None = Field(
         default=None,
-        description="Inference: the longest stretch in which no client request succeeded (measured by a load "
-        "generator through the front door; null when none ran).",
+        description="Inference: the client-visible stall, the longest extra wait any request through the front door "
+        "saw around the freeze (its duration beyond the median before the freeze; 0 when no request was in flight "
+        "then), from the front door's access log; the same in the report, the Prefect artifacts and `status`. Null "
+        "where not measured (training: see pause_ms; a front door that is not gpumigrate's).",
     )
     pause_ms: float | None = Field(
         default=None,

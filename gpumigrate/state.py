@@ -29,7 +29,7 @@ from gpumigrate.atomic import atomic_write_json
 from gpumigrate.audit import AuditLog, ChainHead, Verification
 from gpumigrate.errors import InvalidInputError, NotFoundError
 from gpumigrate.interfaces import AuditAnchor
-from gpumigrate.settings import identity, migrations_dir
+from gpumigrate.settings import identity, migrations_dir, operator
 
 PHASES = ("preflight", "provision", "snapshot", "transfer", "restore", "parity", "ramp", "finalize")
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
@@ -187,11 +187,14 @@ class Migration:
         return self.audit.verify(expected, accept_legacy=accept_legacy, extra_anchors=extra_anchors)
 
     # -- rollback signal -----------------------------------------------------------
-    def request_rollback(self, reason: str, *, actor: str | None = None) -> None:
-        atomic_write_json(
-            self.dir / "rollback.request", {"reason": reason, "actor": actor or identity().name, "ts": time.time()}
-        )
-        self.record("rollback.requested", {"reason": reason}, actor=actor)
+    def request_rollback(self, reason: str, *, actor: str | None = None, record: bool = True) -> None:
+        """The request the running flow acts on. ``record=False``: the caller records ``rollback.requested`` itself
+        once it acted (``gpumigrate rollback`` moves traffic first; the audit's actor may take seconds to prove),
+        and the request names the claimed operator until then."""
+        who = actor or (identity().name if record else operator())
+        atomic_write_json(self.dir / "rollback.request", {"reason": reason, "actor": who, "ts": time.time()})
+        if record:
+            self.record("rollback.requested", {"reason": reason}, actor=actor)
 
     def rollback_requested(self) -> dict[str, Any] | None:
         try:

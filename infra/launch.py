@@ -19,11 +19,13 @@ from pathlib import Path
 
 import httpx
 
-from gpumigrate.errors import ProviderError
+from gpumigrate.errors import InvalidInputError, ProviderError
 from gpumigrate.interfaces import Host
 from gpumigrate.launch import RenderedLaunch, WorkloadLaunch
 
 POLL_S = 0.1
+# A health path refused this long by a workload whose agent is up breaks the launch contract (wait_until_up).
+REFUSING_HEALTH_S = 10.0
 TAIL_LINES = 20
 
 
@@ -58,17 +60,19 @@ def service_url(host: Host) -> str:
     return f"http://{netloc(host.address, port)}"
 
 
+def status_of(url: str, *, path: str = "/healthz", timeout_s: float = 2.0) -> int | None:
+    """The HTTP status ``GET url + path`` answers now, or None when nothing answers."""
+    try:  # plain http needs no CA bundle, whose loading alone takes a second on a busy host
+        with httpx.Client(timeout=timeout_s, trust_env=False, verify=url.startswith("https:")) as client:
+            return client.get(url.rstrip("/") + path).status_code
+    except httpx.HTTPError:
+        return None
+
+
 def answers(url: str, *, path: str = "/healthz", timeout_s: float = 2.0, tries: int = 1) -> bool:
     """Whether ``url + path`` answers 200 now, asked up to ``tries`` times (one slow answer on a loaded
     host is not a dead process)."""
-    for _ in range(tries):
-        try:
-            with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-                if client.get(url.rstrip("/") + path).status_code == 200:
-                    return True
-        except httpx.HTTPError:
-            pass
-    return False
+    return any(status_of(url, path=path, timeout_s=timeout_s) == 200 for _ in range(tries))
 
 
 def accepts(host: str, port: int, *, timeout_s: float = 1.0) -> bool:
@@ -96,18 +100,43 @@ def is_up(host: Host, launch: WorkloadLaunch, *, with_agent: bool = False) -> bo
 def wait_until_up(
     host: Host, launch: WorkloadLaunch, *, timeout_s: float, exited: Callable[[], str | None] | None = None
 ) -> None:
-    """Poll :func:`is_up`; ``exited()`` returns why the process is gone (its exit and last lines), or None."""
+    """Poll :func:`is_up`; ``exited()`` returns why the process is gone (its exit and last lines), or None.
+
+    A workload whose agent is up while its health path answers anything but 200 for
+    :data:`REFUSING_HEALTH_S` breaks the launch contract (the health path answers 200 while the process
+    lives, unready targets included): that fails at once, naming the rule, instead of after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
+    refusing_since: float | None = None
     while True:
         if is_up(host, launch):
             return
         why = exited() if exited is not None else None
         if why is not None:
             raise ProviderError(f"the workload on {host.name} exited before it answered: {why}")
+        code = status_of(service_url(host), path=launch.health_path) if serves_http(launch) else None
+        if code is None or code == 200 or not accepts(host.address, host.ports.get("agent") or 0):
+            refusing_since = None
+        elif refusing_since is None:
+            refusing_since = time.monotonic()
+        elif time.monotonic() - refusing_since > REFUSING_HEALTH_S:
+            raise health_contract_error(host.name, launch.health_path, code, REFUSING_HEALTH_S)
         if time.monotonic() > deadline:
             what = f"{launch.health_path} on its service port" if serves_http(launch) else "its agent address"
             raise ProviderError(f"the workload on {host.name} did not answer {what} within {timeout_s:.0f}s")
         time.sleep(POLL_S)
+
+
+def health_contract_error(where: str, path: str, code: int, seconds: float) -> InvalidInputError:
+    """The launch contract's rule for the health path, broken by the workload ``where`` (exit 2 before a
+    migration moved anything; the provision phase's own failure after it started a target)."""
+    return InvalidInputError(
+        f"the workload on {where} answers GET {path} (workload.health_path) with HTTP {code} for {seconds:.0f}s "
+        "while its agent is up and it awaits its restore",
+        hint="the health path must answer 200 while the process lives, also before the restore (gpumigrate waits "
+        "on it to start the target, then restores the state, then waits on workload.ready_path): point "
+        "workload.health_path at such a path (gpumigrate.agent.ReadinessMiddleware serves /healthz) and keep the "
+        "path that answers 503 until the restore as workload.ready_path",
+    )
 
 
 def wait_http(url: str, *, timeout_s: float, path: str = "/healthz") -> None:

@@ -222,10 +222,11 @@ class LocalProvider:
         if is_up(host, launch):
             return host
         rendered = render_for(host, launch)
-        proc = self.spawn(host, rendered.argv, env=rendered.env, cwd=rendered.cwd, name="workload")
+        proc = self.spawn(host, rendered.argv, env=rendered.env, cwd=rendered.cwd, name="workload",
+                          ends_host=launch.ends_host)  # fmt: skip
 
         def exited() -> str | None:
-            mine = [c for c in self.processes(host) if c.get("pid") == proc["pid"]]
+            mine = [c for c in self._children(host) if c.get("pid") == proc["pid"]]
             if not mine or mine[0].get("returncode") is None:
                 return None
             return f"exit code {mine[0]['returncode']}; its last lines ({proc['log']}):\n{last_lines(proc['log'])}"
@@ -242,6 +243,7 @@ class LocalProvider:
         env: Mapping[str, str] | None = None,
         name: str | None = None,
         cwd: str | None = None,
+        ends_host: bool = False,
     ) -> dict[str, Any]:
         """Run ``argv`` on the host (in its namespace if any) under its supervisor: ``{"pid", "log"}``.
 
@@ -249,13 +251,14 @@ class LocalProvider:
         ``GPUMIGRATE_PORT_<NAME>`` for each of the host's ports, and this process's state root as
         ``GPUMIGRATE_HOME`` (the child runs in ``cwd``, default the host's work directory, where a relative
         default would point elsewhere: the workload and the orchestrator share the control key there).
+        ``ends_host``: the host goes down once this process exits (its supervisor shuts it down).
         """
         rec = self._require(host if isinstance(host, str) else host.name)
         full_env = {"GPUMIGRATE_HOST_NAME": rec["name"], "GPUMIGRATE_HOST_ADDRESS": rec["address"]}
         full_env["GPUMIGRATE_HOME"] = str(settings.state_root())
         full_env.update({f"GPUMIGRATE_PORT_{k.upper()}": str(v) for k, v in rec["ports"].items()})
         full_env.update(env or {})
-        request = {"op": "spawn", "argv": list(argv), "env": full_env, "name": name, "cwd": cwd}
+        request = {"op": "spawn", "argv": list(argv), "env": full_env, "name": name, "cwd": cwd, "ends_host": ends_host}
         reply = call_supervisor(rec["supervisor"]["socket"], request)
         if not reply.get("ok"):
             raise ProviderError(f"cannot start {argv[0]!r} on local host {rec['name']}: {reply.get('error')}")
@@ -276,6 +279,16 @@ class LocalProvider:
         rec = self._require(host if isinstance(host, str) else host.name)
         children: list[dict[str, Any]] = call_supervisor(rec["supervisor"]["socket"], {"op": "list"})["children"]
         return children
+
+    def _children(self, host: Host) -> list[dict[str, Any]]:
+        """The host's processes, from its supervisor, or from the file it left once it shut down (``ends_host``)."""
+        try:
+            return self.processes(host)
+        except (OSError, ValueError, NotFoundError):
+            with contextlib.suppress(OSError, ValueError):
+                saved = json.loads((Path(host.workdir or "") / "supervisor.json").read_text())
+                return list(saved.get("children") or [])
+            return []
 
     # ------------------------------------------------------------------ internals
     def _require(self, name: str) -> dict[str, Any]:

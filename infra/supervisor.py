@@ -184,6 +184,7 @@ class Supervisor:
             "log": str(log_path),
             "started": time.time(),
             "returncode": None,
+            "ends_host": bool(req.get("ends_host")),
         }
         self._save()
         return {"ok": True, "pid": proc.pid, "log": str(log_path)}
@@ -248,6 +249,8 @@ class Supervisor:
             if rc is not None and self.children[pid]["returncode"] is None:
                 self.children[pid]["returncode"] = rc
                 changed = True
+                if self.children[pid].get("ends_host"):
+                    self.stopping = True  # the host's work is done (a training job that finished): no idle host
         if changed:
             self._save()
 

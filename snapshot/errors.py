@@ -16,3 +16,8 @@ class EnvironmentMismatchError(SnapshotError):
 class AgentUnreachableError(SnapshotError):
     """The agent's control address did not answer as an agent does: nothing listens, the connection dropped, or
     what answered speaks no agent protocol (PROTOCOL.md). Nothing was asked of the workload."""
+
+
+class TrainingLoopError(SnapshotError):
+    """A training loop that cannot prove a move: it takes steps and reports no loss (``step.report``), or its
+    process ended before it did. No retry changes that: the flow rolls back at once."""

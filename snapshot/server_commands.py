@@ -276,7 +276,8 @@ def handlers(
             control_key=key,
             tolerate=bool(args.get("tolerate", False)),
         ),
-        "zeroize": engine.zeroize,
+        "zeroize": lambda: engine.zeroize(end_parked=bool(args.get("end_parked", False))),
+        "key": lambda: engine.check_key(key_ref_arg(args.get("key_ref"))),
     }
 
 

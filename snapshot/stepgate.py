@@ -28,6 +28,7 @@ engine's side of this one (``hold``, ``shut``, ``reopen``, ``let_through``, ``ma
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +45,15 @@ RETIRED = "retired: state zeroized"  # the reason a retired gate gives (readines
 
 class SafePointUnavailable(SnapshotError):
     """A safe point waited longer than its timeout at a frozen or unready gate (answer 503 to it)."""
+
+
+class SourceEnded(SystemExit):
+    """Raised at a training loop's parked safe point once a retired source's lease ran out (``mark_retired(
+    end_parked=True)``: the job trains on its migration's target now). A SystemExit with code 0: the loop's
+    ``finally`` blocks run and the process ends, with no traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
 
 
 class StepReport:
@@ -67,6 +77,7 @@ class SafePointGate:
         self._budget = 0  # safe points a frozen gate still admits (advance)
         self._ready = ready
         self._retired = False
+        self._end_parked = False  # retired: a parked step ends the process once the gate reopens (lease ran out)
         self.steps = 0
         self._losses: deque[tuple[int, float]] = deque(maxlen=history)
         self._durations: deque[tuple[float, float]] = deque(maxlen=LATENCIES)  # (end, seconds), monotonic clock
@@ -100,12 +111,16 @@ class SafePointGate:
             self._retired = self._retired and not ready
             self._cond.notify_all()
 
-    def mark_retired(self) -> None:
+    def mark_retired(self, *, end_parked: bool = False) -> None:
         """The workload's state is zeroized (it was migrated): unready for good, and every safe point, held
-        ones included, fails at once instead of waiting out its timeout. Idempotent."""
+        ones included, fails at once instead of waiting out its timeout. Idempotent.
+
+        ``end_parked``: a training loop's step parked here (a safe point without a timeout) ends the process
+        (:class:`SourceEnded`) once the gate reopens, that is once the freeze lease ran out unrenewed."""
         with self._cond:
             self._retired = True
             self._ready = False
+            self._end_parked = self._end_parked or end_parked
             self._cond.notify_all()
 
     def reason(self) -> str | None:
@@ -152,7 +167,7 @@ class SafePointGate:
                     if serves:
                         self._refuse_retired()
                     if not self._cond.wait_for(
-                        lambda: self._admissible() or (serves and self._retired), timeout=timeout_s
+                        lambda: self._admissible() or (serves and self._retired) or self._ends(), timeout=timeout_s
                     ):
                         raise SafePointUnavailable(
                             f"waited {timeout_s:g}s at the safe point ({self.reason() or 'busy'})",
@@ -160,11 +175,18 @@ class SafePointGate:
                         )
                     if serves:
                         self._refuse_retired()
+                    elif self._ends():
+                        sys.stderr.write(f"gpumigrate: this job was migrated and its source {RETIRED}: it ends\n")
+                        raise SourceEnded
                 finally:
                     self._waiting -= 1
             if self._frozen:
                 self._budget -= 1
             self._in_flight += 1
+
+    def _ends(self) -> bool:
+        """A retired source's parked step ends the process: its lease ran out (the gate reopened)."""
+        return self._end_parked and self._retired and not self._frozen
 
     def _refuse_retired(self) -> None:
         if self._retired:

@@ -331,8 +331,12 @@ class World:
     def metrics_ranks(self, since: int = 0) -> list[dict[str, Any]]:
         return self._each(lambda r, c: c.call("metrics", since=since), self._renewers)
 
-    def zeroize_ranks(self) -> list[dict[str, Any]]:
-        return self._each(lambda r, c: c.call("zeroize"))
+    def zeroize_ranks(self, *, end_parked: bool = False) -> list[dict[str, Any]]:
+        return self._each(lambda r, c: c.call("zeroize", end_parked=end_parked))
+
+    def check_key_ranks(self, key_ref: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Every rank's process reads the image key ``key_ref`` names; each its ``{"key_id"}``."""
+        return self._each(lambda r, c: c.call("key", key_ref=dict(key_ref)))
 
     # ------------------------------------------------------------------ target side
     def restore_ranks(

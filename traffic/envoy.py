@@ -30,6 +30,7 @@ import httpx
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
+from gpumigrate.traffic import access
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.stats import INGRESS_STATS
 
@@ -92,8 +93,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _http_manager(stat_prefix: str, route_name: str, *, max_connection_s: float, drain_s: float) -> dict[str, Any]:
+def _access_log(path: Path) -> list[dict[str, Any]]:
+    """One JSON line per request (traffic/access.py reads it; STATE_FORMAT.md, "Access log")."""
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": str(path),
+                "log_format": {"json_format": dict(access.FIELDS)},
+            },
+        }
+    ]
+
+
+def _http_manager(
+    stat_prefix: str, route_name: str, *, max_connection_s: float, drain_s: float, access_log: Path | None = None
+) -> dict[str, Any]:
     return {
+        **({"access_log": _access_log(access_log)} if access_log is not None else {}),
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": stat_prefix,
         "codec_type": "AUTO",
@@ -133,7 +151,7 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
     """The bootstrap config (Envoy JSON) of one :class:`Envoy`: its ports, node and listen address.
     Client requests are counted under ``http.ingress.*``, probes under ``http.probes.*``, so a
     migration's figures never include its own probes."""
-    timing = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
+    timing: dict[str, Any] = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
     return {
         "node": {"id": e.node_id, "cluster": "gpumigrate"},
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.admin_port}}},
@@ -165,7 +183,12 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
         },
         "static_resources": {
             "listeners": [
-                _listener("ingress", e.listen_host, e.listen_port, _http_manager("ingress", res.ROUTE_NAME, **timing)),
+                _listener(
+                    "ingress",
+                    e.listen_host,
+                    e.listen_port,
+                    _http_manager("ingress", res.ROUTE_NAME, access_log=e.access_log_path, **timing),
+                ),  # fmt: skip
                 _listener("probes", "127.0.0.1", e.probe_port, _http_manager("probes", res.PROBE_ROUTE_NAME, **timing)),
             ],
             "clusters": [
@@ -250,6 +273,11 @@ class Envoy:
     def log_path(self) -> Path:
         return self.workdir / f"envoy-{self.node_id}.log"
 
+    @property
+    def access_log_path(self) -> Path:
+        """The client listener's requests, one JSON line each (traffic/access.py)."""
+        return self.workdir / f"access-{self.node_id}.log"
+
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
@@ -269,6 +297,8 @@ class Envoy:
                 "warn",
                 "--drain-time-s",
                 f"{DRAIN_S:g}",
+                "--file-flush-interval-msec",  # the access log is read while the migration runs
+                str(access.FLUSH_MS),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -355,6 +385,10 @@ class EnvoyAdmin:
         if r.status_code != 200:
             raise TrafficError(f"envoy admin {path} answered {r.status_code}")
         return r
+
+    def reopen_logs(self) -> None:
+        """Envoy reopens its access logs (after one was rotated away)."""
+        self._client.post(self.url + "/reopen_logs", timeout=self.timeout_s).raise_for_status()
 
     def live(self) -> bool:
         """Envoy's admin says LIVE (initial config applied); False while it starts or cannot be reached."""

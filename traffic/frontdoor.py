@@ -13,7 +13,7 @@ child, starts Envoy again if it dies, and on SIGTERM stops both and removes ``fr
 
 ``<state dir>/frontdoor.json`` (format 1): ``{"admin_urls": [Envoy admin URLs], "listener":
 "http://host:port", "probe_listener": "http://127.0.0.1:port", "nodes": [Envoy node ids], "xds_port": int,
-"source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid}}``
+"source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid}, "access_logs": [paths]}``
 (``probe_listener``: parity probes only, each request naming its side; ``processes``: the detached
 door's process and its Envoy, each recognised by its command line naming this state directory, so a
 reused pid is never signalled). ``GPUMIGRATE_ENVOY_ADMIN`` (comma-separated) overrides ``admin_urls``;
@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,10 +89,38 @@ def _same_hostport(a: object, b: object) -> bool:
     return _hostport(a) is not None and _hostport(a) == _hostport(b)
 
 
-def up_command(source_url: str, workload: str, health_path: str = DEFAULT_HEALTH_PATH) -> str:
-    """The command that starts the front door a migration of ``workload`` needs (preflight says it)."""
+def up_command(source_url: str, health_path: str = DEFAULT_HEALTH_PATH) -> str:
+    """The command that starts the front door a migration needs, or sets a running one's health path (preflight
+    says it). Without ``--workload``: any plan whose endpoint the door fronts finds it (:func:`find_dir`)."""
     extra = f" --health-path {health_path}" if health_path != DEFAULT_HEALTH_PATH else ""
-    return f"gpumigrate frontdoor up --source {source_url} --workload {workload}{extra}"
+    return f"gpumigrate frontdoor up --source {source_url}{extra}"
+
+
+def health_path(state_dir: Path) -> str | None:
+    """The path Envoy health-checks the source on (the control plane's desired state), or None without one."""
+    store = StateStore(state_dir)
+    if not store.exists():
+        return None
+    source = store.read().upstreams.get(SOURCE)
+    return source.health_path if source is not None else None
+
+
+def set_health_path(state_dir: Path, path: str, *, timeout_s: float = 30.0) -> str | None:
+    """Envoy health-checks the source on ``path`` from now on: a cluster update over xDS (connections and weights
+    stay), waited for until every Envoy runs it. Returns the path checked before, or None if it already was ``path``."""
+    store = StateStore(state_dir)
+    before = health_path(state_dir)
+    if before is None or before == path:
+        return None
+
+    def change(s: DesiredState) -> None:
+        s.upstreams[SOURCE] = replace(s.upstreams[SOURCE], health_path=path)
+
+    state = store.update(change)
+    nodes = read(state_dir).nodes
+    if nodes:
+        store.wait_applied(state.version, nodes, timeout_s=timeout_s)
+    return before
 
 
 @dataclass(frozen=True)
@@ -106,6 +134,7 @@ class DoorInfo:
     xds_port: int | None = None
     source: str | None = None  # the source it fronts (http://host:port)
     processes: dict[str, int] = field(default_factory=dict)  # a detached door's: {"frontdoor", "envoy"} -> pid
+    access_logs: list[str] = field(default_factory=list)  # each Envoy's client requests (traffic/access.py)
 
 
 def read(state_dir: Path) -> DoorInfo:
@@ -117,10 +146,10 @@ def read(state_dir: Path) -> DoorInfo:
     admin = [u.strip() for u in admin_env.split(",") if u.strip()] if admin_env else info.get("admin_urls")
     if not isinstance(admin, list) or not admin:
         raise TrafficError(
-            f"no front door in {state_dir}: start one with `gpumigrate frontdoor up --source URL --workload NAME` "
+            f"no front door in {state_dir}: start one with `gpumigrate frontdoor up --source URL` "
             f"(or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR to an Envoy of your own)"
         )
-    nodes, procs = info.get("nodes"), info.get("processes")
+    nodes, procs, logs = info.get("nodes"), info.get("processes"), info.get("access_logs")
     listener, xds_port, probe = info.get("listener"), info.get("xds_port"), info.get("probe_listener")
     return DoorInfo(
         admin_urls=[str(u) for u in admin],
@@ -130,6 +159,7 @@ def read(state_dir: Path) -> DoorInfo:
         xds_port=int(xds_port) if isinstance(xds_port, int) else None,
         source=str(info["source"]) if info.get("source") else None,
         processes={str(k): v for k, v in procs.items() if isinstance(v, int)} if isinstance(procs, dict) else {},
+        access_logs=[str(p) for p in logs] if isinstance(logs, list) and not admin_env else [],
     )
 
 
@@ -212,10 +242,25 @@ class FrontDoor:
             "nodes": [self.envoy.node_id],
             "xds_port": self.plane.port,
             "source": f"http://{host}:{source.port}",
+            "access_logs": [str(self.envoy.access_log_path)],
         }
         if self.detached and self.envoy.proc is not None:
             info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid}
         atomic_write_json(self.state_dir / FRONTDOOR, info)
+
+    def rotate_access_log(self) -> None:
+        """Keep the access log bounded (traffic/access.py): rotated once it is large, and Envoy reopens it."""
+        from gpumigrate.traffic import access
+
+        try:
+            if access.rotate(self.envoy.access_log_path):
+                admin = self.envoy.admin
+                try:
+                    admin.reopen_logs()
+                finally:
+                    admin.close()
+        except Exception as exc:  # a log that cannot rotate never stops the door; the next tick tries again
+            log.warning("the access log could not be rotated: %s", exc)
 
     def stop(self) -> None:
         for part in (self.envoy, self.plane):
@@ -428,6 +473,7 @@ def door_status(state_dir: Path) -> dict[str, Any]:
         "admin_urls": door.admin_urls,
         "processes": {name: {"pid": pid, "running": _ours(pid, state_dir)} for name, pid in door.processes.items()},
         "weights": desired.weights if desired else None,
+        "health_path": desired.upstreams[SOURCE].health_path if desired and SOURCE in desired.upstreams else None,
         "rolled_back": desired.rolled_back if desired else None,
         "lease": lease.to_json() if lease is not None else None,
     }
@@ -465,6 +511,7 @@ def serve(state_dir: Path, *, source: str, health_path: str, listen: str, node_i
                 if door.envoy.ensure_running():
                     log.warning("envoy had exited: started again")
                     door.write_info()
+                door.rotate_access_log()
             except TrafficError as exc:  # keep the control plane (and its lease watch) up; try again
                 log.error("envoy could not be started again: %s", exc)
     finally:

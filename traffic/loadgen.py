@@ -38,6 +38,7 @@ class LoadReport:
     max_ms: float | None
     downtime_ms: float
     per_second: list[dict[str, Any]] = field(default_factory=list)
+    stall_ms: float | None = None  # the longest extra wait a request saw: its latency beyond the median
     achieved_rps: float = 0.0
     started_at: float | None = None  # epoch seconds of the first request (to line up fault windows)
     records: list[list[Any]] | None = None  # [start s, latency ms, ok] per request, when asked for
@@ -57,6 +58,22 @@ class LoadReport:
 
     def to_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
+
+    def summary(self) -> dict[str, Any]:
+        """The report without its per-second rows and records: one line a person reads."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("per_second", "records")}
+
+    def stall_between(self, t_from: float, t_to: float, *, baseline_before: float) -> float | None:
+        """The client side of the front door's stall figure (traffic/access.py): among requests in flight at any
+        moment in [t_from, t_to] (epoch seconds), the longest latency beyond the median latency of the requests
+        answered before ``baseline_before``. Needs ``records`` and ``started_at``."""
+        if not self.records or self.started_at is None:
+            return None
+        t0 = self.started_at
+        before = sorted(r[1] for r in self.records if r[2] and t0 + r[0] + r[1] / 1000 < baseline_before)
+        base = before[len(before) // 2] if before else 0.0
+        held = [r[1] for r in self.records if t0 + r[0] <= t_to and t0 + r[0] + r[1] / 1000 >= t_from]
+        return round(max((ms - base for ms in held), default=0.0), 1)
 
     def failures_between(self, t_from: float, t_to: float) -> tuple[int, int]:
         """(failed, total) for requests started in [t_from, t_to) seconds since the load began."""
@@ -218,6 +235,7 @@ class LoadGenerator:
             max_ms=_pct(lat, 1.0),
             downtime_ms=round(gap * 1000, 1),
             per_second=per_second,
+            stall_ms=None if not lat else round(lat[-1] - lat[len(lat) // 2], 1),
             achieved_rps=round(len(recs) / self._elapsed, 1) if self._elapsed else 0.0,
             started_at=self.started_at,
             records=[[round(r[0], 4), round(r[1], 3), r[2]] for r in recs] if self.keep_records else None,

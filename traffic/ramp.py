@@ -291,6 +291,7 @@ class RampController:
         try:
             state = self.store.set_weights(split(self.source, self.target, weight))
         except TrafficError as exc:  # someone rolled back from outside between two intervals
+            self._check_signals()  # the migration's own rollback request (it moves traffic first) reads as manual
             raise _RolledBack(str(exc), "external", None) from None
         self._weight = weight
         if self.nodes:

@@ -6,7 +6,7 @@ Importing this package is cheap: the public names load their modules on first us
   rate_limit=None, latency=None)``: ``parallelism`` sealing threads (None: one per core), ``rate_limit`` bytes/s,
   ``latency`` the source's request latency its pace yields to (pacing.py)
 - ``open_reader(store_url, image_id, *, key)``
-- ``resolve_key(env=None, file=None) -> bytes``, ``generate_key() -> str``
+- ``resolve_key(env=None, file=None) -> bytes``, ``generate_key() -> str``, ``derive_keys(key).key_id``
 - ``pack_paths(paths, store_url, *, key, parent=None, ...) -> ImageRef``, ``unpack(store_url, image_id, out_dir, *, key)``
 - ``push(src_url, dst_url, image_id, *, key, parallelism=4, progress=None) -> TransferStats``: any store or
   receiver (stream://, nixl://) as destination; the CLI and the flows both call it
@@ -30,6 +30,7 @@ _EXPORTS = {
     "open_reader": "api",
     "resolve_key": "format.keys",
     "generate_key": "format.keys",
+    "derive_keys": "format.keys",
     "pack_paths": "pack",
     "unpack": "unpack",
     "push": "push",

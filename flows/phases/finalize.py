@@ -2,8 +2,8 @@
 
 Neither happens while the target does not answer: then the migration rolls back (the source is whole).
 A training job trains on the target now: its source, still frozen, is parked for as long as a lease goes
-(first, so that no failure after it lets the source train beside the target), then its memory is zeroized;
-the user stops the source process.
+(first, so that no failure after it lets the source train beside the target), then its memory is zeroized, and
+its process ends once one freeze lease (``snapshot.freeze_lease_s``) ran out, unless ``snapshot.keep_parked_source``.
 """
 
 from __future__ import annotations
@@ -50,20 +50,22 @@ def run(ctx: RunContext) -> dict[str, Any]:
 
 
 def _park_and_retire(ctx: RunContext) -> dict[str, Any]:
-    """The job trains on the target: the source is parked (never resumed), then its memory zeroized."""
-    m = ctx.migration
+    """The job trains on the target: the source is parked (never resumed), then its memory zeroized; then, unless
+    the plan keeps it (``snapshot.keep_parked_source``), its process ends once one more freeze lease ran out."""
+    m, plan = ctx.migration, ctx.plan
     backend = ctx.backend()
     backend.renew(MAX_LEASE_S)  # first: parked for as long as a lease goes, whatever fails below
     kept = release(ctx)
-    emit(
-        m,
-        "source.parked",
-        {"lease_renewals": kept.get("renewals"), "parked_s": MAX_LEASE_S,
-         "note": "the job trains on the target now; stop the source process"},
-    )  # fmt: skip
-    emit(m, "source.zeroized", backend.retire())
+    emit(m, "source.parked", {"lease_renewals": kept.get("renewals"), "parked_s": MAX_LEASE_S})
+    emit(m, "source.zeroized", backend.retire())  # retired: a parked step ends the process when the lease runs out
     ctx.update(source_zeroized=True, source_retired=True, rollback_deadline=time.time())
-    return {"source": "zeroized", "parked_s": MAX_LEASE_S}
+    if plan.snapshot.keep_parked_source:
+        emit(m, "source.kept_parked", {"note": "snapshot.keep_parked_source: stop the source process yourself"})
+        return {"source": "zeroized", "parked_s": MAX_LEASE_S}
+    lease = plan.snapshot.freeze_lease_s
+    backend.renew(lease)
+    emit(m, "source.ends", {"in_s": lease, "note": "the source process ends when its freeze lease runs out"})
+    return {"source": "zeroized", "source_process_ends_in_s": lease}
 
 
 def target_answers(ctx: RunContext) -> bool:

@@ -17,13 +17,14 @@ from gpumigrate.environment import compare
 from gpumigrate.errors import ParityError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
-from gpumigrate.flows.facts import workload_facts
+from gpumigrate.flows.facts import FactsUnavailableError, workload_facts
 from gpumigrate.flows.freeze_lease import keep_frozen, renewals
 from gpumigrate.flows.phases.restore import STEPS_TIMEOUT_S, freeze_cut
 from gpumigrate.flows.report import merge_result
 from gpumigrate.interfaces import SnapshotBackend
 from gpumigrate.parity.output import run_output_parity
 from gpumigrate.parity.training import training_parity
+from gpumigrate.snapshot.errors import TrainingLoopError
 
 FAILURES_KEPT = 20
 
@@ -36,7 +37,17 @@ def run(ctx: RunContext) -> dict[str, Any]:
     src_url = None if training else ctx.need(plan.workload.endpoint, "the source endpoint")
     tgt_url = None if training else ctx.target_endpoint()
     source = workload_facts(src_url, plan.workload.agent, side="source", backend=backend)
-    target = workload_facts(tgt_url, ctx.runtime.target_agent, side="target", backend=backend)
+    try:
+        target = workload_facts(tgt_url, ctx.runtime.target_agent, side="target", backend=backend)
+    except FactsUnavailableError:
+        if not training:
+            raise
+        # Its agent answered the restore a moment ago: a loop whose steps were behind it ended at once.
+        raise TrainingLoopError(
+            f"the target's training process ended, or closed its agent at {ctx.runtime.target_agent}, right after "
+            "its restore, before it took a step to compare",
+            hint="it may have trained to its end: give it steps to outlast the migration; its log says more",
+        ) from None
     env = compare(source, target, plan.parity.environment)
     emit(m, "parity.environment", {**env.to_dict(), "differences": env.differences()})
     if not env.passed:

@@ -19,6 +19,7 @@ from gpumigrate.flows.context import Fact, RunContext, same_endpoint
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.facts import FactsUnavailableError, workload_facts
 from gpumigrate.flows.plan_checks import check_golden, training_rules
+from gpumigrate.flows.source_checks import check_source
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.placement import check_zones
 from gpumigrate.infra.residency import (
@@ -65,6 +66,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
     found = _check_backend(ctx)
     ctx.update(backend_facts=_scalars(found))
     emit(m, "snapshot.checked", {"backend": plan.snapshot.backend, **_scalars(found)})
+    inputs.update(check_source(ctx))  # its paths, one golden answer, its losses: what the plan alone cannot show
     return {
         "residency": "allow",
         "decisions": len(decisions),
@@ -115,21 +117,32 @@ def _check_backend(ctx: RunContext) -> dict[str, Any]:
 
 
 def _front_door(ctx: RunContext) -> None:
-    """An inference migration shifts its clients through the front door: it must be up, and front this
-    plan's endpoint, before anything is provisioned (exit 2 naming the command that starts it)."""
+    """An inference migration shifts its clients through the front door: it must be up, front this plan's
+    endpoint and health-check its ready path, before anything is provisioned (exit 2 naming the command)."""
     wl = ctx.plan.workload
     endpoint = ctx.need(wl.endpoint, "the source endpoint")
     state_dir = ctx.traffic_dir()
-    start = frontdoor.up_command(endpoint, wl.name, wl.ready_path)
+    start = frontdoor.up_command(endpoint, wl.ready_path)
     try:
         door = frontdoor.check(state_dir)
     except TrafficError as exc:
-        raise PolicyDeniedError(
-            "front-door", f"no front door is up for workload {wl.name} ({exc}): start it with `{start}`"
-        ) from None
+        why = (
+            f"the front door in {state_dir} is not answering ({exc.message})"
+            if (state_dir / frontdoor.FRONTDOOR).exists()
+            else f"no front door fronts {endpoint}"
+        )
+        raise PolicyDeniedError("front-door", f"{why}: start it with `{start}`") from None
     if door.source and not same_endpoint(door.source, endpoint):
         raise PolicyDeniedError(
             "front-door", f"the front door in {state_dir} fronts {door.source}, not this plan's endpoint {endpoint}"
+        )
+    checked = frontdoor.health_path(state_dir)
+    if checked is not None and checked != wl.ready_path:
+        raise PolicyDeniedError(
+            "front-door",
+            f"the front door health-checks the source on GET {checked}, and this plan's workload.ready_path is "
+            f"{wl.ready_path}: Envoy would send clients by another rule than the migration's; set the door's path "
+            f"with `{start}`",
         )
     emit(ctx.migration, "traffic.frontdoor.checked", {"state_dir": str(state_dir), "listener": door.listener})
 

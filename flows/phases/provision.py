@@ -13,6 +13,7 @@ source's port, at its own address. From the moment a host exists, an undo termin
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -85,7 +86,9 @@ def target_launch(ctx: RunContext) -> WorkloadLaunch:
     key = plan.workload.control_key
     if key is not None and key.file:  # an env reference is the target's own variable: never copied here
         contract["GPUMIGRATE_CONTROL_KEY_FILE"] = str(ctx.resolve(key.file))
-    return WorkloadLaunch.from_plan(plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract)
+    launch = WorkloadLaunch.from_plan(plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract)
+    # A training job that finished leaves its host with nothing to run: the host goes down with it.
+    return replace(launch, ends_host=plan.workload.kind == "training")
 
 
 def _restored_endpoint(host: Host, source_endpoint: str | None) -> str | None:

@@ -5,8 +5,8 @@ a failed gate or a rollback request); this phase hands it what it needs from the
 front door, the plan's stages and gates, parity probes judged by the parity library's comparator
 (traffic never imports parity), the rollback signal, who holds the traffic lease — and records what
 it decided: the outcome and its trigger (a lease the control plane took back included), and what the
-clients saw through the front door (requests, failures, p99, downtime: Envoy's own stats), for every
-migration, whatever made the traffic. A training job has no clients: nothing to shift, the phase is skipped.
+clients saw through the front door during the ramp (Envoy's own stats, in the audit; the result's figures span
+the whole migration: flows/client_figures.py). A training job has no clients: nothing to shift, the phase is skipped.
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ def run(ctx: RunContext) -> dict[str, Any]:
         merge_result(m, chart=str(chart))
     if result.status != "completed":
         reason = result.reason or "a gate failed"
-        detail = {"reason": reason[:300], "trigger": result.trigger, "seconds_to_detect": result.seconds_to_detect}
+        detect = None if result.seconds_to_detect is None else round(result.seconds_to_detect, 3)
+        detail = {"reason": reason[:300], "trigger": result.trigger, "seconds_to_detect": detect}
         emit(m, "traffic.rolled_back", {**detail, "applied_s": result.rollback_applied_s})
         emit(m, f"rollback.{'manual' if result.trigger == 'manual' else 'automatic'}", detail)
         merge_result(m, rollback={"trigger": result.trigger})
-        raise RolledBackError(reason, seconds_to_detect=result.seconds_to_detect)
+        raise RolledBackError(reason, seconds_to_detect=detect)
     emit(m, "traffic.cutover", {"weight": 100})
     return {"stages": len(result.stages), "intervals": len(samples)}
 
@@ -106,22 +107,12 @@ def lease_holder(ctx: RunContext) -> str:
 
 
 def record_figures(ctx: RunContext, figures: Mapping[str, Any] | None) -> None:
-    """What clients saw during the ramp, from Envoy's stats, into the result (requests, downtime) and the audit."""
+    """What clients saw during the ramp, from Envoy's stats, into the audit. The result's requests and downtime
+    span the whole migration from its first freeze (flows/client_figures.py): one figure, never this window's."""
     if not figures:
         return
-    m = ctx.migration
-    emit(m, "traffic.figures", {k: v for k, v in figures.items() if isinstance(v, (str, int, float, type(None)))})
-    merge_result(
-        m,
-        requests={
-            "total": figures.get("requests"),
-            "failed": figures.get("failures"),
-            "p50_ms": figures.get("p50_ms"),
-            "p99_ms": figures.get("p99_ms"),
-            "measured_by": "envoy",
-        },
-        downtime_ms=figures.get("downtime_ms"),
-    )
+    kept = {k: v for k, v in figures.items() if isinstance(v, (str, int, float, type(None)))}
+    emit(ctx.migration, "traffic.figures", {**kept, "window": "the ramp"})
 
 
 def flatten(sample: Mapping[str, Any]) -> Sample:

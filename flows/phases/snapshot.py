@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gpumigrate.flows import client_figures
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.freeze_lease import keep_frozen, release
@@ -32,6 +33,7 @@ from gpumigrate.snapshot.gchold import gc_held
 def run(ctx: RunContext) -> dict[str, Any]:
     m, plan = ctx.migration, ctx.plan
     backend = ctx.backend()
+    client_figures.mark(ctx)  # the front door's requests from here on: the baseline, then the freeze's stall
     parent = ctx.runtime.image  # a resumed migration ships only what changed since
     rounds = plan.snapshot.precopy_rounds if backend.live_rounds else 0
     live = precopy_rounds(ctx, backend, max_rounds=rounds)  # each pre-loaded into the target where it can
@@ -42,7 +44,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         frozen_at, t_freeze = time.time(), time.monotonic()
         # Under the plan's lease: a killed orchestrator leaves the source frozen for one lease at most.
         step = backend.freeze(plan.snapshot.freeze_lease_s)
-        ctx.update(source_frozen=True)
+        ctx.update(source_frozen=True, **({} if ctx.runtime.froze_at else {"froze_at": frozen_at}))
         try:
             keep_frozen(ctx, backend)  # renewed while this process lives, however long the final round takes
             image = backend.final()
@@ -54,7 +56,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         if plan.workload.kind == "inference":
             # Weights are read-only: the source serves on while the target is restored and ramped.
             backend.resume()
-            ctx.update(source_frozen=False)
+            ctx.update(source_frozen=False, resumed_at=time.time())
             release(ctx)
     ctx.update(image=image)
     emit(

@@ -18,6 +18,7 @@ from gpumigrate.cli import (
     cost_cmd,
     demo_cmd,
     frontdoor_cmd,
+    gc_cmd,
     hosts_cmd,
     image_cmd,
     migration_cmd,
@@ -50,6 +51,7 @@ cost_cmd.register(app)
 app.add_typer(traffic_cmd.app, name="traffic")
 app.add_typer(frontdoor_cmd.app, name="frontdoor")
 app.add_typer(snapshot_cmd.app, name="snapshot")
+gc_cmd.register(app)
 
 
 # OSErrors that mean "this path cannot be used" (too long, a file where a folder must be, not allowed...)

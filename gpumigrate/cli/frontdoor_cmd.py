@@ -72,8 +72,10 @@ def up(
     ),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Start the front door for SOURCE, detached; idempotent for the same source."""
-    from gpumigrate.traffic.frontdoor import start_detached, wait_source_healthy
+    """Start the front door for SOURCE, detached; for the same source already up, idempotent (with another
+    --health-path, Envoy checks that path from then on)."""
+    from gpumigrate.traffic.frontdoor import health_path as checked_path
+    from gpumigrate.traffic.frontdoor import set_health_path, start_detached, wait_source_healthy
 
     host, port = _source(source)
     if not _PATH.fullmatch(health_path):
@@ -83,23 +85,26 @@ def up(
         state_dir, source_host=host, source_port=port, health_path=health_path, listen=listen,
         node_id=f"frontdoor-{workload or 'default'}",
     )  # fmt: skip
+    before = None if started else set_health_path(state_dir, health_path)
+    checks = checked_path(state_dir) or health_path  # what Envoy runs now, never only what was asked
     healthy = wait_source_healthy(state_dir, HEALTHY_TIMEOUT_S)  # Envoy answers clients 503 until then
     verb = "up" if started else "already up"
+    changed = f"; Envoy now checks GET {esc(checks)} (it checked {esc(before)})" if before else ""
     console.print(
         f"front door {verb} for {esc(door.source or source)}: clients call [bold]{esc(door.listener or '')}[/]; "
-        f"state in {esc(str(state_dir))}; stop it with `{_down_command(workload)}`",
+        f"state in {esc(str(state_dir))}{changed}; stop it with `{_down_command(workload)}`",
         soft_wrap=True,
     )
     if not healthy:
         console.print(
-            f"[yellow]the source does not pass Envoy's health check (GET {esc(health_path)} answering 200) yet:"
+            f"[yellow]the source does not pass Envoy's health check (GET {esc(checks)} answering 200) yet:"
             f" clients get 503 until it does[/]",
             soft_wrap=True,
         )
     if json_out:
         emit_json({"state_dir": str(state_dir), "started": started, "source": door.source, "listener": door.listener,
-                   "admin_urls": door.admin_urls, "processes": door.processes,
-                   "source_healthy": healthy})  # fmt: skip
+                   "admin_urls": door.admin_urls, "processes": door.processes, "health_path": checks,
+                   "health_path_before": before, "source_healthy": healthy})  # fmt: skip
 
 
 @app.command("status")
@@ -122,7 +127,8 @@ def status(workload: str | None = WORKLOAD, json_out: bool = typer.Option(False,
     procs = ", ".join(f"{n} {p['pid']} {'running' if p['running'] else 'GONE'}" for n, p in out["processes"].items())
     console.print(
         f"front door {'up' if out['up'] else 'NOT ANSWERING'} for {esc(str(out['source']))}: listener "
-        f"{esc(str(out['listener']))}, weights {out['weights']}{'; ' + procs if procs else ''}",
+        f"{esc(str(out['listener']))}, health check GET {esc(str(out.get('health_path')))}, weights "
+        f"{out['weights']}{'; ' + procs if procs else ''}",
         soft_wrap=True,
     )
     if not out["up"]:

@@ -2,7 +2,7 @@
 
     gpumigrate hosts up [--name local-a --name local-b] [--netns] [--rate 1gbit] [--delay 10ms] [--json]
     gpumigrate hosts list [--json]
-    gpumigrate hosts down (--all | NAME ...)
+    gpumigrate hosts down (--all | NAME ...)     also removes their files (image store, logs) that no migration needs
 
 Hosts brought up here are detached: they outlive this command until ``hosts down``. A migration
 whose target names one of them adopts it. ``list`` and ``down`` also clean up after hosts whose
@@ -95,18 +95,32 @@ def down(
     all_hosts: bool = typer.Option(False, "--all", help="stop every local host"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on stdout"),
 ) -> None:
-    """Stop hosts: their processes, their namespace, their registry entry. Idempotent."""
+    """Stop hosts (their processes, namespace and registry entry), then remove their files (image store, logs)
+    unless a migration still needs them, saying what was kept and why. Idempotent."""
+    from gpumigrate.flows import cleanup
+
     if not names and not all_hosts:
         raise InvalidInputError("name the hosts to stop, or pass --all")
     if names and all_hosts:
         raise InvalidInputError("pass host names or --all, not both")
     provider = _provider()
     reaped = provider.reap_stale()
-    targets = [h.name for h in provider.list_hosts()] if all_hosts else list(names)
+    up = {h.name for h in provider.list_hosts()}
+    targets = sorted(up) if all_hosts else list(names)
+    stopped, not_up, files = [], [], []
     for n in targets:
-        provider.terminate(n)
-        console.print(f"down {n}")
+        if n in up:
+            provider.terminate(n)
+            stopped.append(n)
+            console.print(f"down {n}")
+        else:
+            not_up.append(n)
+            console.print(f"{n} was not up: nothing to stop" + (" (its supervisor had died)" if n in reaped else ""))
+        for item in cleanup.remove(cleanup.host_files(n, up=False)):
+            files.append(item.to_json())
+            console.print(f"  {cleanup.describe(item)}", soft_wrap=True, highlight=False)
     for n in reaped:
-        console.print(f"cleaned up {n} (its supervisor had died)")
+        if n not in targets:
+            console.print(f"cleaned up {n} (its supervisor had died)")
     if as_json:
-        emit_json({"stopped": targets, "cleaned_up": reaped})
+        emit_json({"stopped": stopped, "not_up": not_up, "cleaned_up": reaped, "files": files})

@@ -21,6 +21,7 @@ from rich.text import Text
 
 from gpumigrate.cli.output import console
 from gpumigrate.flows.events import listening
+from gpumigrate.flows.report import figure_lines, seconds
 from gpumigrate.result import MigrationResult
 from gpumigrate.state import PHASES
 
@@ -96,8 +97,8 @@ class LiveView:
             parts.append(
                 Text(
                     f"ramp: target weight {r.get('weight', 0):.0f}%  target errors "
-                    f"{100 * (r.get('error_rate') or 0):.2f}%  p99 target {r.get('p99_ms') or 0:.1f} ms / "
-                    f"source {r.get('source_p99_ms') or 0:.1f} ms  verdict {r.get('verdict', '')}"
+                    f"{100 * (r.get('error_rate') or 0):.2f}%  p99 target {_ms(r.get('p99_ms'))} / "
+                    f"source {_ms(r.get('source_p99_ms'))}  verdict {r.get('verdict', '')}"
                 )
             )
         parts += [Text(e, style="dim") for e in self.events]
@@ -122,6 +123,14 @@ class LiveView:
         with self._lock:
             self._live.update(self._render())
         self._live.stop()
+        if not console.is_terminal:
+            console.line()  # its last render ends without a line break where it is not a terminal (a log, a pipe)
+
+
+def _ms(value: Any) -> str:
+    """A p99 in the live view; a side that answered no request in the interval has none (after the cut-over, the
+    source), which is no 0.0 ms."""
+    return "–" if value is None else f"{float(value):.1f} ms"
 
 
 def summary(result: MigrationResult) -> None:
@@ -130,23 +139,18 @@ def summary(result: MigrationResult) -> None:
     console.print(f"[bold {color}]{result.status}[/] migration {result.migration_id} (exit {result.exit_code})")
     if result.error:
         console.print(f"  {result.error}", soft_wrap=True)
-    rq, by, pa, rb = result.requests, result.bytes, result.parity, result.rollback
-    if rq.total is not None:
-        latency = "".join(
-            f", {name} {ms} ms" for name, ms in (("p50", rq.p50_ms), ("p99", rq.p99_ms)) if ms is not None
-        )
-        console.print(
-            f"  requests: {rq.total} total, {rq.failed} failed{latency}; downtime {result.downtime_ms} ms",
-            soft_wrap=True,
-        )
+    by, pa, rb = result.bytes, result.parity, result.rollback
+    for line in figure_lines(result):
+        console.print(f"  {line[2:]}", soft_wrap=True, highlight=False)
+    if result.pause_ms is not None:
+        console.print(f"  training pause (freeze to the target's first step): {result.pause_ms:,.0f} ms")
     if by.image is not None:
         console.print(f"  bytes: image {by.image:,}, sent {by.sent or 0:,}, stored {by.stored or 0:,}")
     if pa.passed is not None:
-        console.print(
-            f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases, max abs err {pa.max_abs_err}"
-        )
+        err = f", max abs err {pa.max_abs_err:.3g}" if pa.max_abs_err is not None else ""
+        console.print(f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases{err}")
     if rb.triggered:
-        detected = f" (detected in {rb.seconds_to_detect} s)" if rb.seconds_to_detect is not None else ""
+        detected = f" (detected in {seconds(rb.seconds_to_detect)})" if rb.seconds_to_detect is not None else ""
         console.print(f"  rollback: {rb.reason}{detected}", soft_wrap=True)
     # soft_wrap: a path must stay on one line, copy-pasteable.
     if result.report:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from gpumigrate.cli.output import console, emit_json
+from gpumigrate.cli.output import console, emit_json, esc
 from gpumigrate.errors import IntegrityError
 from gpumigrate.state import Migration
 
@@ -45,13 +46,20 @@ def rollback(
     reason: str = typer.Option("manual rollback requested", "--reason"),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Roll a migration back: traffic to the source, target torn down. Acts within one analysis interval."""
-    Migration.open(migration_id)  # a wrong id fails fast (exit 2), before Prefect starts
-    from gpumigrate.flows.rollback import rollback_flow
+    """Roll a migration back: traffic to the source at once, then the target torn down and the source resumed."""
+    Migration.open(migration_id)  # a wrong id fails fast (exit 2)
+    from gpumigrate.flows.manual_rollback import rollback_migration
 
-    # Through the rollback flow: the same path as the Prefect UI's button.
-    outcome = rollback_flow(migration_id=migration_id, reason=reason)
+    # The same path as the Prefect UI's button, acted on here and now: no Prefect before the traffic moved.
+    outcome = rollback_migration(migration_id, reason=reason)
     console.print(f"migration {migration_id}: [bold]{outcome.get('status')}[/] ({outcome.get('how')})", soft_wrap=True)
+    if os.environ.get("PREFECT_API_URL") and not str(outcome.get("how", "")).startswith(("already", "denied")):
+        try:  # a server's UI shows it beside the button's runs; what was done is done either way
+            from gpumigrate.flows.rollback import rollback_recorded_flow
+
+            rollback_recorded_flow(migration_id=migration_id, outcome=outcome, reason=reason)
+        except Exception as exc:
+            console.print(f"[yellow]the rollback is done; publishing it to Prefect failed: {esc(str(exc)[:300])}[/]")
     if json_out:
         emit_json(outcome)
     raise typer.Exit(outcome.get("exit_code", 0))
@@ -77,6 +85,10 @@ def status(
             name, ph.get("status", "pending"), f"{ph['seconds']:.2f}" if ph.get("seconds") is not None else ""
         )
     console.print(table)
+    from gpumigrate.flows.report import build_result, figure_lines
+
+    for line in figure_lines(build_result(Migration.open(migration_id))):  # the same figures as the report's
+        console.print(line, soft_wrap=True, highlight=False)
 
 
 LOGS = {"policy": "audit/policy.jsonl", "cost-moves": "audit/cost-moves.jsonl"}

@@ -232,7 +232,8 @@ def load(
     body: str | None = typer.Option(None, "--body", help="JSON body (default: a short generate request)."),
     json_out: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Open-loop load at a fixed rate: totals, failures, latency percentiles, downtime."""
+    """Open-loop load at a fixed rate: totals, failures, latency percentiles, the longest extra wait, the longest
+    stretch with no answer. With --json: one line per second, then the summary (the last line)."""
     from gpumigrate.traffic.loadgen import LoadGenerator
 
     if not url.startswith(("http://", "https://")):
@@ -242,12 +243,16 @@ def load(
     except ValueError as exc:
         raise InvalidInputError(f"--body is not valid JSON: {exc}") from None
     report = LoadGenerator(url, rps=rps, seconds=seconds, body=parsed).run()
-    if json_out:
-        emit_json(report.to_json())
+    if json_out:  # a line per second, then the summary: the last line is one short JSON object
+        for row in report.per_second:
+            print(json.dumps({"second": row}), flush=True)
+        emit_json(report.summary())
     else:
         console.print(
             f"{report.total} requests, {report.failed} failed {report.errors or ''}; p50 {report.p50_ms} ms, "
-            f"p99 {report.p99_ms} ms, downtime {report.downtime_ms} ms, {report.achieved_rps} req/s"
+            f"p99 {report.p99_ms} ms, longest extra wait {report.stall_ms} ms, no answer for {report.downtime_ms} ms "
+            f"at most, {report.achieved_rps} req/s",
+            soft_wrap=True,
         )
     if report.total and report.failed == report.total:  # a load that reached nothing is not a load test
         console.print(f"[red]no request succeeded[/]: is {esc(url)} the right URL, and does it answer?")

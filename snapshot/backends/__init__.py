@@ -55,6 +55,8 @@ class Setup:
     target_pid: int | None = None  # the process a restore started there (CRIU)
     target_pid_start: int | None = None  # its start time (clock ticks): the same process, not a recycled pid
     host_actions: HostActions | None = None  # how host-level actions reach the host that holds the process
+    # retire(): a training source parked at its safe point ends its process once its freeze lease runs out
+    end_parked_source: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,12 @@ from gpumigrate.errors import InvalidInputError, SnapshotError
 from gpumigrate.interfaces import ImageRef, Restored, Round, Side, StepLosses
 from gpumigrate.snapshot.backends import Setup
 from gpumigrate.snapshot.client import Zeroized, agent_environment, decode_steps
+from gpumigrate.snapshot.errors import AgentUnreachableError, TrainingLoopError
 from gpumigrate.snapshot.world import World
 
 COMMAND_TIMEOUT_S = 600.0  # one command (a round, a restore); a stalled agent fails it rather than hanging
 STEPS_POLL_S = 0.01
+UNREPORTED_STEPS = 3  # steps past those asked for, with no loss reported: the loop never calls step.report
 
 
 class EmbeddedAgentBackend:
@@ -49,9 +51,12 @@ class EmbeddedAgentBackend:
         return World.consecutive(self._address(side), self.setup.ranks, timeout_s=timeout_s)
 
     def check(self) -> dict[str, Any]:
-        """The source's agents answer on their control addresses."""
+        """The source's agents answer on their control addresses, and each reads the image key (the workload
+        seals its image itself: a key its environment lacks would stop the snapshot after a target started)."""
         with self._world("source") as world:
             world.ping_ranks()
+            if self.setup.key_ref:
+                world.check_key_ranks(self.setup.key_ref)
         return {"agent": self.setup.source_agent}
 
     def facts(self, side: Side) -> dict[str, Any]:
@@ -98,7 +103,7 @@ class EmbeddedAgentBackend:
 
     def retire(self) -> dict[str, Any]:
         with self._world("source") as world:
-            record = zeroized_of(world.zeroize_ranks())
+            record = zeroized_of(world.zeroize_ranks(end_parked=self.setup.end_parked_source))
         if not record.verified:
             raise SnapshotError(f"the zeroize of the source could not be verified: {record}")
         return record.record()
@@ -125,16 +130,35 @@ class EmbeddedAgentBackend:
         return self._load(image, ready=True)
 
     def wait_for_steps(self, side: Side, *, since: int, count: int, timeout_s: float) -> StepLosses:
-        """Poll rank 0's agent on ``side`` until it reported ``count`` losses after step ``since``."""
+        """Poll rank 0's agent on ``side`` until it reported ``count`` losses after step ``since``.
+
+        A loop that takes steps without reporting a loss fails as soon as it took :data:`UNREPORTED_STEPS` more
+        than asked (it would train to its end unseen), and one whose agent is gone fails naming that, never
+        after ``timeout_s``: both are :class:`TrainingLoopError`, which no retry can fix."""
         deadline = time.monotonic() + timeout_s
+        address = self._address(side)
         with self._world(side, timeout_s=30) as world:
             while True:
-                seen = decode_steps(world.metrics_ranks(since)[0])
+                try:
+                    seen = decode_steps(world.metrics_ranks(since)[0])
+                except AgentUnreachableError as exc:
+                    raise TrainingLoopError(
+                        f"the {side}'s training process ended, or closed its agent at {address}, before it reported "
+                        f"{count} step(s) after step {since} ({exc})",
+                        hint="it may have trained to its end: give it steps to outlast the migration; its log says more",
+                    ) from None
                 if len(seen.losses) >= count:
                     return seen
+                if not seen.losses and seen.steps - since >= count + UNREPORTED_STEPS:
+                    raise TrainingLoopError(
+                        f"the {side} took {seen.steps - since} steps after step {since} and reported no loss",
+                        hint="the training loop must call step.report(loss=loss.item()) inside `with "
+                        "handle.safe_point() as step:` (README, 'Migrate a training job'): migration proves "
+                        "the move by those losses",
+                    )
                 if time.monotonic() > deadline:
                     raise SnapshotError(
-                        f"the {side}'s agent at {self._address(side)} reported {len(seen.losses)} of {count} steps "
+                        f"the {side}'s agent at {address} reported {len(seen.losses)} of {count} steps "
                         f"after step {since} within {timeout_s:g} s: is the training loop running (safe_point, "
                         "step.report)?"
                     )

@@ -69,12 +69,14 @@ class SnapshotEngine:
         filler: Filler | None = None,
         warming: Callable[[], bool] | None = None,
         timeline: Callable[[], Mapping[str, Any]] | None = None,
+        key_check: Callable[[Mapping[str, str]], str | None] | None = None,
     ) -> None:
         self.writer_factory = writer_factory  # how images are opened for a store URL and a key reference
         self.reader_factory = reader_factory
         self.filler = filler  # a restore filled straight from the source's memory (fill.py), and its lending
         self.warming = warming  # whether the SDK still compiles the device kernels in the background
         self.timeline = timeline  # when the process reached each point of its start (the SDK's, for ``info``)
+        self.key_check = key_check  # key reference -> the key's id (None: no key), read in this process
         self.freezer = freezer  # the workload's safe point: park waits for it, unpark reopens it
         self.set_ready = set_ready
         self.lock = threading.RLock()
@@ -282,11 +284,16 @@ class SnapshotEngine:
             )
 
     # ------------------------------------------------------------------ after the cut-over (zeroize.py)
-    def zeroize(self) -> dict[str, Any]:
+    def zeroize(self, *, end_parked: bool = False) -> dict[str, Any]:
         with self.lock:
-            return zeroize(
-                self.tracker, self.pipelines, gate=self.freezer, set_ready=self.set_ready, forget=self._forget_memory
-            )
+            return zeroize(self.tracker, self.pipelines, gate=self.freezer, set_ready=self.set_ready,
+                           forget=self._forget_memory, end_parked=end_parked)  # fmt: skip
+
+    def check_key(self, key_ref: Mapping[str, str]) -> dict[str, Any]:
+        """Whether this process can read the image key ``key_ref`` names (preflight: before anything moves)."""
+        if self.key_check is None:
+            raise SnapshotError("this agent cannot check image keys: the workload did not wire the transfer engine")
+        return {"key_id": self.key_check(key_ref)}
 
     def _forget_memory(self) -> None:
         self.state.state_version += 1

@@ -26,14 +26,18 @@ def zeroize(
     gate: SafePointGate | None,
     set_ready: Callable[[bool], None] | None,
     forget: Callable[[], None],
+    end_parked: bool = False,
 ) -> dict[str, Any]:
     """Overwrite the tracked tensors (and the ring buffers) with zeros, read back; the audit record.
+
+    ``end_parked``: a training loop parked at the safe point ends its process once the freeze lease runs out
+    (``SafePointGate.mark_retired``).
 
     ``forget`` is called once the memory is wiped: what the engine remembers of it (shipped, pre-loaded) is void."""
     if set_ready is not None:
         set_ready(False)  # zeros are not a model: stop answering before the first byte changes
     if gate is not None:
-        gate.mark_retired()  # and for good: /readyz says so, requests fail at once (no wait)
+        gate.mark_retired(end_parked=end_parked)  # for good: /readyz says so, requests fail at once (no wait)
     t0 = time.perf_counter()
     regions = 0
     nbytes = 0

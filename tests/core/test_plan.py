@@ -283,3 +283,19 @@ def test_an_unknown_field_names_the_closest_allowed_one_and_lists_them(tmp_path:
     problems = dict(info.value.problems)
     assert problems["workload.kindd"].startswith("unknown field: did you mean 'kind'? allowed here: agent,")
     assert problems["traffic.stages[0].hld_s"] == "unknown field: did you mean 'hold_s'? allowed here: hold_s, weight"
+
+
+def test_a_health_path_that_is_the_ready_path_is_refused_naming_the_rule(tmp_path: Path, cli_cmd: list[str]) -> None:
+    """A target awaits its restore unready: the flow waits on the health path to start it, which must answer 200
+    then. A plan that points both at one path would wait ready_timeout_s on every target (issue 35, finding 1)."""
+    doc = _set(_set(BASE, "workload.health_path", "/ready"), "workload.ready_path", "/ready")
+    with pytest.raises(PlanError) as info:
+        parse_plan(doc)
+    [(field, message)] = info.value.problems
+    assert field == "workload.ready_path"
+    assert message.startswith("/ready is also workload.health_path: they must differ")
+    assert "also while a target awaits its restore" in message
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(doc))
+    out, result = _validate(cli_cmd, plan, tmp_path / "home")
+    assert out.returncode == 2 and result["plans"][0]["problems"][0]["field"] == "workload.ready_path"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support import plans
+from tests.support.own_service import own_service_source  # noqa: F401 (the fixture `source`: a user's own service)
 
 _HOME = tempfile.mkdtemp(prefix="gm-prefect-home-")
 atexit.register(shutil.rmtree, _HOME, True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumigrate.result import MigrationResult, Requests, RollbackSummary
+from gpumigrate.result import MigrationResult, ParitySummary, Requests, RollbackSummary
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
@@ -63,7 +63,7 @@ def test_the_chart_travels_as_a_data_uri_and_the_report_never_links_a_local_file
     result = MigrationResult(
         migration_id=m.id,
         status="rolled_back",
-        requests=Requests(total=120, failed=0, p99_ms=12.5, measured_by="envoy"),
+        requests=Requests(total=120, failed=0, p99_ms=12.5, measured_by="the front door's access log"),
         downtime_ms=0.0,
         rollback=RollbackSummary(triggered=True, reason="p99", trigger="manual", actor="sre-ana"),
         chart=str(chart),
@@ -72,7 +72,7 @@ def test_the_chart_travels_as_a_data_uri_and_the_report_never_links_a_local_file
     on_disk = summary_markdown(m, result)
     assert f"![traffic ramp]({uri})" in in_ui and "file://" not in in_ui
     assert "![traffic ramp](ramp.png)" in on_disk and "file://" not in on_disk  # beside report.md
-    assert "from Envoy's own stats" in in_ui  # what the request figures include
+    assert "every request through the front door from the first freeze to the end" in in_ui  # what they include
     assert "rolled back by: manual (sre-ana)" in in_ui
 
 
@@ -99,14 +99,23 @@ def test_the_summary_and_report_leave_out_figures_nobody_measured(
     )
     text = shown(rolled)
     assert "None" not in text and "detected in" not in text
-    assert "requests: 10 total, 0 failed, p99 12.5 ms; downtime" in text and "rollback: parity failed" in text
+    assert "requests: 10, 0 failed, p99 12.5 ms: every request" in text and "rollback: parity failed" in text
+    assert "downtime (client-visible stall): 0 ms, the longest extra wait" in text
     timed = rolled.model_copy(
         update={
             "requests": Requests(total=10, failed=0, p50_ms=3.0, p99_ms=12.5),
             "rollback": RollbackSummary(triggered=True, reason="gate", seconds_to_detect=1.5),
         }
     )
-    assert "p50 3.0 ms, p99 12.5 ms" in shown(timed) and "rollback: gate (detected in 1.5 s)" in shown(timed)
+    assert "p50 3 ms, p99 12.5 ms" in shown(timed) and "rollback: gate (detected in 1.5 s)" in shown(timed)
+    # Issue 35, finding 9: "detected in 0.9888288960598857 s"; "max abs err None" for a parity with no number.
+    odd = rolled.model_copy(
+        update={
+            "rollback": RollbackSummary(triggered=True, reason="gate", seconds_to_detect=0.9888288960598857),
+            "parity": ParitySummary(passed=False, cases=3, max_abs_err=None),
+        }
+    )
+    assert "(detected in 0.989 s)" in shown(odd) and "max abs err" not in shown(odd)
 
     monkeypatch.setenv("GPUMIGRATE_HOME", str(tmp_path / "home"))
     m = Migration.create("report-none", "version: 1\n", root=tmp_path / "state")

@@ -115,3 +115,26 @@ def test_bad_input_exits_2_naming_what_is_allowed(door: Any) -> None:
     ):
         code, _, err = door(*args)
         assert code == 2 and says in err and "Traceback" not in err, (args, err)
+
+
+def test_up_with_another_health_path_on_a_running_door_makes_envoy_check_it(
+    door: Any, json_http: Callable[..., str]
+) -> None:
+    """`up --health-path /ready` on a door already up used to say "already up (GET /ready answering 200)" while Envoy
+    still checked /readyz (issue 35, finding 7): now Envoy checks the new path, and what `up` says is what it runs."""
+
+    def route(method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, Any]:
+        return (503, {"status": "not this path"}) if path == "/readyz" else (200, {"path": path})
+
+    service = str(json_http(route))
+    code, first, err = door("up", "--source", service, "--listen", "127.0.0.1:0")
+    assert code == 0 and first["health_path"] == "/readyz" and first["source_healthy"] is False, err
+    assert "GET /readyz answering 200" in err
+    code, again, err = door("up", "--source", service, "--listen", "127.0.0.1:0", "--health-path", "/ready")
+    assert code == 0 and again["started"] is False and again["processes"] == first["processes"], err
+    assert again["health_path"] == "/ready" and again["health_path_before"] == "/readyz"
+    assert again["source_healthy"] is True, err  # Envoy passed a check of /ready: it routes to the source
+    assert "Envoy now checks GET /ready (it checked /readyz)" in err
+    assert httpx.post(again["listener"] + "/v1/x", json={}, timeout=10).status_code == 200
+    code, status, _ = door("status")
+    assert code == 0 and status["health_path"] == "/ready"

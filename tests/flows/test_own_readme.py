@@ -80,3 +80,13 @@ def test_each_command_parses(argv: list[str]) -> None:
         cmd.make_context(" ".join(path), list(args), resilient_parsing=False)
     except Exception as exc:  # click's UsageError: an unknown option, a missing argument
         pytest.fail(f"`{' '.join(argv)}` does not parse: {exc}")
+
+
+def test_the_sections_say_what_a_new_user_had_to_guess() -> None:
+    """Issue 35, findings 7 and 9: what the README used or needed without saying it."""
+    own, training = _section(SECTIONS[0]), _section(SECTIONS[1])
+    assert "`{plan_dir}` (the\nfolder that holds the plan file)" in own  # the example's cwd used it unexplained
+    assert "--health-path" in own  # what the front door checks, and how to change it on a running door
+    assert "run_in_threadpool" in own and "`async` handler" in own  # safe points held out of the event loop
+    assert "awaits its restore" in own and "They must differ" in own  # the launch contract's two paths
+    assert "side effect" in training and "parity.training.steps" in training  # the parity steps run on the source

@@ -9,6 +9,7 @@ absolute paths, and a step count long enough to outlast the migration.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train"
 LIGHTNING = REPO / "tests" / "agent" / "lightning_loop.py"
 STEPS = "100000"  # the source and the target train on well past the migration; both are stopped after it
+PARKED_LEASE_S = 20
 
 
 def _free_port() -> int:
@@ -91,7 +93,8 @@ def user(
         provider = get_provider("local")
         for host in provider.list_hosts():
             provider.terminate(host)
-        os.killpg(source.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # a parked source ends by itself once its lease is over
+            os.killpg(source.pid, signal.SIGKILL)
         source.wait(timeout=30)
 
 
@@ -103,6 +106,7 @@ def _plan(user: User, path: Path, *, restore_from: str = "store") -> Path:
         argv=["{python}", user.script.name], cwd=str(user.script.parent), env={"STEPS": STEPS, "STEP_DELAY_MS": "20"}
     )
     doc["target"]["host"] = "own-train-b"
+    doc["snapshot"]["freeze_lease_s"] = PARKED_LEASE_S  # after the cut-over, the parked source ends this much later
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
@@ -133,23 +137,33 @@ def test_a_training_loop_migrates_through_the_flow_with_identical_next_losses(
 
     state = json.loads((user.home / "migrations" / "train-1" / "state.json").read_text())
     assert state["phases"]["snapshot"]["result"]["preloaded"] >= 1  # the target was pre-loaded while it trained
+    # No ramp ran: it says so, rather than "completed in 0.0 s" (issue 35, finding 6).
+    assert result["phases"]["ramp"] == {"status": "skipped", "seconds": None}
     assert state["phases"]["ramp"]["result"] == {"skipped": "a training job has no clients to shift"}
     audit = [json.loads(x) for x in (user.home / "migrations" / "train-1" / "audit.jsonl").read_text().splitlines()]
     names = [e["event"] for e in audit]
     assert "image.preloaded" in names and "source.parked" in names and "traffic.target_added" not in names
+    assert next(e["data"] for e in audit if e["event"] == "source.ends")["in_s"] == PARKED_LEASE_S
     # Each pre-copy round landed in the target's store (the agent writes there: nothing is forwarded),
     # was verified there and loaded into the target before the final one.
     assert names.count("image.verified") == names.count("image.preloaded") + 1
     assert "image.transferred" not in names
 
     _trains_on_like_the_control_run(user, state, tmp_path)
+    # Its lease over, the parked source ended by itself (issue 35, finding 8): nobody has to kill it.
+    assert user.source.wait(timeout=PARKED_LEASE_S + 120) == 0
+    assert "this job was migrated and its source retired" in user.log.read_text()
 
 
 def _trains_on_like_the_control_run(user: User, state: dict[str, Any], tmp_path: Path) -> None:
-    """The target trains on from the cut, its steps the control run's bit for bit; the source stays parked."""
+    """The target trains on from the cut, its steps the control run's bit for bit; the source stays parked, never
+    training past the parity steps it was advanced by (until its process ends, one lease after the cut-over)."""
     from gpumigrate.snapshot.client import AgentClient
 
     cut = state["phases"]["snapshot"]["result"]["freeze_step"]
+    with AgentClient(user.agent, timeout_s=30) as source:
+        parked = source.request_metrics()
+    assert parked.frozen is True and parked.steps == cut + 5
     with AgentClient(state["runtime"]["target_agent"], timeout_s=30) as target:
         deadline = time.monotonic() + 120
         while len(got := dict(target.request_metrics(since=cut).losses)) < 8:
@@ -158,10 +172,6 @@ def _trains_on_like_the_control_run(user: User, state: dict[str, Any], tmp_path:
     assert min(got) == cut + 1  # it continued; it did not start over
     control = _control(user, tmp_path, max(got))
     assert got == {s: control[s] for s in got}
-    # The source never trained past the parity steps it was advanced by, and stays parked.
-    with AgentClient(user.agent, timeout_s=30) as source:
-        parked = source.request_metrics()
-    assert parked.frozen is True and parked.steps == cut + 5
     before = {s: loss for s, loss in _losses(user.log).items() if s <= cut}
     assert before == {s: control[s] for s in before}
 

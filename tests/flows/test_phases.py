@@ -45,8 +45,8 @@ FACTS = collect_facts(with_torch=False)
 
 # ----------------------------------------------------------------------------- a workload over HTTP
 class Workload:
-    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info; and /ready
-    as an Envoy admin does (the front door the source's plan names points its admin URL here)."""
+    """A real HTTP server answering what the phases ask a workload: /healthz, /readyz, /v1/info, POST /v1/generate;
+    and /ready as an Envoy admin does (the front door the source's plan names points its admin URL here)."""
 
     def __init__(self, info: dict[str, Any], *, ready: bool = True) -> None:
         info_body = json.dumps(info).encode()
@@ -58,6 +58,15 @@ class Workload:
                     self.send_response(503)
                 else:
                     self.send_response(200 if self.path in ("/healthz", "/readyz", "/v1/info", "/ready") else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802 (the stdlib's name)
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.dumps({"tokens": [1, 2, 3]}).encode()  # the golden request preflight asks
+                self.send_response(200 if self.path == "/v1/generate" else 404)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -297,7 +306,9 @@ def test_preflight_without_a_front_door_says_how_to_start_it_and_touches_nothing
     with pytest.raises(PolicyDeniedError) as info:
         preflight.run(w.ctx)
     assert info.value.exit_code == 2
-    assert f"`gpumigrate frontdoor up --source {source.url} --workload svc`" in str(info.value)
+    assert str(info.value).endswith(
+        f"no front door fronts {source.url}: start it with `gpumigrate frontdoor up --source {source.url}`"
+    )
     assert w.provider.calls == [] and w.backend.steps == []
 
 
@@ -618,11 +629,41 @@ def test_resume_with_another_plan_file_is_refused_naming_both(
     assert w.ctx.migration.read() == before
 
 
-def test_the_ramps_figures_give_the_result_its_p50_beside_its_p99(world: WorldMaker) -> None:
+def test_the_ramps_figures_go_to_the_audit_and_never_replace_the_migrations_one_figure(world: WorldMaker) -> None:
+    """Issue 35, finding 6: the result counted only the ramp's window (228 of 4,800 requests) and read its
+    "no good answer" stretch as downtime (0 ms for a freeze that held every client)."""
     from gpumigrate.flows.phases.ramp import record_figures
     from gpumigrate.flows.report import build_result
 
     w = world()
     record_figures(w.ctx, {"requests": 40, "failures": 0, "p50_ms": 3.2, "p99_ms": 9.9, "downtime_ms": 0.0})
-    rq = build_result(w.ctx.migration).requests
-    assert (rq.total, rq.p50_ms, rq.p99_ms, rq.measured_by) == (40, 3.2, 9.9, "envoy")
+    result = build_result(w.ctx.migration)
+    assert result.requests.total is None and result.downtime_ms is None
+    assert w.data("traffic.figures") == {"requests": 40, "failures": 0, "p50_ms": 3.2, "p99_ms": 9.9,
+                                         "downtime_ms": 0.0, "window": "the ramp"}  # fmt: skip
+
+
+def test_two_undos_of_one_failure_record_the_source_resumed_once(world: WorldMaker) -> None:
+    """Issue 35, finding 9: the snapshot's undo and the provision's both resumed the source, and both said so."""
+    w = world()
+    w.ctx.update(source_frozen=True)
+    undo_source(w.ctx)
+    undo_source(w.ctx)  # the next hook of the same transaction: the source runs already
+    assert w.backend.steps == ["resume", "resume"] and w.events().count("rollback.source_resumed") == 1
+
+
+def test_a_failure_after_the_freeze_that_the_undo_put_back_reads_rolled_back(world: WorldMaker) -> None:
+    """Issue 35, finding 2: the undo had resumed the source and torn the target down, and the run said "failed"
+    (exit 1); it rolled back (exit 3), saying why. Before any freeze, or while the source is still frozen, it failed."""
+    from gpumigrate.flows.migrate import _failed
+
+    w = world()
+    boom = SnapshotError("the target's training process ended before it reported 1 step(s) after step 40")
+    assert _failed(w.ctx, boom) == ("failed", str(boom))  # nothing had frozen
+    w.ctx.update(froze_at=1.0, source_frozen=True, target_torn_down=True)
+    assert _failed(w.ctx, boom)[0] == "failed"  # the source did not run again
+    w.ctx.update(source_frozen=False)
+    status, error = _failed(w.ctx, boom)
+    assert (status, error) == ("rolled_back", f"rolled back: {boom}")
+    rollback = w.ctx.migration.read()["result"]["rollback"]
+    assert rollback["triggered"] is True and rollback["trigger"] == "error"

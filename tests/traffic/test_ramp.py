@@ -271,3 +271,21 @@ def test_a_ramp_whose_envoy_died_rolls_back_by_policy_instead_of_holding_forever
     assert result.trigger == "inconclusive"
     assert "admin unreadable" in (result.reason or "")
     assert light_env.store.read().weights["source"] == 100
+
+
+def test_the_migrations_own_rollback_that_moved_traffic_first_reads_manual(light_env: Any, gm_home: Any) -> None:
+    """`gpumigrate rollback` moves traffic before the flow's ramp sees the request (issue 35, finding 5): when that
+    lands between an interval's check and the next stage's weights, the ramp still says manual, not "external"."""
+    from gpumigrate.state import Migration
+    from gpumigrate.traffic.ramp import _RolledBack
+    from gpumigrate.traffic.state import rollback_to_source
+
+    migration = Migration.create("m-traffic-first", "workload: x\n")
+    settings = RampSettings(stages=((5, 0.2), (100, 0.2)), interval_s=0.2, gates=GateSettings(min_requests=5))
+    ctl = RampController(light_env.state_dir, [light_env.envoy.admin_url], settings, nodes=[light_env.envoy.node_id],
+                         rollback_signal=lambda: migration.rollback_requested())  # fmt: skip
+    migration.request_rollback("operator typed gpumigrate rollback")
+    rollback_to_source(light_env.state_dir, "rollback requested: operator typed gpumigrate rollback")
+    with pytest.raises(_RolledBack) as raised:
+        ctl._apply(5.0)
+    assert raised.value.trigger == "manual" and "operator typed gpumigrate rollback" in raised.value.reason
