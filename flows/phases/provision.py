@@ -85,7 +85,10 @@ def target_launch(ctx: RunContext) -> WorkloadLaunch:
     key = plan.workload.control_key
     if key is not None and key.file:  # an env reference is the target's own variable: never copied here
         contract["GPUMIGRATE_CONTROL_KEY_FILE"] = str(ctx.resolve(key.file))
-    return WorkloadLaunch.from_plan(plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract)
+    gpus = tuple(plan.target.rank_gpus or ())  # rank r on the target's GPU rank_gpus[r]
+    return WorkloadLaunch.from_plan(
+        plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract, gpus=gpus
+    )
 
 
 def _restored_endpoint(host: Host, source_endpoint: str | None) -> str | None:

@@ -37,6 +37,7 @@ from gpumigrate.workloads.worlds import LocalWorld, start_plan_launch, start_wor
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "multi"
 DP = "gpumigrate.workloads.dp_training"
+FSDP = "gpumigrate.workloads.fsdp_training"
 TP = "gpumigrate.workloads.tp_inference"
 PARITY_STEPS = 4
 
@@ -120,12 +121,16 @@ def _check_world_image(store: tuple[str, dict[str, str]], image_id: str, step: i
 
 
 def _dp_migration(
-    worlds: Worlds, store: tuple[str, dict[str, str]], source_args: list[str], target_args: list[str]
+    worlds: Worlds,
+    store: tuple[str, dict[str, str]],
+    source_args: list[str],
+    target_args: list[str],
+    job: str = DP,
 ) -> dict[str, Any]:
     source_args, target_args = ["--steps", "400", *source_args], ["--steps", "400", *target_args]
-    control = worlds(DP, source_args, name="control")
-    src = worlds(DP, [*source_args, "--step-delay-ms", "100"], name="source")
-    dst = worlds(DP, target_args, name="target", await_restore=True)
+    control = worlds(job, source_args, name="control")
+    src = worlds(job, [*source_args, "--step-delay-ms", "100"], name="source")
+    dst = worlds(job, target_args, name="target", await_restore=True)
     src.wait_steps(3)
     with connect(src) as source, connect(dst) as target:
         done = migrate(source, target, store)
@@ -153,6 +158,18 @@ def test_data_parallel_training_continues_with_identical_losses(
 ) -> None:
     done = _dp_migration(worlds, store, ["--device", "cpu"], ["--device", "cpu"])
     assert [(m["source"], m["target"]) for m in done["restore"]["device_map"]] == [(["cpu"], ["cpu"])] * 2
+
+
+def test_fully_sharded_training_continues_with_identical_losses(
+    worlds: Worlds, store: tuple[str, dict[str, str]]
+) -> None:
+    """FSDP2: each rank carries its own shards of the parameters and of AdamW's moments (its half of each layer)."""
+    done = _dp_migration(worlds, store, ["--device", "cpu"], ["--device", "cpu"], job=FSDP)
+    url, key_ref = store
+    reader = transfer.open_reader(url, done["final"]["image"]["id"], key=transfer.resolve_key(env=key_ref["env"]))
+    names = ("model/0.weight", "optimizer/state/0/exp_avg")  # the first layer's weight (128 × 32) and its moment
+    shards = {r.name: list(r.shape or ()) for r in reader.regions() if r.name.endswith(names)}
+    assert shards == {f"rank{r}/{n}": [64, 32] for r in range(2) for n in names}  # half of its rows on each rank
 
 
 def _answered(load: LoadGenerator) -> int:
