@@ -121,8 +121,15 @@ class EmbeddedAgentBackend:
         return self._load(image, ready=False)
 
     def restore(self, image: ImageRef | None) -> Restored:
+        """Load ``image`` into the target's agents and make them ready; a target that holds it already and is ready
+        (a migration resumed after its orchestrator died past this load) is left as it is: it may be running, and a
+        second load would rewrite its state under it."""
         if image is None:
             raise SnapshotError("the agent backend restores from an image, and the snapshot committed none")
+        with self._world("target") as world:
+            held = world.info_ranks()
+        if all(i.ready and i.last_image == image.id for i in held):
+            return Restored(image_id=image.id, seconds=0.0, ready=True)
         return self._load(image, ready=True)
 
     def wait_for_steps(self, side: Side, *, since: int, count: int, timeout_s: float) -> StepLosses:

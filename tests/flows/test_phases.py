@@ -626,3 +626,37 @@ def test_the_ramps_figures_give_the_result_its_p50_beside_its_p99(world: WorldMa
     record_figures(w.ctx, {"requests": 40, "failures": 0, "p50_ms": 3.2, "p99_ms": 9.9, "downtime_ms": 0.0})
     rq = build_result(w.ctx.migration).requests
     assert (rq.total, rq.p50_ms, rq.p99_ms, rq.measured_by) == (40, 3.2, 9.9, "envoy")
+
+
+def test_a_resumed_world_without_http_stands_while_every_ranks_agent_answers(
+    world: WorldMaker, source: Workload
+) -> None:
+    """A training world has no endpoint: a resume keeps its provision and restore while the target's agents answer,
+    rank 0's at its port and rank r's at port + r, and provisions again once one of them is gone."""
+    import socket
+
+    from gpumigrate.flows.migrate import still_valid
+
+    doc = plan_doc(source)
+    doc["workload"]["ranks"] = 2
+    w = world(doc)
+    listeners = []
+    for _ in range(20):  # two consecutive free ports
+        first = socket.create_server(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        try:
+            listeners = [first, socket.create_server(("127.0.0.1", port + 1))]
+            break
+        except OSError:
+            first.close()
+    assert listeners, "no two consecutive free ports"
+    try:
+        w.ctx.update(target_endpoint=None, target_agent=f"127.0.0.1:{port}")
+        w.ctx.migration.set_phase("provision", "completed", result={})
+        assert still_valid(w.ctx, "provision") is True
+        listeners.pop().close()  # rank 1's agent is gone
+        assert still_valid(w.ctx, "provision") is False
+        assert w.ctx.migration.phase("provision").get("status") == "pending"
+    finally:
+        for s in listeners:
+            s.close()
