@@ -123,16 +123,23 @@ def start_world(
 
 
 def start_plan_launch(
-    workload: Workload, plan_dir: Path, *, log: Path, await_restore: bool = False, host: str = "127.0.0.1"
+    workload: Workload,
+    plan_dir: Path,
+    *,
+    log: Path,
+    await_restore: bool = False,
+    host: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
 ) -> tuple[LocalWorld, int]:
     """Start a plan's ``workload.launch`` as the flow would on a local host (its placeholders filled
-    with free ports, ``workload.ranks`` agents from the agent port on); returns the world and its
-    service port."""
+    with free ports, ``workload.ranks`` agents from the agent port on), with ``env`` over this process's
+    environment (the user's shell: the image key's variable, say); returns the world and its service port."""
     base = free_ports(workload.ranks, host)
     service = free_ports(1, host)
     launch = WorkloadLaunch.from_plan(workload, plan_dir=plan_dir, await_restore=await_restore)
     rendered = launch.render(host=host, agent_port=base, service_port=service, python=sys.executable, name="local")
-    return spawn(rendered.argv, rendered.env, ranks=workload.ranks, log=log, cwd=rendered.cwd), service
+    argv, cwd = rendered.argv, rendered.cwd
+    return spawn(argv, {**(env or {}), **rendered.env}, ranks=workload.ranks, log=log, cwd=cwd), service
 
 
 def spawn(argv: Sequence[str], env: dict[str, str], *, ranks: int, log: Path, cwd: str | None = None) -> LocalWorld:
