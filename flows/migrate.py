@@ -49,7 +49,7 @@ from gpumigrate.flows.events import emit, notify
 from gpumigrate.flows.phases import finalize, parity, preflight, provision, ramp, restore, snapshot, transfer
 from gpumigrate.flows.report import merge_result, write_outputs
 from gpumigrate.flows.undo import quietly, rolled_back_or_not, undo_all, undo_source, undo_traffic
-from gpumigrate.infra.launch import answers
+from gpumigrate.infra.launch import accepts, answers
 from gpumigrate.result import MigrationResult
 from gpumigrate.snapshot.errors import TrainingLoopError
 from gpumigrate.state import PHASES
@@ -65,14 +65,12 @@ def still_valid(ctx: RunContext, name: str) -> bool:
     if name == "preflight" and ctx.migration.phase("provision").get("status") != "completed":
         emit(ctx.migration, "phase.preflight.recheck", {"reason": "resumed before a target was provisioned"})
         return False
-    if name in ("provision", "restore"):
-        endpoint = ctx.runtime.target_endpoint
-        if not endpoint or not answers(endpoint, path=ctx.plan.workload.health_path):
-            for later in PHASES[PHASES.index("provision") :]:
-                if ctx.migration.phase(later).get("status") == "completed":
-                    ctx.migration.set_phase(later, "pending")
-            notify(ctx.migration.id, "phase.provision.invalid", {"reason": "target not answering"})
-            return False
+    if name in ("provision", "restore") and not _target_lives(ctx):
+        for later in PHASES[PHASES.index("provision") :]:
+            if ctx.migration.phase(later).get("status") == "completed":
+                ctx.migration.set_phase(later, "pending")
+        notify(ctx.migration.id, "phase.provision.invalid", {"reason": "target not answering"})
+        return False
     return True
 
 
@@ -81,6 +79,19 @@ def not_applicable(ctx: RunContext, name: str) -> str | None:
     if name == "ramp" and ctx.plan.workload.kind == "training":
         return "a training job has no clients to shift"
     return None
+
+
+def _target_lives(ctx: RunContext) -> bool:
+    """The target's workload answers: its health path, or (a workload with no HTTP, a training job) its agent, every
+    rank's (a resumed training migration must not provision, snapshot and restore again into a target that already
+    trains on)."""
+    rt = ctx.runtime
+    if rt.target_endpoint:
+        return answers(rt.target_endpoint, path=ctx.plan.workload.health_path)
+    if not rt.target_agent:
+        return False
+    host, _, port = rt.target_agent.rpartition(":")
+    return all(accepts(host, int(port) + r) for r in range(ctx.plan.workload.ranks))
 
 
 def run_phase(ctx: RunContext, name: str, phase: Phase) -> dict[str, Any]:

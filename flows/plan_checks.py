@@ -37,8 +37,8 @@ def check_golden(plan: Plan, golden: Path | None) -> dict[str, Any]:
 
 
 def training_rules(plan: Plan) -> None:
-    """What a training plan must (not) say for this flow, beyond what the plan's schema checks (which other
-    tools share: ``gpumigrate snapshot`` moves a job of several ranks). A refusal is a PolicyDeniedError:
+    """What a training plan must (not) say for this flow, beyond what the plan's schema checks (a job of
+    several ranks, ``workload.ranks``, moves like one process: its ranks freeze together). A refusal is a PolicyDeniedError:
     exit 2, status denied, nothing provisioned."""
     wl = plan.workload
     if plan.snapshot.backend != "agent":
@@ -48,11 +48,6 @@ def training_rules(plan: Plan) -> None:
         )
     if not wl.agent:
         raise _refused("workload.agent: a training job needs its agent's address, such as 127.0.0.1:7070")
-    if wl.ranks != 1:
-        raise _refused(
-            f"workload.ranks {wl.ranks}: the migrate flow moves single-process training jobs; a job of several "
-            "ranks moves with `gpumigrate snapshot` (snapshot/PROTOCOL.md, 'Ranks')"
-        )
     if "traffic" in plan.model_fields_set:
         raise _refused(
             "traffic: a training job has no clients to shift, so no ramp, gates or manual gate; remove the "

@@ -170,6 +170,7 @@ def final_load(ctx: RunContext, backend: SnapshotBackend, restored: Restored) ->
         "chunks_skipped": restored.chunks_skipped,
         "seconds": round(restored.seconds, 3),
         **_from_source(restored),
+        **({"ranks": [dict(r) for r in restored.ranks]} if restored.ranks else {}),  # a world: each rank's GPU map
     }
 
 

@@ -271,6 +271,8 @@ class Restored:
     pid_start: int | None = None  # when it started (clock ticks since boot): with pid, one process, never a reused pid
     environment: Mapping[str, Any] = field(default_factory=dict)  # what the environment policy checked
     from_source: Mapping[str, Any] = field(default_factory=dict)  # a fill from the source's memory: way, chunks
+    # A workload of ranks: per rank, where it ran on the source and runs here (devices, GPU UUIDs), its own load
+    ranks: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -278,9 +280,10 @@ class StepLosses:
     """Steps a training workload has taken and the losses it reported for them (``advance``, its step metrics)."""
 
     steps: int
-    losses: tuple[tuple[int, float], ...]  # (step, loss), oldest first
+    losses: tuple[tuple[int, float], ...]  # (step, loss), oldest first (rank 0's, for a workload of ranks)
     frozen: bool | None = None
     ready: bool | None = None
+    ranks: tuple[tuple[tuple[int, float], ...], ...] = ()  # every rank's losses, rank 0's first; () for one process
 
 
 Side = Literal["source", "target"]

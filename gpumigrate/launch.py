@@ -9,6 +9,14 @@ contract that the public SDK (``gpumigrate.agent``) reads in the user's process:
     ``1``: the process was started to receive a migrated state (``awaiting_restore()`` is True).
 ``GPUMIGRATE_CONTROL_KEY_FILE`` / ``GPUMIGRATE_CONTROL_KEY``
     the control key's reference (gpumigrate/CONTROL.md); never the key in argv.
+``CUDA_VISIBLE_DEVICES``
+    only where the plan maps ranks to GPUs (``target.rank_gpus``): the target's GPUs in rank order, so a
+    program that puts each rank on its local rank's device (torchrun's convention) runs rank r on GPU
+    ``rank_gpus[r]``.
+
+A workload of N ranks (``workload.ranks``) is one launch too: the command starts every rank of the host
+(``torchrun --nproc-per-node N``, or the workload's own launcher), and rank r's agent listens on the agent
+port + r, so the host keeps N agent ports from it free (``ranks``).
 
 A :class:`WorkloadLaunch` is built once by the flow from the plan and handed to the provider, which
 renders it with the host's own address and ports (:meth:`WorkloadLaunch.render`): a local host
@@ -24,6 +32,7 @@ from typing import Any
 
 AGENT_ADDR_ENV = "GPUMIGRATE_AGENT_ADDR"
 AWAIT_RESTORE_ENV = "GPUMIGRATE_AWAIT_RESTORE"
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -48,18 +57,29 @@ class WorkloadLaunch:
     contract_env: Mapping[str, str] = field(default_factory=dict)  # AWAIT_RESTORE, control key reference, ...
     plan_dir: str = "."
     ends_host: bool = False  # a local host goes down once this process exits (a training job: its work is done)
+    ranks: int = 1  # the processes the command starts, each with an agent on the agent port + its rank
+    gpus: tuple[int, ...] = ()  # rank r's GPU of the host (CUDA_VISIBLE_DEVICES in rank order); () leaves it be
 
     @classmethod
     def from_plan(
-        cls, workload: Any, *, plan_dir: str | Path, await_restore: bool, contract_env: Mapping[str, str] | None = None
+        cls,
+        workload: Any,
+        *,
+        plan_dir: str | Path,
+        await_restore: bool,
+        contract_env: Mapping[str, str] | None = None,
+        gpus: tuple[int, ...] = (),
     ) -> WorkloadLaunch:
-        """``workload`` is the plan's ``workload`` section (``gpumigrate.plan.Workload``) with a launch."""
+        """``workload`` is the plan's ``workload`` section (``gpumigrate.plan.Workload``) with a launch; ``gpus``
+        the target's ``rank_gpus``."""
         launch = workload.launch
         if launch is None:
             raise ValueError("the plan has no workload.launch")
         env = dict(contract_env or {})
         if await_restore:
             env[AWAIT_RESTORE_ENV] = "1"
+        if gpus:
+            env[VISIBLE_DEVICES_ENV] = ",".join(str(g) for g in gpus)
         return cls(
             argv=tuple(launch.argv),
             env=dict(launch.env),
@@ -69,6 +89,8 @@ class WorkloadLaunch:
             ready_path=workload.ready_path,
             contract_env=env,
             plan_dir=str(plan_dir),
+            ranks=int(getattr(workload, "ranks", 1)),
+            gpus=tuple(gpus),
         )
 
     def render(

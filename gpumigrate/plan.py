@@ -331,6 +331,20 @@ class Target(_Model):
     bootstrap: TargetBootstrap | None = Field(
         default=None, description="Cloud targets: how the machine installs gpumigrate and starts the workload."
     )
+    rank_gpus: list[Annotated[int, Field(ge=0, le=255)]] | None = Field(
+        default=None,
+        description="Rank r of the workload runs on the target's GPU rank_gpus[r] (its CUDA index on that host), "
+        "e.g. [1, 0] swaps two ranks' GPUs: the target starts with CUDA_VISIBLE_DEVICES in this order, so a program "
+        "that puts each rank on its local rank's device lands there. One entry per rank (workload.ranks), no GPU "
+        "twice; default: as the launch puts them.",
+    )
+
+    @field_validator("rank_gpus")
+    @classmethod
+    def _rank_gpus(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or len(set(v)) != len(v)):
+            raise ValueError("must list one GPU per rank, none twice, such as [1, 0]")
+        return v
 
     @field_validator("region")
     @classmethod
@@ -444,7 +458,8 @@ class Transfer(_Model):
         default="store",
         description="store: the target loads the image from the store. source (agent backend, a local target on the "
         "source's host): the target copies the source's tensors straight out of its memory (CUDA IPC on a GPU, "
-        "NIXL for host memory), each chunk checked against the image's signed manifest; the image is still written.",
+        "NIXL for host memory), each chunk checked against the image's signed manifest (a workload of several ranks: "
+        "target rank r copies source rank r's); the image is still written.",
     )
 
     @field_validator("rate_limit", mode="before")
@@ -599,13 +614,24 @@ class Plan(_Model):
                 "target.bootstrap.image_key_secret is needed: the target must read the image key "
                 "(transfer.encryption_key) from a secrets manager to restore the image"
             )
+        gpus = self.target.rank_gpus
+        if gpus is not None and len(gpus) != self.workload.ranks:
+            raise ValueError(
+                f"target.rank_gpus: lists {len(gpus)} GPU(s) for a workload of {self.workload.ranks} rank(s) "
+                "(workload.ranks): one GPU per rank, rank 0's first"
+            )
+        launch_env = self.workload.launch.env if self.workload.launch is not None else {}
+        if gpus is not None and "CUDA_VISIBLE_DEVICES" in launch_env:
+            raise ValueError(
+                "target.rank_gpus: the launch's env sets CUDA_VISIBLE_DEVICES too; say the ranks' GPUs in one place"
+            )
         if self.transfer.restore_from == "source" and (
-            self.snapshot.backend != "agent" or self.target.provider != "local" or self.workload.ranks > 1
+            self.snapshot.backend != "agent" or self.target.provider != "local"
         ):
             raise ValueError(
                 "transfer.restore_from: source needs snapshot.backend agent and a local target on the source's host "
-                "(the target copies the source's memory), for a workload of one rank; use store to load the image from "
-                "the store"
+                "(the target copies the source's memory; target rank r from source rank r); use store to load the "
+                "image from the store"
             )
         if _ON_TARGET_RE.match(self.transfer.store) and self.target.provider != "local":
             raise ValueError(

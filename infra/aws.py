@@ -162,7 +162,7 @@ class AwsProvider(Ec2Capacity):
         try:
             group = aws_network.ensure_group(ec2, vpc_id=vpc, host_name=spec.name, tags=group_tags)
             if not network.needs_instance_address(net):
-                aws_network.admit(ec2, group, network.port_rules(net, service=http))
+                aws_network.admit(ec2, group, network.port_rules(net, service=http, agents=spec.launch.ranks))
         except (ClientError, BotoCoreError) as exc:
             raise translate(exc, "security group", region) from None
         kwargs["NetworkInterfaces"] = [
@@ -182,7 +182,8 @@ class AwsProvider(Ec2Capacity):
             raise
         if network.needs_instance_address(net):
             try:
-                aws_network.admit(ec2, group, network.port_rules(net, host.meta["private_ip"], service=http))
+                rules = network.port_rules(net, host.meta["private_ip"], service=http, agents=spec.launch.ranks)
+                aws_network.admit(ec2, group, rules)
             except (ClientError, BotoCoreError, GpumigrateError) as exc:
                 self.terminate(host)
                 if isinstance(exc, GpumigrateError):

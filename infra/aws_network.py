@@ -81,7 +81,7 @@ def ensure_group(ec2: Any, *, vpc_id: str, host_name: str, tags: Mapping[str, st
 
 
 def _permission(rule: PortRule) -> dict[str, Any]:
-    perm: dict[str, Any] = {"IpProtocol": "tcp", "FromPort": rule.port, "ToPort": rule.port}
+    perm: dict[str, Any] = {"IpProtocol": "tcp", "FromPort": rule.port, "ToPort": rule.last}
     if rule.v4():
         perm["IpRanges"] = [{"CidrIp": c, "Description": f"gpumigrate {rule.name}"} for c in rule.v4()]
     if rule.v6():

@@ -228,7 +228,7 @@ class GcpProvider(GceCapacity):
         host = self._host(spec.name, region, zone, created)
         if spec.launch is not None:
             try:
-                self._open_ports(host, name)
+                self._open_ports(host, name, agents=spec.launch.ranks)
             except GpumigrateError:
                 self.terminate(host)
                 raise
@@ -271,11 +271,11 @@ class GcpProvider(GceCapacity):
                 )
             ]
 
-    def _open_ports(self, host: Host, name: str) -> None:
-        """The host's firewall rules: the agent port from the orchestrator, the service port from it and
-        the front door."""
+    def _open_ports(self, host: Host, name: str, *, agents: int = 1) -> None:
+        """The host's firewall rules: the agent port (one per rank) from the orchestrator, the service port from it
+        and the front door."""
         net = self.target.network
-        rules = network.port_rules(net, host.meta["private_ip"], service="service" in host.ports)
+        rules = network.port_rules(net, host.meta["private_ip"], service="service" in host.ports, agents=agents)
         client = self._client(compute_v1.FirewallsClient)
         for fw in gcp_network.firewalls(self.project, net.vpc or "default", name, rules):
             try:

@@ -51,10 +51,15 @@ def firewalls(project: str, network: str, instance_name: str, rules: list[PortRu
                     priority=1000,
                     source_ranges=sources,
                     target_tags=[host_tag(instance_name)],
-                    allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=[str(rule.port)])],
+                    allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=[_port_range(rule)])],
                 )
             )
     return out
+
+
+def _port_range(rule: PortRule) -> str:
+    """``"7070"``, or ``"7070-7071"`` for the agents of two ranks (GCP's form of a range)."""
+    return str(rule.port) if rule.count == 1 else f"{rule.port}-{rule.last}"
 
 
 def names_for(instance_name: str) -> list[str]:

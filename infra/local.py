@@ -18,6 +18,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import re
 import secrets
 import signal
@@ -60,6 +61,50 @@ def _free_ports(n: int, exclude: set[int]) -> list[int]:
     for s in holders:
         s.close()
     return ports
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", exclude: set[int] | None = None) -> int:
+    """A port P such that P..P+count-1 are free now: the agents of a workload of ``count`` ranks (rank r's at P + r).
+
+    Chosen below the kernel's ephemeral range: the ports stay free only until the ranks bind them, and in that gap
+    every outgoing connection (gloo's pairs, torchrun's store, HTTP clients) takes an ephemeral port; one of ours
+    taken so would fail a world's start now and then."""
+    low, _ = _ephemeral_range()
+    floor = 10000 if low > 10000 + count else 1024
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(floor, max(floor + 1, low - count))
+        if exclude and any(p in exclude for p in range(base, base + count)):
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise CapacityError(f"no {count} consecutive free ports on {host}")
+
+
+def _ports_held(rec: Mapping[str, Any]) -> list[int]:
+    """The ports a host's record holds: its named ports and its block of agent ports."""
+    ports = dict(rec.get("ports") or {})
+    agent = ports.get("agent")
+    block = range(agent, agent + int(rec.get("agents") or 1)) if isinstance(agent, int) else range(0)
+    return [*ports.values(), *block]
 
 
 class LocalProvider:
@@ -300,8 +345,11 @@ class LocalProvider:
     def _launch(self, spec: HostSpec, migration_id: str | None) -> dict[str, Any]:
         workdir = self.root() / spec.name
         workdir.mkdir(parents=True, exist_ok=True)
-        taken = {p for r in self._records() for p in r.get("ports", {}).values()}
+        taken = {p for r in self._records() for p in _ports_held(r)}
         ports = dict(zip(PORT_NAMES, _free_ports(len(PORT_NAMES), taken), strict=True))
+        agents = spec.launch.ranks if spec.launch is not None else 1
+        if agents > 1:  # rank r's agent listens on the agent port + r: a block of them, none another host's
+            ports["agent"] = free_port_block(agents, exclude=taken | set(ports.values()))
         token = secrets.token_hex(8)
         host_id = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:8]
         link = None
@@ -337,6 +385,7 @@ class LocalProvider:
             "zone": spec.zone,
             "address": link.ns_ip if link else "127.0.0.1",
             "ports": ports,
+            "agents": agents,  # the agent ports: ports["agent"] .. + agents - 1
             "workdir": str(workdir),
             "migration_id": migration_id,
             "created": time.time(),

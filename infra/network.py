@@ -1,7 +1,7 @@
 """Ports and who may reach them: the rules a cloud target's security group / firewall carries.
 
-The workload on a target listens on at most two ports (``target.network``): the agent port, which only
-the orchestrator may reach (it drives the snapshot agent), and — when it serves HTTP — the service
+The workload on a target listens on at most two ports (``target.network``): the agent port (one per rank
+from it, for a workload of several ranks), which only the orchestrator may reach (it drives the snapshot agent), and — when it serves HTTP — the service
 port, which the orchestrator (health, parity) and the front door (Envoy, live traffic) reach. Nothing
 else is opened. Provider
 modules turn :func:`port_rules` into their cloud's objects.
@@ -29,6 +29,11 @@ class PortRule:
     name: str  # "agent" | "service"
     port: int
     cidrs: tuple[str, ...]
+    count: int = 1  # ports port .. port + count - 1: the agents of a workload of several ranks (rank r's at + r)
+
+    @property
+    def last(self) -> int:
+        return self.port + self.count - 1
 
     def v4(self) -> list[str]:
         return [c for c in self.cidrs if ipaddress.ip_network(c).version == 4]
@@ -67,9 +72,11 @@ def needs_instance_address(network: TargetNetwork) -> bool:
     return not network.orchestrator
 
 
-def port_rules(network: TargetNetwork, instance_address: str | None = None, *, service: bool = True) -> list[PortRule]:
-    """The ingress rules: the agent port, and the service port unless ``service`` is false (a workload
-    that serves no HTTP). Without ``network.orchestrator``, the orchestrator is the address this process
+def port_rules(
+    network: TargetNetwork, instance_address: str | None = None, *, service: bool = True, agents: int = 1
+) -> list[PortRule]:
+    """The ingress rules: the agent port (``agents`` of them from it: one per rank), and the service port unless
+    ``service`` is false (a workload that serves no HTTP). Without ``network.orchestrator``, the orchestrator is the address this process
     reaches ``instance_address`` from (private addressing: no NAT between the two)."""
     orchestrator = [as_cidr(c) for c in network.orchestrator]
     if not orchestrator:
@@ -82,7 +89,7 @@ def port_rules(network: TargetNetwork, instance_address: str | None = None, *, s
             raise InvalidInputError("the orchestrator's address is derived from the instance's: none is known yet")
         orchestrator = [as_cidr(source_address_towards(instance_address))]
     frontdoor = [as_cidr(c) for c in network.frontdoor] or orchestrator
-    rules = [PortRule("agent", int(network.agent_port), tuple(orchestrator))]
+    rules = [PortRule("agent", int(network.agent_port), tuple(orchestrator), count=agents)]
     if service:
         rules.append(PortRule("service", int(network.service_port), tuple(dict.fromkeys([*orchestrator, *frontdoor]))))
     return rules

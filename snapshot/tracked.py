@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpumigrate.errors import SnapshotError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -41,6 +44,38 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _dtensor() -> type[DTensor] | None:
+    """torch's DTensor class (FSDP2 and tensor-parallel parameters), None where torch.distributed is absent."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes travel: a DTensor's local shard (the very storage the DTensor uses, so a restore
+    into it lands in place), anything else itself. A rank of an FSDP2 job carries its own shards only."""
+    dtensor = _dtensor()
+    if dtensor is None or not isinstance(t, dtensor):
+        return t
+    with torch.no_grad():  # the local tensor itself, not an autograd view of it
+        local: torch.Tensor = t.to_local()
+    return local
+
+
+def like_shard(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor sharded like ``param`` where ``param`` is one and ``local`` has its local shape (an
+    optimizer moment of an FSDP2 parameter); else ``local``."""
+    dtensor = _dtensor()
+    if dtensor is None or not isinstance(param, dtensor) or local.shape != local_part(param).shape:
+        return local
+    wrapped: torch.Tensor = dtensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    return wrapped
 
 
 class Item:
@@ -71,6 +106,15 @@ class TensorsItem(Item):
         return {f"{self.prefix}/{k}" if k else self.prefix: t for k, t in self._get().items()}
 
 
+def _fully_sharded(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) shards any part of ``module``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 class ModuleItem(Item):
     """Parameters and buffers of an ``nn.Module``, restored in place (same storage the model uses).
 
@@ -79,19 +123,36 @@ class ModuleItem(Item):
     result is kept and handed out again while :func:`_layout` of the module is the same (the same modules, and
     parameters and buffers of the same objects, storage, dtype, shape and strides), which costs a fraction of it.
     A module whose state dict anything customises (hooks, an extra state, its own ``state_dict``) is asked each time.
+
+    An FSDP2 module's ``state_dict()`` is not a read: its hook puts the sharded parameters back in the module,
+    which inside a training step (parameters gathered for the forward or backward) breaks that step. So such a
+    module is read only while the workload is parked (``parked``, set by the tracker: frozen, or a target awaiting
+    its state) and at attach; a live round in between takes the tensors of that last read. They stay the module's:
+    FSDP2 keeps each parameter's local shard in one storage for the module's life, updated in place by the
+    optimizer (torch's own comment in ``FSDPParam.reset_sharded_param``), and a frozen round reads afresh.
     """
 
     def __init__(self, prefix: str, module: torch.nn.Module) -> None:
         self.prefix = prefix
         self.module = module
+        self.parked: Callable[[], bool] = lambda: False
         self._layout: tuple[Any, ...] | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self._last: dict[str, torch.Tensor] | None = self._read() if _fully_sharded(module) else None
+
+    def _read(self) -> dict[str, torch.Tensor]:
+        state = self.module.state_dict()
+        return {f"{self.prefix}/{k}": local_part(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self._last is not None:  # FSDP2: read only while parked (see above)
+            if self.parked():
+                self._last = self._read()
+            return dict(self._last)
         layout = _layout(self.module)
         if layout is not None and layout == self._layout:
             return dict(self._tensors)
-        found = {f"{self.prefix}/{k}": v for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        found = self._read()
         self._layout, self._tensors = layout, found
         return dict(found)
 
@@ -138,17 +199,22 @@ class OptimizerItem(Item):
     def __init__(self, prefix: str, optimizer: torch.optim.Optimizer) -> None:
         self.prefix = prefix
         self.optimizer = optimizer
+        self._restoring: dict[str, torch.Tensor] = {}  # region -> the state value it becomes (a DTensor's wrapper)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def _values(self) -> dict[str, torch.Tensor]:
+        """The state tensors by region name, as the optimizer holds them (DTensors for sharded parameters)."""
         out: dict[str, torch.Tensor] = {}
         for i, p in enumerate(self._params()):
             for key, value in self.optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     out[f"{self.prefix}/state/{i}/{key}"] = value
         return out
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: local_part(v) for k, v in self._values().items()}
 
     def meta(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
@@ -159,14 +225,16 @@ class OptimizerItem(Item):
         return {"param_groups": groups, "scalars": scalars}
 
     def targets(self, regions: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        live = self.tensors()
+        live = self._values()
         params = self._params()
         out: dict[str, torch.Tensor] = {}
+        self._restoring = {}
         for name, info in regions.items():
             if not name.startswith(self.prefix + "/state/"):
                 continue
             if name in live:
-                out[name] = live[name]
+                self._restoring[name] = live[name]
+                out[name] = local_part(live[name])
                 continue
             index = int(name.split("/")[-2])
             if index >= len(params):
@@ -176,13 +244,15 @@ class OptimizerItem(Item):
             # 'step' lives on the CPU in torch's optimizers unless capturable/fused; keep the source's placement.
             device = params[index].device if (info.device or "cpu") != "cpu" else torch.device("cpu")
             out[name] = torch.empty(info.shape or (), dtype=DTYPES[info.dtype], device=device)
+            # A moment of an FSDP2 parameter is sharded like it: the bytes land in its local shard.
+            self._restoring[name] = like_shard(params[index], out[name])
         return out
 
     def after_restore(self, meta: Mapping[str, Any], loaded: Mapping[str, torch.Tensor]) -> None:
         state: dict[int, dict[str, Any]] = {}
         for name, tensor in loaded.items():
             _, _, index, key = name.rsplit("/", 3)
-            state.setdefault(int(index), {})[key] = tensor
+            state.setdefault(int(index), {})[key] = self._restoring.get(name, tensor)
         for index, scalars in (meta.get("scalars") or {}).items():
             state.setdefault(int(index), {}).update(scalars)
         groups = [dict(g) for g in meta["param_groups"]]

@@ -43,6 +43,30 @@ T = TypeVar("T")
 DEFAULT_LEASE_S = 60.0
 
 
+def rank_addresses(address: str, ranks: int) -> list[str]:
+    """Rank r's agent address: ``address``'s host, its port + r (the SDK's rule for a group); one rank: as spelt."""
+    host, port = parse_address(address)
+    if ranks < 1 or port + ranks - 1 > 65535:
+        raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
+    return [address] if ranks == 1 else [f"{host}:{port + r}" for r in range(ranks)]
+
+
+def shares(options: Mapping[str, Any], hosts: Sequence[str]) -> list[dict[str, Any]]:
+    """Each rank's part of a round's writer options: the ranks of one host share its bounds (``parallelism``
+    threads, ``rate_limit`` bytes/s) in equal parts, each keeping at least one thread and 1 MiB/s; the other
+    options as they are. ``hosts[r]``: the host rank r runs on."""
+    per_host = {h: hosts.count(h) for h in hosts}
+    out = []
+    for host in hosts:
+        parts, mine = per_host[host], dict(options)
+        if parts > 1 and isinstance(mine.get("parallelism"), int):
+            mine["parallelism"] = max(1, mine["parallelism"] // parts)
+        if parts > 1 and isinstance(mine.get("rate_limit"), int):
+            mine["rate_limit"] = max(1 << 20, mine["rate_limit"] // parts)
+        out.append(mine)
+    return out
+
+
 def _ranked(exc: GpumigrateError, rank: int, address: str) -> GpumigrateError:
     """The same error, its message naming the rank it came from."""
     out = type(exc).__new__(type(exc))
@@ -82,11 +106,7 @@ class World:
         timeout_s: float = 600.0,
     ) -> World:
         """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group)."""
-        host, port = parse_address(address)
-        if ranks < 1 or port + ranks - 1 > 65535:
-            raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
-        addresses = [address] if ranks == 1 else [f"{host}:{port + r}" for r in range(ranks)]  # one: as spelt
-        return cls(addresses, key=key, key_ref=key_ref, timeout_s=timeout_s)
+        return cls(rank_addresses(address, ranks), key=key, key_ref=key_ref, timeout_s=timeout_s)
 
     @property
     def size(self) -> int:
@@ -165,6 +185,11 @@ class World:
         return ranks
 
     # ------------------------------------------------------------------ source side
+    def _shares(self, options: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """Each rank's part of the round's writer options (:func:`shares`, by the host each rank described)."""
+        ranks = self.ranks if self.ranks is not None else self.describe()
+        return shares(options or {}, [str(r.get("host") or "") for r in ranks])
+
     def _compose(self, store: str, key_ref: Mapping[str, str], images: list[str]) -> dict[str, Any]:
         ranks = self.ranks if self.ranks is not None else self.describe()
         out: dict[str, Any] = self._rank0(
@@ -186,9 +211,8 @@ class World:
         if self.alone:
             one = self._rank0("precopy", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}))
             return {"stats": RoundStats(**one["stats"]), "image": one["image"], "ranks": [one], "compose_seconds": 0.0}
-        rounds = self._each(
-            lambda r, c: c.call("precopy", store=store, key_ref=dict(key_ref), options=dict(options or {}))
-        )
+        mine = self._shares(options)
+        rounds = self._each(lambda r, c: c.call("precopy", store=store, key_ref=dict(key_ref), options=mine[r]))
         world = self._compose(store, key_ref, [x["image"]["id"] for x in rounds])
         stats = [x["stats"] for x in rounds]
         total = RoundStats(
@@ -291,9 +315,8 @@ class World:
                 )
                 finals, image, seconds = [one], one["image"], 0.0
             else:
-                finals = self._each(
-                    lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=dict(options or {}))
-                )
+                mine = self._shares(options)
+                finals = self._each(lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=mine[r]))
                 world = self._compose(store, key_ref, [x["image"]["id"] for x in finals])
                 image, seconds = world["image"], world["seconds"]
         return {
@@ -350,19 +373,19 @@ class World:
         source: str | None = None,
     ) -> dict[str, Any]:
         """Rank r of this (target) world loads rank r's part of world image ``image_id``, all at once.
-        ``device_map``: per rank, the devices it ran on at the source and runs on here. ``source``: a world of
-        one fills its tensors from the source agent's memory there (``fill.py``)."""
+        ``device_map``: per rank, the devices it ran on at the source and runs on here. ``source``: rank 0's agent
+        on the source (one host): target rank r fills its tensors from source rank r's memory (``fill.py``), its
+        agent at ``source``'s port + r."""
         args: dict[str, Any] = {"store": store, "image_id": image_id, "key_ref": dict(key_ref)}
         args.update(policy=dict(policy or {}), ready=ready)
         if self.alone:
             one = self._rank0("restore", **args, **({} if source is None else {"source": source}))
             return {"image": image_id, "ranks": [one], "device_map": [], **_sums([one])}
-        if source is not None:
-            raise InvalidInputError(
-                "a fill from the source's memory (transfer.restore_from: source) is for a workload of one rank"
-            )
+        lenders = rank_addresses(source, self.size) if source is not None else None
         targets = self.ranks if self.ranks is not None else self.describe()
-        results = self._each(lambda r, c: c.call("restore", **args, rank=r))
+        results = self._each(
+            lambda r, c: c.call("restore", **args, rank=r, **({} if lenders is None else {"source": lenders[r]}))
+        )
         device_map = [
             {
                 "rank": r,

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from gpumigrate.errors import SnapshotError
-from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo
+from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, RegionInfo, TensorChunk
 from gpumigrate.snapshot.chunks import chunk_count
 from gpumigrate.snapshot.errors import ImageMismatchError
 
@@ -130,17 +130,19 @@ class RankView:
         return self._reader.read_chunk_into(self._prefix + region, index, out)
 
     def __getattr__(self, name: str) -> Any:
-        # The optional zero-copy methods (PROTOCOL.md) exist here exactly when the reader has them,
-        # so the restore pipeline picks the same path it would for the rank's own image.
-        if name not in ("chunk_tensor", "chunk_id", "verify_chunk"):
+        # Direct placement (``DirectImageReader.read_tensors``: the reader fetches, opens, decodes, copies and
+        # verifies each chunk into its tensor on the device) exists here exactly when the world image's reader has
+        # it, so a rank restores through the same direct path as a process restoring its own image; without it a
+        # world's restore fell back to the generic path, chunk by chunk through a host ring (issue 32: 3 GB/s).
+        if name != "read_tensors":
             raise AttributeError(name)
         method = getattr(self._reader, name)
         prefix = self._prefix
 
-        def prefixed(region: str, index: int, *args: Any, **kwargs: Any) -> Any:
-            return method(prefix + region, index, *args, **kwargs)
+        def read_tensors(chunks: Sequence[TensorChunk]) -> int:
+            return int(method([TensorChunk(prefix + c.region, c.index, c.data) for c in chunks]))
 
-        return prefixed
+        return read_tensors
 
 
 def rank_reader(reader: ImageReader, rank: int | None, own: Mapping[str, int] | None) -> ImageReader:

@@ -44,8 +44,11 @@ if TYPE_CHECKING:
 OBJECT_AT = 4096
 PAYLOAD_AT = OBJECT_AT + HEADER_SIZE
 HASH_BATCH = 64  # chunks per device hash launch: few launches, and the hash still trails the copies closely
-# Sealing/opening threads: one per core (GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts).
-WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, os.cpu_count() or 2)
+# Sealing/opening threads: one per core, shared by the ranks a launcher started on this host (torchrun's
+# LOCAL_WORLD_SIZE: each rank seals its own state at once, and more threads than cores only trade places);
+# GPUMIGRATE_DIRECT_WORKERS overrides it, for benchmarks comparing counts.
+_LOCAL_RANKS = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+WORKERS = int(os.environ.get("GPUMIGRATE_DIRECT_WORKERS", "0") or 0) or max(2, (os.cpu_count() or 2) // _LOCAL_RANKS)
 SLOTS = 2 * WORKERS + 8  # a restore holds two per chunk that the CPU decodes; a few more keep the DMA busy
 
 

@@ -1,7 +1,7 @@
 """A tensor-parallel language model of N ranks: each rank holds 1/N of every layer; rank 0 serves HTTP.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m gpumigrate.workloads.tp_inference \\
-        --host 127.0.0.1 --port 18080 --seed 0 --device cpu|cuda [--devices 1,0] [--params-mb N]
+        --host 127.0.0.1 --port 18080 --seed 0 --device cpu|cuda [--devices 1,0] [--params-mb N] [--mutable-mb N]
 
 The model (byte tokens, vocabulary 260): token and position embeddings and layer norms replicated;
 per block a column-parallel input projection and a row-parallel output projection (Megatron's MLP
@@ -15,7 +15,8 @@ all inside one safe point of the SDK on every rank. A group freeze therefore par
 the same engine step with no collective in flight. ``POST /v1/generate`` ``{"prompt": str,
 "max_new_tokens": 1..64}`` → ``{"tokens", "logprobs", "text", "ranks"}`` (greedy); ``GET /v1/info``;
 ``/healthz`` and ``/readyz`` from the SDK's middleware. Rank 0 prints ``{"event": "listening", ...}``.
-``--params-mb N``: about N MB of weights per rank.
+``--params-mb N``: about N MB of weights per rank; ``--mutable-mb N``: N MB of device state per rank that every
+request changes (a KV cache's stand-in: what a stop-and-copy moves after the pre-copy).
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ class Job:
 class Engine:
     """Rank 0's loop: one request (or an idle tick) per safe point, broadcast to every rank."""
 
-    def __init__(self, model: ShardedLM, handle: gm.Handle, me: Rank, idle_s: float) -> None:
-        self.model, self.handle, self.me, self.idle_s = model, handle, me, idle_s
+    def __init__(
+        self, model: ShardedLM, handle: gm.Handle, me: Rank, idle_s: float, mutable: torch.Tensor | None = None
+    ) -> None:
+        self.model, self.handle, self.me, self.idle_s, self.mutable = model, handle, me, idle_s, mutable
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.run, name="tp-engine", daemon=True)
@@ -169,15 +172,18 @@ class Engine:
             if job is not None and not job.future.set_running_or_notify_cancel():
                 job = None  # its client gave up while it was held
             with self.handle.safe_point(timeout_s=None):
-                out = step(self.model, self.me, job, stop=stop)
+                out = step(self.model, self.me, job, stop=stop, mutable=self.mutable)
             if job is not None:
                 job.future.set_result(out or {})
             if stop:
                 return
 
 
-def step(model: ShardedLM, me: Rank, job: Job | None, *, stop: bool = False) -> dict[str, Any] | None:
-    """One engine step on any rank: rank 0's job (None: idle) reaches every rank through a broadcast."""
+def step(
+    model: ShardedLM, me: Rank, job: Job | None, *, stop: bool = False, mutable: torch.Tensor | None = None
+) -> dict[str, Any] | None:
+    """One engine step on any rank: rank 0's job (None: idle) reaches every rank through a broadcast; a request
+    changes every byte of the rank's ``mutable`` state (``--mutable-mb``: a KV cache's stand-in)."""
     header = torch.zeros(2 + MAX_PROMPT, dtype=torch.long, device=me.device)
     if me.rank == 0:
         header[0] = STOP if stop else IDLE if job is None else len(job.prompt)
@@ -189,6 +195,8 @@ def step(model: ShardedLM, me: Rank, job: Job | None, *, stop: bool = False) -> 
     if kind < 0:
         return {"stop": True} if kind == STOP else None
     tokens, logprobs = model.generate(header[2 : 2 + kind].clone(), int(header[1]))
+    if mutable is not None:
+        mutable.add_(1)
     return {
         "tokens": tokens,
         "logprobs": logprobs,
@@ -196,11 +204,11 @@ def step(model: ShardedLM, me: Rank, job: Job | None, *, stop: bool = False) -> 
     }
 
 
-def serve_worker(model: ShardedLM, handle: gm.Handle, me: Rank) -> None:
+def serve_worker(model: ShardedLM, handle: gm.Handle, me: Rank, mutable: torch.Tensor | None = None) -> None:
     """Ranks other than 0: take part in every engine step until rank 0 says stop."""
     while True:
         with handle.safe_point(timeout_s=None):
-            out = step(model, me, None)
+            out = step(model, me, None, mutable=mutable)
         if out is not None and out.get("stop"):
             return
 
@@ -241,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", default=None, help="rank r's CUDA device index, e.g. 1,0 (default: its local rank)")
     p.add_argument("--params-mb", type=float, default=None, help="about N MB of weights per rank")
     p.add_argument("--idle-ms", type=float, default=20.0, help="an idle engine tick after this long without requests")
+    p.add_argument(
+        "--mutable-mb",
+        type=float,
+        default=0,
+        help="N MB of device state per rank that every request changes (migrated)",
+    )
     args = p.parse_args(argv)
 
     me = join(args.device, parse_devices(args.devices))
@@ -251,18 +265,28 @@ def main(argv: list[str] | None = None) -> int:
     model = model.to_empty(device=me.device).eval()
     if not gm.awaiting_restore():  # a target gets its shard from the restore
         model.init_weights(args.seed)
-    handle = gm.attach(model, process_group=dist.group.WORLD)
+    # --mutable-mb: state every request changes, as a KV cache would; it travels with the rank's weights.
+    mutable = torch.zeros(int(args.mutable_mb * (1 << 20)), dtype=torch.uint8, device=me.device)
+    handle = gm.attach(model, process_group=dist.group.WORLD, state={"mutable": mutable} if args.mutable_mb else None)
+    kept = mutable if args.mutable_mb else None
     if me.rank != 0:
-        serve_worker(model, handle, me)
+        serve_worker(model, handle, me, kept)
     else:
-        serve_rank0(model, handle, me, args, shape)
+        serve_rank0(model, handle, me, args, shape, kept)
     handle.close()
     dist.destroy_process_group()
     return 0
 
 
-def serve_rank0(model: ShardedLM, handle: gm.Handle, me: Rank, args: argparse.Namespace, shape: Shape) -> None:
-    engine = Engine(model, handle, me, args.idle_ms / 1000)
+def serve_rank0(
+    model: ShardedLM,
+    handle: gm.Handle,
+    me: Rank,
+    args: argparse.Namespace,
+    shape: Shape,
+    mutable: torch.Tensor | None = None,
+) -> None:
+    engine = Engine(model, handle, me, args.idle_ms / 1000, mutable)
     info = {
         "model": f"tp-lm-d{shape.d_model}-l{shape.layers}-s{args.seed}",
         "world_size": me.world_size,

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpumigrate.infra.local import free_port_block
 from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV, WorkloadLaunch
 from gpumigrate.plan import Workload
 
@@ -29,38 +28,9 @@ def torchrun_argv(module: str, ranks: int, args: Sequence[str], *, python: str =
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module, *args]
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
 def free_ports(count: int, host: str = "127.0.0.1") -> int:
-    """A port P such that P..P+count-1 are free now (the ranks' agents take them in order).
-
-    Chosen below the kernel's ephemeral range: the ports stay free only until the ranks bind them,
-    and in that gap every outgoing connection (gloo's pairs, torchrun's store, HTTP clients) takes an
-    ephemeral port; one of ours taken so failed a world's start now and then."""
-    low, _ = _ephemeral_range()
-    floor = 10000 if low > 10000 + count else 1024
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(floor, max(floor + 1, low - count))
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError(f"no {count} consecutive free ports on {host}")
+    """A port P such that P..P+count-1 are free now (the ranks' agents take them in order): the local provider's."""
+    return free_port_block(count, host)
 
 
 @dataclass
@@ -153,16 +123,23 @@ def start_world(
 
 
 def start_plan_launch(
-    workload: Workload, plan_dir: Path, *, log: Path, await_restore: bool = False, host: str = "127.0.0.1"
+    workload: Workload,
+    plan_dir: Path,
+    *,
+    log: Path,
+    await_restore: bool = False,
+    host: str = "127.0.0.1",
+    env: dict[str, str] | None = None,
 ) -> tuple[LocalWorld, int]:
     """Start a plan's ``workload.launch`` as the flow would on a local host (its placeholders filled
-    with free ports, ``workload.ranks`` agents from the agent port on); returns the world and its
-    service port."""
+    with free ports, ``workload.ranks`` agents from the agent port on), with ``env`` over this process's
+    environment (the user's shell: the image key's variable, say); returns the world and its service port."""
     base = free_ports(workload.ranks, host)
     service = free_ports(1, host)
     launch = WorkloadLaunch.from_plan(workload, plan_dir=plan_dir, await_restore=await_restore)
     rendered = launch.render(host=host, agent_port=base, service_port=service, python=sys.executable, name="local")
-    return spawn(rendered.argv, rendered.env, ranks=workload.ranks, log=log, cwd=rendered.cwd), service
+    argv, cwd = rendered.argv, rendered.cwd
+    return spawn(argv, {**(env or {}), **rendered.env}, ranks=workload.ranks, log=log, cwd=cwd), service
 
 
 def spawn(argv: Sequence[str], env: dict[str, str], *, ranks: int, log: Path, cwd: str | None = None) -> LocalWorld:

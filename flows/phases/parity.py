@@ -23,7 +23,7 @@ from gpumigrate.flows.phases.restore import STEPS_TIMEOUT_S, freeze_cut
 from gpumigrate.flows.report import merge_result
 from gpumigrate.interfaces import SnapshotBackend
 from gpumigrate.parity.output import run_output_parity
-from gpumigrate.parity.training import training_parity
+from gpumigrate.parity.training import training_parity, world_training_parity
 from gpumigrate.snapshot.errors import TrainingLoopError
 
 FAILURES_KEPT = 20
@@ -77,7 +77,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
 
 
 def _training(ctx: RunContext, backend: SnapshotBackend) -> dict[str, Any]:
-    """The source's next ``parity.training.steps`` losses after the cut against the target's for the same steps."""
+    """The source's next ``parity.training.steps`` losses after the cut against the target's for the same steps;
+    for a workload of several ranks, every rank's against the same rank's."""
     m, policy = ctx.migration, ctx.plan.parity.training
     step, _ = freeze_cut(ctx)
     advanced = backend.advance(policy.steps, timeout_s=STEPS_TIMEOUT_S)  # the source is frozen again after them
@@ -87,14 +88,22 @@ def _training(ctx: RunContext, backend: SnapshotBackend) -> dict[str, Any]:
         raise ParityError(f"the source's agent reported steps {steps} for the {policy.steps} after step {step}")
     seen = backend.wait_for_steps("target", since=step, count=policy.steps, timeout_s=STEPS_TIMEOUT_S)
     target = dict(seen.losses)
-    res = training_parity(
-        [source[s] for s in steps],
-        [target[s] for s in steps if s in target],
-        policy,
-        out_dir=m.artifacts / "parity",
-    )
+    out_dir = m.artifacts / "parity"
+    if advanced.ranks:  # a world: each rank trains on its own shard, so each rank's losses are its own
+        by_rank = [dict(r) for r in advanced.ranks], [dict(r) for r in seen.ranks]
+        res = world_training_parity(*by_rank, steps, policy, out_dir=out_dir)
+        ranks = [
+            {"source": [s.get(x) for x in steps], "target": [t.get(x) for x in steps]}
+            for s, t in zip(*by_rank, strict=True)
+        ]
+    else:
+        res = training_parity([source[s] for s in steps], [target[s] for s in steps if s in target], policy,
+                              out_dir=out_dir)  # fmt: skip
+        ranks = []
     record = {**res.to_dict(), "steps": steps, "source": [source[s] for s in steps],
               "target": [target.get(s) for s in steps], "lease_renewals": renewals(ctx)}  # fmt: skip
+    if ranks:
+        record["ranks"] = ranks
     emit(m, "parity.training", record)
     merge_result(m, parity=res.summary())
     if not res.passed:

@@ -86,7 +86,10 @@ def target_launch(ctx: RunContext) -> WorkloadLaunch:
     key = plan.workload.control_key
     if key is not None and key.file:  # an env reference is the target's own variable: never copied here
         contract["GPUMIGRATE_CONTROL_KEY_FILE"] = str(ctx.resolve(key.file))
-    launch = WorkloadLaunch.from_plan(plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract)
+    gpus = tuple(plan.target.rank_gpus or ())  # rank r on the target's GPU rank_gpus[r]
+    launch = WorkloadLaunch.from_plan(
+        plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract, gpus=gpus
+    )
     # A training job that finished leaves its host with nothing to run: the host goes down with it.
     return replace(launch, ends_host=plan.workload.kind == "training")
 

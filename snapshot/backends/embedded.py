@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gpumigrate.errors import InvalidInputError, SnapshotError
@@ -93,9 +94,9 @@ class EmbeddedAgentBackend:
         return image
 
     def advance(self, steps: int, *, timeout_s: float) -> StepLosses:
-        """Rank 0's losses for the steps every rank took (they step together)."""
+        """The steps every rank took (they step together): rank 0's losses, and every rank's (``ranks``)."""
         with self._world("source", timeout_s=timeout_s + 30) as world:
-            return decode_steps(world.advance_ranks(steps, timeout_s=timeout_s)[0])
+            return world_steps(world.advance_ranks(steps, timeout_s=timeout_s))
 
     def resume(self) -> None:
         with self._world("source") as world:
@@ -125,12 +126,19 @@ class EmbeddedAgentBackend:
         return self._load(image, ready=False)
 
     def restore(self, image: ImageRef | None) -> Restored:
+        """Load ``image`` into the target's agents and make them ready; a target that holds it already and is ready
+        (a migration resumed after its orchestrator died past this load) is left as it is: it may be running, and a
+        second load would rewrite its state under it."""
         if image is None:
             raise SnapshotError("the agent backend restores from an image, and the snapshot committed none")
+        with self._world("target") as world:
+            held = world.info_ranks()
+        if all(i.ready and i.last_image == image.id for i in held):
+            return Restored(image_id=image.id, seconds=0.0, ready=True)
         return self._load(image, ready=True)
 
     def wait_for_steps(self, side: Side, *, since: int, count: int, timeout_s: float) -> StepLosses:
-        """Poll rank 0's agent on ``side`` until it reported ``count`` losses after step ``since``.
+        """Poll the agents on ``side`` until every rank reported ``count`` losses after step ``since``.
 
         A loop that takes steps without reporting a loss fails as soon as it took :data:`UNREPORTED_STEPS` more
         than asked (it would train to its end unseen), and one whose agent is gone fails naming that, never
@@ -140,14 +148,15 @@ class EmbeddedAgentBackend:
         with self._world(side, timeout_s=30) as world:
             while True:
                 try:
-                    seen = decode_steps(world.metrics_ranks(since)[0])
+                    seen = world_steps(world.metrics_ranks(since))
                 except AgentUnreachableError as exc:
                     raise TrainingLoopError(
                         f"the {side}'s training process ended, or closed its agent at {address}, before it reported "
                         f"{count} step(s) after step {since} ({exc})",
                         hint="it may have trained to its end: give it steps to outlast the migration; its log says more",
                     ) from None
-                if len(seen.losses) >= count:
+                fewest = min(len(r) for r in seen.ranks) if seen.ranks else len(seen.losses)
+                if fewest >= count:
                     return seen
                 if not seen.losses and seen.steps - since >= count + UNREPORTED_STEPS:
                     raise TrainingLoopError(
@@ -158,7 +167,7 @@ class EmbeddedAgentBackend:
                     )
                 if time.monotonic() > deadline:
                     raise SnapshotError(
-                        f"the {side}'s agent at {address} reported {len(seen.losses)} of {count} steps "
+                        f"the {side}'s agent(s) from {address} reported {fewest} of {count} steps "
                         f"after step {since} within {timeout_s:g} s: is the training loop running (safe_point, "
                         "step.report)?"
                     )
@@ -168,11 +177,45 @@ class EmbeddedAgentBackend:
         """The target workload is a process of the target host: terminating the host stops it."""
 
 
+def world_steps(replies: Sequence[Mapping[str, Any]]) -> StepLosses:
+    """The ranks' ``advance`` or ``metrics`` replies as one: rank 0's, with every rank's losses for a world."""
+    first = decode_steps(replies[0])
+    if len(replies) == 1:
+        return first
+    return replace(first, ranks=tuple(decode_steps(r).losses for r in replies))
+
+
+def _from_source(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ranks' fills from the source's memory as one record: chunks summed, seconds of the slowest."""
+    fills = [dict(r["from_source"]) for r in ranks if r.get("from_source")]
+    if len(fills) <= 1:
+        return fills[0] if fills else {}
+    return {
+        "way": fills[0].get("way"),
+        "chunks": sum(int(f.get("chunks") or 0) for f in fills),
+        "chunks_from_image": sum(int(f.get("chunks_from_image") or 0) for f in fills),
+        "seconds": max(float(f.get("seconds") or 0) for f in fills),
+        "ranks": fills,
+    }
+
+
 def restored_of(done: Mapping[str, Any]) -> Restored:
     """A ``restore_ranks`` reply as the seam's :class:`~gpumigrate.interfaces.Restored`: the ranks' loads summed
-    (seconds of the slowest, as they run side by side), ready once every rank is; rank 0's environment check."""
+    (seconds of the slowest, as they run side by side), ready once every rank is; rank 0's environment check; for a
+    world, each rank's GPUs there and here (``device_map``) beside its own load."""
     ranks: Sequence[Mapping[str, Any]] = done["ranks"]
     first = ranks[0]
+    where = {int(m["rank"]): m for m in done.get("device_map") or ()}
+    per_rank = tuple(
+        {
+            **{k: v for k, v in where.get(r, {}).items()},
+            "rank": r,
+            "bytes_loaded": int(x["bytes_loaded"]),
+            "seconds": round(float(x["seconds"]), 4),
+            **({"phases": x["phases"]} if x.get("phases") else {}),
+        }
+        for r, x in enumerate(ranks)
+    )
     return Restored(
         image_id=str(first["image"]),
         seconds=max(float(r["seconds"]) for r in ranks),
@@ -181,7 +224,8 @@ def restored_of(done: Mapping[str, Any]) -> Restored:
         chunks_skipped=sum(int(r["chunks_skipped"]) for r in ranks),
         ready=all(bool(r["ready"]) for r in ranks),
         environment=dict(first.get("environment") or {}),
-        from_source=dict(first.get("from_source") or {}),
+        from_source=_from_source(ranks),
+        ranks=per_rank if len(ranks) > 1 else (),
     )
 
 

@@ -81,7 +81,8 @@ class SnapshotEngine:
         self.set_ready = set_ready
         self.lock = threading.RLock()
         self.state = EngineState()
-        self.tracker = Tracker()
+        # Parked: frozen (no safe point in flight), or a target whose gate holds every safe point until its restore.
+        self.tracker = Tracker(parked=lambda: self.state.frozen or self.state.ready is False)
         self.ranks = GroupControl(group, self.state)
         self.pipelines = Pipelines(workers=workers, streams=streams)
         self.capture = CaptureRounds(self.tracker, self.pipelines, self.state, self.ranks.rank_id)

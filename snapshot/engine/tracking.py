@@ -25,12 +25,13 @@ Live = dict[str, tuple[tr.Item, torch.Tensor]]
 class Tracker:
     """The tracked items, in the order they were added, and their regions as they are now."""
 
-    def __init__(self) -> None:
+    def __init__(self, parked: Callable[[], bool] = lambda: False) -> None:
         self.items: list[tr.Item] = []
         self._infos: dict[str, RegionInfo] = {}  # the last round's region infos (reused where unchanged)
         # the last round's regions: name -> (tensor, its address, its byte view, its info), reused for the very same
         # tensor at the same address (a frozen round's, and a frozen source's next, find them all so)
         self._last: dict[str, tuple[torch.Tensor, int, torch.dtype, torch.Size, torch.Tensor, RegionInfo]] = {}
+        self.parked = parked  # whether the workload is parked (no step can be running): a module's safe read
 
     # ------------------------------------------------------------------ what to track
     def track(self, item: tr.Item) -> None:
@@ -42,6 +43,8 @@ class Tracker:
                 or item.prefix.startswith(other.prefix + "/")
             ):
                 raise SnapshotError(f"tracked name {item.prefix!r} overlaps {other.prefix!r}: pick distinct names")
+        if isinstance(item, tr.ModuleItem):
+            item.parked = self.parked
         self.items.append(item)
 
     def track_module(self, name: str, module: torch.nn.Module) -> None:

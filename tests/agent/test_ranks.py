@@ -254,6 +254,32 @@ def test_the_world_image_holds_every_rank_and_restores_rank_by_rank(
     assert stats.chunks_total > 0 and not stats.errors  # every chunk it names is in the store and verifies
 
 
+def test_a_rank_reads_its_part_of_a_world_image_through_the_direct_path(
+    ranks: list[Rank], store: tuple[str, dict[str, str]]
+) -> None:
+    """A world image is no slower a format: rank r's view of it fills tensors through the reader's direct placement
+    (``read_tensors``: fetch, open, decode, copy, verify), as the rank's own image would, and only where the
+    reader has it."""
+    from gpumigrate.interfaces import DirectImageReader, TensorChunk
+    from gpumigrate.snapshot.worldimage import RankView
+    from gpumigrate.transfer.reader import StoreImageReader
+
+    url, key_ref = store
+    with _world(ranks) as source:
+        source.freeze_ranks(lease_s=30)
+        image = source.final_ranks(url, key_ref)["image"]["id"]
+    reader = transfer.open_reader(url, image, key=transfer.resolve_key(env=key_ref["env"]))
+    mine = RankView(reader, 1)
+    assert isinstance(mine, DirectImageReader)
+    cs = reader.chunk_size
+    out = torch.zeros(ranks[1].weights.numel() * 4, dtype=torch.uint8)
+    chunks = [TensorChunk("w", i, out[i * cs : (i + 1) * cs]) for i in range(mine.chunk_count("w"))]
+    assert mine.read_tensors(chunks) == out.numel()
+    assert torch.equal(out.view(torch.float32), ranks[1].weights)  # rank 1's bytes, not rank 0's
+    plain = StoreImageReader(reader.store, image, reader.sealer)  # a reader without direct placement
+    assert not isinstance(RankView(plain, 1), DirectImageReader)
+
+
 def test_a_rank_gets_only_its_own_part(
     ranks: list[Rank], targets: list[Rank], store: tuple[str, dict[str, str]]
 ) -> None:

@@ -101,6 +101,9 @@ BAD_PLANS = [
     ("golden-inputs-without-request", "parity.request", _DELETE, "parity.request"),
     ("freeze-lease-zero", "snapshot.freeze_lease_s", 0, "snapshot.freeze_lease_s"),
     ("freeze-lease-over-a-day", "snapshot.freeze_lease_s", 86_401, "snapshot.freeze_lease_s"),
+    ("rank-gpus-twice", "target.rank_gpus", [0, 0], "target.rank_gpus"),
+    ("rank-gpus-per-rank", "target.rank_gpus", [1, 0], "target.rank_gpus"),  # the demo's workload has one rank
+    ("rank-gpus-negative", "target.rank_gpus", [-1], "target.rank_gpus[0]"),
 ]
 
 

@@ -154,7 +154,6 @@ def _training(doc: dict[str, Any]) -> None:
     [
         (lambda d: d.update(traffic={"stages": [{"weight": 100}]}), "traffic: a training job has no clients"),
         (lambda d: d["snapshot"].update(backend="criu"), "snapshot.backend criu: a training job moves with the agent"),
-        (lambda d: d["workload"].update(ranks=2), "workload.ranks 2: the migrate flow moves single-process"),
         (lambda d: d["workload"].pop("agent"), "workload.agent: a training job needs its agent's address"),
         (
             lambda d: d["parity"].update(
@@ -163,7 +162,7 @@ def _training(doc: dict[str, Any]) -> None:
             "parity.golden_inputs / parity.request: these ask a service",
         ),  # fmt: skip
     ],
-    ids=["ramp", "criu", "ranks", "no-agent", "golden"],
+    ids=["ramp", "criu", "no-agent", "golden"],
 )
 def test_a_training_plan_the_flow_cannot_run_exits_2_before_anything_is_provisioned(
     tmp_path: Path, gm_home: Path, cli_cmd: list[str], prefect_api: str, edit: Callable[[dict[str, Any]], None],

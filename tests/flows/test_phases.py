@@ -667,3 +667,37 @@ def test_a_failure_after_the_freeze_that_the_undo_put_back_reads_rolled_back(wor
     assert (status, error) == ("rolled_back", f"rolled back: {boom}")
     rollback = w.ctx.migration.read()["result"]["rollback"]
     assert rollback["triggered"] is True and rollback["trigger"] == "error"
+
+
+def test_a_resumed_world_without_http_stands_while_every_ranks_agent_answers(
+    world: WorldMaker, source: Workload
+) -> None:
+    """A training world has no endpoint: a resume keeps its provision and restore while the target's agents answer,
+    rank 0's at its port and rank r's at port + r, and provisions again once one of them is gone."""
+    import socket
+
+    from gpumigrate.flows.migrate import still_valid
+
+    doc = plan_doc(source)
+    doc["workload"]["ranks"] = 2
+    w = world(doc)
+    listeners = []
+    for _ in range(20):  # two consecutive free ports
+        first = socket.create_server(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        try:
+            listeners = [first, socket.create_server(("127.0.0.1", port + 1))]
+            break
+        except OSError:
+            first.close()
+    assert listeners, "no two consecutive free ports"
+    try:
+        w.ctx.update(target_endpoint=None, target_agent=f"127.0.0.1:{port}")
+        w.ctx.migration.set_phase("provision", "completed", result={})
+        assert still_valid(w.ctx, "provision") is True
+        listeners.pop().close()  # rank 1's agent is gone
+        assert still_valid(w.ctx, "provision") is False
+        assert w.ctx.migration.phase("provision").get("status") == "pending"
+    finally:
+        for s in listeners:
+            s.close()

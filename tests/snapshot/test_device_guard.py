@@ -12,10 +12,8 @@ its anchor's device fails here; so does a new launch site this test does not kno
 
 from __future__ import annotations
 
-import ast
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,37 +22,9 @@ import pytest
 import torch
 
 from gpumigrate.snapshot import fp_kernels
+from tests.support.device_guard import HostBuffer, Recorder, ThreadDevices, launch_sites
 
 SNAPSHOT = Path(__file__).resolve().parents[2] / "snapshot"
-
-
-class ThreadDevices:
-    """CUDA's current device, per thread (0 until a guard says otherwise), and its device guard."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def current_device(self) -> int:
-        return int(getattr(self._local, "index", 0))
-
-    @contextmanager
-    def device(self, where: torch.device | int) -> Iterator[None]:
-        before = self.current_device()
-        self._local.index = where if isinstance(where, int) else where.index
-        try:
-            yield
-        finally:
-            self._local.index = before
-
-
-class HostBuffer:
-    """A pinned host tensor as the launchers use it: its ``.to(device)`` is the copy to the device."""
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
-        return self.data
 
 
 def _torch_with(cuda: ThreadDevices) -> SimpleNamespace:
@@ -67,20 +37,6 @@ def _torch_with(cuda: ThreadDevices) -> SimpleNamespace:
         return torch.zeros(shape, dtype=dtype)
 
     return SimpleNamespace(tensor=tensor, empty=empty, int64=torch.int64, cuda=cuda)
-
-
-class Recorder:
-    """A kernel: ``kernel[grid](*args)`` records the device that was current at the launch."""
-
-    def __init__(self, cuda: ThreadDevices) -> None:
-        self.cuda = cuda
-        self.launched_on: list[int] = []
-
-    def __getitem__(self, grid: tuple[int, int]) -> Callable[..., None]:
-        def launch(*args: Any, **meta: Any) -> None:
-            self.launched_on.append(self.cuda.current_device())
-
-        return launch
 
 
 # Each launch site of the snapshot package: the kernel it launches, and how to launch it on an anchor.
@@ -119,16 +75,7 @@ def test_a_launch_runs_under_its_anchors_device_whatever_the_thread_has_current(
 
 def test_every_launch_site_of_the_snapshot_package_is_checked_above() -> None:
     """``NAME()[grid](...)`` is how the package launches a Triton kernel; each NAME must be in LAUNCHES."""
-    found: set[str] = set()
-    for path in SNAPSHOT.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Subscript)
-                and isinstance(node.func.value, ast.Call)
-                and isinstance(node.func.value.func, ast.Name)
-            ):
-                found.add(node.func.value.func.id)
+    found = launch_sites(SNAPSHOT)
     assert found == set(LAUNCHES), f"launch sites {sorted(found - set(LAUNCHES))} are not checked for their device"
 
 

@@ -16,6 +16,10 @@ aligned; anything else stays on the CPU (``eligible``). The leaf kernel loads 16
 start off a 16-byte boundary are first copied to one aligned block on the device. ``blake3_reference`` is the same
 algorithm in plain torch (any device, slow): the executable description the tests hold against the ``blake3``
 package and the kernels. :func:`cpu_hasher` is BLAKE3 on the CPU in the kernels' output shape.
+
+Triton launches on the calling thread's *current* CUDA device, whatever device its pointer arguments live on, and
+the engine's worker threads have device 0 current: every launch here runs under its tensors' own device
+(``torch.cuda.device``), so a rank whose state lives on ``cuda:1`` is hashed there (issue 32).
 """
 
 from __future__ import annotations
@@ -214,12 +218,13 @@ def _tree(base: torch.Tensor, offsets: torch.Tensor, count: int, size: int) -> t
     (16-byte aligned), then the tree above them."""
     k = _kernels()
     leaves = size // LEAF
-    nodes = torch.empty(count * leaves * 8, dtype=torch.int32, device=base.device)
     total = count * leaves
     grid = (triton_cdiv(total, LEAF_BLOCK),)
     last = ROOT if leaves == 1 else 0
-    k.leaf_kernel[grid](base.data_ptr(), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
-    return _parents(nodes, count, leaves)
+    with torch.cuda.device(base.device):  # see the module: the launches follow the thread's current device
+        nodes = torch.empty(count * leaves * 8, dtype=torch.int32, device=base.device)
+        k.leaf_kernel[grid](base.data_ptr(), offsets, nodes, total, leaves, last, BLOCK=LEAF_BLOCK)
+        return _parents(nodes, count, leaves)
 
 
 def blake3_copy_chunks(src: torch.Tensor, dst: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -276,29 +281,30 @@ def blake3_copy_gather(
     if any(x % 16 for x in src_at) or any(x % 16 for x in dst_at):
         raise ValueError("blake3_copy_gather: every offset a multiple of 16 bytes")
     k = _kernels()
-    table = torch.tensor([[x // 4 for x in src_at], [x // 4 for x in dst_at]], dtype=torch.int64, pin_memory=True)
-    table = table.to(dst.device, non_blocking=True)
     leaves = chunk // LEAF
     total = count * leaves
-    nodes = torch.empty(total * 8, dtype=torch.int32, device=dst.device)
     block = GATHER_BLOCK if leaves % GATHER_BLOCK == 0 else GATHER_SMALL_BLOCK
-    k.leaf_copy_gather_kernel[(total // block,)](
-        src.view(torch.int32),
-        dst.view(torch.int32),
-        table[0],
-        table[1],
-        nodes,
-        total,
-        leaves,
-        BLOCK=block,
-        num_warps=GATHER_WARPS,
-    )
-    return _parents(nodes, count, leaves)
+    with torch.cuda.device(dst.device):  # see the module: the launches follow the thread's current device
+        table = torch.tensor([[x // 4 for x in src_at], [x // 4 for x in dst_at]], dtype=torch.int64, pin_memory=True)
+        table = table.to(dst.device, non_blocking=True)
+        nodes = torch.empty(total * 8, dtype=torch.int32, device=dst.device)
+        k.leaf_copy_gather_kernel[(total // block,)](
+            src.view(torch.int32),
+            dst.view(torch.int32),
+            table[0],
+            table[1],
+            nodes,
+            total,
+            leaves,
+            BLOCK=block,
+            num_warps=GATHER_WARPS,
+        )
+        return _parents(nodes, count, leaves)
 
 
 def _parents(nodes: torch.Tensor, count: int, leaves: int) -> torch.Tensor:
     """The tree above the leaves' chaining values, two levels per launch while more than two nodes remain, into
-    one buffer for all levels; the roots as ``[count, 8]``."""
+    one buffer for all levels; the roots as ``[count, 8]``. Called under the nodes' device (its callers')."""
     k = _kernels()
     levels: list[int] = []  # the node count per input after each launch
     c = leaves

@@ -7,6 +7,9 @@ there (bench/README.md). Here :func:`split` addresses a batch's chunks, wherever
 offsets from the first one (as ``devhash``'s gathering kernels do) and writes each chunk's low and high plane
 into one buffer; :func:`merge` interleaves two planes given by address into a destination.
 
+Triton launches on the calling thread's *current* CUDA device, not its arguments': the engine's worker threads
+have device 0 current, so each launch runs under its tensors' own device (``torch.cuda.device``; issue 32).
+
 Imported only where Triton is (CUDA hosts); the Triton module itself loads on first use.
 """
 
@@ -82,7 +85,7 @@ def split(views: list[torch.Tensor], stream: torch.cuda.Stream) -> tuple[torch.T
         at += -(-n // ALIGN) * ALIGN
         highs.append(at)
         at += -(-n // ALIGN) * ALIGN
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(anchor.device), torch.cuda.stream(stream):  # the launch follows the current device
         meta = torch.tensor(starts + words + lows + highs, dtype=torch.int64, pin_memory=True)
         meta = meta.to(anchor.device, non_blocking=True)
         out = torch.empty(at, dtype=torch.uint8, device=anchor.device)
@@ -109,13 +112,14 @@ def merge(low: int, high: int, out: torch.Tensor) -> None:
 
     words = out.numel() // 2
     grid = (-(-words // BLOCK),)
-    _merge_kernel()[grid](
-        _Pointer(low, torch.uint8),
-        _Pointer(high, torch.uint8),
-        _Pointer(out.data_ptr(), torch.int16),
-        words,
-        BLOCK=BLOCK,
-    )
+    with torch.cuda.device(out.device):  # the launch follows the current device (see the module)
+        _merge_kernel()[grid](
+            _Pointer(low, torch.uint8),
+            _Pointer(high, torch.uint8),
+            _Pointer(out.data_ptr(), torch.int16),
+            words,
+            BLOCK=BLOCK,
+        )
 
 
 def warm(device: torch.device) -> None:
