@@ -275,6 +275,8 @@ def handlers(
             tolerate=bool(args.get("tolerate", False)),
         ),
         "zeroize": engine.zeroize,
+        "hand_over": lambda: engine.hand_over(args["target"]),
+        "take_back": engine.take_back,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -17,7 +18,6 @@ import httpx
 import torch
 from transformers import LlamaForCausalLM
 
-from gpumigrate.workloads.llm.admin import decode_tensor, encode_tensor
 from gpumigrate.workloads.llm.engine import Engine
 from gpumigrate.workloads.llm.model import build_model, encode
 from gpumigrate.workloads.llm.requests import SamplingParams
@@ -84,6 +84,57 @@ def pause_at_step(step: int) -> Callable[[Engine], None]:
             e.pause_soon()
 
     return hook
+
+
+def encode_tensor(t: torch.Tensor) -> str:
+    return base64.b64encode(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).decode()
+
+
+def decode_tensor(text: str, shape: list[int], dtype: str) -> torch.Tensor:
+    raw = bytearray(base64.b64decode(text))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(getattr(torch, dtype.removeprefix("torch."))).view(shape)
+
+
+def _straddling_stop(text: str, cut: int) -> str | None:
+    """A stop sequence that first occurs in ``text`` across character ``cut``."""
+    for start in range(cut - 1, max(-1, cut - 6), -1):
+        for end in range(cut + 1, min(len(text), cut + 12) + 1):
+            if text.find(text[start:end]) == start:
+                return text[start:end]
+    return None
+
+
+def _cut_texts(js: list[Job], cut: int) -> dict[str, int]:
+    """Each running request's text length when an uninterrupted run is at step ``cut``."""
+    seen: dict[str, int] = {}
+
+    def record(e: Engine) -> None:
+        if e.steps == cut:
+            seen.update({r.id: len(r.text) for r in e.running.values()})
+
+    e = engine()
+    e.on_boundary.append(record)
+    try:
+        outs = submit_all(e, js)
+        wait_for(lambda: all(o.done for o in outs), "the recording run")
+    finally:
+        e.close()
+    return seen
+
+
+def straddling_plan(step: int) -> tuple[list[Job], dict[str, str]]:
+    """12 requests (8 running, 2 queued at step ``step``, 2 arriving then), some with a stop sequence across it."""
+    base = jobs(12)
+    texts = {o.id: o.text for o in control_run(base)}
+    cut = _cut_texts(base[:10], step)
+    stops = {}
+    for i in range(10):
+        rid = f"req-{i}"
+        stop = _straddling_stop(texts[rid], cut[rid]) if rid in cut else None
+        if stop is not None:
+            stops[i] = (stop,)
+    assert len(stops) >= 2, f"no stop sequences straddle the cut: {cut}"
+    return jobs(12, stops=stops), {f"req-{i}": s[0] for i, s in stops.items()}
 
 
 def save_state(path: Path, state: dict, tensors: dict[str, torch.Tensor]) -> None:
