@@ -152,6 +152,7 @@ def load_state(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 class LLMProc:
     proc: subprocess.Popen[str]
     url: str
+    agent: str = ""  # the SDK's agent address
 
     def stop(self) -> int:
         """SIGTERM, as a supervisor would; the exit code (SIGKILL after 30 s)."""
@@ -171,16 +172,27 @@ def start_llm_server(*extra: str, home: Path, key_hex: str, timeout_s: float = 1
 
 
 def start_llm_servers(
-    specs: list[tuple[tuple[str, ...], Path]], *, key_hex: str, timeout_s: float = 120.0
+    specs: list[tuple[tuple[str, ...], Path]],
+    *,
+    key_hex: str,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
 ) -> list[LLMProc]:
-    """Several servers (flags, state root) started side by side, sharing one control key; each waited for."""
+    """Several servers (flags, state root) started side by side, sharing one control key (and ``env``); each waited
+    for: ready, or alive for one started ``--await-restore``."""
     procs = []
     for extra, home in specs:
-        env = {**os.environ, "GPUMIGRATE_HOME": str(home), "GPUMIGRATE_CONTROL_KEY": key_hex, "OMP_NUM_THREADS": "1"}
+        proc_env = {
+            **os.environ,
+            **(env or {}),
+            "GPUMIGRATE_HOME": str(home),
+            "GPUMIGRATE_CONTROL_KEY": key_hex,
+            "OMP_NUM_THREADS": "1",
+        }
         argv = [sys.executable, "-m", "gpumigrate.workloads.llm", "--port", "0", "--agent-port", "0", *extra]
         procs.append(
             subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proc_env, start_new_session=True
             )
         )
     try:
@@ -190,9 +202,11 @@ def start_llm_servers(
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"the LLM server exited ({proc.wait(10)}): {proc.stderr.read()[-3000:]}")
-            servers.append(LLMProc(proc, f"http://127.0.0.1:{json.loads(line)['port']}"))
-        for server in servers:
-            wait_for(lambda url=server.url: _ready(url), f"{server.url}/readyz to answer 200", timeout_s)
+            listening = json.loads(line)
+            servers.append(LLMProc(proc, f"http://127.0.0.1:{listening['port']}", listening["agent"]))
+        for server, (extra, _) in zip(servers, specs, strict=True):
+            path = "/healthz" if "--await-restore" in extra else "/readyz"
+            wait_for(lambda u=server.url + path: _ready(u), f"{server.url}{path} to answer 200", timeout_s)
         return servers
     except BaseException:
         for proc in procs:
@@ -203,7 +217,7 @@ def start_llm_servers(
 
 def _ready(url: str) -> bool:
     try:
-        return httpx.get(url + "/readyz", timeout=5).status_code == 200
+        return httpx.get(url, timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 
