@@ -64,6 +64,10 @@ class Runtime(BaseModel):
     image: ImageRef | None = None
     # source_frozen is true between a freeze and the resume that follows it; an undo resumes the source.
     source_frozen: bool = False
+    # source_holds_work is true while the source holds work in flight that the final image carried (an LLM's
+    # generations), sealed, for its hand-over to the restored target; an undo takes it back. work_handed_over: done.
+    source_holds_work: bool = False
+    work_handed_over: bool = False
     # traffic_state_dir overrides where the front door's control plane keeps its state (the demo's own).
     traffic_state_dir: str | None = None
     # ramp_samples are the ramp's intervals, flattened for the chart (the last 2000).

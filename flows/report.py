@@ -20,6 +20,7 @@ from gpumigrate.result import (
     PhaseResult,
     Requests,
     RollbackSummary,
+    Streams,
 )
 from gpumigrate.state import PHASES, Migration
 
@@ -96,6 +97,7 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
         downtime_ms=res.get("downtime_ms"),
         pause_ms=res.get("pause_ms"),
         bytes=Bytes(**res.get("bytes", {})),
+        streams=Streams(**res.get("streams", {})),
         parity=ParitySummary(**res.get("parity", {})),
         rollback=RollbackSummary(**res.get("rollback", {})),
         error=error or res.get("error"),
@@ -179,6 +181,7 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
             if by.preloaded
             else []
         ),
+        *_stream_lines(result),
         f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
         f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}"
         + (f", detected in {_fmt(rb.seconds_to_detect)} s" if rb.seconds_to_detect is not None else ""),
@@ -191,6 +194,20 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
         lines += ["", "## Ramp", "", f"![traffic ramp]({chart_src or Path(result.chart).name})"]
     lines += ["", f"Audit: `gpumigrate audit {migration.id}`.", ""]
     return "\n".join(lines)
+
+
+def _stream_lines(result: MigrationResult) -> list[str]:
+    """A streaming workload's figures: streams handed over at the cut-over, and the streamed probes per side."""
+    st = result.streams
+    out = []
+    if st.handed_over is not None:
+        out.append(f"- streams handed over: {_fmt(st.handed_over)}, paused at most {_fmt(st.handover_ms)} ms")
+    for side, p in (st.probes or {}).items():
+        out.append(
+            f"- {side} streams: {_fmt(p.get('streams'))} probed, time to first token p99 {_fmt(p.get('ttft_p99_ms'))} "
+            f"ms, inter-token gap p99 {_fmt(p.get('itl_p99_ms'))} ms, max {_fmt(p.get('itl_max_ms'))} ms"
+        )
+    return out
 
 
 def _provenance(result: MigrationResult) -> list[str]:

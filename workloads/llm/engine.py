@@ -151,14 +151,23 @@ class Engine:
                 self._parked = False
                 if self._stopping:
                     return
-            with self.step_guard(), self._step_lock:
-                started = time.perf_counter()
-                try:
-                    self._step()
-                except Exception:  # a failed step (a device error) must not leave every stream waiting for ever
-                    traceback.print_exc(file=sys.stderr)
-                    self._fail_all()
-                self.last_step_s = time.perf_counter() - started
+            try:
+                guard = self.step_guard()
+                guard.__enter__()
+            except Exception:  # the safe point refused the step (a retired source): nothing will run here again
+                self._fail_all()
+                continue
+            try:
+                with self._step_lock:
+                    started = time.perf_counter()
+                    try:
+                        self._step()
+                    except Exception:  # a failed step (a device error) must not leave every stream waiting for ever
+                        traceback.print_exc(file=sys.stderr)
+                        self._fail_all()
+                    self.last_step_s = time.perf_counter() - started
+            finally:
+                guard.__exit__(None, None, None)
             for hook in list(self.on_boundary):
                 hook(self)
 
