@@ -599,6 +599,12 @@ class Plan(_Model):
                 "parity.request: required with parity.golden_inputs: the method and path each golden input is "
                 "sent to, the request body, and which fields of the answer are compared (see examples/byo/plan.yaml)"
             )
+        stream = self.parity.stream
+        if stream is not None and self.parity.golden_inputs is None and _has_placeholder(stream.body):
+            raise ValueError(
+                "parity.golden_inputs: required when parity.stream.body has placeholders ('{name}' strings are filled "
+                "from the golden cases); or write the streamed request's body out in full"
+            )
         if self.snapshot.backend == "cuda-driver" and self.target.provider != "local":
             raise ValueError(
                 "snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts"
@@ -624,6 +630,17 @@ class Plan(_Model):
                 "or a receiver you run there (stream://HOST:PORT?fingerprint=sha256:HEX)"
             )
         return self
+
+
+def _has_placeholder(template: Any) -> bool:
+    """Whether a body template holds a string that is exactly ``{name}`` (parity/request.py fills those)."""
+    if isinstance(template, str):
+        return len(template) > 2 and template[0] == "{" and template[-1] == "}" and template[1:-1].isidentifier()
+    if isinstance(template, dict):
+        return any(_has_placeholder(v) for v in template.values())
+    if isinstance(template, list):
+        return any(_has_placeholder(v) for v in template)
+    return False
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
