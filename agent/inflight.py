@@ -15,8 +15,10 @@ from typing import Any
 
 class InFlight:
     """Hooks for work in flight (``attach(..., in_flight=InFlightSubclass(...))``). Every hook runs on the agent's
-    thread, one at a time, never during a step of the workload's loop when the loop runs each step inside
-    ``handle.safe_point()``; each must return quickly (it is on the downtime's clock)."""
+    thread, one at a time. ``capture(final=True)`` and ``sealed`` run while the workload is frozen at its safe point
+    (no step in flight, when the loop runs each step inside ``handle.safe_point()``); ``capture(final=False)``,
+    ``handed_over``, ``taken_back``, ``restore`` and ``figures`` may run while the loop runs: synchronise with it.
+    Each must return quickly: the final capture and the restore are on the downtime's clock."""
 
     def capture(self, final: bool) -> Any:
         """The work in flight as a JSON value (numbers, strings, lists, dicts, bools, None).
