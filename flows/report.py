@@ -45,7 +45,11 @@ def ramp_chart(samples: list[Sample], path: Path, *, title: str = "") -> Path | 
     ax_w.set_ylim(-5, 105)
     ax_e.plot(t, [100 * (s.get("error_rate") or 0) for s in samples], color="tab:red", marker=".")
     ax_e.set_ylabel("target errors %")
-    for key, label, color in (("p99_ms", "target p99", "tab:purple"), ("source_p99_ms", "source p99", "tab:gray")):
+    lines = [("p99_ms", "target p99", "tab:purple"), ("source_p99_ms", "source p99", "tab:gray")]
+    # A streaming workload's inter-token gaps (the ramp's streamed probes), on the same axis.
+    lines += [("itl_p99_ms", "target inter-token p99", "tab:orange"), ("source_itl_p99_ms", "source inter-token p99",
+              "tab:olive")]  # fmt: skip
+    for key, label, color in lines:
         ys = [s.get(key) for s in samples]
         if any(y is not None for y in ys):
             ax_p.plot(t, [y if y is not None else float("nan") for y in ys], label=label, color=color, marker=".")
@@ -134,6 +138,18 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
     return str(v)
+
+
+STREAM_COLUMNS = ("in_flight", "source_in_flight", "ttft_p99_ms", "source_ttft_p99_ms", "itl_p99_ms",
+                  "source_itl_p99_ms")  # fmt: skip
+
+
+def stream_rows(samples: list[Sample]) -> list[dict[str, Any]]:
+    """The ramp's intervals as the streams saw them: requests in flight per side (streams being answered), time
+    to first token and inter-token p99 per side. Empty for a workload that does not stream."""
+    if not any(s.get("itl_p99_ms") is not None or s.get("in_flight") for s in samples):
+        return []
+    return [{"t": s.get("t"), "weight": s.get("weight"), **{k: s.get(k) for k in STREAM_COLUMNS}} for s in samples]
 
 
 def phase_rows(migration: Migration) -> list[dict[str, Any]]:
