@@ -244,8 +244,11 @@ def analyze_streams(
         why = "; ".join(source.errors[:2]) or "no streamed probe finished on both sides yet"
         return [Measurement("streams", Verdict.INCONCLUSIVE, None, None, why)]
     ms: list[Measurement] = []
-    texts = set(source.texts) | set(target.texts)
-    if len(texts) > 1 and None not in texts:
+    texts: dict[int, set[str]] = {}  # per request: every text either side streamed for it
+    for key, text in (*source.texts, *target.texts):
+        if text is not None:
+            texts.setdefault(key, set()).add(text)
+    if any(len(seen) > 1 for seen in texts.values()):
         ms.append(Measurement("stream_text", Verdict.FAIL, None, None, f"{target_name} streamed other text"))
     for metric, mine, theirs, ratio in (
         ("ttft_ratio", target.ttft_p99_ms, source.ttft_p99_ms, gates.max_ttft_ratio),

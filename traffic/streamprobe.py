@@ -10,7 +10,7 @@ time to the first token event (TTFT) and every gap between two token events (int
 A *token event* is a ``data:`` event other than ``[DONE]``; with ``text_field`` (a dotted path into the event's
 JSON, ``choices.0.text``) only those whose field holds a non-empty string, so that a chat stream's opening role
 chunk and a closing usage chunk are not read as tokens. With ``text_field`` the two sides' streamed texts are also
-compared, exactly (the plan's streamed request is deterministic: greedy, or seeded): a target that streams other
+compared per request, exactly (the plan's streamed request is deterministic: greedy, or seeded): a target that streams other
 text fails the gate. Rounds run on their own thread; the analysis reads the timings of the rounds that finished
 within its window (``window``).
 """
@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -35,13 +35,15 @@ KEPT = 2000  # timed streams kept per side
 
 @dataclass(frozen=True)
 class StreamTiming:
-    """One streamed answer: when it ended (monotonic), its TTFT, the gaps between its token events, its text."""
+    """One streamed answer: when it ended (monotonic), its TTFT, the gaps between its token events, its text, and
+    which of the prober's requests it answered (``key``: the two sides' texts compare per request)."""
 
     at: float
     ttft_ms: float | None
     gaps_ms: tuple[float, ...]
     text: str | None = None
     error: str | None = None
+    key: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class StreamWindow:
     ttft_p99_ms: float | None
     itl_p99_ms: float | None
     itl_max_ms: float | None
-    texts: tuple[str | None, ...] = field(default=())
+    texts: tuple[tuple[int, str | None], ...] = field(default=())  # (request's key, streamed text)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,7 +88,7 @@ def summarize(timings: Sequence[StreamTiming]) -> StreamWindow:
         ttft_p99_ms=p99([t.ttft_ms for t in good if t.ttft_ms is not None]),
         itl_p99_ms=p99(gaps),
         itl_max_ms=max(gaps) if gaps else None,
-        texts=tuple(t.text for t in good),
+        texts=tuple((t.key, t.text) for t in good),
     )
 
 
@@ -128,8 +130,12 @@ class StreamProber:
         self._thread: threading.Thread | None = None
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s), trust_env=False)
 
-    def time_stream(self, side: str, body: Mapping[str, Any]) -> StreamTiming:
-        """One streamed request to ``side``, timed from the moment it is sent."""
+    def time_stream(self, side: str, body: Mapping[str, Any], key: int = 0) -> StreamTiming:
+        """One streamed request to ``side``, timed from the moment it is sent; ``key`` names the request."""
+        timing = self._time_stream(side, body)
+        return replace(timing, key=key)
+
+    def _time_stream(self, side: str, body: Mapping[str, Any]) -> StreamTiming:
         sent = time.monotonic()
         events: list[float] = []
         text: list[str] = []
@@ -183,9 +189,9 @@ class StreamProber:
         return value if isinstance(value, str) and value else None
 
     def run_round(self) -> None:
-        for body in self.bodies:
+        for key, body in enumerate(self.bodies):
             for side in (self.source, self.target):
-                timing = self.time_stream(side, body)
+                timing = self.time_stream(side, body, key)
                 with self._lock:
                     self._timings[side].append(timing)
         with self._lock:
