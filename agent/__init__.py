@@ -23,10 +23,12 @@ from gpumigrate.snapshot.stepgate import StepReport as Step
 
 from .asgi import ReadinessMiddleware
 from .handle import AgentAddressError, Handle, attach, awaiting_restore, current
+from .inflight import InFlight
 
 __all__ = [
     "AgentAddressError",
     "Handle",
+    "InFlight",
     "ReadinessMiddleware",
     "Step",
     "Unavailable",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,11 +21,13 @@ from gpumigrate.errors import InvalidInputError
 from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.engine import SnapshotEngine
+from gpumigrate.snapshot.engine.dirty import Report
 from gpumigrate.snapshot.ranks import RankGroup
 from gpumigrate.snapshot.server import AgentServer, serve
 from gpumigrate.snapshot.stepgate import SafePointGate, StepReport
 
 from . import distributed, images, tracking, warmup
+from .inflight import InFlight
 
 DEFAULT_AGENT_ADDR = "127.0.0.1:7070"
 SERVING_WAIT_S = 30.0  # a request held at a frozen safe point waits this long, then gets a 503
@@ -137,6 +139,8 @@ def attach(
     process_group: Any = None,
     on_teardown: Callable[[], None] | None = None,
     on_rebuild: Callable[[], None] | None = None,
+    written: Mapping[str, Report] | None = None,
+    in_flight: InFlight | None = None,
 ) -> Handle:
     """Attach the migration agent to ``obj`` (a torch.nn.Module, a LightningModule, or a dict[str, torch.Tensor]).
 
@@ -151,11 +155,25 @@ def attach(
     address's port + its local rank, and the ranks freeze together at one step. ``on_teardown`` /
     ``on_rebuild``: called around the group's teardown and rebuild (an in-place capture; see
     ``distributed.py``), e.g. to drop and re-create a DistributedDataParallel wrapper.
+
+    ``written``: for a tensor of ``state`` (by its key) that the workload writes a few rows of at a time (a KV
+    cache), a callable returning the byte ranges ``(offset, length)`` written since its previous call (None: it
+    cannot say); pre-copy rounds then ship only the chunks those touch. ``in_flight``: an :class:`InFlight` whose
+    hooks carry the work in flight at the safe point (an engine loop's requests) to the target (README.md).
     """
     if process_group is None and (on_teardown is not None or on_rebuild is not None):
         raise TypeError("attach(on_teardown=..., on_rebuild=...) go with process_group=...")
     group = None if process_group is None else distributed.rank_group(process_group, on_teardown, on_rebuild)
-    return attach_items(obj, optimizer=optimizer, lr_scheduler=lr_scheduler, state=state, name=name, group=group)
+    return attach_items(
+        obj,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        state=state,
+        name=name,
+        group=group,
+        written=written,
+        in_flight=in_flight,
+    )
 
 
 def attach_items(
@@ -168,6 +186,8 @@ def attach_items(
     extra: Sequence[tr.Item] = (),
     training: bool | None = None,
     group: RankGroup | None = None,
+    written: Mapping[str, Report] | None = None,
+    in_flight: InFlight | None = None,
 ) -> Handle:
     """:func:`attach` plus ``extra`` tracked items (the Lightning callback's loop counters)."""
     global _current
@@ -185,6 +205,11 @@ def attach_items(
     ]
     if training is None:
         training = bool(opts) or _is_lightning_module(obj)
+    reports = tracking.written_regions(state, written)
+    if in_flight is not None and not isinstance(in_flight, InFlight):
+        raise TypeError(
+            f"attach(in_flight=...) takes a gpumigrate.agent.InFlight (subclass it); got {type(in_flight).__qualname__}"
+        )
     host, port = agent_address()
     if group is not None:
         host, port = distributed.rank_address(host, port, group)
@@ -200,6 +225,10 @@ def attach_items(
             engine.track(item)
         # A rank carries its own GPU's RNG stream, by position: the target rank may use another index.
         engine.track_rng("rng", cuda_devices=distributed.cuda_devices(items[0].tensors()) if group else None)
+        for region, report in reports.items():
+            engine.track_written(region, report)
+        if in_flight is not None:
+            engine.track_work(in_flight)
         try:
             server = serve(engine, port, host, key=key)
         except OSError as exc:

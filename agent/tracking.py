@@ -11,7 +11,7 @@ across a restore.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from gpumigrate.snapshot import tracked as tr
 
 ALLOWED_OBJECTS = "a torch.nn.Module (a Hugging Face model or a LightningModule included) or a dict[str, torch.Tensor]"
 ALLOWED_VALUES = "torch.Tensor, torch.Generator, or a JSON value (number, string, bool, None, list, dict)"
-RESERVED = ("optimizer", "lr_scheduler", "state", "state.plain", "rng", "progress", "lightning")
+RESERVED = ("optimizer", "lr_scheduler", "state", "state.plain", "rng", "progress", "lightning", "work")
 ALLOWED_SCHEDULERS = "a torch.optim.lr_scheduler scheduler (an LRScheduler or ReduceLROnPlateau) or a list of them"
 
 
@@ -163,3 +163,23 @@ def _plain_setter(state: MutableMapping[str, Any]) -> Callable[[Any], None]:
             gen.set_state(raw)
 
     return put
+
+
+def written_regions(state: Any, written: Any) -> dict[str, Callable[[], Any]]:
+    """``attach(written=...)`` as region -> report: each key a tensor of ``state``, each value callable."""
+    if written is None:
+        return {}
+    if not isinstance(written, Mapping):
+        raise TypeError(f"attach(written=...) takes a dict of state key -> callable; got {type(written).__qualname__}")
+    tensors = sorted(k for k, v in (state or {}).items() if isinstance(v, torch.Tensor))
+    out: dict[str, Callable[[], Any]] = {}
+    for key, report in written.items():
+        if key not in tensors:
+            raise TypeError(
+                f"attach(written={{{key!r}: ...}}): {key!r} is not a tensor of state; its tensors are: "
+                + (", ".join(tensors) or "none")
+            )
+        if not callable(report):
+            raise TypeError(f"attach(written={{{key!r}: ...}}) takes a callable returning (offset, length) ranges")
+        out[f"state/{key}"] = report
+    return out

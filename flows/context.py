@@ -72,6 +72,10 @@ class Runtime(BaseModel):
     resumed_at: float | None = None
     # access_marks: where each front-door Envoy's access log stood before the snapshot ({path: [inode, offset]}).
     access_marks: dict[str, list[int]] = {}
+    # source_holds_work is true while the source holds work in flight that the final image carried (an LLM's
+    # generations), sealed, for its hand-over to the restored target; an undo takes it back. work_handed_over: done.
+    source_holds_work: bool = False
+    work_handed_over: bool = False
     # traffic_state_dir overrides where the front door's control plane keeps its state (the demo's own).
     traffic_state_dir: str | None = None
     # ramp_samples are the ramp's intervals, flattened for the chart (the last 2000).

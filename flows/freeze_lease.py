@@ -63,10 +63,10 @@ _KEEPERS_LOCK = threading.Lock()
 
 
 def keep_frozen(ctx: RunContext, backend: SnapshotBackend | None = None) -> None:
-    """Keep the source's freeze alive while this process works on it (started again after a --resume); nothing to
-    keep where the source is not frozen, or where its backend (``backend``, else the plan's) freezes without a
-    lease."""
-    if not ctx.runtime.source_frozen:
+    """Keep the source's freeze alive while this process works on it (started again after a --resume), and the hold of
+    work in flight the source keeps for its hand-over (the agent renews both); nothing to keep where the source is
+    neither frozen nor holding, or where its backend (``backend``, else the plan's) freezes without a lease."""
+    if not (ctx.runtime.source_frozen or ctx.runtime.source_holds_work):
         return
     with _KEEPERS_LOCK:
         keeper = _KEEPERS.get(ctx.migration.id)

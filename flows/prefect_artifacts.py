@@ -54,13 +54,20 @@ def publish(m: Migration, result: MigrationResult) -> None:
     try:
         from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
-        from gpumigrate.flows.report import chart_data_uri, phase_rows, summary_markdown
+        from gpumigrate.flows.report import chart_data_uri, phase_rows, stream_rows, summary_markdown
 
         chart = chart_data_uri(result.chart)
         markdown = summary_markdown(m, result, chart_src=chart)
         description = f"migration {m.id}: {result.status}"
         create_markdown_artifact(markdown=markdown, key=key(m.id, "summary"), description=description)
         create_table_artifact(table=phase_rows(m), key=key(m.id, "phases"), description="phases")
+        streams = stream_rows(list((m.read().get("runtime") or {}).get("ramp_samples") or []))
+        if streams:
+            create_table_artifact(
+                table=streams,
+                key=key(m.id, "streams"),
+                description="streams in flight per side, time to first token and inter-token p99 (ms) per interval",
+            )
         if chart:
             create_image_artifact(
                 image_url=chart,

@@ -20,6 +20,7 @@ from gpumigrate.result import (
     PhaseResult,
     Requests,
     RollbackSummary,
+    Streams,
 )
 from gpumigrate.state import PHASES, Migration
 
@@ -44,7 +45,11 @@ def ramp_chart(samples: list[Sample], path: Path, *, title: str = "") -> Path | 
     ax_w.set_ylim(-5, 105)
     ax_e.plot(t, [100 * (s.get("error_rate") or 0) for s in samples], color="tab:red", marker=".")
     ax_e.set_ylabel("target errors %")
-    for key, label, color in (("p99_ms", "target p99", "tab:purple"), ("source_p99_ms", "source p99", "tab:gray")):
+    lines = [("p99_ms", "target p99", "tab:purple"), ("source_p99_ms", "source p99", "tab:gray")]
+    # A streaming workload's inter-token gaps (the ramp's streamed probes), on the same axis.
+    lines += [("itl_p99_ms", "target inter-token p99", "tab:orange"), ("source_itl_p99_ms", "source inter-token p99",
+              "tab:olive")]  # fmt: skip
+    for key, label, color in lines:
         ys = [s.get(key) for s in samples]
         if any(y is not None for y in ys):
             ax_p.plot(t, [y if y is not None else float("nan") for y in ys], label=label, color=color, marker=".")
@@ -96,6 +101,7 @@ def build_result(migration: Migration, *, status: str | None = None, error: str 
         downtime_ms=res.get("downtime_ms"),
         pause_ms=res.get("pause_ms"),
         bytes=Bytes(**res.get("bytes", {})),
+        streams=Streams(**res.get("streams", {})),
         parity=ParitySummary(**res.get("parity", {})),
         rollback=RollbackSummary(**res.get("rollback", {})),
         error=error or res.get("error"),
@@ -132,6 +138,18 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"
     return str(v)
+
+
+STREAM_COLUMNS = ("in_flight", "source_in_flight", "ttft_p99_ms", "source_ttft_p99_ms", "itl_p99_ms",
+                  "source_itl_p99_ms")  # fmt: skip
+
+
+def stream_rows(samples: list[Sample]) -> list[dict[str, Any]]:
+    """The ramp's intervals as the streams saw them: requests in flight per side (streams being answered), time
+    to first token and inter-token p99 per side. Empty for a workload that does not stream."""
+    if not any(s.get("itl_p99_ms") is not None or s.get("in_flight") for s in samples):
+        return []
+    return [{"t": s.get("t"), "weight": s.get("weight"), **{k: s.get(k) for k in STREAM_COLUMNS}} for s in samples]
 
 
 def phase_rows(migration: Migration) -> list[dict[str, Any]]:
@@ -178,6 +196,7 @@ def summary_markdown(migration: Migration, result: MigrationResult, *, chart_src
             if by.preloaded
             else []
         ),
+        *_stream_lines(result),
         f"- parity: passed {_fmt(pa.passed)}, {_fmt(pa.cases)} cases, max abs err {_fmt(pa.max_abs_err)}",
         f"- rollback: triggered {_fmt(rb.triggered)}, reason {_fmt(rb.reason)}"
         + (f", detected in {seconds(rb.seconds_to_detect)}" if rb.seconds_to_detect is not None else ""),
@@ -210,6 +229,20 @@ def figure_lines(result: MigrationResult) -> list[str]:
 def seconds(value: float) -> str:
     """A duration as people read it: 0.989 s, 12.3 s, 95 s."""
     return f"{value:.3g} s" if value < 100 else f"{value:.0f} s"
+
+
+def _stream_lines(result: MigrationResult) -> list[str]:
+    """A streaming workload's figures: streams handed over at the cut-over, and the streamed probes per side."""
+    st = result.streams
+    out = []
+    if st.handed_over is not None:
+        out.append(f"- streams handed over: {_fmt(st.handed_over)}, paused at most {_fmt(st.handover_ms)} ms")
+    for side, p in (st.probes or {}).items():
+        out.append(
+            f"- {side} streams: {_fmt(p.get('streams'))} probed, time to first token p99 {_fmt(p.get('ttft_p99_ms'))} "
+            f"ms, inter-token gap p99 {_fmt(p.get('itl_p99_ms'))} ms, max {_fmt(p.get('itl_max_ms'))} ms"
+        )
+    return out
 
 
 def _provenance(result: MigrationResult) -> list[str]:

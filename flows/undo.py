@@ -8,12 +8,14 @@ snapshot, and from the CLI. Each records in the audit log what it did.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TypeVar
 
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
+from gpumigrate.flows.freeze_lease import release
 from gpumigrate.infra.launch import answers
 from gpumigrate.state import PHASES, Migration
 from gpumigrate.traffic import frontdoor
@@ -84,6 +86,29 @@ def undo_source(ctx: RunContext) -> None:
         quietly("state", lambda: ctx.update(source_frozen=False))
         if was_frozen:
             quietly("record", lambda: emit(ctx.migration, "rollback.source_resumed", {"backend": backend.name}))
+    taken = quietly("take back", backend.take_back) if backend is not None else None
+    if taken:
+        quietly("record", lambda: emit(ctx.migration, "rollback.work_taken_back", {"figures": taken.get("figures")}))
+    if taken is not None:
+        quietly("state", lambda: ctx.update(source_holds_work=False))
+        quietly("lease", lambda: release(ctx))
+
+
+def drain_target(ctx: RunContext) -> dict[str, object] | None:
+    """Before the target goes: the work in flight on it (its own streams, and those it continues for the source's
+    relayed clients) ends first, for at most ``traffic.drain_s``. Nothing to wait for where the workload reports no
+    work in flight (``SnapshotBackend.work``); ``None`` then."""
+    backend = ctx.backend()
+    deadline = time.monotonic() + ctx.plan.traffic.drain_s
+    start = time.monotonic()
+    target, source = backend.work("target"), backend.work("source")
+    if not target:
+        return None
+    while int(target.get("in_flight") or 0) + int(source.get("relayed") or 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        target, source = backend.work("target"), backend.work("source")
+    left = int(target.get("in_flight") or 0) + int(source.get("relayed") or 0)
+    return {"seconds": round(time.monotonic() - start, 2), "left": left}
 
 
 def undo_target(ctx: RunContext, *, reason: str) -> None:
@@ -94,6 +119,9 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
     rt = quietly("runtime", lambda: ctx.runtime)
     host = rt.target_host if rt is not None and not rt.target_torn_down else None
     if host is not None:
+        drained = quietly("drain", lambda: drain_target(ctx))
+        if drained is not None:
+            quietly("record", lambda: emit(m, "rollback.target_drained", dict(drained)))
         quietly("receiver", lambda: _stop_receiver(ctx))
         backend = quietly("backend", ctx.backend)
         if backend is not None:

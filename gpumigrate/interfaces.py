@@ -375,6 +375,22 @@ class SnapshotBackend(Protocol):
     def discard(self) -> None:
         """Undo of restore for what the host's terminate does not stop (a process CRIU restored). Idempotent."""
 
+    # -- work in flight (a workload whose safe point lands inside its clients' work: an LLM engine between two
+    # decode steps). The final image carries that work; the source keeps it sealed until one of these two.
+    def hand_over(self, target: str) -> dict[str, Any]:
+        """Once the target is restored and ready: the work in flight the final image carried goes on there
+        (``target``: its service URL, as the source reaches it; the source relays its clients' streams). What was
+        handed over; ``{}`` where the workload hands nothing over (every backend but the agent's)."""
+
+    def take_back(self) -> dict[str, Any]:
+        """Undo of a final round that sealed work in flight: the source goes on with it. Idempotent; ``{}`` where
+        nothing was sealed."""
+
+    def work(self, side: Side) -> dict[str, Any]:
+        """The workload's figures of its work in flight on ``side`` (``in_flight``: served there, ``relayed``: handed
+        over and still relayed to its clients, ``held``), for the live view and the undo's drain; ``{}`` where the
+        workload reports none."""
+
 
 # ----------------------------------------------------------------------------- parity
 

@@ -517,6 +517,36 @@ class ParityRequest(_Model):
         return _http_path(v)
 
 
+class StreamRequest(_Model):
+    """A streamed request the ramp sends to each side every interval, through the front door's probe listener: its
+    server-sent events give the time to first token and the gaps between tokens that the ramp's gates read."""
+
+    path: str = Field(description="Request path on the service, such as /v1/completions.")
+    body: Any = Field(
+        description="The JSON body (POST), asking for a stream; a template as in parity.request: a string that is "
+        "exactly '{name}' becomes the golden case's value of that name (the first cases are sent)."
+    )
+    headers: dict[str, str] = Field(default_factory=dict)
+    text_field: str | None = Field(
+        default=None,
+        description="Dotted path of each event's text (choices.0.text, choices.0.delta.content): only events that "
+        "carry text count as tokens, and both sides' streamed texts must be equal. Default: every data event.",
+    )
+    timeout_s: Annotated[float, Field(gt=0, le=600)] = 30
+
+    @field_validator("path")
+    @classmethod
+    def _p(cls, v: str) -> str:
+        return _http_path(v)
+
+    @field_validator("text_field")
+    @classmethod
+    def _field(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$", v):
+            raise ValueError("must be a dotted path of names and list indexes, such as choices.0.text")
+        return v
+
+
 class TrainingParity(_Model):
     """Training: the target's next steps must give the losses the source gives for the same steps."""
 
@@ -528,6 +558,11 @@ class TrainingParity(_Model):
 class Parity(_Model):
     golden_inputs: str | None = Field(default=None, description="JSONL file of golden inputs, relative to the plan.")
     request: ParityRequest | None = Field(default=None, description="How golden inputs are asked (inference).")
+    stream: StreamRequest | None = Field(
+        default=None,
+        description="A streamed request (an LLM server's): the ramp's gates then read time to first token and "
+        "inter-token gaps from it, through the front door, per side (traffic.gates.max_ttft_ratio, ...).",
+    )
     training: TrainingParity = Field(default_factory=TrainingParity)
     atol: Annotated[float, Field(ge=0)] = 1e-5
     rtol: Annotated[float, Field(ge=0)] = 1e-4
@@ -545,6 +580,16 @@ class Gates(_Model):
     max_p99_ms: Annotated[float, Field(gt=0)] | None = None
     min_requests: Annotated[int, Field(ge=1)] = 20
     failures_to_rollback: Annotated[int, Field(ge=1, le=10)] = 1
+    max_ttft_ratio: Annotated[float, Field(ge=1)] = Field(
+        default=2.0,
+        description="With parity.stream: the target's p99 time to first token over the source's (same window).",
+    )
+    max_inter_token_ratio: Annotated[float, Field(ge=1)] = Field(
+        default=1.5, description="With parity.stream: the target's p99 gap between two tokens over the source's."
+    )
+    max_inter_token_ms: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="With parity.stream: the largest gap between two tokens any probe may see."
+    )
 
 
 def _default_stages() -> list[Stage]:
@@ -557,6 +602,11 @@ class Traffic(_Model):
     analysis_interval_s: Annotated[float, Field(gt=0, le=600)] = 2.0
     rollback_window_s: Annotated[float, Field(ge=0, le=7 * 86_400)] = 600
     manual_gate: bool = False
+    drain_s: Annotated[float, Field(ge=0, le=3600)] = Field(
+        default=60,
+        description="On a rollback, how long the target keeps serving the work in flight on it (its own streams, and "
+        "those it continues for the source's clients after a hand-over) before it is torn down.",
+    )
 
     @field_validator("stages")
     @classmethod
@@ -604,6 +654,12 @@ class Plan(_Model):
                 "parity.request: required with parity.golden_inputs: the method and path each golden input is "
                 "sent to, the request body, and which fields of the answer are compared (see examples/byo/plan.yaml)"
             )
+        stream = self.parity.stream
+        if stream is not None and self.parity.golden_inputs is None and _has_placeholder(stream.body):
+            raise ValueError(
+                "parity.golden_inputs: required when parity.stream.body has placeholders ('{name}' strings are filled "
+                "from the golden cases); or write the streamed request's body out in full"
+            )
         if self.snapshot.backend == "cuda-driver" and self.target.provider != "local":
             raise ValueError(
                 "snapshot.backend cuda-driver restores on the same host only: use agent or criu across hosts"
@@ -640,6 +696,17 @@ class Plan(_Model):
                 "or a receiver you run there (stream://HOST:PORT?fingerprint=sha256:HEX)"
             )
         return self
+
+
+def _has_placeholder(template: Any) -> bool:
+    """Whether a body template holds a string that is exactly ``{name}`` (parity/request.py fills those)."""
+    if isinstance(template, str):
+        return len(template) > 2 and template[0] == "{" and template[-1] == "}" and template[1:-1].isidentifier()
+    if isinstance(template, dict):
+        return any(_has_placeholder(v) for v in template.values())
+    if isinstance(template, list):
+        return any(_has_placeholder(v) for v in template)
+    return False
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

@@ -60,6 +60,23 @@ class RollbackSummary(BaseModel):
     actor: str | None = Field(default=None, description="Who asked for it, as they said (the form's 'acting as').")
 
 
+class Streams(BaseModel):
+    """A workload that streams (an LLM server): what its clients' streams went through."""
+
+    handed_over: int | None = Field(
+        default=None, description="Requests in flight the source handed to the restored target (their streams relayed)."
+    )
+    handover_ms: float | None = Field(
+        default=None,
+        description="From the freeze to the hand-over: no moved stream paused longer than this at the cut-over.",
+    )
+    probes: dict[str, dict[str, float | int | None]] | None = Field(
+        default=None,
+        description="The ramp's streamed probes over the whole ramp, per side: streams, errors, ttft_p99_ms, "
+        "itl_p99_ms, itl_max_ms (through the front door's probe listener; parity.stream).",
+    )
+
+
 class MigrationResult(BaseModel):
     migration_id: str | None = None
     status: Literal["completed", "rolled_back", "denied", "failed"]
@@ -77,6 +94,7 @@ class MigrationResult(BaseModel):
         description="Training: from the source's freeze to the target's first completed step after its restore.",
     )
     bytes: Bytes = Field(default_factory=Bytes)
+    streams: Streams = Field(default_factory=Streams)
     parity: ParitySummary = Field(default_factory=ParitySummary)
     rollback: RollbackSummary = Field(default_factory=RollbackSummary)
     error: str | None = None

@@ -16,7 +16,7 @@ from gpumigrate.errors import InvalidInputError
 from gpumigrate.interfaces import ParityQuery
 from gpumigrate.parity.comparator import ToleranceComparator
 from gpumigrate.parity.rules import Rules
-from gpumigrate.plan import ParityRequest
+from gpumigrate.plan import ParityRequest, StreamRequest
 
 if TYPE_CHECKING:
     import httpx
@@ -62,6 +62,14 @@ def build_requests(cases: Sequence[GoldenCase], request: ParityRequest) -> list[
                                body=None if get else body, params=_params(body, case) if get else {},
                                headers=dict(request.headers)))  # fmt: skip
     return out
+
+
+def stream_bodies(cases: Sequence[GoldenCase], stream: StreamRequest) -> list[Any]:
+    """The bodies of the plan's streamed request (``parity.stream``), one per golden case (the template filled from
+    it), or the body as it is when there are no cases; InvalidInputError names a placeholder a case cannot fill."""
+    if not cases:
+        return [stream.body]
+    return [_fill(stream.body, case, {"id": case.id, **case.request}) for case in cases]
 
 
 def rules_for(request: ParityRequest, *, atol: float, rtol: float) -> Rules:

@@ -184,9 +184,10 @@ class AgentClient:
         return int(reply.get("steps") or 0)
 
     def request_renew(self, lease_s: float | None = None) -> bool:
-        """Extend a freeze's lease; returns whether the agent is still frozen."""
+        """Extend a freeze's lease (and the hold of sealed work in flight); whether the agent is still frozen or holding."""
         args = {} if lease_s is None else {"lease_s": lease_s}
-        return bool(self.call("renew", **args).get("frozen"))
+        reply = self.call("renew", **args)
+        return bool(reply.get("frozen") or reply.get("holding"))
 
     def request_advance(self, steps: int, *, timeout_s: float | None = None) -> StepLosses:
         """Let a frozen training source take exactly ``steps`` more steps, then freeze it again."""
@@ -212,6 +213,16 @@ class AgentClient:
 
     def request_resume(self) -> None:
         self.call("resume")
+
+    def request_hand_over(self, target: str) -> dict[str, Any]:
+        """The source's sealed work in flight goes on at ``target`` (the restored target's service URL)."""
+        reply: dict[str, Any] = self.call("hand_over", target=target)
+        return reply
+
+    def request_take_back(self) -> dict[str, Any]:
+        """The source's sealed work in flight goes on at the source (a rollback)."""
+        reply: dict[str, Any] = self.call("take_back")
+        return reply
 
     def request_restore(
         self,

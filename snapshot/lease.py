@@ -35,7 +35,14 @@ def lease_arg(value: Any, default: float = DEFAULT_LEASE_S) -> float:
 
 
 class Lease:
-    def __init__(self, command_lock: AbstractContextManager[Any], on_expiry: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        command_lock: AbstractContextManager[Any],
+        on_expiry: Callable[[], None],
+        *,
+        what: str = "the freeze lease",
+    ) -> None:
+        self.what = what  # in the log line of an expiry
         self._command_lock = command_lock
         self._on_expiry = on_expiry
         self._cond = threading.Condition()
@@ -105,7 +112,7 @@ class Lease:
                     self.expiries += 1
                     self.expired_at = time.time()
                     lease_s = self.lease_s
-                log.warning("gpumigrate agent: the freeze lease (%gs) ran out without a renew; resuming", lease_s)
+                log.warning("gpumigrate agent: %s (%gs) ran out without a renew; resuming", self.what, lease_s)
                 try:
                     self._on_expiry()
                 except Exception:  # the watchdog must survive a failing resume and keep guarding

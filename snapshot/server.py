@@ -33,7 +33,9 @@ from gpumigrate.snapshot.server_commands import dispatch, key_ref_arg
 MAX_LINE = 1 << 20
 CHANNEL = "agent"
 REFUSALS_KEPT = 20
-GC_HELD_TO_REPLY = frozenset({"freeze", "final", "lend", "restore"})  # commands whose reply is on the downtime's clock
+GC_HELD_TO_REPLY = frozenset(
+    {"freeze", "final", "lend", "restore", "hand_over"}
+)  # commands whose reply is on the downtime's clock
 log = logging.getLogger("gpumigrate.agent")
 
 

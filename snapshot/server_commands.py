@@ -278,6 +278,8 @@ def handlers(
         ),
         "zeroize": lambda: engine.zeroize(end_parked=bool(args.get("end_parked", False))),
         "key": lambda: engine.check_key(key_ref_arg(args.get("key_ref"))),
+        "hand_over": lambda: engine.hand_over(args["target"]),
+        "take_back": engine.take_back,
     }
 
 

@@ -337,6 +337,14 @@ class World:
         """Resume every rank (rebuilding a torn-down group first), even if some fail; then raise the first failure."""
         self._each(lambda r, c: c.request_resume())
 
+    def hand_over_ranks(self, target: str) -> list[dict[str, Any]]:
+        """Every rank's sealed work in flight goes on at ``target`` (the restored target's service URL)."""
+        return self._each(lambda r, c: c.request_hand_over(target))
+
+    def take_back_ranks(self) -> list[dict[str, Any]]:
+        """Every rank's sealed work in flight goes on at the source (a rollback); even if some fail."""
+        return self._each(lambda r, c: c.request_take_back())
+
     def teardown_ranks(self) -> list[dict[str, Any]]:
         """Destroy every rank's communicators (frozen world; before an in-place capture)."""
         return self._each(lambda r, c: c.call("teardown"))

@@ -47,6 +47,7 @@ from gpumigrate.traffic.stats import (
     settled_reading,
     window,
 )
+from gpumigrate.traffic.streamprobe import StreamProber, StreamWindow
 
 if TYPE_CHECKING:  # the control plane process never loads the plan's models
     from gpumigrate.plan import Traffic
@@ -148,6 +149,7 @@ class RampResult:
     rollback_applied_s: float | None = None  # write → every Envoy ACKed
     seconds: float = 0.0
     figures: dict[str, Any] | None = None  # what clients saw, from Envoy (ClientFigures); None if unread
+    streams: dict[str, Any] | None = None  # the streamed probes over the whole ramp, per side (StreamWindow)
     final_weight: float = 0.0  # percent on the target when the ramp ended (0 after a rollback)
     progress_pct: float = 0.0  # share of the plan's stages passed (100 only when completed)
 
@@ -157,6 +159,7 @@ class RampResult:
             "final_weight": self.final_weight,
             "progress_pct": round(self.progress_pct, 1),
             "figures": self.figures,
+            "streams": self.streams,
             "reason": self.reason,
             "trigger": self.trigger,
             "seconds_to_detect": None if self.seconds_to_detect is None else round(self.seconds_to_detect, 3),
@@ -235,6 +238,7 @@ class RampController:
         source: str = "source",
         target: str = "target",
         prober: Prober | None = None,
+        stream_prober: StreamProber | None = None,
         rollback_signal: Callable[[], Any] | None = None,
         on_interval: Callable[[Sample], None] | None = None,
         lease_holder: str | None = None,
@@ -245,6 +249,7 @@ class RampController:
         self.nodes = nodes or []
         self.source, self.target = source, target
         self.prober = prober
+        self.stream_prober = stream_prober  # streamed requests: time to first token, inter-token gaps (per side)
         self.rollback_signal = rollback_signal
         self.on_interval = on_interval
         self.samples: list[Sample] = []
@@ -323,9 +328,17 @@ class RampController:
             time.sleep(min(left, 0.05))
 
     def _record(
-        self, stage: int, prev: StatsSnapshot, cur: StatsSnapshot, window_s: float, analysis: Analysis
+        self,
+        stage: int,
+        prev: StatsSnapshot,
+        cur: StatsSnapshot,
+        window_s: float,
+        analysis: Analysis,
+        streams: tuple[StreamWindow, StreamWindow] | None = None,
     ) -> Sample:
         per = {u: w.to_json() for u, w in window(prev, cur).items()}
+        for side, figures in zip((self.source, self.target), streams or (), strict=False):
+            per.setdefault(side, {})["streams"] = figures.to_json()
         sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
         self.samples.append(sample)
         self._progress("running", sample)
@@ -427,6 +440,7 @@ class RampController:
             src = w[self.source]
             base = src.p99_ms if src.requests >= s.gates.min_requests and src.p99_ms is not None else self.baseline_p99
             probe = self.prober.latest(newer_than=started) if self.prober else None
+            streams = self._streams(started)
             a = analyze(
                 w[self.target],
                 base,
@@ -434,8 +448,9 @@ class RampController:
                 probe=probe,
                 probes_expected=self.prober is not None,
                 target_name=self.target,
+                streams=streams,
             )
-            self._record(index, snaps[-2], snaps[-1], window_s, a)
+            self._record(index, snaps[-2], snaps[-1], window_s, a, streams)
             rec.intervals += 1
             if a.verdict == Verdict.FAIL:
                 fails += 1
@@ -452,6 +467,13 @@ class RampController:
                 return
             rec.inconclusive += 1
             self._inconclusive_policy(rec, weight, a.reason)
+
+    def _streams(self, since: float) -> tuple[StreamWindow, StreamWindow] | None:
+        """The streamed probes of the stage so far: (source, target)."""
+        if self.stream_prober is None:
+            return None
+        got = self.stream_prober.window(newer_than=since)
+        return got[self.source], got[self.target]
 
     def _inconclusive_policy(self, rec: StageRecord, weight: float, reason: str) -> None:
         """Past ``max_inconclusive`` inconclusive intervals, the ``rollback`` policy ends the ramp."""
@@ -501,6 +523,10 @@ class RampController:
                 # so the first users at 1% do not pay for a cold start.
                 self.prober.run_round()
             self.prober.start()
+        if self.stream_prober is not None:
+            if self._weight <= 0:
+                self.stream_prober.run_round()  # warm, as the parity probes do
+            self.stream_prober.start()
         result: RampResult
         try:
             if state.rolled_back:
@@ -531,11 +557,15 @@ class RampController:
         finally:
             if self.prober is not None:
                 self.prober.stop()
+            if self.stream_prober is not None:
+                self.stream_prober.stop()
             for admin in self.admins:
                 admin.close()
             figures = sampler.stop()
             self.store.release_lease(self.lease_holder)
         result.figures = figures
+        if self.stream_prober is not None:
+            result.streams = {side: w.to_json() for side, w in self.stream_prober.window().items()}
         return result
 
     def _roll_back(self, rb: _RolledBack) -> RampResult:

@@ -30,6 +30,7 @@ class ClusterCounters:
     buckets: list[tuple[float, int]] = field(default_factory=list)  # (upper bound ms, cumulative count)
     healthy: int | None = None  # hosts passing health checks in the endpoint cluster
     ejected: int = 0  # hosts ejected by outlier detection now
+    active: int = 0  # requests in flight now (a gauge: a long stream counts until it ends)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ClusterWindow:
     p99_ms: float | None
     healthy: int | None
     ejected: int
+    active: int = 0  # requests in flight at the window's end (streams being answered)
 
     @property
     def rps(self) -> float:
@@ -70,6 +72,7 @@ class ClusterWindow:
             "p99_ms": None if self.p99_ms is None else round(self.p99_ms, 2),
             "healthy": self.healthy,
             "ejected": self.ejected,
+            "in_flight": self.active,
         }
 
 
@@ -103,11 +106,15 @@ def parse_stats(
                     out[u].xx5 = int(value)
                 elif key == "upstream_rq_retry":
                     out[u].retries = int(value)
+                elif key == "upstream_rq_active":
+                    out[u].active = max(out[u].active, int(value))
         for prefix, u in raw.items():
             if name == prefix + "membership_healthy":
                 out[u].healthy = int(value)
             elif name == prefix + "outlier_detection.ejections_active":
                 out[u].ejected = int(value)
+            elif name == prefix + "upstream_rq_active":  # where the aggregate cluster keeps no gauge of its own
+                out[u].active = max(out[u].active, int(value))
     return StatsSnapshot(ts if ts is not None else time.time(), out)
 
 
@@ -123,6 +130,7 @@ def merge(snapshots: list[StatsSnapshot]) -> StatsSnapshot:
             m.xx5 += c.xx5
             m.retries += c.retries
             m.ejected += c.ejected
+            m.active += c.active
             if c.healthy is not None:
                 m.healthy = c.healthy if m.healthy is None else min(m.healthy, c.healthy)
             if not m.buckets:
@@ -158,7 +166,8 @@ def window(old: StatsSnapshot, new: StatsSnapshot) -> dict[str, ClusterWindow]:
         requests = max(0, n.completed - o.completed) + retries
         failures = max(0, n.xx5 - o.xx5) + retries
         diff = _bucket_diff(o.buckets, n.buckets)
-        out[u] = ClusterWindow(requests, failures, seconds, percentile_from_buckets(diff, 0.99), n.healthy, n.ejected)
+        p99 = percentile_from_buckets(diff, 0.99)
+        out[u] = ClusterWindow(requests, failures, seconds, p99, n.healthy, n.ejected, n.active)
     return out
 
 

@@ -33,6 +33,9 @@ def run(ctx: RunContext) -> dict[str, Any]:
     deadline = time.time() + window
     ctx.update(rollback_deadline=deadline)
     if window <= 0:
+        drained = drain_source(ctx)  # the streams still on the source (its own, and those it relays) end first
+        if drained is not None:
+            emit(m, "source.drained", drained)
         emit(m, "source.zeroized", ctx.backend().retire())
         ctx.update(source_zeroized=True, source_retired=True)
         return {"source": "zeroized"}
@@ -47,6 +50,25 @@ def run(ctx: RunContext) -> dict[str, Any]:
         },
     )
     return {"source": "warm", "rollback_window_s": window}
+
+
+def drain_source(ctx: RunContext) -> dict[str, Any] | None:
+    """Wait (at most ``traffic.drain_s``) until the source serves no work in flight and relays none, where its
+    workload reports such work (``SnapshotBackend.work``); ``None`` where it reports none."""
+    backend = ctx.backend()
+    start = time.monotonic()
+    figures = backend.work("source")
+    if not figures:
+        return None
+    while _busy(figures) > 0 and time.monotonic() - start < ctx.plan.traffic.drain_s:
+        time.sleep(0.2)
+        figures = backend.work("source")
+    return {"seconds": round(time.monotonic() - start, 2), "left": _busy(figures)}
+
+
+def _busy(figures: dict[str, Any]) -> int:
+    """Work in flight on a side: served there, or relayed from elsewhere to its clients."""
+    return int(figures.get("in_flight") or 0) + int(figures.get("relayed") or 0)
 
 
 def _park_and_retire(ctx: RunContext) -> dict[str, Any]:

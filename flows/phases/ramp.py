@@ -6,7 +6,10 @@ front door, the plan's stages and gates, parity probes judged by the parity libr
 (traffic never imports parity), the rollback signal, who holds the traffic lease — and records what
 it decided: the outcome and its trigger (a lease the control plane took back included), and what the
 clients saw through the front door during the ramp (Envoy's own stats, in the audit; the result's figures span
-the whole migration: flows/client_figures.py). A training job has no clients: nothing to shift, the phase is skipped.
+the whole migration: flows/client_figures.py).
+With a streamed request in the plan (``parity.stream``), streamed probes through the front door give each side's
+time to first token and inter-token gaps, which the gates read and the result keeps (``streams``). A training job
+has no clients: nothing to shift, the phase is skipped.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from gpumigrate.flows.report import Sample, merge_result, ramp_chart
 from gpumigrate.interfaces import OutputComparator, ParityReport
 from gpumigrate.parity.comparator import ToleranceComparator
 from gpumigrate.parity.output import load_golden
-from gpumigrate.parity.request import build_requests, comparator_for
+from gpumigrate.parity.request import build_requests, comparator_for, stream_bodies
 from gpumigrate.traffic import frontdoor
 from gpumigrate.traffic.probes import Prober
 from gpumigrate.traffic.ramp import RampController, RampResult, RampSettings
 from gpumigrate.traffic.ramp import Sample as Interval
+from gpumigrate.traffic.streamprobe import StreamProber
 
 PROBE_CASES = 2  # golden inputs sent through Envoy to each side every interval: a few are enough
 SAMPLES_KEPT = 2000
@@ -39,6 +43,7 @@ def run(ctx: RunContext) -> dict[str, Any]:
         return {"skipped": "a training job has no clients to shift"}
     result = _drive(ctx)
     record_figures(ctx, result.figures)
+    record_streams(ctx, result.streams)
     samples = [flatten(s.to_json()) for s in result.samples]
     if result.status != "completed":  # the chart shows the weight falling back to the source
         samples.append(
@@ -89,6 +94,7 @@ def _drive(ctx: RunContext) -> RampResult:
         source=frontdoor.SOURCE,
         target=frontdoor.TARGET,
         prober=_prober(ctx, door.probe_listener),
+        stream_prober=_stream_prober(ctx, door.probe_listener),
         rollback_signal=m.rollback_requested,
         on_interval=on_interval,
         lease_holder=lease_holder(ctx),
@@ -115,10 +121,19 @@ def record_figures(ctx: RunContext, figures: Mapping[str, Any] | None) -> None:
     emit(ctx.migration, "traffic.figures", {**kept, "window": "the ramp"})
 
 
+def record_streams(ctx: RunContext, streams: Mapping[str, Any] | None) -> None:
+    """The streamed probes over the whole ramp, per side (time to first token, inter-token gaps), into the result."""
+    if not streams:
+        return
+    emit(ctx.migration, "traffic.streams", dict(streams))
+    merge_result(ctx.migration, streams={"probes": dict(streams)})
+
+
 def flatten(sample: Mapping[str, Any]) -> Sample:
     """One interval as the chart and the live view want it."""
     clusters = sample.get("clusters", {})
     tgt, src = clusters.get(frontdoor.TARGET, {}), clusters.get(frontdoor.SOURCE, {})
+    tgt_streams, src_streams = tgt.get("streams") or {}, src.get("streams") or {}
     analysis = sample.get("analysis", {})
     return {
         "t": sample.get("t"),
@@ -129,6 +144,12 @@ def flatten(sample: Mapping[str, Any]) -> Sample:
         "rps": tgt.get("rps"),
         "source_p99_ms": src.get("p99_ms"),
         "source_rps": src.get("rps"),
+        "in_flight": tgt.get("in_flight"),
+        "source_in_flight": src.get("in_flight"),
+        "itl_p99_ms": tgt_streams.get("itl_p99_ms"),
+        "source_itl_p99_ms": src_streams.get("itl_p99_ms"),
+        "ttft_p99_ms": tgt_streams.get("ttft_p99_ms"),
+        "source_ttft_p99_ms": src_streams.get("ttft_p99_ms"),
         "verdict": analysis.get("verdict"),
         "reason": (analysis.get("reason") or "")[:200],
     }
@@ -169,3 +190,15 @@ def _prober(ctx: RunContext, listener: str | None) -> Prober | None:
     queries = build_requests(cases, parity.request)
     comparator = ProbeComparator(comparator_for(parity.request, atol=parity.atol, rtol=parity.rtol))
     return Prober(listener, [q.body for q in queries], comparator, path=parity.request.path, every_s=every_s)
+
+
+def _stream_prober(ctx: RunContext, listener: str | None) -> StreamProber | None:
+    """The plan's streamed request (``parity.stream``), filled from the first golden cases, to each side."""
+    stream = ctx.plan.parity.stream
+    if stream is None or not listener:
+        return None
+    golden = ctx.golden_inputs()
+    cases = load_golden(golden)[:PROBE_CASES] if golden is not None else []
+    bodies = stream_bodies(cases, stream)
+    return StreamProber(listener, bodies, path=stream.path, text_field=stream.text_field, headers=stream.headers,
+                        every_s=ctx.plan.traffic.analysis_interval_s, timeout_s=stream.timeout_s)  # fmt: skip

@@ -4,6 +4,11 @@ A target the snapshot phase pre-loaded (``flows/preload.py``) loads only the chu
 changed: ``image.restored`` and ``result.bytes.restored`` say how much that was. A service runs once its
 ready path answers; a training job runs once its first step after the freeze completed on the target
 (``result.pause_ms``: from the freeze to that step), while the source stays frozen under its lease.
+
+Work in flight that the final image carried (the source's workload hands it over: an LLM server's generations)
+goes on at the target as soon as it is ready: the source is told to hand it over (``SnapshotBackend.hand_over``,
+with the target's service URL) and relays its clients' streams from there. ``work.handed_over`` records what moved;
+the freeze-to-hand-over time is the longest pause those clients saw (``result.handover_ms``).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
-from gpumigrate.flows.freeze_lease import keep_frozen
+from gpumigrate.flows.freeze_lease import keep_frozen, release
 from gpumigrate.flows.preload import final_load
 from gpumigrate.flows.report import merge_result
 from gpumigrate.infra.launch import wait_http
@@ -42,6 +47,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
         resumed = {"on": "target", "after_step": step, "pause_ms": pause_ms}
     else:
         wait_http(ctx.target_endpoint(), path=plan.workload.ready_path, timeout_s=READY_TIMEOUT_S)
+        if ctx.runtime.source_holds_work:
+            out.update(hand_over(ctx))
     emit(
         m,
         "image.restored",
@@ -56,6 +63,24 @@ def run(ctx: RunContext) -> dict[str, Any]:
     if resumed is not None:
         emit(m, "training.resumed", resumed)
     return out
+
+
+def hand_over(ctx: RunContext) -> dict[str, Any]:
+    """The source's work in flight goes on at the ready target; the hold's lease is no longer renewed."""
+    m = ctx.migration
+    handed = ctx.backend().hand_over(ctx.target_endpoint())
+    frozen_at = float((m.phase("snapshot").get("result") or {}).get("frozen_at") or time.time())
+    handover_ms = round((time.time() - frozen_at) * 1000, 1)
+    ctx.update(source_holds_work=False, work_handed_over=bool(handed.get("handed_over")))
+    release(ctx)
+    if handed.get("handed_over"):
+        emit(m, "work.handed_over", {"target": handed.get("target"), "handover_ms": handover_ms,
+                                     "figures": handed.get("figures") or {}})  # fmt: skip
+        moved = (handed.get("figures") or {}).get("moved")
+        merge_result(m, streams={"handover_ms": handover_ms, "handed_over": moved})
+        return {"handover_ms": handover_ms}
+    emit(m, "work.kept_on_source", {"reason": str(handed.get("reason") or "the source handed nothing over")[:300]})
+    return {"handover_ms": None}
 
 
 def freeze_cut(ctx: RunContext) -> tuple[int, float]:

@@ -8,7 +8,10 @@ parity phases count the target's steps from it) under ``snapshot.freeze_lease_s`
 while it works on the frozen source (``flows/freeze_lease.py``): if this process dies, the source resumes by
 itself. An inference source resumes after the final image (its weights are read-only: it serves on while
 the target is restored and ramped); a training source stays frozen (two copies of one job must never both
-train) until the finalize phase parks it for good, or an undo resumes it.
+train) until the finalize phase parks it for good, or an undo resumes it. A source whose workload hands its work in
+flight over (the SDK's ``InFlight``: an LLM server's generations, captured between two decode steps) keeps that work
+sealed, unadvanced, while it serves new requests; the lease that held the freeze holds it, renewed until the restore
+phase hands it to the target (or an undo takes it back).
 
 The source is never left frozen by a failure: a failed final round resumes it before the error goes on; a
 failed pre-load happens before any freeze.
@@ -56,8 +59,10 @@ def run(ctx: RunContext) -> dict[str, Any]:
         if plan.workload.kind == "inference":
             # Weights are read-only: the source serves on while the target is restored and ramped.
             backend.resume()
-            ctx.update(source_frozen=False, resumed_at=time.time())
-            release(ctx)
+            held = bool(backend.work("source").get("held"))  # work in flight sealed in the image, for its hand-over
+            ctx.update(source_frozen=False, resumed_at=time.time(), source_holds_work=held)
+            if not held:
+                release(ctx)
     ctx.update(image=image)
     emit(
         m,
@@ -75,6 +80,8 @@ def run(ctx: RunContext) -> dict[str, Any]:
             "bytes_preloaded": live.bytes_preloaded,
             "freeze_step": step,
             "freeze_lease_s": plan.snapshot.freeze_lease_s,
+            "frozen_ms": round(frozen_ms, 1),
+            "work_held": ctx.runtime.source_holds_work,
         },
     )
     if image is not None:

@@ -18,6 +18,12 @@ def demo(
         help="Break the target during the ramp to show the automatic rollback (exit 3): "
         "target-errors, target-slow, target-drift or target-crash.",
     ),
+    workload: str = typer.Option(
+        "inference",
+        "--workload",
+        help="inference (the tiny inference server under load) or llm (an OpenAI-compatible LLM server moved with "
+        "its clients' streams in flight).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the result JSON as the last line of stdout."),
     no_live: bool = typer.Option(False, "--no-live", help="Plain lines instead of the live view (logs, CI)."),
 ) -> None:
@@ -28,9 +34,20 @@ def demo(
     from functools import partial
 
     from gpumigrate.cli.live import summary, watching
-    from gpumigrate.flows.demo import run_demo
+    from gpumigrate.errors import InvalidInputError
 
-    result = run_demo(fault=fault, watch=partial(watching, live=not no_live))
+    if workload not in ("inference", "llm"):
+        raise InvalidInputError(f"--workload {workload!r} is not one of inference, llm")
+    if workload == "llm":
+        if fault is not None:
+            raise InvalidInputError("--fault breaks the inference server's target; it does not apply to --workload llm")
+        from gpumigrate.flows.demo_llm import run_llm_demo
+
+        result = run_llm_demo(watch=partial(watching, live=not no_live))
+    else:
+        from gpumigrate.flows.demo import run_demo
+
+        result = run_demo(fault=fault, watch=partial(watching, live=not no_live))
     summary(result)
     if json_out:
         emit_json(result)

@@ -47,7 +47,7 @@ class PhaseLines:
             if pct != self._last_pct:
                 self._last_pct = pct
                 console.print(f"          transfer {pct}% of {data['total']} bytes")
-        elif event.startswith(("traffic.stage", "rollback.", "traffic.cutover", "traffic.gate")):
+        elif event.startswith(("traffic.stage", "rollback.", "traffic.cutover", "traffic.gate", "work.")):
             console.print(f"          {event} {data}", soft_wrap=True)
 
 
@@ -59,6 +59,7 @@ class LiveView:
         self.phases: dict[str, str] = dict.fromkeys(PHASES, "pending")
         self.notes: dict[str, str] = {}
         self.ramp: dict[str, Any] = {}
+        self.streams = ""  # the demo's streaming clients, as they last reported
         self.events: list[str] = []
         self._lock = threading.Lock()
         self._live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
@@ -77,7 +78,13 @@ class LiveView:
                 self.notes["snapshot"] = f"pre-copy round {data.get('round')}: {data.get('bytes_dirty', 0):,} B dirty"
             elif event == "traffic.interval":
                 self.ramp = data
-            elif event.startswith(("traffic.stage", "traffic.cutover", "rollback.", "fault.", "traffic.gate")):
+            elif event == "demo.streams":
+                self.streams = (
+                    f"clients' streams: {data.get('in_flight', 0)} in flight, {data.get('completed', 0)} done, "
+                    f"{data.get('broken', 0)} broken, {data.get('differ', 0)} differ; longest gap "
+                    f"{data.get('max_gap_ms', 0):.0f} ms"
+                )
+            elif event.startswith(("traffic.stage", "traffic.cutover", "rollback.", "fault.", "traffic.gate", "work.")):
                 self.events.append(
                     f"{time.strftime('%H:%M:%S')} {event} "
                     + " ".join(f"{k}={v}" for k, v in data.items() if isinstance(v, (str, int, float)))[:110]
@@ -101,6 +108,17 @@ class LiveView:
                     f"source {_ms(r.get('source_p99_ms'))}  verdict {r.get('verdict', '')}"
                 )
             )
+            if r.get("itl_p99_ms") is not None or r.get("in_flight"):
+                parts.append(
+                    Text(
+                        f"streams: in flight target {r.get('in_flight') or 0} / source {r.get('source_in_flight') or 0}"
+                        f"  inter-token p99 target {r.get('itl_p99_ms') or 0:.1f} ms / source "
+                        f"{r.get('source_itl_p99_ms') or 0:.1f} ms  first token p99 target "
+                        f"{r.get('ttft_p99_ms') or 0:.0f} ms"
+                    )
+                )
+        if self.streams:
+            parts.append(Text(self.streams))
         parts += [Text(e, style="dim") for e in self.events]
         return Group(*parts)
 
@@ -146,6 +164,15 @@ def summary(result: MigrationResult) -> None:
         console.print(f"  training pause (freeze to the target's first step): {result.pause_ms:,.0f} ms")
     if by.image is not None:
         console.print(f"  bytes: image {by.image:,}, sent {by.sent or 0:,}, stored {by.stored or 0:,}")
+    st = result.streams
+    if st.handed_over is not None:
+        console.print(f"  streams: {st.handed_over} handed over, paused at most {st.handover_ms} ms", soft_wrap=True)
+    for side, p in (st.probes or {}).items():
+        console.print(
+            f"  {side} streams: first token p99 {p.get('ttft_p99_ms')} ms, inter-token p99 {p.get('itl_p99_ms')} ms,"
+            f" max {p.get('itl_max_ms')} ms",
+            soft_wrap=True,
+        )
     if pa.passed is not None:
         err = f", max abs err {pa.max_abs_err:.3g}" if pa.max_abs_err is not None else ""
         console.print(f"  parity: {'passed' if pa.passed else 'FAILED'} on {pa.cases} cases{err}")

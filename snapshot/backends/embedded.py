@@ -79,8 +79,9 @@ class EmbeddedAgentBackend:
             return int(world.freeze_ranks(lease_s=lease_s)["step"])
 
     def renew(self, lease_s: float) -> bool:
+        """Whether every rank is still frozen, or still holds sealed work in flight for a hand-over."""
         with self._world("source", timeout_s=max(5.0, lease_s / 3)) as world:
-            return all(bool(r.get("frozen")) for r in world.renew_ranks(lease_s))
+            return all(bool(r.get("frozen") or r.get("holding")) for r in world.renew_ranks(lease_s))
 
     def final(self) -> ImageRef:
         with self._world("source") as world:
@@ -101,6 +102,23 @@ class EmbeddedAgentBackend:
     def resume(self) -> None:
         with self._world("source") as world:
             world.resume_ranks()
+
+    def hand_over(self, target: str) -> dict[str, Any]:
+        """Rank 0's account of the work in flight its ranks hand over to ``target`` ({} where the workload has no
+        in-flight hooks: ``attach(in_flight=...)``)."""
+        with self._world("source") as world:
+            replies = world.hand_over_ranks(target)
+        return {} if not any(r.get("handed_over") for r in replies) else dict(replies[0])
+
+    def take_back(self) -> dict[str, Any]:
+        with self._world("source") as world:
+            replies = world.take_back_ranks()
+        return {} if not any(r.get("taken_back") for r in replies) else dict(replies[0])
+
+    def work(self, side: Side) -> dict[str, Any]:
+        """Rank 0's figures of its work in flight on ``side`` (its agent's ``metrics``)."""
+        with self._world(side, timeout_s=10) as world:
+            return dict(world.metrics_ranks()[0].get("work") or {})
 
     def retire(self) -> dict[str, Any]:
         with self._world("source") as world:

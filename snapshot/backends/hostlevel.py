@@ -94,6 +94,16 @@ class HostLevel:
     def renew(self, lease_s: float) -> bool:
         raise SnapshotError(f"the {self.name} backend freezes without a lease: there is nothing to renew")
 
+    def hand_over(self, target: str) -> dict[str, Any]:
+        """Nothing to hand over: the whole process moves, with its work, or stays."""
+        return {}
+
+    def take_back(self) -> dict[str, Any]:
+        return {}
+
+    def work(self, side: Side) -> dict[str, Any]:
+        return {}
+
     def advance(self, steps: int, *, timeout_s: float) -> StepLosses:
         raise SnapshotError(
             f"the {self.name} backend has no safe point to take {steps} step(s) through: a training job moves "

@@ -6,7 +6,9 @@ final round trusts no fingerprint alone: every chunk it would reuse is hashed (B
 shipping of the dirty ones, and one whose hash no longer matches its id ships after all. A tensor shipped
 before with this layout skips the fingerprint pass in a frozen round where the hash is cheap enough to
 decide alone (on the host, or on the device for a writer that hashes there): its chunks that changed are
-the ones whose id changed. See bench/README.md for what each step costs.
+the ones whose id changed. A tensor whose workload reports what it wrote (``dirty.py``, a KV cache) skips both:
+its round ships the chunks the reported ranges touch and references the rest. See bench/README.md for what each
+step costs.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from gpumigrate.errors import SnapshotError
 from gpumigrate.interfaces import ChunkRun, DirectImageWriter, ImageRef, ImageWriter, RegionInfo, RoundStats
 from gpumigrate.snapshot.chunks import chunk_count
 from gpumigrate.snapshot.engine.clock import Phases
+from gpumigrate.snapshot.engine.dirty import Ranges, WrittenRanges, chunks_of, settle
 from gpumigrate.snapshot.engine.fingerprinting import (
     chunk_fingerprints,
     chunk_jobs,
@@ -79,6 +82,7 @@ class CaptureRounds:
         self.state = state
         self.rank_id = rank_id  # this process's {"rank", "world_size"} as images record it, or None
         self.shipped: dict[str, Shipped] = {}
+        self.written = WrittenRanges()  # the regions whose workload reports what it wrote (dirty.py)
         self._confirmer: ThreadPoolExecutor | None = None  # the final round's host BLAKE3, beside its shipping
 
     def run(self, writer: ImageWriter, *, frozen: bool, clock: Phases | None = None) -> tuple[RoundStats, ImageRef]:
@@ -87,20 +91,25 @@ class CaptureRounds:
         cs = int(writer.chunk_size)
         if cs <= 0 or cs % 8:
             raise SnapshotError(f"writer chunk size {cs} is not a positive multiple of 8 bytes")
-        _, views, infos = self.tracker.regions()
+        live, views, infos = self.tracker.regions()
+        # Before any byte is read: a write reported after this belongs to the next round.
+        written = self.written.take({n: t for n, (_, t) in live.items()})
         for info in infos.values():
             writer.add_region(info)
         clock.mark("regions")
+        by_ranges = {n: r for n, r in written.items() if r is not None and self._same_layout(n, infos[n], cs)}
+        settle(live[n][1] for n in by_ranges)  # the writes reported so far, done on their devices
         by_hash = self._decided_by_hash(
             views, infos, cs, frozen=frozen, on_device=isinstance(writer, DirectImageWriter)
-        )
+        ) - set(by_ranges)
         # Fingerprint every chunk where it lives. With no earlier round to compare against, every chunk ships anyway,
         # so the fingerprints (kept for the next round) are read back only after the copies, which they then overlap.
-        dev_fps = fingerprint_all({n: v for n, v in views.items() if n not in by_hash}, cs)
-        comparable = any(name in self.shipped for name in views if name not in by_hash)
+        compared = [n for n in views if n not in by_hash and n not in by_ranges]
+        dev_fps = fingerprint_all({n: views[n] for n in compared}, cs)
+        comparable = any(name in self.shipped for name in compared)
         host_fps = read_back(dev_fps) if comparable else None
         clock.mark("fingerprint")
-        plan = self._plan(views, infos, by_hash, host_fps, cs, frozen=frozen)
+        plan = self._plan(views, infos, by_hash, by_ranges, host_fps, cs, frozen=frozen)
         if plan.reused:
             writer.reuse_chunks(plan.reused)
         clock.mark("plan")
@@ -121,7 +130,8 @@ class CaptureRounds:
             for name, fps in read_back(dev_fps).items():
                 plan.new[name].fingerprints = list(fps)
         for job, fp in shipped_fps:  # live rounds record the fingerprint of the bytes actually shipped
-            plan.new[job.region].fingerprints[job.index] = fp
+            if job.region not in by_ranges:  # a reported region keeps no fingerprints
+                plan.new[job.region].fingerprints[job.index] = fp
         clock.mark("fingerprint")  # a first round reads them back only now, after its copies
         changed = self._settle_confirmed(writer, plan, confirmed, cs, by_hash)
         clock.mark("reuse")
@@ -166,6 +176,7 @@ class CaptureRounds:
         views: Mapping[str, torch.Tensor],
         infos: Mapping[str, RegionInfo],
         by_hash: set[str],
+        by_ranges: Mapping[str, Ranges],
         host_fps: Mapping[str, list[int]] | None,
         cs: int,
         *,
@@ -175,6 +186,9 @@ class CaptureRounds:
         plan = RoundPlan()
         for name, view in views.items():
             info = infos[name]
+            if name in by_ranges:  # the workload said what it wrote: those chunks ship, the rest are referenced
+                self._plan_reported(plan, name, view, info, by_ranges[name], cs)
+                continue
             if name in by_hash:  # every chunk is a candidate; the hash sorts them
                 was = self.shipped[name]
                 plan.unchanged.append(ChunkRun(name, view, range(len(was.ids)), was.ids))
@@ -189,7 +203,7 @@ class CaptureRounds:
             kept: Sequence[int]
             dirty: Sequence[int]
             # Reuse only against the same layout and the same chunk boundaries.
-            if fps is None or prev is None or not self._same_layout(name, info, cs):
+            if fps is None or prev is None or not self._same_layout(name, info, cs) or len(prev.fingerprints) != count:
                 ids, kept, dirty = [""] * count, (), range(count)
             elif prev.fingerprints == fps:  # the whole region is unchanged (most are): no comparison per chunk
                 ids, kept, dirty = list(prev.ids), range(count), ()
@@ -213,6 +227,28 @@ class CaptureRounds:
                 plan.dirty_bytes += sum(j.data.numel() for j in pieces)
             plan.new[name] = Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
         return plan
+
+    def _plan_reported(
+        self, plan: RoundPlan, name: str, view: torch.Tensor, info: RegionInfo, ranges: Ranges, cs: int
+    ) -> None:
+        """A region with a written-ranges report: the chunks its ranges touch ship, the others are referenced (live
+        or frozen: the report, not a hash, says they are unchanged). It keeps no fingerprints: a later round whose
+        report cannot say ships it whole."""
+        was = self.shipped[name]
+        count = len(was.ids)
+        dirty = [i for i in chunks_of(ranges, cs) if i < count]
+        ids = list(was.ids)
+        for i in dirty:
+            ids[i] = ""
+        touched = set(dirty)
+        plan.reused.extend((name, i, ids[i]) for i in range(count) if i not in touched)
+        plan.total += count
+        if dirty:
+            pieces = chunk_jobs(name, view, dirty, cs)
+            plan.jobs.setdefault(str(view.device), []).extend(pieces)
+            plan.dirty_chunks += len(pieces)
+            plan.dirty_bytes += sum(j.data.numel() for j in pieces)
+        plan.new[name] = Shipped(info.nbytes, info.dtype, info.shape, cs, [], ids)
 
     def _settle_confirmed(
         self, writer: ImageWriter, plan: RoundPlan, confirmed: list[list[bool]], cs: int, by_hash: set[str]
@@ -281,6 +317,7 @@ class CaptureRounds:
         ref = writer.commit()
         clock.mark("commit")
         pacing = writer.pacing() if isinstance(writer, DirectImageWriter) else {}
+        self.written.committed()
         self.shipped = plan.new
         self.state.last_image = ref
         self.state.rounds += 1

@@ -10,7 +10,9 @@ One small object composing one part per concern, each in its module of this pack
 * ``lending.py``: the source's side of that fill;
 * ``freezing.py``: parking at the safe point under a lease, holding, advancing N steps, unparking;
 * ``group.py``: the process as one rank of a group (teardown and rebuild of its communicators);
-* ``zeroize.py``: wiping the tracked memory after the cut-over.
+* ``zeroize.py``: wiping the tracked memory after the cut-over;
+* ``dirty.py``: the written ranges a workload reports for a tensor (a KV cache), which its rounds ship;
+* ``work.py``: work in flight that travels at the safe point (the workload's hooks), held, handed over or taken back.
 
 Every command runs under the engine's lock (:attr:`lock`); the lease's renewal never waits for it. The
 engine moves bytes only through the writers, readers and filler it is given: the public SDK
@@ -33,6 +35,7 @@ from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, Round
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.engine.capture import CaptureRounds
 from gpumigrate.snapshot.engine.clock import Phases
+from gpumigrate.snapshot.engine.dirty import Report
 from gpumigrate.snapshot.engine.freezing import ADVANCE_TIMEOUT_S, Freezing
 from gpumigrate.snapshot.engine.group import GroupControl
 from gpumigrate.snapshot.engine.lending import lend
@@ -40,6 +43,7 @@ from gpumigrate.snapshot.engine.loading import Loader
 from gpumigrate.snapshot.engine.pipelines import Pipelines
 from gpumigrate.snapshot.engine.state import EngineState
 from gpumigrate.snapshot.engine.tracking import Tracker, devices
+from gpumigrate.snapshot.engine.work import InFlightWork, WorkHold
 from gpumigrate.snapshot.engine.zeroize import zeroize
 from gpumigrate.snapshot.environment import env_facts
 from gpumigrate.snapshot.fill import Filler, Run
@@ -86,8 +90,15 @@ class SnapshotEngine:
         self.ranks = GroupControl(group, self.state)
         self.pipelines = Pipelines(workers=workers, streams=streams)
         self.capture = CaptureRounds(self.tracker, self.pipelines, self.state, self.ranks.rank_id)
+        self.work = WorkHold(self.lock, lambda: self.state.frozen)
         self.loader = Loader(
-            self.tracker, self.pipelines, self.state, rank_id=self.ranks.rank_id, filler=filler, set_ready=set_ready
+            self.tracker,
+            self.pipelines,
+            self.state,
+            rank_id=self.ranks.rank_id,
+            filler=filler,
+            set_ready=set_ready,
+            before_ready=self.work.when_ready,
         )
         self.freezing = Freezing(freezer, self.state, self.ranks, self.lock)
         if freezer is not None:  # the step counter and reported losses travel with the state
@@ -119,6 +130,21 @@ class SnapshotEngine:
 
     def track_rng(self, name: str = "rng", *, cuda_devices: list[int] | None = None) -> None:
         self.tracker.track_rng(name, cuda_devices=cuda_devices)
+
+    def track_written(self, region: str, report: Report) -> None:
+        """Region ``region`` (a tracked tensor) reports the byte ranges written since its last report: its rounds
+        ship the chunks those touch, with no fingerprint pass or hash of the rest (dirty.py)."""
+        live = self.tracker.live()
+        if region not in live or isinstance(live[region][0], tr.BlobItem):
+            tensors = sorted(n for n, (it, _) in live.items() if not isinstance(it, tr.BlobItem))
+            raise SnapshotError(f"{region!r} is not a tracked tensor region; these are: {', '.join(tensors[:20])}")
+        self.capture.written.watch(region, report)
+
+    def track_work(self, hooks: InFlightWork) -> None:
+        """Work in flight that travels at the safe point, through ``hooks`` (work.py): its JSON rides every image,
+        the final image's is restored on the target before it reports ready, and the source holds it sealed
+        until ``hand_over`` or ``take_back``."""
+        self.tracker.track(self.work.track(hooks))
 
     # ------------------------------------------------------------------ where it stands
     @property
@@ -180,6 +206,7 @@ class SnapshotEngine:
             "steps": self.freezer.steps if self.freezer is not None else 0,
             "warming": bool(self.warming()) if self.warming is not None else False,
             "timeline": dict(self.timeline()) if self.timeline is not None else {},
+            "work": self.work.figures(),
         }
 
     # ------------------------------------------------------------------ capture (capture.py)
@@ -216,7 +243,9 @@ class SnapshotEngine:
         with gc_held(), self.lock:
             if not self.state.frozen:
                 raise SnapshotError("final needs a frozen workload: send freeze first")
-            return Round(*self.capture.run(writer, frozen=True, clock=clock))
+            done = Round(*self.capture.run(writer, frozen=True, clock=clock))
+            self.work.seal(self.lease.lease_s)  # the image holds the work in flight: kept aside until handed over
+            return done
 
     def forget_shipped(self) -> None:
         """The next round ships everything (e.g. a new store that holds none of the earlier chunks)."""
@@ -231,13 +260,34 @@ class SnapshotEngine:
         return self.freezing.hold(lease_s)
 
     def renew_lease(self, lease_s: float | None = None) -> dict[str, Any]:
-        return self.freezing.renew_lease(lease_s)
+        """Extend the freeze's lease, and the hold of sealed work in flight; refused when there is neither."""
+        holding = self.work.held
+        try:
+            out = self.freezing.renew_lease(lease_s)
+        except SnapshotError:
+            if not holding:
+                raise
+            out = {"frozen": False}
+        if holding:
+            out = {**self.work.renew(lease_s), **out}
+        return {**out, "holding": holding}
 
     def advance_steps(self, steps: int, *, timeout_s: float = ADVANCE_TIMEOUT_S) -> dict[str, Any]:
         return self.freezing.advance_steps(steps, timeout_s=timeout_s)
 
     def step_metrics(self, since: int = 0) -> dict[str, Any]:
-        return self.freezing.step_metrics(since)
+        return {**self.freezing.step_metrics(since), "work": self.work.figures()}
+
+    # ------------------------------------------------------------------ work in flight (work.py)
+    def hand_over(self, target: str) -> dict[str, Any]:
+        """Source: the sealed work runs on ``target`` (its service URL) now."""
+        with self.lock:
+            return self.work.hand_over(target)
+
+    def take_back(self) -> dict[str, Any]:
+        """Source: the sealed work goes on here (a rollback)."""
+        with self.lock:
+            return self.work.take_back()
 
     def unpark(self) -> None:
         self.freezing.unpark()
@@ -303,5 +353,6 @@ class SnapshotEngine:
 
     def close(self) -> None:
         self.lease.close()
+        self.work.close()
         self.pipelines.close()
         self.capture.close()

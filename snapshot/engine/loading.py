@@ -54,6 +54,7 @@ class Loader:
         rank_id: Callable[[], dict[str, int] | None],
         filler: Filler | None,
         set_ready: Callable[[bool], None] | None,
+        before_ready: Callable[[], None] | None = None,
     ) -> None:
         self.tracker = tracker
         self.pipelines = pipelines
@@ -61,6 +62,7 @@ class Loader:
         self.rank_id = rank_id
         self.filler = filler
         self.set_ready = set_ready
+        self.before_ready = before_ready  # the workload takes over its work in flight (work.py) before it is ready
         self.loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
 
@@ -115,6 +117,8 @@ class Loader:
         self.state.state_version += 1
         clock.mark("after")
         if ready:
+            if self.before_ready is not None:
+                self.before_ready()
             if self.set_ready is not None:
                 self.set_ready(True)
             self.state.ready = True

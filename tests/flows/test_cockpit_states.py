@@ -122,3 +122,34 @@ def test_the_summary_and_report_leave_out_figures_nobody_measured(
     report = summary_markdown(m, rolled.model_copy(update={"migration_id": m.id}))
     assert "- rollback: triggered True, reason parity failed\n" in report and "detected in" not in report
     assert "detected in 1.5 s" in summary_markdown(m, timed.model_copy(update={"migration_id": m.id}))
+
+
+def test_streams_in_flight_show_in_the_live_view_the_summary_and_the_artifacts_table() -> None:
+    """A streaming workload's intervals (requests in flight per side, inter-token p99) reach the live view, the
+    Prefect table and the summary; a workload that does not stream gets none of those lines."""
+    from gpumigrate.cli.live import LiveView, summary
+    from gpumigrate.cli.output import console
+    from gpumigrate.flows.report import stream_rows
+    from gpumigrate.result import Streams
+
+    plain = [{"t": 1.0, "weight": 25, "p99_ms": 10.0}]
+    assert stream_rows(plain) == []
+    sample = {"t": 2.0, "weight": 50, "in_flight": 3, "source_in_flight": 5, "itl_p99_ms": 41.5,
+              "source_itl_p99_ms": 40.0, "ttft_p99_ms": 120.0, "p99_ms": 10.0}  # fmt: skip
+    (row,) = stream_rows([sample])
+    assert row["in_flight"] == 3 and row["source_in_flight"] == 5 and row["itl_p99_ms"] == 41.5
+    view = LiveView("m-streams")
+    view.on_event("traffic.interval", sample)
+    view.on_event("demo.streams", {"in_flight": 8, "completed": 4, "broken": 0, "differ": 0, "max_gap_ms": 220.0})
+    with console.capture() as cap:
+        console.print(view._render())
+    shown = cap.get()
+    assert "in flight target 3 / source 5" in shown and "inter-token p99 target 41.5 ms" in shown
+    assert "8 in flight, 4 done, 0 broken, 0 differ; longest gap 220 ms" in shown
+    result = MigrationResult(migration_id="m-streams", status="completed", streams=Streams(handed_over=8,
+                             handover_ms=310.0, probes={"target": {"ttft_p99_ms": 120.0, "itl_p99_ms": 41.5,
+                             "itl_max_ms": 60.0}}))  # fmt: skip
+    with console.capture() as cap:
+        summary(result)
+    assert "streams: 8 handed over, paused at most 310.0 ms" in cap.get()
+    assert "target streams: first token p99 120.0 ms, inter-token p99 41.5 ms" in cap.get()

@@ -18,9 +18,11 @@ def _leftovers(migration_id: str) -> list[str]:
     return [line for line in out.splitlines() if f"-{suffix}" in line and "ps -eo" not in line]
 
 
-def _run_demo(cli_cmd: list[str], env: dict[str, str], *args: str) -> tuple[int, dict[str, Any], str]:
+def _run_demo(
+    cli_cmd: list[str], env: dict[str, str], *args: str, timeout_s: float = 300
+) -> tuple[int, dict[str, Any], str]:
     proc = subprocess.run(
-        [*cli_cmd, "demo", "--json", "--no-live", *args], env=env, capture_output=True, text=True, timeout=300
+        [*cli_cmd, "demo", "--json", "--no-live", *args], env=env, capture_output=True, text=True, timeout=timeout_s
     )
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
@@ -113,3 +115,22 @@ def test_a_load_generator_that_does_not_finish_leaves_the_outcome_standing(gm_ho
     ]
     event = next(e["data"] for e in audit if e["event"] == "demo.load")
     assert load.stopped and "did not finish within 60 s of its stop" in event["error"]
+
+
+@pytest.mark.slow
+def test_the_llm_demo_moves_the_server_with_its_streams_in_flight(
+    cli_cmd: list[str], gm_home: Path, prefect_api: str
+) -> None:
+    env = {**os.environ, "GPUMIGRATE_HOME": str(gm_home), "PREFECT_API_URL": prefect_api}
+    # Two LLM servers started and eight clients streaming all along: minutes on two busy cores.
+    code, result, stderr = _run_demo(cli_cmd, env, "--workload", "llm", timeout_s=900)
+    assert code == 0, stderr[-3000:]
+    assert result["status"] == "completed" and result["error"] is None
+    assert result["requests"]["failed"] == 0 and result["requests"]["total"] > 8  # no stream broke or differed
+    assert result["streams"]["handed_over"] >= 1  # the clients' streams were in flight at the freeze
+    assert result["parity"]["passed"] is True
+    mdir = gm_home / "migrations" / result["migration_id"]
+    records = [json.loads(line) for line in (mdir / "audit.jsonl").read_text().splitlines()]
+    streams = [r["data"] for r in records if r["event"] == "demo.streams"]
+    assert streams and streams[-1]["broken"] == 0 and streams[-1]["differ"] == 0
+    assert _leftovers(result["migration_id"]) == []

@@ -1,4 +1,5 @@
-"""Every `gpumigrate` command of the README's "Migrate your own service" and "Migrate a training job" sections
+"""Every `gpumigrate` command of the README's "Migrate your own service", "Migrate your own LLM server" and "Migrate a
+training job" sections
 parses with the CLI's own parser, and every file they name exists: a renamed command, option or example fails
 here. (The commands run end to end in test_own_byo.py and test_own_training.py.)"""
 
@@ -13,7 +14,7 @@ import pytest
 import typer
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("## Migrate your own service", "## Migrate a training job")
+SECTIONS = ("## Migrate your own service", "## Migrate your own LLM server", "## Migrate a training job")
 _BLOCK = re.compile(r"```sh\n(.*?)```", re.S)
 
 
@@ -48,7 +49,7 @@ COMMANDS = _commands()
 def test_the_sections_have_their_commands() -> None:
     names = {" ".join(argv[1:3]) for argv in COMMANDS}
     assert {"frontdoor up", "image keygen"} <= names
-    assert sum(1 for argv in COMMANDS if argv[1] == "migrate") == 2  # a service and a training job
+    assert sum(1 for argv in COMMANDS if argv[1] == "migrate") == 3  # a service, an LLM server, a training job
 
 
 def test_the_files_they_name_exist() -> None:

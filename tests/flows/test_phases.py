@@ -200,6 +200,15 @@ class FakeBackend:
     def discard(self) -> None:
         self.steps.append("discard")
 
+    def hand_over(self, target: str) -> dict[str, Any]:
+        return {}  # a workload without work in flight hands nothing over
+
+    def take_back(self) -> dict[str, Any]:
+        return {}
+
+    def work(self, side: Side) -> dict[str, Any]:
+        return {}
+
 
 @dataclass
 class World:

@@ -19,7 +19,7 @@ from gpumigrate.atomic import atomic_write_bytes
 from gpumigrate.errors import SnapshotError
 from gpumigrate.flows import preload
 from gpumigrate.flows.context import RunContext
-from gpumigrate.interfaces import Host, ImageRef, RegionInfo, Restored, Round, RoundStats
+from gpumigrate.interfaces import Host, ImageRef, RegionInfo, Restored, Round, RoundStats, Side
 from gpumigrate.snapshot.backends import Setup
 from gpumigrate.transfer import generate_key, open_writer, resolve_key
 
@@ -68,6 +68,15 @@ class FakeBackend:
 
     def discard(self) -> None:
         raise AssertionError("not a preload step")
+
+    def hand_over(self, target: str) -> dict[str, Any]:
+        return {}  # a workload without work in flight hands nothing over
+
+    def take_back(self) -> dict[str, Any]:
+        return {}
+
+    def work(self, side: Side) -> dict[str, Any]:
+        return {}
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -17,7 +18,6 @@ import httpx
 import torch
 from transformers import LlamaForCausalLM
 
-from gpumigrate.workloads.llm.admin import decode_tensor, encode_tensor
 from gpumigrate.workloads.llm.engine import Engine
 from gpumigrate.workloads.llm.model import build_model, encode
 from gpumigrate.workloads.llm.requests import SamplingParams
@@ -86,6 +86,57 @@ def pause_at_step(step: int) -> Callable[[Engine], None]:
     return hook
 
 
+def encode_tensor(t: torch.Tensor) -> str:
+    return base64.b64encode(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).decode()
+
+
+def decode_tensor(text: str, shape: list[int], dtype: str) -> torch.Tensor:
+    raw = bytearray(base64.b64decode(text))
+    return torch.frombuffer(raw, dtype=torch.uint8).view(getattr(torch, dtype.removeprefix("torch."))).view(shape)
+
+
+def _straddling_stop(text: str, cut: int) -> str | None:
+    """A stop sequence that first occurs in ``text`` across character ``cut``."""
+    for start in range(cut - 1, max(-1, cut - 6), -1):
+        for end in range(cut + 1, min(len(text), cut + 12) + 1):
+            if text.find(text[start:end]) == start:
+                return text[start:end]
+    return None
+
+
+def _cut_texts(js: list[Job], cut: int) -> dict[str, int]:
+    """Each running request's text length when an uninterrupted run is at step ``cut``."""
+    seen: dict[str, int] = {}
+
+    def record(e: Engine) -> None:
+        if e.steps == cut:
+            seen.update({r.id: len(r.text) for r in e.running.values()})
+
+    e = engine()
+    e.on_boundary.append(record)
+    try:
+        outs = submit_all(e, js)
+        wait_for(lambda: all(o.done for o in outs), "the recording run")
+    finally:
+        e.close()
+    return seen
+
+
+def straddling_plan(step: int) -> tuple[list[Job], dict[str, str]]:
+    """12 requests (8 running, 2 queued at step ``step``, 2 arriving then), some with a stop sequence across it."""
+    base = jobs(12)
+    texts = {o.id: o.text for o in control_run(base)}
+    cut = _cut_texts(base[:10], step)
+    stops = {}
+    for i in range(10):
+        rid = f"req-{i}"
+        stop = _straddling_stop(texts[rid], cut[rid]) if rid in cut else None
+        if stop is not None:
+            stops[i] = (stop,)
+    assert len(stops) >= 2, f"no stop sequences straddle the cut: {cut}"
+    return jobs(12, stops=stops), {f"req-{i}": s[0] for i, s in stops.items()}
+
+
 def save_state(path: Path, state: dict, tensors: dict[str, torch.Tensor]) -> None:
     path.write_text(json.dumps({"state": state, "tensors": {k: encode_tensor(t) for k, t in tensors.items()}}))
 
@@ -101,6 +152,7 @@ def load_state(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 class LLMProc:
     proc: subprocess.Popen[str]
     url: str
+    agent: str = ""  # the SDK's agent address
 
     def stop(self) -> int:
         """SIGTERM, as a supervisor would; the exit code (SIGKILL after 30 s)."""
@@ -120,16 +172,27 @@ def start_llm_server(*extra: str, home: Path, key_hex: str, timeout_s: float = 1
 
 
 def start_llm_servers(
-    specs: list[tuple[tuple[str, ...], Path]], *, key_hex: str, timeout_s: float = 120.0
+    specs: list[tuple[tuple[str, ...], Path]],
+    *,
+    key_hex: str,
+    timeout_s: float = 120.0,
+    env: dict[str, str] | None = None,
 ) -> list[LLMProc]:
-    """Several servers (flags, state root) started side by side, sharing one control key; each waited for."""
+    """Several servers (flags, state root) started side by side, sharing one control key (and ``env``); each waited
+    for: ready, or alive for one started ``--await-restore``."""
     procs = []
     for extra, home in specs:
-        env = {**os.environ, "GPUMIGRATE_HOME": str(home), "GPUMIGRATE_CONTROL_KEY": key_hex, "OMP_NUM_THREADS": "1"}
+        proc_env = {
+            **os.environ,
+            **(env or {}),
+            "GPUMIGRATE_HOME": str(home),
+            "GPUMIGRATE_CONTROL_KEY": key_hex,
+            "OMP_NUM_THREADS": "1",
+        }
         argv = [sys.executable, "-m", "gpumigrate.workloads.llm", "--port", "0", "--agent-port", "0", *extra]
         procs.append(
             subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=proc_env, start_new_session=True
             )
         )
     try:
@@ -139,9 +202,11 @@ def start_llm_servers(
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"the LLM server exited ({proc.wait(10)}): {proc.stderr.read()[-3000:]}")
-            servers.append(LLMProc(proc, f"http://127.0.0.1:{json.loads(line)['port']}"))
-        for server in servers:
-            wait_for(lambda url=server.url: _ready(url), f"{server.url}/readyz to answer 200", timeout_s)
+            listening = json.loads(line)
+            servers.append(LLMProc(proc, f"http://127.0.0.1:{listening['port']}", listening["agent"]))
+        for server, (extra, _) in zip(servers, specs, strict=True):
+            path = "/healthz" if "--await-restore" in extra else "/readyz"
+            wait_for(lambda u=server.url + path: _ready(u), f"{server.url}{path} to answer 200", timeout_s)
         return servers
     except BaseException:
         for proc in procs:
@@ -152,7 +217,7 @@ def start_llm_servers(
 
 def _ready(url: str) -> bool:
     try:
-        return httpx.get(url + "/readyz", timeout=5).status_code == 200
+        return httpx.get(url, timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 

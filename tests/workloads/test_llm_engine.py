@@ -17,6 +17,7 @@ from llm_support import (
     jobs,
     pause_at_step,
     save_state,
+    straddling_plan,
     submit_all,
     wait_for,
 )
@@ -54,17 +55,19 @@ def test_a_requests_tokens_do_not_depend_on_the_requests_beside_it() -> None:
     assert reversed_order == together
 
 
-def test_written_regions_since_a_mark_are_exactly_what_changed() -> None:
+def test_the_written_ranges_taken_are_exactly_what_changed() -> None:
     e = engine()
     try:
         outs = submit_all(e, jobs(5, tokens=40))
         wait_for(lambda: e.steps >= 8, "a few steps")
         e.pause()
-        epoch, before = e.cache.mark(), e.cache.kv.clone()
+        e.cache.take_written()
+        before = e.cache.kv.clone()
         e.resume()
         wait_for(lambda: e.steps >= 20, "more steps")
         e.pause()
-        spans = e.cache.written_since(epoch)
+        spans = e.cache.take_written()
+        assert e.cache.take_written() == []  # a take starts a new record
         after = e.cache.kv.clone()
         e.resume()
         wait_for(lambda: all(o.done for o in outs), "the requests to finish")
@@ -77,48 +80,6 @@ def test_written_regions_since_a_mark_are_exactly_what_changed() -> None:
         old[offset : offset + length] = new[offset : offset + length]
     assert torch.equal(old, new)
     assert sum(n for _, n in spans) < new.numel() // 10  # a small part of the cache
-
-
-def _straddling_stop(text: str, cut: int) -> str | None:
-    """A stop sequence that first occurs in ``text`` across character ``cut``."""
-    for start in range(cut - 1, max(-1, cut - 6), -1):
-        for end in range(cut + 1, min(len(text), cut + 12) + 1):
-            if text.find(text[start:end]) == start:
-                return text[start:end]
-    return None
-
-
-def _cut_texts(js: list[Job]) -> dict[str, int]:
-    """Each running request's text length when an uninterrupted run is at step CUT."""
-    seen: dict[str, int] = {}
-
-    def record(e: Engine) -> None:
-        if e.steps == CUT:
-            seen.update({r.id: len(r.text) for r in e.running.values()})
-
-    e = engine()
-    e.on_boundary.append(record)
-    try:
-        outs = submit_all(e, js)
-        wait_for(lambda: all(o.done for o in outs), "the recording run")
-    finally:
-        e.close()
-    return seen
-
-
-def _plan() -> tuple[list[Job], dict[str, str]]:
-    """12 requests (8 running, 2 queued at the cut, 2 arriving during it), some stop sequences across the cut."""
-    base = jobs(12)
-    texts = {o.id: o.text for o in control_run(base)}
-    cut = _cut_texts(base[:10])
-    stops = {}
-    for i in range(10):
-        rid = f"req-{i}"
-        stop = _straddling_stop(texts[rid], cut[rid]) if rid in cut else None
-        if stop is not None:
-            stops[i] = (stop,)
-    assert len(stops) >= 2, f"no stop sequences straddle the cut: {cut}"
-    return jobs(12, stops=stops), {f"req-{i}": s[0] for i, s in stops.items()}
 
 
 def _stopped_mid_generation(js: list[Job]) -> tuple[Engine, dict, dict[str, torch.Tensor], dict[str, str]]:
@@ -135,7 +96,7 @@ def _stopped_mid_generation(js: list[Job]) -> tuple[Engine, dict, dict[str, torc
 
 
 def test_export_import_continues_every_stream_exactly() -> None:
-    js, stops = _plan()
+    js, stops = straddling_plan(CUT)
     expected = {o.id: (o.text, o.tokens, o.finish_reason) for o in control_run(js)}
     source, state, tensors, published = _stopped_mid_generation(js)
     where = [r["where"] for r in state["requests"]]

@@ -4,6 +4,6 @@
 ``kvcache`` (the cache and its written regions), ``forward`` (the passes over the cache),
 ``requests`` (one request's state), ``engine`` (the loop, its step boundary, export/import),
 ``streams`` (published text and its followers), ``openai_api`` (the HTTP contract), ``handover``
-(continuation endpoint and relay), ``admin`` (manual hand-over), ``server`` and ``main``.
+(continuation endpoint and relay), ``migration`` (the SDK's in-flight hooks), ``server`` and ``main``.
 Design and formats: DESIGN.md beside this file.
 """

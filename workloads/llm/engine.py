@@ -24,7 +24,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -76,6 +76,7 @@ class Engine:
         self.running: dict[int, Request] = {}  # slot -> request
         self.queue: deque[Request] = deque()  # admitted by the scheduler, waiting for a slot
         self.inbox: list[Request] = []  # arrived since the last step began
+        self.aside: list[tuple[str, Request]] = []  # (where, request) held for a migration: not stepped, slots kept
         self.outputs: dict[str, Output] = {}
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held for a whole step: export/import run between steps
@@ -110,7 +111,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """The client went away: the request leaves its slot (or the queue) at the next step."""
         with self._cond:
-            for req in (*self.running.values(), *self.queue, *self.inbox):
+            for req in (*self.running.values(), *self.queue, *self.inbox, *(r for _, r in self.aside)):
                 if req.id == request_id and not req.done:
                     req.cancelled = True
             self._cond.notify_all()
@@ -132,6 +133,7 @@ class Engine:
                 "running": [{"id": r.id, "slot": s, "tokens": len(r.tokens)} for s, r in running],
                 "queued": [r.id for r in self.queue],
                 "arrived": [r.id for r in self.inbox],
+                "aside": [r.id for _, r in self.aside],
                 "last_step_ms": round(self.last_step_s * 1000, 3),
             }
 
@@ -149,14 +151,23 @@ class Engine:
                 self._parked = False
                 if self._stopping:
                     return
-            with self.step_guard(), self._step_lock:
-                started = time.perf_counter()
-                try:
-                    self._step()
-                except Exception:  # a failed step (a device error) must not leave every stream waiting for ever
-                    traceback.print_exc(file=sys.stderr)
-                    self._fail_all()
-                self.last_step_s = time.perf_counter() - started
+            try:
+                guard = self.step_guard()
+                guard.__enter__()
+            except Exception:  # the safe point refused the step (a retired source): nothing will run here again
+                self._fail_all()
+                continue
+            try:
+                with self._step_lock:
+                    started = time.perf_counter()
+                    try:
+                        self._step()
+                    except Exception:  # a failed step (a device error) must not leave every stream waiting for ever
+                        traceback.print_exc(file=sys.stderr)
+                        self._fail_all()
+                    self.last_step_s = time.perf_counter() - started
+            finally:
+                guard.__exit__(None, None, None)
             for hook in list(self.on_boundary):
                 hook(self)
 
@@ -214,7 +225,7 @@ class Engine:
                 logits = self.forward.prefill(req.seat, chunk, req.prefilled)
                 req.prefilled += len(chunk)
                 if req.prefilled == len(req.prompt):
-                    req.accept(self._sample(logits[None], [req])[0])
+                    req.accept(*self._sample(logits[None], [req])[0])
                     touched.append(req)
         if decoding:
             tokens, positions = [PAD] * self.cache.slots, [0] * self.cache.slots
@@ -223,16 +234,17 @@ class Engine:
             seats = [r.seat for r in decoding]
             logits = self.forward.decode(tokens, positions, seats)
             rows = logits[seats]
-            for req, token in zip(decoding, self._sample(rows, decoding), strict=True):
-                req.accept(token)
+            for req, (token, logprob) in zip(decoding, self._sample(rows, decoding), strict=True):
+                req.accept(token, logprob)
             touched.extend(decoding)
         with self._cond:
             for req in touched:
                 self._publish(req)
             self.steps += 1
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """One token per row: argmax at temperature 0, else a draw from the request's own generator."""
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, float | None]]:
+        """One token per row: argmax at temperature 0, else a draw from the request's own generator; with the
+        token's log-probability (under the model's distribution) where the request asked for it."""
         logits[:, list(NEVER_SAMPLED)] = float("-inf")
         for i, req in enumerate(reqs):
             if req.params.ignore_eos:
@@ -242,14 +254,19 @@ class Engine:
             if req.params.temperature > 0:
                 probs = torch.softmax(logits[i].cpu() / req.params.temperature, dim=-1)
                 chosen[i] = int(torch.multinomial(probs, 1, generator=req.generator))
-        return chosen
+        out: list[tuple[int, float | None]] = []
+        for i, req in enumerate(reqs):
+            logprob = float(torch.log_softmax(logits[i], dim=-1)[chosen[i]]) if req.params.logprobs else None
+            out.append((chosen[i], logprob))
+        return out
 
     def _publish(self, req: Request) -> None:
         delta = req.publishable()
         req.emitted += len(delta)
         output = self.outputs.get(req.id)
         if output is not None and (delta or req.done):
-            output.publish(delta, len(req.tokens), req.finish_reason)
+            logprobs = list(req.logprobs) if req.done and req.params.logprobs else None
+            output.publish(delta, len(req.tokens), req.finish_reason, logprobs)
         if req.done and req.slot is not None:
             self.running.pop(req.slot, None)
             self.cache.give_back(req.slot)
@@ -273,6 +290,7 @@ class Engine:
         """The non-tensor state as JSON-able data, and the KV cache as named tensors (the live tensor, not a copy)."""
         with self._step_lock, self._cond:
             entries = [
+                *({"where": where, **r.to_json()} for where, r in self.aside),  # held from an earlier capture
                 *({"where": "running", **r.to_json()} for _, r in sorted(self.running.items())),
                 *({"where": "queued", **r.to_json()} for r in self.queue),
                 *({"where": "arrived", **r.to_json()} for r in self.inbox),
@@ -280,13 +298,41 @@ class Engine:
             plain = {"format": FORMAT, **self._shape(), "steps": self.steps, "requests": entries}
         return plain, {"kv": self.cache.kv}
 
-    def discard_all(self) -> list[str]:
-        """Drop every request here without finishing it (they went on elsewhere); their outputs stay for followers."""
+    # -- requests held for a migration (``migration.py``): the final image carries them
+    def set_aside(self, ids: Collection[str]) -> int:
+        """These requests stop here, keeping their slots and state, until ``put_back`` (they go on here: a
+        rollback) or ``let_go`` (they went on elsewhere). Returns how many are aside."""
+        keep = set(ids)
         with self._step_lock, self._cond:
-            ids = [r.id for r in (*self.running.values(), *self.queue, *self.inbox)]
-            self.running, self.queue, self.inbox = {}, deque(), []
-            self.cache.reset_slots()
-            return ids
+            for slot, req in sorted(self.running.items()):
+                if req.id in keep:
+                    self.aside.append(("running", self.running.pop(slot)))
+            for where, held in (("queued", self.queue), ("arrived", self.inbox)):
+                for req in [r for r in held if r.id in keep]:
+                    held.remove(req)
+                    self.aside.append((where, req))
+            return len(self.aside)
+
+    def put_back(self) -> list[str]:
+        """The requests set aside go on here where they stopped, before the ones that arrived after them."""
+        with self._step_lock, self._cond:
+            aside, self.aside = self.aside, []
+            for where, req in aside:
+                if where == "running":
+                    self.running[req.seat] = req
+            self.queue.extendleft(reversed([r for where, r in aside if where != "running"]))
+            self._cond.notify_all()
+            return [r.id for _, r in aside]
+
+    def let_go(self) -> list[str]:
+        """The requests set aside went on elsewhere: their slots are free; their outputs stay for the followers."""
+        with self._step_lock, self._cond:
+            aside, self.aside = self.aside, []
+            for where, req in aside:
+                if where == "running":
+                    self.cache.give_back(req.seat)
+                    req.slot = None
+            return [r.id for _, r in aside]
 
     def _shape(self) -> dict[str, Any]:
         return {"model": self.model_id, "kv_shape": list(self.cache.kv.shape), "kv_dtype": str(self.cache.kv.dtype)}

@@ -1,10 +1,10 @@
-"""Streams that survive a move: the target's continuation endpoint, the source's relay, and the seal.
+"""Streams that survive a move: the target's continuation endpoint and the source's relay.
 
-A client's stream stays on the connection it opened to the source. When its request moves, the
-source reads what the target generates next from the target's continuation endpoint, at the
-character offset the client has reached, and writes it on that connection: the client sees one
-stream, no text lost or repeated (DESIGN.md, "The stream hand-over"). Requests that reach the source
-after the hand-over are proxied whole to the target.
+A client's stream stays on the connection it opened to the source. When its request moves (the
+migration hands the engine's work over: ``migration.py``), the source reads what the target generates
+next from the target's continuation endpoint, at the character offset the client has reached, and
+writes it on that connection: the client sees one stream, no text lost or repeated (DESIGN.md, "The
+stream hand-over"). New requests are the source's own until the traffic ramp moves them.
 
 The continuation endpoint serves what any client generated, so a request to it is signed with the
 deployment's control key (``gpumigrate.control``: HMAC, timestamp, one-time nonce); the source and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,41 +39,27 @@ class RelayBroken(Exception):
 
 
 class Handover:
+    """The relay and the continuation endpoint of one engine (the source's and the target's sides)."""
+
     def __init__(self, engine: Engine, key: bytes, *, claim_timeout_s: float = CLAIM_TIMEOUT_S) -> None:
         self.engine = engine
         self.key = key
         self.claim_timeout_s = claim_timeout_s
         self.guard = control.ReplayGuard()
         self.moved_to: str | None = None
+        self.moved = 0  # requests handed over to another server
         self.relaying = 0
-        self._open = asyncio.Event()  # cleared while sealed: new requests wait (hand-over or rollback decides)
-        self._open.set()
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
 
     # -- the source side
-    def seal(self) -> None:
-        """Stop letting new requests into the engine (before its state is exported); they wait at admission()."""
-        self._open.clear()
-
-    def unseal(self) -> None:
-        """Rollback: the engine goes on here; waiting requests enter it."""
-        self._open.set()
-
-    async def admission(self) -> str | None:
-        """Wait while sealed; then None (submit here) or the target (proxy the request there)."""
-        await self._open.wait()
-        return self.moved_to
-
-    def hand_over(self, target: str) -> list[str]:
-        """The engine's requests go on at ``target`` (which imported them): followers relay, new requests are proxied."""
+    def moved_on(self, request_ids: list[str], target: str) -> None:
+        """These requests go on at ``target`` (which restored them): their followers relay from there."""
         self.moved_to = target.rstrip("/")
-        ids = self.engine.discard_all()
-        for rid in ids:
+        self.moved += len(request_ids)
+        for rid in request_ids:
             output = self.engine.outputs.get(rid)
             if output is not None:
                 output.move(self.moved_to)
-        self._open.set()
-        return ids
 
     async def follow(self, output: Output) -> AsyncIterator[Piece]:
         """The request's pieces from here and then, once it moved, from the target's continuation."""
@@ -100,38 +87,23 @@ class Handover:
                     if not line.startswith("data: "):
                         continue
                     d = json.loads(line[6:])
-                    yield Piece(d["text"], d["tokens"], d["finish_reason"])
+                    logprobs = d.get("logprobs")
+                    yield Piece(
+                        d["text"], d["tokens"], d["finish_reason"], None if logprobs is None else tuple(logprobs)
+                    )
                     if d["finish_reason"] is not None:
                         return
         except httpx.HTTPError as exc:
             raise RelayBroken(f"the continuation of {request_id} from {target} failed: {exc}") from None
         raise RelayBroken(f"the continuation of {request_id} from {target} ended before the request finished")
 
-    async def proxy(self, request: Request, raw: bytes) -> Response:
-        """A request that reached the source after its hand-over: sent whole to the target, its answer relayed."""
-        assert self.moved_to is not None
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
-        upstream = self._client.build_request("POST", self.moved_to + request.url.path, content=raw, headers=headers)
-        try:
-            resp = await self._client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
-            return error_response(503, f"this server handed its work to {self.moved_to}, which is unreachable: {exc}")
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for part in resp.aiter_raw():
-                    yield part
-            finally:
-                await resp.aclose()
-
-        media = resp.headers.get("content-type", "application/json")
-        return StreamingResponse(body(), status_code=resp.status_code, media_type=media)
-
     # -- the target side
     def expect_claims(self, request_ids: list[str]) -> None:
-        """Imported requests: cancel those no relay asks for within ``claim_timeout_s`` (their clients left)."""
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.claim_timeout_s, self._reap, list(request_ids))
+        """Imported requests: cancel those no relay asks for within ``claim_timeout_s`` (their clients left, or a
+        rollback kept them on the source). Any thread."""
+        timer = threading.Timer(self.claim_timeout_s, self._reap, [list(request_ids)])
+        timer.daemon = True
+        timer.start()
 
     def _reap(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -164,7 +136,8 @@ class Handover:
     async def _pieces(self, output: Output, offset: int) -> AsyncIterator[str]:
         try:
             async for item in self.follow_here(output, offset):
-                yield sse({"text": item.text, "tokens": item.tokens, "finish_reason": item.finish_reason})
+                piece = {"text": item.text, "tokens": item.tokens, "finish_reason": item.finish_reason}
+                yield sse(piece if item.logprobs is None else {**piece, "logprobs": list(item.logprobs)})
         finally:  # finished, or the relay (so its client) went away: then the request stops here too
             self.engine.release(output.id)
 
@@ -180,7 +153,7 @@ class Handover:
         await self._client.aclose()
 
     def stats(self) -> dict[str, Any]:
-        return {"moved_to": self.moved_to, "relaying": self.relaying, "sealed": not self._open.is_set()}
+        return {"moved_to": self.moved_to, "moved": self.moved, "relaying": self.relaying}
 
 
 class DisconnectAwareStream(StreamingResponse):

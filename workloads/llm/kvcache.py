@@ -4,7 +4,8 @@ Layout ``[slots, positions, layers, 2 (key, value), kv_heads, head_dim]``: every
 wrote at one position (every layer's key and value) is one contiguous row of ``row_bytes``, and a
 request's whole cache is one contiguous range of its slot. A decode step writes one row per running
 request, so what changed since any moment is a short list of byte ranges, one per slot: the
-migration's pre-copy ships those (``written_since``) instead of hashing the whole cache each round.
+migration's pre-copy ships the chunks those touch (``take_written``, the SDK's ``attach(written=...)``)
+instead of hashing the whole cache each round.
 
 Why a cache of our own rather than transformers' ``StaticCache``: that one is laid out per layer and
 per batch row, with no notion of slots that requests join and leave between steps, and no record of
@@ -35,8 +36,7 @@ class KVCache:
         self.kv = torch.zeros((slots, positions, layers, 2, kv_heads, head_dim), dtype=dtype, device=device)
         self.row_bytes = layers * 2 * kv_heads * head_dim * self.kv.element_size()
         self._free = list(range(slots))  # lowest slot first: the order slots are taken is deterministic
-        self._epoch = 0
-        self._written: dict[int, tuple[int, int]] = {}  # slot -> [first, end) positions written this epoch
+        self._written: dict[int, tuple[int, int]] = {}  # slot -> [first, end) positions written since the last take
         self._log_lock = threading.Lock()
 
     # -- slots
@@ -75,20 +75,11 @@ class KVCache:
             self._written[slot] = (first, end) if old is None else (min(old[0], first), max(old[1], end))
 
     # -- dirty regions for pre-copy
-    def mark(self) -> int:
-        """Start a new epoch; returns its number. ``written_since(epoch)`` then lists what changed after it."""
-        with self._log_lock:
-            self._epoch += 1
-            self._written = {}
-            return self._epoch
+    def take_written(self) -> list[tuple[int, int]]:
+        """Byte ranges ``(offset, length)`` of ``kv`` written since the previous call, one per slot; starts a new record.
 
-    def written_since(self, epoch: int) -> list[tuple[int, int]]:
-        """Byte ranges ``(offset, length)`` of ``kv`` written since ``mark()`` returned ``epoch``, by slot.
-
-        Only the latest epoch is kept: asking about an older one raises (the caller ships everything)."""
+        A write is noted once it is issued (on a GPU, queued): the SDK waits for the device before it reads."""
         with self._log_lock:
-            if epoch != self._epoch:
-                raise ValueError(f"epoch {epoch} is not the latest ({self._epoch}): ship the whole cache")
-            spans = sorted(self._written.items())
+            spans, self._written = sorted(self._written.items()), {}
         row = self.row_bytes
         return [((slot * self.positions + first) * row, (end - first) * row) for slot, (first, end) in spans]

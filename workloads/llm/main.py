@@ -24,7 +24,8 @@ from gpumigrate.workloads.contract import add_contract_flags, apply_contract_ove
 from gpumigrate.workloads.inference import bind_socket
 
 from .engine import Engine
-from .handover import CLAIM_TIMEOUT_S
+from .handover import CLAIM_TIMEOUT_S, Handover
+from .migration import EngineWork
 from .model import CONFIGS, DTYPES, build_model, model_id
 from .server import LLMServer
 
@@ -45,9 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="positions per request (default: the size's)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per request per step")
     add_contract_flags(p)
-    p.add_argument(
-        "--manual-handover", action="store_true", help="serve the signed /admin/engine export/import commands (tests)"
-    )
     p.add_argument(
         "--claim-timeout-s", type=float, default=CLAIM_TIMEOUT_S, help="cancel imported requests no relay claims"
     )
@@ -70,20 +68,23 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.seed, args.size, args.dtype, args.device, load_weights=not gm.awaiting_restore())
         name = model_id(args.size, args.dtype, args.seed)
         engine = Engine(model, model_id=name, slots=slots, max_context=max_context, prefill_chunk=args.prefill_chunk)
-        handle = gm.attach(model, name="model", state={"kv": engine.cache.kv})
+        key = control.load_key(None, create=True)
+        relay = Handover(engine, key, claim_timeout_s=args.claim_timeout_s)
+        streams: list[LLMServer] = []  # the server, once built: its open streams are one of the work's figures
+        handle = gm.attach(
+            model,
+            name="model",
+            state={"kv": engine.cache.kv},
+            written={"kv": engine.cache.take_written},  # pre-copy ships the KV rows written since the last round
+            in_flight=EngineWork(engine, relay, streams=lambda: sum(s.streams for s in streams)),
+        )
     except (GpumigrateError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code if isinstance(exc, GpumigrateError) else 2
     # Each step in the SDK's safe point: a freeze waits for the step in flight and holds the next.
     engine.step_guard = lambda: handle.safe_point(None)
-    server = LLMServer(
-        engine,
-        key=control.load_key(None, create=True),
-        name=args.name,
-        handle=handle,
-        manual_handover=args.manual_handover,
-        claim_timeout_s=args.claim_timeout_s,
-    )
+    server = LLMServer(engine, key=key, name=args.name, handle=handle, relay=relay)
+    streams.append(server)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as exc:

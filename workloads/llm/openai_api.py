@@ -4,7 +4,9 @@ The shapes follow OpenAI's API reference as the official ``openai`` client reads
 or chat completion object, ``text/event-stream`` chunks ending with ``data: [DONE]``, usage on an extra
 last chunk when ``stream_options.include_usage`` asks, and errors as ``{"error": {"message", "type",
 "param", "code"}}`` with a 4xx status. Parameters this server cannot honour (``n`` > 1, ``echo``,
-``logprobs``, penalties, ``top_p`` below 1, ...) are refused with a 400 naming them, never ignored.
+``logprobs`` above 1 or on a stream or a chat, penalties, ``top_p`` below 1, ...) are refused with a 400 naming
+them, never ignored. ``logprobs`` 0 or 1 on a non-streamed completion returns each generated token's
+log-probability (``choices[0].logprobs.token_logprobs``: parity compares them within a tolerance).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ UNSUPPORTED = {
     "n": (1, "n must be 1"),
     "best_of": (1, "best_of must be 1"),
     "echo": (False, "echo is not supported"),
-    "logprobs": (None, "logprobs are not supported"),
     "top_logprobs": (None, "top_logprobs are not supported"),
     "suffix": (None, "suffix is not supported"),
     "top_p": (1, "top_p must be 1 (only temperature sampling)"),
@@ -69,6 +70,7 @@ class Generation:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # token_logprobs in the (non-streamed) completion
 
 
 def chat_prompt(messages: list[dict[str, str]]) -> str:
@@ -162,6 +164,14 @@ def parse(raw: bytes, kind: str, *, model: str, max_context: int) -> Generation:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"} or not stream and options:
         raise APIError("stream_options may only hold include_usage, and only with stream: true", param="stream_options")
+    logprobs = body.get("logprobs")
+    asked = logprobs is not None and logprobs is not False
+    if asked and (kind != COMPLETIONS or stream or isinstance(logprobs, bool) or logprobs not in (0, 1)):
+        raise APIError(
+            "logprobs: 0 or 1 on a non-streamed /v1/completions request gives each token's log-probability; "
+            "nothing else is supported (no top alternatives, none on streams or chats)",
+            param="logprobs",
+        )
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise APIError("ignore_eos must be a boolean", param="ignore_eos")
@@ -171,8 +181,9 @@ def parse(raw: bytes, kind: str, *, model: str, max_context: int) -> Generation:
         seed=None if seed is None else seed % (1 << 63),
         stop=tuple(stop),
         ignore_eos=ignore_eos,
+        logprobs=isinstance(logprobs, int) and not isinstance(logprobs, bool),
     )
-    return Generation(kind, model, tokens, params, stream, bool(options.get("include_usage")))
+    return Generation(kind, model, tokens, params, stream, bool(options.get("include_usage")), params.logprobs)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -223,11 +234,21 @@ class Chunks:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
         return sse(self._envelope([], usage=usage(prompt_tokens, completion_tokens)))
 
-    def whole(self, text: str, finish: str | None, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def whole(
+        self,
+        text: str,
+        finish: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        logprobs: tuple[float, ...] | None = None,
+    ) -> dict[str, Any]:
         """The non-streamed answer."""
         finish = "stop" if finish == "cancelled" else finish
         if self.gen.kind == COMPLETIONS:
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            lp = None
+            if self.gen.logprobs:
+                lp = {"tokens": None, "token_logprobs": list(logprobs or ()), "top_logprobs": None, "text_offset": None}
+            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
             obj = "text_completion"
         else:
             message = {"role": "assistant", "content": text}

@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None  # the request's sampler seed (the server draws one when absent and temperature > 0)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens even past an end-of-sequence token (vLLM's extension)
+    logprobs: bool = False  # keep each generated token's log-probability
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -40,11 +41,19 @@ class SamplingParams:
             "seed": self.seed,
             "stop": list(self.stop),
             "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SamplingParams:
-        return cls(d["max_tokens"], float(d["temperature"]), d["seed"], tuple(d["stop"]), bool(d["ignore_eos"]))
+        return cls(
+            d["max_tokens"],
+            float(d["temperature"]),
+            d["seed"],
+            tuple(d["stop"]),
+            bool(d["ignore_eos"]),
+            bool(d.get("logprobs", False)),
+        )
 
 
 @dataclass(eq=False)
@@ -56,6 +65,7 @@ class Request:
     slot: int | None = None
     prefilled: int = 0  # prompt positions already in the cache
     tokens: list[int] = field(default_factory=list)  # generated so far
+    logprobs: list[float] = field(default_factory=list)  # of each generated token, where the request asked
     text: str = ""
     emitted: int = 0  # characters of ``text`` published to the client
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
@@ -87,9 +97,11 @@ class Request:
         """Where the next decode step feeds this request's last token."""
         return len(self.prompt) + len(self.tokens) - 1
 
-    def accept(self, token: int) -> None:
+    def accept(self, token: int, logprob: float | None = None) -> None:
         """Append a sampled token; update the text and decide whether the request is finished."""
         self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         before = len(self.text)
         if token == EOS and not self.params.ignore_eos:
             self.finish_reason = "stop"
@@ -131,6 +143,7 @@ class Request:
             "slot": self.slot,
             "prefilled": self.prefilled,
             "tokens": self.tokens,
+            "logprobs": self.logprobs if self.params.logprobs else None,
             "text": self.text,
             "emitted": self.emitted,
             "finish_reason": self.finish_reason,
@@ -143,6 +156,7 @@ class Request:
     def from_json(cls, d: dict[str, Any]) -> Request:
         req = cls(d["id"], list(d["prompt"]), SamplingParams.from_json(d["params"]))
         req.slot, req.prefilled, req.tokens = d["slot"], d["prefilled"], list(d["tokens"])
+        req.logprobs = [float(x) for x in d.get("logprobs") or ()]
         req.text, req.emitted, req.finish_reason, req.cancelled = (
             d["text"],
             d["emitted"],

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 import gpumigrate.agent as gm
 
-from . import admin, handover
+from . import handover
 from .engine import Engine
 from .handover import DisconnectAwareStream, Handover, RelayBroken
 from .openai_api import CHAT, COMPLETIONS, DONE, APIError, Chunks, Generation, error_response, parse, sse
@@ -45,14 +45,15 @@ class LLMServer:
         key: bytes,
         name: str,
         handle: gm.Handle | None = None,
-        manual_handover: bool = False,
+        relay: Handover | None = None,
         claim_timeout_s: float = handover.CLAIM_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.name = name
         self.handle = handle
         self.created = int(time.time())
-        self.handover = Handover(engine, key, claim_timeout_s=claim_timeout_s)
+        self.handover = relay if relay is not None else Handover(engine, key, claim_timeout_s=claim_timeout_s)
+        self.streams = 0  # client requests being answered here (streamed or not), relayed ones included
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -60,8 +61,6 @@ class LLMServer:
             Route("/v1/engine", self.engine_stats, methods=["GET"]),
             Route(handover.PATH, self.handover.serve_continuation, methods=["POST"]),
         ]
-        if manual_handover:  # a stand-in for the migration's capture/restore (tests): off by default
-            routes.append(Route(admin.PATH, admin.Admin(engine, self.handover, key).serve, methods=["POST"]))
         self.app = Starlette(routes=routes)
         if handle is not None:
             self.app.add_middleware(gm.ReadinessMiddleware, handle=handle)
@@ -89,9 +88,6 @@ class LLMServer:
         if self.handle is not None and not self.handle.gate.ready:
             reason = self.handle.reason() or "not ready"
             return error_response(503, f"this server cannot take requests yet ({reason})")
-        target = await self.handover.admission()
-        if target is not None:
-            return await self.handover.proxy(request, raw)
         output = self.engine.submit(gen.prompt, gen.params)
         chunks = Chunks(gen, output.id)
         if gen.stream:
@@ -102,6 +98,7 @@ class LLMServer:
         return await self._whole(request, output, chunks)
 
     async def _stream(self, gen: Generation, output: Output, chunks: Chunks) -> AsyncIterator[str]:
+        self.streams += 1
         try:
             first = chunks.first()
             if first is not None:
@@ -119,23 +116,26 @@ class LLMServer:
             code = "relay_broken" if isinstance(exc, RelayBroken) else "engine_failed"
             yield sse({"error": {"message": str(exc), "type": "server_error", "param": None, "code": code}})
         finally:
+            self.streams -= 1
             self.engine.release(output.id)
 
     async def _whole(self, request: Request, output: Output, chunks: Chunks) -> Response:
-        async def collect() -> tuple[str, str | None, int]:
-            text, finish, tokens = "", None, 0
+        async def collect() -> tuple[str, str | None, int, tuple[float, ...] | None]:
+            text, finish, tokens, logprobs = "", None, 0, None
             async for piece in self.handover.follow(output):
-                text, finish, tokens = text + piece.text, piece.finish_reason, piece.tokens
-            return text, finish, tokens
+                text, finish, tokens, logprobs = text + piece.text, piece.finish_reason, piece.tokens, piece.logprobs
+            return text, finish, tokens, logprobs
 
         async def client_gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
         work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(client_gone())
+        self.streams += 1
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self.streams -= 1
             gone.cancel()
             if not work.done():
                 work.cancel()
@@ -143,12 +143,12 @@ class LLMServer:
         if work.cancelled():
             return Response(status_code=499)  # nobody reads it: the client has gone
         try:
-            text, finish, tokens = work.result()
+            text, finish, tokens, logprobs = work.result()
         except RelayBroken as exc:
             return error_response(502, str(exc))
         if finish == "error":
             return error_response(500, str(EngineFailed()), code="engine_failed")
-        return JSONResponse(chunks.whole(text, finish, output.prompt_tokens, tokens))
+        return JSONResponse(chunks.whole(text, finish, output.prompt_tokens, tokens, logprobs))
 
     async def close(self) -> None:
         await self.handover.close()

@@ -24,6 +24,7 @@ class Piece:
     text: str
     tokens: int
     finish_reason: str | None = None
+    logprobs: tuple[float, ...] | None = None  # every generated token's, on the finished piece where asked
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Output:
         self.text = text
         self.tokens = tokens
         self.finish_reason: str | None = None
+        self.logprobs: tuple[float, ...] | None = None  # set with the finish, where the request asked for them
         self.moved_to: str | None = None
         self.claimed = False  # an imported request: a continuation has asked for it
         self._lock = threading.Lock()
@@ -50,12 +52,16 @@ class Output:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def publish(self, delta: str, tokens: int, finish_reason: str | None = None) -> None:
+    def publish(
+        self, delta: str, tokens: int, finish_reason: str | None = None, logprobs: list[float] | None = None
+    ) -> None:
         """Append ``delta`` (any thread)."""
         with self._lock:
             self.text += delta
             self.tokens = tokens
             self.finish_reason = finish_reason
+            if logprobs is not None:
+                self.logprobs = tuple(logprobs)
             self._wake()
 
     def move(self, target: str) -> None:
@@ -79,6 +85,7 @@ class Output:
             event = asyncio.Event()
             with self._lock:
                 text, tokens, finish, moved = self.text, self.tokens, self.finish_reason, self.moved_to
+                logprobs = self.logprobs
                 ready = len(text) > offset or finish is not None or moved is not None
                 if not ready:
                     self._waiters.append((loop, event))
@@ -86,7 +93,7 @@ class Output:
                 await event.wait()
                 continue
             if len(text) > offset or finish is not None:
-                yield Piece(text[offset:], tokens, finish)
+                yield Piece(text[offset:], tokens, finish, logprobs if finish is not None else None)
                 offset = len(text)
                 if finish is not None:
                     return
