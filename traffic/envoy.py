@@ -30,7 +30,7 @@ import httpx
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_log
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.stats import INGRESS_STATS
 
@@ -94,14 +94,14 @@ def free_port() -> int:
 
 
 def _access_log(path: Path) -> list[dict[str, Any]]:
-    """One JSON line per request (traffic/access.py reads it; STATE_FORMAT.md, "Access log")."""
+    """One JSON line per request (traffic/access_log.py reads it; STATE_FORMAT.md, "Access log")."""
     return [
         {
             "name": "envoy.access_loggers.file",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
                 "path": str(path),
-                "log_format": {"json_format": dict(access.FIELDS)},
+                "log_format": {"json_format": dict(access_log.FIELDS)},
             },
         }
     ]
@@ -275,7 +275,7 @@ class Envoy:
 
     @property
     def access_log_path(self) -> Path:
-        """The client listener's requests, one JSON line each (traffic/access.py)."""
+        """The client listener's requests, one JSON line each (traffic/access_log.py)."""
         return self.workdir / f"access-{self.node_id}.log"
 
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
@@ -298,7 +298,7 @@ class Envoy:
                 "--drain-time-s",
                 f"{DRAIN_S:g}",
                 "--file-flush-interval-msec",  # the access log is read while the migration runs
-                str(access.FLUSH_MS),
+                str(access_log.FLUSH_MS),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

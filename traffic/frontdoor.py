@@ -134,7 +134,7 @@ class DoorInfo:
     xds_port: int | None = None
     source: str | None = None  # the source it fronts (http://host:port)
     processes: dict[str, int] = field(default_factory=dict)  # a detached door's: {"frontdoor", "envoy"} -> pid
-    access_logs: list[str] = field(default_factory=list)  # each Envoy's client requests (traffic/access.py)
+    access_logs: list[str] = field(default_factory=list)  # each Envoy's client requests (traffic/access_log.py)
 
 
 def read(state_dir: Path) -> DoorInfo:
@@ -249,11 +249,11 @@ class FrontDoor:
         atomic_write_json(self.state_dir / FRONTDOOR, info)
 
     def rotate_access_log(self) -> None:
-        """Keep the access log bounded (traffic/access.py): rotated once it is large, and Envoy reopens it."""
-        from gpumigrate.traffic import access
+        """Keep the access log bounded (traffic/access_log.py): rotated once it is large, and Envoy reopens it."""
+        from gpumigrate.traffic import access_log
 
         try:
-            if access.rotate(self.envoy.access_log_path):
+            if access_log.rotate(self.envoy.access_log_path):
                 admin = self.envoy.admin
                 try:
                     admin.reopen_logs()

@@ -64,7 +64,7 @@ class LoadReport:
         return {k: v for k, v in self.__dict__.items() if k not in ("per_second", "records")}
 
     def stall_between(self, t_from: float, t_to: float, *, baseline_before: float) -> float | None:
-        """The client side of the front door's stall figure (traffic/access.py): among requests in flight at any
+        """The client side of the front door's stall figure (traffic/access_log.py): among requests in flight at any
         moment in [t_from, t_to] (epoch seconds), the longest latency beyond the median latency of the requests
         answered before ``baseline_before``. Needs ``records`` and ``started_at``."""
         if not self.records or self.started_at is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_log
 from gpumigrate.traffic.frontdoor import FrontDoor, read
 from gpumigrate.traffic.loadgen import LoadProcess
 
@@ -74,7 +74,7 @@ def test_the_front_doors_stall_is_what_the_clients_saw_and_every_request_is_coun
     front, upstream = door
     [log] = read(front.state_dir).access_logs
     assert log == str(front.envoy.access_log_path)
-    before = access.mark(log)
+    before = access_log.mark(log)
     load = LoadProcess(front.url + "/v1/x", rps=40, seconds=6, body={"q": 1}, keep_records=True)
     try:
         time.sleep(2.5)  # the baseline: answers before the freeze (the load runs on its own clock)
@@ -87,12 +87,12 @@ def test_the_front_doors_stall_is_what_the_clients_saw_and_every_request_is_coun
         report = load.wait(timeout_s=120)
     end = time.time()
     deadline = time.monotonic() + 30
-    while len(access.read_since(before)) < report.total:  # Envoy flushes its log every FLUSH_MS
+    while len(access_log.read_since(before)) < report.total:  # Envoy flushes its log every FLUSH_MS
         assert time.monotonic() < deadline, "Envoy never wrote every request to its access log"
         time.sleep(0.05)
-    requests = access.read_since(before)
+    requests = access_log.read_since(before)
 
-    found = access.figures(requests, froze_at=froze_at, resumed_at=resumed_at, end=end)
+    found = access_log.figures(requests, froze_at=froze_at, resumed_at=resumed_at, end=end)
     client = report.stall_between(froze_at, resumed_at, baseline_before=froze_at)
     assert report.failed == 0 and client is not None
     # A freeze that held every client: the figure is what they waited, not the 0 ms of "no failed answer".
@@ -101,7 +101,7 @@ def test_the_front_doors_stall_is_what_the_clients_saw_and_every_request_is_coun
     # a busy host adds its own scheduling delays to every latency it measures (hundreds of ms at a load of 10).
     assert client > 0.8 * FREEZE_S * 1000 and found["stall_ms"] <= client + 50, (found, client)
     # Every request through the front door is counted: all of them from before the freeze to the end here.
-    everything = access.figures(requests, froze_at=report.started_at or 0.0, resumed_at=resumed_at, end=end)
+    everything = access_log.figures(requests, froze_at=report.started_at or 0.0, resumed_at=resumed_at, end=end)
     assert everything["requests"] == report.total and everything["failed"] == 0
     assert found["in_freeze"] > 1  # the requests held then
 
@@ -110,10 +110,10 @@ def test_a_rotated_log_is_followed_from_the_mark(tmp_path: Path) -> None:
     log = tmp_path / "access.log"
     line = {"start": "100.000", "ms": 5, "code": 200, "flags": "-", "upstream": "source"}
     log.write_text(json.dumps(line) + "\n")
-    at = access.mark(log)
+    at = access_log.mark(log)
     with log.open("a") as fh:
         fh.write(json.dumps({**line, "start": "101.000"}) + "\n")
-    (tmp_path / "access.log").replace(tmp_path / "access.log.1")  # rotated, as access.rotate does
+    (tmp_path / "access.log").replace(tmp_path / "access.log.1")  # rotated, as access_log.rotate does
     log.write_text(json.dumps({**line, "start": "102.000", "code": 503}) + "\n" + '{"start": "10')  # a torn write
-    got = access.read_since(at)
+    got = access_log.read_since(at)
     assert [(r.start, r.failed) for r in got] == [(101.0, False), (102.0, True)]
