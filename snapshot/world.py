@@ -60,13 +60,19 @@ class World:
         key: bytes | None = None,
         key_ref: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
+        agent: str | None = None,
+        source: bool = False,
     ) -> None:
         if not addresses:
             raise InvalidInputError("a world needs the agent address of at least one rank")
         self.addresses = list(addresses)
-        self._clients = [AgentClient(a, key=key, key_ref=key_ref, timeout_s=timeout_s) for a in self.addresses]
+
+        def client(address: str, timeout: float) -> AgentClient:  # agent: the workload's id; each rank's extends it
+            return AgentClient(address, key=key, key_ref=key_ref, timeout_s=timeout, agent=agent, source=source)
+
+        self._clients = [client(a, timeout_s) for a in self.addresses]
         # A second connection per rank: renewals must not queue behind a long final on the first.
-        self._renewers = [AgentClient(a, key=key, key_ref=key_ref, timeout_s=30.0) for a in self.addresses]
+        self._renewers = [client(a, 30.0) for a in self.addresses]
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.addresses), thread_name_prefix="gm-world")
         self.ranks: list[dict[str, Any]] | None = None  # each rank's info()["rank"], once described
         self.step: int | None = None  # the step the world froze after
@@ -80,13 +86,16 @@ class World:
         key: bytes | None = None,
         key_ref: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
+        agent: str | None = None,
+        source: bool = False,
     ) -> World:
-        """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group)."""
+        """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group); ``agent``: the id
+        expected there (each rank's is ``agent/rR``); ``source``: a source's agents (never a target's)."""
         host, port = parse_address(address)
         if ranks < 1 or port + ranks - 1 > 65535:
             raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
         addresses = [address] if ranks == 1 else [f"{host}:{port + r}" for r in range(ranks)]  # one: as spelt
-        return cls(addresses, key=key, key_ref=key_ref, timeout_s=timeout_s)
+        return cls(addresses, key=key, key_ref=key_ref, timeout_s=timeout_s, agent=agent, source=source)
 
     @property
     def size(self) -> int:
@@ -344,14 +353,18 @@ class World:
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
         source: str | None = None,
+        source_agent: str | None = None,
     ) -> dict[str, Any]:
         """Rank r of this (target) world loads rank r's part of world image ``image_id``, all at once.
         ``device_map``: per rank, the devices it ran on at the source and runs on here. ``source``: a world of
-        one fills its tensors from the source agent's memory there (``fill.py``)."""
+        one fills its tensors from the source agent's memory there (``fill.py``), granted by the source's lend
+        key sealed to this agent (``source_agent``: the id expected there)."""
         args: dict[str, Any] = {"store": store, "image_id": image_id, "key_ref": dict(key_ref)}
         args.update(policy=dict(policy or {}), ready=ready)
         if self.alone:
-            one = self._rank0("restore", **args, **({} if source is None else {"source": source}))
+            if source is not None:
+                args.update(source=source, grant=self._clients[0].lend_grant(source, expect=source_agent))
+            one = self._rank0("restore", **args)
             return {"image": image_id, "ranks": [one], "device_map": [], **_sums([one])}
         if source is not None:
             raise InvalidInputError(
