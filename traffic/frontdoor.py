@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, TrafficError
 from gpumigrate.settings import state_root
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, rollback_to_source
 
 if TYPE_CHECKING:  # Envoy's and the control plane's modules pull in gRPC: imported when a door starts
@@ -184,10 +184,10 @@ class FrontDoor:
         from gpumigrate.traffic.envoy import Envoy
         from gpumigrate.traffic.xds import ControlPlane
 
-        access.private_dir(state_dir)
+        access_control.private_dir(state_dir)
         source = Upstream(SOURCE, source_host, source_port, health_path=health_path)
         StateStore(state_dir).init(DesiredState(upstreams={SOURCE: source}, weights={SOURCE: 100.0}))
-        plane = ControlPlane(state_dir).start()  # on its private socket only (access.py)
+        plane = ControlPlane(state_dir).start()  # on its private socket only (access_control.py)
         try:
             envoy = Envoy(
                 workdir or state_dir / "envoy",
@@ -218,7 +218,7 @@ class FrontDoor:
         }
         if self.detached and self.envoy.proc is not None:
             info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid}
-        atomic_write_json(self.state_dir / FRONTDOOR, info, mode=access.PRIVATE_FILE)
+        atomic_write_json(self.state_dir / FRONTDOOR, info, mode=access_control.PRIVATE_FILE)
 
     def stop(self) -> None:
         for part in (self.envoy, self.plane):
@@ -342,11 +342,11 @@ def start_detached(
     stop_detached(state_dir)  # what a door that died left behind (its Envoy, its frontdoor.json)
     if not _port_free(listen_host, listen_port):
         raise InvalidInputError(f"cannot listen on {listen}: the address is in use (choose another with --listen)")
-    access.private_dir(state_dir)
+    access_control.private_dir(state_dir)
     argv = [sys.executable, "-m", "gpumigrate.traffic.frontdoor", "--state-dir", str(state_dir),
             "--source", f"{source_host}:{source_port}", "--health-path", health_path, "--listen", listen,
             "--node-id", node_id]  # fmt: skip
-    with os.fdopen(access.open_private_log(state_dir / LOG), "ab") as out:
+    with os.fdopen(access_control.open_private_log(state_dir / LOG), "ab") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, TrafficError
-from gpumigrate.traffic.access import PRIVATE_FILE, private_dir
+from gpumigrate.traffic.access_control import PRIVATE_FILE, private_dir
 
 DESIRED = "desired.json"
 STATUS_DIR = "status"
@@ -160,7 +160,7 @@ class StateStore:
     @contextmanager
     def _locked(self, *, create: bool = False) -> Iterator[None]:
         if create:
-            private_dir(self.dir)  # the door's state: this user's only (access.py)
+            private_dir(self.dir)  # the door's state: this user's only (access_control.py)
         elif not self.path.exists():
             raise TrafficError(f"no traffic state in {self.dir} (nothing was set up there)")
         fd = os.open(self.dir / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE)

@@ -1,6 +1,6 @@
 """ADS control plane (state of the world) on a private Unix socket, serving any number of Envoys.
 
-Only an Envoy that proves its node id is served (``access.py``): the stream's first request must carry the
+Only an Envoy that proves its node id is served (``access_control.py``): the stream's first request must carry the
 node's token in its metadata, and the stream keeps that node id, and writes its status under it, for its
 life. Other users of the host cannot connect to the socket at all; a loopback port is opened only where one
 is asked for (``--port``), and serves the same proven nodes only.
@@ -46,7 +46,7 @@ from typing import Any
 
 from gpumigrate.control import RefusalLog
 from gpumigrate.errors import TrafficError
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.state import DesiredState, Lease, StateStore, rollback_to_source
 
@@ -232,15 +232,17 @@ class _Stream:
         self._write_status(connected=True)
 
     def _prove(self, node: str) -> None:
-        """The stream's first request names its node, and its metadata carries that node's token (access.py)."""
+        """The stream's first request names its node, and its metadata carries that node's token (access_control.py)."""
         metadata = {str(k): v for k, v in (self.context.invocation_metadata() or ())}
-        token = metadata.get(access.TOKEN_HEADER)
-        if not node or not access.node_proven(self.plane.store.dir, node, token if isinstance(token, str) else None):
+        token = metadata.get(access_control.TOKEN_HEADER)
+        if not node or not access_control.node_proven(
+            self.plane.store.dir, node, token if isinstance(token, str) else None
+        ):
             why = "no node token" if token is None else "a token that is not this node's"
             self.plane.refuse(node, why)
             raise _Refused(
                 f"node {node[:80]!r} is not served: {why} (an Envoy of this front door carries its token in "
-                f"{access.TOKEN_HEADER})"
+                f"{access_control.TOKEN_HEADER})"
             )
 
     def _next_step(self, snap: Snapshot | None) -> tuple[str, Any, int] | None:
@@ -297,7 +299,7 @@ class ControlPlane:
         self.drain_s = drain_s  # between the route dropping a cluster and the cluster's removal
         self.host = host
         self.port = port  # None: the private socket only; 0: also a free loopback port
-        self.socket_path = access.xds_socket(self.store.dir)
+        self.socket_path = access_control.xds_socket(self.store.dir)
         self.refused = 0  # streams that did not prove their node
         self._refusal_log = RefusalLog(log)
         self.stopping = threading.Event()
@@ -359,7 +361,7 @@ class ControlPlane:
             options=[("grpc.keepalive_time_ms", 10_000), ("grpc.so_reuseport", 0)],
         )
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(), self._server)
-        self.socket_path = access.xds_socket(self.store.dir)  # its private directory again, were it removed
+        self.socket_path = access_control.xds_socket(self.store.dir)  # its private directory again, were it removed
         if self._server.add_insecure_port(f"unix:{self.socket_path}") == 0:
             raise TrafficError(f"control plane cannot listen on {self.socket_path}")
         if self.port is not None:
@@ -368,7 +370,7 @@ class ControlPlane:
                 raise TrafficError(f"control plane cannot listen on {self.host}:{self.port} (port in use?)")
             self.port = bound
         self._server.start()
-        os.chmod(self.socket_path, access.PRIVATE_FILE)
+        os.chmod(self.socket_path, access_control.PRIVATE_FILE)
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="xds-watch")
         self._watcher.start()
         where = f"{self.socket_path}" + (f" and {self.host}:{self.port}" if self.port is not None else "")
@@ -382,7 +384,7 @@ class ControlPlane:
             self._server = None
         if self._watcher is not None:
             self._watcher.join(timeout=2)
-        access.remove_socket(self.socket_path)
+        access_control.remove_socket(self.socket_path)
 
     def __enter__(self) -> ControlPlane:
         return self.start()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from gpumigrate.errors import TrafficError
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.envoy import EnvoyAdmin, free_port
 from gpumigrate.traffic.loadgen import LoadProcess
@@ -141,7 +141,7 @@ def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) 
         assert sw.returncode == 0, sw.stderr
         assert json.loads(sw.stdout.splitlines()[-1])["weights"] == {"source": 75.0, "target": 25.0}
         listen_port = free_port()
-        admin = f"unix:{access.admin_socket(tmp_path / 'envoy', 'cli-envoy')}"  # only this user reaches it
+        admin = f"unix:{access_control.admin_socket(tmp_path / 'envoy', 'cli-envoy')}"  # only this user reaches it
         envoy = subprocess.Popen(
             [
                 *cli_cmd,

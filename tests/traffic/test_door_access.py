@@ -1,4 +1,4 @@
-"""Who can steer the front door (traffic/access.py), tried as an outsider would: another user of the host at
+"""Who can steer the front door (traffic/access_control.py), tried as an outsider would: another user of the host at
 Envoy's admin interface and at the control plane, an anonymous ADS stream, a stream that claims the real
 Envoy's node id and rejects every push. A real Envoy and a real control plane each time."""
 
@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gpumigrate.traffic import access
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic.state import split
 from gpumigrate.traffic.xds import ControlPlane
 
@@ -84,7 +84,7 @@ def test_envoy_admin_is_a_socket_only_its_owner_reaches_and_no_tcp_port(light_en
     # The door's files: its owner's only.
     for path in (
         env.state_dir / "desired.json",
-        env.state_dir / access.XDS_KEY,
+        env.state_dir / access_control.XDS_KEY,
         envoy.workdir / f"envoy-{envoy.node_id}.json",
         envoy.log_path,
         *(env.state_dir / "status").glob("*.json"),
@@ -105,7 +105,7 @@ class _Stream:
         self.error: grpc.RpcError | None = None
         self.done = threading.Event()
         stub = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self.channel)
-        metadata = [(access.TOKEN_HEADER, token)] if token is not None else []
+        metadata = [(access_control.TOKEN_HEADER, token)] if token is not None else []
         self._call = stub.StreamAggregatedResources(iter(self.requests.get, None), metadata=metadata)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -165,7 +165,7 @@ def test_an_anonymous_or_impostor_stream_is_refused_and_set_weight_holds(light_e
     attempts: list[tuple[str, str | None, str]] = [
         ("anonymous", None, ""),
         ("anonymous, the real node id", None, node),
-        ("a token of another node, the real node id", access.node_token(env.state_dir, "other-node"), node),
+        ("a token of another node, the real node id", access_control.node_token(env.state_dir, "other-node"), node),
         ("a made-up token, the real node id", "0" * 64, node),
     ]
     for target in targets:
@@ -179,7 +179,7 @@ def test_an_anonymous_or_impostor_stream_is_refused_and_set_weight_holds(light_e
             assert s.responses == [], f"{what}: it saw {len(s.responses)} responses"  # no cluster, no route
     assert plane.refused == len(attempts)
     # A stream that proved one node and then claims the real one, rejecting every push, changes nothing either.
-    proven = _Stream(targets[0], token=access.node_token(env.state_dir, "aux-node"))
+    proven = _Stream(targets[0], token=access_control.node_token(env.state_dir, "aux-node"))
     streams.append(proven)
     proven.subscribe("aux-node")
     proven.node_for_nack = node
