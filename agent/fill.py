@@ -9,8 +9,9 @@ asks the source's agent (``lend`` on its signed control channel) to move the sam
 * host memory: ``pull_all``. The target READs through NIXL (UCX over shared memory or TCP) and hashes on
   the CPU. This is how CI runs the whole path.
 
-Both ends use the workload's control key: the landing's channel is signed like the agent's, and a
-landing that anyone else connects to refuses them before the first byte.
+Both ends use the lend key the orchestrator granted the target for this source (``gpumigrate/agent_keys.py``):
+the target's ``lend`` request and the landing's channel are signed with it, and a landing that anyone else
+connects to refuses them before the first byte.
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ class SourceFill:
         )
         try:
             t0 = time.perf_counter()
-            with AgentClient(source, key=control_key, timeout_s=LEND_TIMEOUT_S + 30) as client:  # the source's side
+            with AgentClient(
+                source, lend_key=control_key, timeout_s=LEND_TIMEOUT_S + 30
+            ) as client:  # the source's side
                 lent = client.call(
                     "lend",
                     landing=landing.address,

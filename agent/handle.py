@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from gpumigrate import control
+from gpumigrate import agent_keys
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.launch import AGENT_ADDR_ENV, AWAIT_RESTORE_ENV
 from gpumigrate.snapshot import tracked as tr
@@ -213,7 +213,9 @@ def attach_items(
     host, port = agent_address()
     if group is not None:
         host, port = distributed.rank_address(host, port, group)
-    key = control.load_key(None, create=True)
+    identity = agent_keys.load_identity(create=True)
+    if group is not None and group.world_size > 1:  # each rank its own identity and key, derived from the workload's
+        identity = identity.rank(group.rank)
     with _current_lock:
         if _current is not None:
             raise RuntimeError(
@@ -230,7 +232,7 @@ def attach_items(
         if in_flight is not None:
             engine.track_work(in_flight)
         try:
-            server = serve(engine, port, host, key=key)
+            server = serve(engine, port, host, identity=identity)
         except OSError as exc:
             engine.close()
             raise _address_error(host, port, exc) from None

@@ -191,7 +191,7 @@ def start_stage(work: Path, n: int) -> Stage:
         )
     time.sleep(0.5)
     node = f"fm-envoy-{n}"
-    envoy = Envoy(tdir / "envoy", xds_port=xds_port, node_id=node).start()
+    envoy = Envoy(tdir / "envoy", state_dir=tdir, xds_port=xds_port, node_id=node).start()
     atomic_write_json(
         tdir / frontdoor.FRONTDOOR,
         {

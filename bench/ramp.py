@@ -132,7 +132,9 @@ class Stack:
             )
             self.plane_port = free_port()
             self.start_plane()
-            self.envoy = Envoy(work / "envoy", xds_port=self.plane_port, node_id="bench").start()
+            self.envoy = Envoy(
+                work / "envoy", state_dir=self.state_dir, xds_port=self.plane_port, node_id="bench"
+            ).start()
         except BaseException:
             self.close()
             raise

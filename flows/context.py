@@ -54,6 +54,8 @@ class Runtime(BaseModel):
     target_endpoint: str | None = None
     # target_agent is host:port of the target workload's snapshot agent (agent backend).
     target_agent: str | None = None
+    # target_agent_id is the id provision gave the target's agent (GPUMIGRATE_AGENT_ID): no other is accepted there.
+    target_agent_id: str | None = None
     # target_store is where the target reads the image: its own disk for local hosts, else the plan's store.
     target_store: str | None = None
     # target_pid and target_pid_start name the process a restore started on the target (CRIU), for its undo.
@@ -243,6 +245,7 @@ class RunContext:
             parent=rt.image.id if rt.image and rt.image.store == store else None,  # a parent where it writes
             target_host=host.name if host else None,
             target_agent=rt.target_agent,
+            target_agent_id=rt.target_agent_id,
             target_store=rt.target_store,
             fill_from_source=plan.transfer.restore_from == "source",
             target_dir=str(Path(host.workdir or self.migration.dir) / "criu-restore") if host else None,

@@ -28,7 +28,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Failed
 
 from gpumigrate.errors import RolledBackError
-from gpumigrate.flows import prefect_env
+from gpumigrate.flows import prefect_env, stopping
 from gpumigrate.flows.events import emit
 from gpumigrate.result import MigrationResult
 from gpumigrate.settings import Identity, set_identity_resolver
@@ -44,9 +44,11 @@ def _authenticated_identity() -> Identity | None:
 
 
 def begin() -> None:
-    """At the start of every flow: no analytics, whatever the worker's environment says; the audit's actor."""
+    """At the start of every flow: no analytics, whatever the worker's environment says; the audit's actor; and, in
+    the CLI's own run, its handling of SIGTERM and SIGINT back in place of Prefect's (stopping.py)."""
     prefect_env.configure()
     set_identity_resolver(_authenticated_identity)
+    stopping.reinstall()
 
 
 def run_id() -> str | None:
@@ -71,6 +73,9 @@ class RunCancelled(RolledBackError):
 
 def stop_reason() -> str:
     """Why this flow run's process was told to stop: Prefect's Cancel (which means roll back), or a SIGTERM."""
+    stopper = stopping.active()
+    if stopper is not None and stopper.signum is not None:  # the CLI's run: a signal, not Prefect (its API may be gone)
+        return stopper.reason
     ctx = FlowRunContext.get()
     try:
         if ctx is not None and ctx.flow_run is not None:

@@ -197,8 +197,10 @@ class AuditLog:
             if scan.chain is None:
                 raise IntegrityError(f"audit log {self.name} has no keyed records: nothing to anchor")
             doc = self._signed_head(key, scan.chain, scan.head)
-            anchor.publish(self.anchor_name, scan.chain, doc)
-            return doc
+        # Published after the lock is let go: a remote anchor can hang (Prefect's client retries a dead API for
+        # minutes), and the log must stay writable meanwhile (a rollback records its steps while a stuck flow waits).
+        anchor.publish(self.anchor_name, scan.chain, doc)
+        return doc
 
     # -- reading ---------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:

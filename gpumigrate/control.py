@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
+import math
 import os
 import secrets
 import threading
@@ -157,10 +159,15 @@ def _mac(key: bytes, channel: str, kind: str, ts: float, nonce: str, body: Mappi
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
-def sign_request(key: bytes, channel: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """``body`` plus an ``auth`` member: ``{"v", "ts", "nonce", "mac"}``."""
+def sign_request(key: bytes, channel: str, body: Mapping[str, Any], *, audience: str = "") -> dict[str, Any]:
+    """``body`` plus an ``auth`` member: ``{"v", "ts", "nonce", "mac"}``, and ``"aud"`` when the request is for
+    one server only (``audience``: its identity, e.g. an agent's ``id#epoch``), which the MAC then covers."""
     ts, nonce = time.time(), secrets.token_hex(16)
-    return {**body, "auth": {"v": VERSION, "ts": ts, "nonce": nonce, "mac": _mac(key, channel, "req", ts, nonce, body)}}
+    auth: dict[str, Any] = {"v": VERSION, "ts": ts, "nonce": nonce}
+    if audience:
+        auth["aud"] = audience
+    auth["mac"] = _mac(key, channel, "req", ts, nonce, body, bound=audience)
+    return {**body, "auth": auth}
 
 
 def sign_reply(key: bytes, channel: str, request_nonce: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,13 +180,17 @@ def _split(message: Mapping[str, Any]) -> tuple[dict[str, Any], Mapping[str, Any
     auth = message.get("auth")
     if not isinstance(auth, Mapping):
         raise AuthError("unauthenticated: the message carries no signature (auth)")
+    ts, nonce, mac = auth.get("ts"), auth.get("nonce"), auth.get("mac")
     if (
         auth.get("v") != VERSION
-        or not isinstance(auth.get("ts"), int | float)
-        or not isinstance(auth.get("nonce"), str)
+        or isinstance(ts, bool)
+        or not isinstance(ts, int | float)
+        or not math.isfinite(ts)
+        or not isinstance(nonce, str)
+        or not 16 <= len(nonce) <= 128
+        or not isinstance(mac, str)
+        or len(mac) != 64
     ):
-        raise AuthError("unauthenticated: malformed signature")
-    if not isinstance(auth.get("mac"), str):
         raise AuthError("unauthenticated: malformed signature")
     return {k: v for k, v in message.items() if k != "auth"}, auth
 
@@ -205,19 +216,88 @@ class ReplayGuard:
             self._seen[nonce] = now
 
 
+def _audience_mismatch(named: str, mine: str) -> str:
+    """Why a request named for ``named`` is void here (``mine``): another server, or an earlier start of this one."""
+    if named.partition("#")[0] == mine.partition("#")[0]:
+        return (
+            "unauthenticated: the request is for an earlier start of this server (its epoch differs): "
+            "a replay from before a restart"
+        )
+    return f"unauthenticated: the request is for {named.partition('#')[0][:80]!r}, not this server ({mine.partition('#')[0]})"
+
+
 def verify_request(
-    key: bytes, channel: str, message: Mapping[str, Any], guard: ReplayGuard
+    key: bytes, channel: str, message: Mapping[str, Any], guard: ReplayGuard, *, audience: str | None = None
 ) -> tuple[dict[str, Any], str]:
-    """Check a signed request; return (body without ``auth``, the request's nonce). Raises AuthError."""
+    """Check a signed request; return (body without ``auth``, the request's nonce). Raises AuthError.
+
+    ``audience``: this server's identity; the request must name it (``auth.aud``) or it is refused, so a
+    request captured on its way to one server is void on every other, and on this one after a restart."""
     body, auth = _split(message)
+    named = auth.get("aud", "")
+    if audience is not None:
+        if not isinstance(named, str) or not named:
+            raise AuthError("unauthenticated: the request names no server (auth.aud): sign it for this one")
+        if named != audience:
+            raise AuthError(_audience_mismatch(named, audience))
+    elif named:
+        raise AuthError("unauthenticated: the request names a server (auth.aud), and this channel has no identity")
     now = time.time()
     if abs(now - float(auth["ts"])) > guard.window_s:
         raise AuthError(f"unauthenticated: the request's timestamp is more than {guard.window_s:.0f}s off this clock")
-    expected = _mac(key, channel, "req", float(auth["ts"]), str(auth["nonce"]), body)
+    expected = _mac(key, channel, "req", float(auth["ts"]), str(auth["nonce"]), body, bound=str(named))
     if not hmac.compare_digest(expected, str(auth["mac"])):
         raise AuthError("unauthenticated: bad signature (a different control key, or an altered request)")
     guard.check_and_add(str(auth["nonce"]), now)
     return body, str(auth["nonce"])
+
+
+def sign_hello(key: bytes, channel: str, challenge: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """A server's answer to a client's ``hello`` (who it is), signed and bound to the client's challenge. Its own
+    kind ("hello"), so it can never pass for the reply to a command."""
+    ts, nonce = time.time(), secrets.token_hex(16)
+    mac = _mac(key, channel, "hello", ts, nonce, body, bound=challenge)
+    return {**body, "auth": {"v": VERSION, "ts": ts, "nonce": nonce, "mac": mac}}
+
+
+def verify_hello(key: bytes, channel: str, challenge: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a server's ``hello`` answer to ``challenge``; return its body. Raises AuthError."""
+    body, auth = _split(message)
+    expected = _mac(key, channel, "hello", float(auth["ts"]), str(auth["nonce"]), body, bound=challenge)
+    if not hmac.compare_digest(expected, str(auth["mac"])):
+        raise AuthError("the server's hello failed authentication: it does not hold the key of the identity it claims")
+    return body
+
+
+class RefusalLog:
+    """Refusals logged at most ``burst`` lines per ``window_s``; the rest counted and summed up in one line when
+    the next window opens. A peer that sends junk as fast as it can grows the log by a few lines a window, not by
+    a line per junk line (the counters keep the true numbers). Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, *, burst: int = 10, window_s: float = 10.0) -> None:
+        self.logger = logger
+        self.burst = burst
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._window_start = -math.inf
+        self._logged = 0
+        self._suppressed = 0
+
+    def warning(self, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._window_start >= self.window_s:
+                suppressed, self._suppressed = self._suppressed, 0
+                self._window_start, self._logged = now, 0
+                if suppressed:
+                    self.logger.warning(
+                        "%d more refusals were not logged in the last %.0fs (rate limit)", suppressed, self.window_s
+                    )
+            if self._logged >= self.burst:
+                self._suppressed += 1
+                return
+            self._logged += 1
+        self.logger.warning(fmt, *args)
 
 
 def verify_reply(key: bytes, channel: str, request_nonce: str, message: Mapping[str, Any]) -> dict[str, Any]:

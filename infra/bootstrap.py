@@ -28,7 +28,9 @@ FORMAT = "gpumigrate-boot/1"
 MARKER = "GPUMIGRATE-BOOT"
 _MARKER_RE = re.compile(MARKER + r" (\{.*\})\s*$")
 # Environment the orchestrator's launch carries that names paths on the orchestrator: the target sets its own.
-ORCHESTRATOR_ONLY_ENV = ("GPUMIGRATE_CONTROL_KEY", "GPUMIGRATE_CONTROL_KEY_FILE", "GPUMIGRATE_HOME")
+ORCHESTRATOR_ONLY_ENV = (
+    "GPUMIGRATE_CONTROL_KEY", "GPUMIGRATE_CONTROL_KEY_FILE", "GPUMIGRATE_HOME", "GPUMIGRATE_AGENT_KEY_FILE",
+)  # fmt: skip
 USER_DATA_LIMIT = 16 * 1024  # EC2's limit on user data before base64; GCE allows more
 CONSOLE_TAIL_LINES = 40
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from gpumigrate import agent_keys
 from gpumigrate.bounds import OPTION_KEYS, TransferBounds
 from gpumigrate.errors import SnapshotError
 from gpumigrate.snapshot.client import parse_address
@@ -186,6 +187,20 @@ def _rank_arg(value: Any) -> int | None:
     return value
 
 
+def _lend_key_arg(identity: agent_keys.AgentIdentity, value: Any) -> bytes:
+    """The lend key the orchestrator sealed to this agent in ``restore``'s ``grant``: ``{"source": "id#epoch",
+    "sealed": hex}``. Without it a target cannot ask its source for anything."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("source"), str):
+        raise SnapshotError(
+            'a fill from the source needs grant {"source": ID#EPOCH, "sealed": HEX}: the lend key the orchestrator '
+            "sealed to this agent (AgentClient.request_restore(source=...) sends it)"
+        )
+    key = agent_keys.unseal(identity.key, agent_keys.grant_label(value["source"], identity.agent), value.get("sealed"))
+    if len(key) != 32:
+        raise SnapshotError("the grant was not sealed to this agent (another agent's, or altered): no fill")
+    return key
+
+
 def _address_arg(name: str, value: Any) -> str:
     """An agent's or a landing's ``host:port`` (``source`` of ``restore``, ``landing`` of ``lend``)."""
     if not isinstance(value, str):
@@ -224,11 +239,32 @@ def _resume(engine: SnapshotEngine) -> dict[str, Any]:
     return {"frozen": False}
 
 
+def _lend(engine: SnapshotEngine, args: Mapping[str, Any], lend_key: bytes | None) -> dict[str, Any]:
+    if lend_key is None:
+        raise SnapshotError(
+            "lend is asked by a target with the lend key the orchestrator granted it, and by no one else"
+        )
+    return lend_to(
+        engine,
+        _address_arg("landing", args["landing"]),
+        runs_arg(args["runs"]),
+        _chunk_size_arg(args["chunk_size"]),
+        control_key=lend_key,  # the landing's channel: the target holds the same key, nobody else does
+        tolerate=bool(args.get("tolerate", False)),
+    )
+
+
 def handlers(
-    engine: SnapshotEngine, args: Mapping[str, Any], *, key: bytes, auth: Callable[[], dict[str, Any]]
+    engine: SnapshotEngine,
+    args: Mapping[str, Any],
+    *,
+    identity: agent_keys.AgentIdentity,
+    auth: Callable[[], dict[str, Any]],
+    lend_key: bytes | None = None,
 ) -> dict[str, Callable[[], Any]]:
-    """Every command the server answers, bound to ``args``: the name on the wire → what it runs. ``key``: the
-    control key (a fill's landing is signed with it too); ``auth``: the server's report of its refusals."""
+    """Every command the server answers, bound to ``args``: the name on the wire → what it runs. ``identity``: this
+    agent's (its key unseals a fill's grant); ``auth``: the server's report of its refusals; ``lend_key``: the
+    key a granted ``lend`` was signed with (it signs the landing's channel too)."""
     return {
         "ping": lambda: {"pong": True},
         "info": lambda: {**engine.info(), "auth": auth()},
@@ -266,28 +302,27 @@ def handlers(
             ready=bool(args.get("ready", True)),
             rank=_rank_arg(args.get("rank")),
             source=None if args.get("source") is None else _address_arg("source", args["source"]),
-            control_key=key,
-        ),
-        "lend": lambda: lend_to(
-            engine,
-            _address_arg("landing", args["landing"]),
-            runs_arg(args["runs"]),
-            _chunk_size_arg(args["chunk_size"]),
-            control_key=key,
-            tolerate=bool(args.get("tolerate", False)),
+            control_key=None if args.get("source") is None else _lend_key_arg(identity, args.get("grant")),
         ),
         "zeroize": lambda: engine.zeroize(end_parked=bool(args.get("end_parked", False))),
         "key": lambda: engine.check_key(key_ref_arg(args.get("key_ref"))),
         "hand_over": lambda: engine.hand_over(args["target"]),
         "take_back": engine.take_back,
+        "lend": lambda: _lend(engine, args, lend_key),
     }
 
 
 def dispatch(
-    engine: SnapshotEngine, cmd: str, args: Mapping[str, Any], *, key: bytes, auth: Callable[[], dict[str, Any]]
+    engine: SnapshotEngine,
+    cmd: str,
+    args: Mapping[str, Any],
+    *,
+    identity: agent_keys.AgentIdentity,
+    auth: Callable[[], dict[str, Any]],
+    lend_key: bytes | None = None,
 ) -> Any:
     """Run command ``cmd``; an unknown command or a missing argument is refused naming what is allowed."""
-    known = handlers(engine, args, key=key, auth=auth)
+    known = handlers(engine, args, identity=identity, auth=auth, lend_key=lend_key)
     handler = known.get(cmd)
     if handler is None:
         raise SnapshotError(f"unknown command {cmd!r}: allowed are {', '.join(sorted(known))}")

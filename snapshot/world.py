@@ -84,13 +84,19 @@ class World:
         key: bytes | None = None,
         key_ref: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
+        agent: str | None = None,
+        source: bool = False,
     ) -> None:
         if not addresses:
             raise InvalidInputError("a world needs the agent address of at least one rank")
         self.addresses = list(addresses)
-        self._clients = [AgentClient(a, key=key, key_ref=key_ref, timeout_s=timeout_s) for a in self.addresses]
+
+        def client(address: str, timeout: float) -> AgentClient:  # agent: the workload's id; each rank's extends it
+            return AgentClient(address, key=key, key_ref=key_ref, timeout_s=timeout, agent=agent, source=source)
+
+        self._clients = [client(a, timeout_s) for a in self.addresses]
         # A second connection per rank: renewals must not queue behind a long final on the first.
-        self._renewers = [AgentClient(a, key=key, key_ref=key_ref, timeout_s=30.0) for a in self.addresses]
+        self._renewers = [client(a, 30.0) for a in self.addresses]
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.addresses), thread_name_prefix="gm-world")
         self.ranks: list[dict[str, Any]] | None = None  # each rank's info()["rank"], once described
         self.step: int | None = None  # the step the world froze after
@@ -104,9 +110,14 @@ class World:
         key: bytes | None = None,
         key_ref: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
+        agent: str | None = None,
+        source: bool = False,
     ) -> World:
-        """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group)."""
-        return cls(rank_addresses(address, ranks), key=key, key_ref=key_ref, timeout_s=timeout_s)
+        """Rank r's agent at ``address``'s host, port + r (the SDK's default for a group); ``agent``: the id
+        expected there (each rank's is ``agent/rR``); ``source``: a source's agents (never a target's)."""
+        return cls(
+            rank_addresses(address, ranks), key=key, key_ref=key_ref, timeout_s=timeout_s, agent=agent, source=source
+        )
 
     @property
     def size(self) -> int:
@@ -379,21 +390,30 @@ class World:
         policy: Mapping[str, str] | None = None,
         ready: bool = True,
         source: str | None = None,
+        source_agent: str | None = None,
     ) -> dict[str, Any]:
         """Rank r of this (target) world loads rank r's part of world image ``image_id``, all at once.
         ``device_map``: per rank, the devices it ran on at the source and runs on here. ``source``: rank 0's agent
         on the source (one host): target rank r fills its tensors from source rank r's memory (``fill.py``), its
-        agent at ``source``'s port + r."""
+        agent at ``source``'s port + r, granted by source rank r's lend key sealed to target rank r's agent
+        (``source_agent``: the id expected there; each rank's extends it)."""
         args: dict[str, Any] = {"store": store, "image_id": image_id, "key_ref": dict(key_ref)}
         args.update(policy=dict(policy or {}), ready=ready)
         if self.alone:
-            one = self._rank0("restore", **args, **({} if source is None else {"source": source}))
+            if source is not None:
+                args.update(source=source, grant=self._clients[0].lend_grant(source, expect=source_agent))
+            one = self._rank0("restore", **args)
             return {"image": image_id, "ranks": [one], "device_map": [], **_sums([one])}
         lenders = rank_addresses(source, self.size) if source is not None else None
         targets = self.ranks if self.ranks is not None else self.describe()
-        results = self._each(
-            lambda r, c: c.call("restore", **args, rank=r, **({} if lenders is None else {"source": lenders[r]}))
-        )
+
+        def restore_rank(r: int, c: AgentClient) -> dict[str, Any]:
+            if lenders is None:
+                return c.call("restore", **args, rank=r)
+            grant = c.lend_grant(lenders[r], expect=source_agent)  # source rank r's lend key, sealed to this rank
+            return c.call("restore", **args, rank=r, source=lenders[r], grant=grant)
+
+        results = self._each(restore_rank)
         device_map = [
             {
                 "rank": r,

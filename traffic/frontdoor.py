@@ -11,9 +11,11 @@ the control plane (so the traffic lease is watched even when the orchestrator di
 child, starts Envoy again if it dies, and on SIGTERM stops both and removes ``frontdoor.json``;
 :func:`door_status` and :func:`stop_detached` find it again from the state directory.
 
-``<state dir>/frontdoor.json`` (format 1): ``{"admin_urls": [Envoy admin URLs], "listener":
-"http://host:port", "probe_listener": "http://127.0.0.1:port", "nodes": [Envoy node ids], "xds_port": int,
-"source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid}, "access_logs": [paths]}``
+``<state dir>/frontdoor.json`` (format 1, mode 0600): ``{"admin_urls": [Envoy admin URLs: ``unix:PATH``, a
+socket only this user reaches], "listener": "http://host:port", "probe_listener": "http://127.0.0.1:port",
+"nodes": [Envoy node ids], "xds_port": int or null (null: the control plane's private socket only),
+"xds_socket": path, "source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid},
+"access_logs": [paths]}``
 (``probe_listener``: parity probes only, each request naming its side; ``processes``: the detached
 door's process and its Envoy, each recognised by its command line naming this state directory, so a
 reused pid is never signalled). ``GPUMIGRATE_ENVOY_ADMIN`` (comma-separated) overrides ``admin_urls``;
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, TrafficError
 from gpumigrate.settings import state_root
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, rollback_to_source
 
 if TYPE_CHECKING:  # Envoy's and the control plane's modules pull in gRPC: imported when a door starts
@@ -212,14 +215,14 @@ class FrontDoor:
         from gpumigrate.traffic.envoy import Envoy
         from gpumigrate.traffic.xds import ControlPlane
 
-        state_dir.mkdir(parents=True, exist_ok=True)
+        access_control.private_dir(state_dir)
         source = Upstream(SOURCE, source_host, source_port, health_path=health_path)
         StateStore(state_dir).init(DesiredState(upstreams={SOURCE: source}, weights={SOURCE: 100.0}))
-        plane = ControlPlane(state_dir).start()
+        plane = ControlPlane(state_dir).start()  # on its private socket only (access_control.py)
         try:
             envoy = Envoy(
                 workdir or state_dir / "envoy",
-                xds_port=plane.port,
+                state_dir=state_dir,
                 node_id=node_id,
                 listen_host=listen_host,
                 listen_port=listen_port,
@@ -241,12 +244,13 @@ class FrontDoor:
             "probe_listener": self.envoy.probe_url,
             "nodes": [self.envoy.node_id],
             "xds_port": self.plane.port,
+            "xds_socket": str(self.plane.socket_path),
             "source": f"http://{host}:{source.port}",
             "access_logs": [str(self.envoy.access_log_path)],
         }
         if self.detached and self.envoy.proc is not None:
             info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid}
-        atomic_write_json(self.state_dir / FRONTDOOR, info)
+        atomic_write_json(self.state_dir / FRONTDOOR, info, mode=access_control.PRIVATE_FILE)
 
     def rotate_access_log(self) -> None:
         """Keep the access log bounded (traffic/access_log.py): rotated once it is large, and Envoy reopens it."""
@@ -384,11 +388,11 @@ def start_detached(
     stop_detached(state_dir)  # what a door that died left behind (its Envoy, its frontdoor.json)
     if not _port_free(listen_host, listen_port):
         raise InvalidInputError(f"cannot listen on {listen}: the address is in use (choose another with --listen)")
-    state_dir.mkdir(parents=True, exist_ok=True)
+    access_control.private_dir(state_dir)
     argv = [sys.executable, "-m", "gpumigrate.traffic.frontdoor", "--state-dir", str(state_dir),
             "--source", f"{source_host}:{source_port}", "--health-path", health_path, "--listen", listen,
             "--node-id", node_id]  # fmt: skip
-    with open(state_dir / LOG, "ab") as out:
+    with os.fdopen(access_control.open_private_log(state_dir / LOG), "ab") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -504,7 +508,7 @@ def serve(state_dir: Path, *, source: str, health_path: str, listen: str, node_i
     door = FrontDoor.start(state_dir, source_host=source_host, source_port=source_port, node_id=node_id,
                            health_path=health_path, listen_host=listen_host, listen_port=listen_port or None,
                            detached=True)  # fmt: skip
-    log.info("front door up: listener %s, source %s, control plane on port %d", door.url, source, door.plane.port)
+    log.info("front door up: listener %s, source %s, control plane on %s", door.url, source, door.plane.socket_path)
     try:
         while not done.wait(1.0):
             try:

@@ -360,7 +360,7 @@ class RampController:
             **extra,
         }
         try:
-            atomic_write_json(self.store.dir / PROGRESS_FILE, doc)
+            atomic_write_json(self.store.dir / PROGRESS_FILE, doc, mode=0o600)
         except OSError:  # progress is a view; never a reason to stop a ramp
             pass
 

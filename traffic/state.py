@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, TrafficError
+from gpumigrate.traffic.access_control import PRIVATE_FILE, private_dir
 
 DESIRED = "desired.json"
 STATUS_DIR = "status"
@@ -158,10 +160,11 @@ class StateStore:
     @contextmanager
     def _locked(self, *, create: bool = False) -> Iterator[None]:
         if create:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.dir)  # the door's state: this user's only (access_control.py)
         elif not self.path.exists():
             raise TrafficError(f"no traffic state in {self.dir} (nothing was set up there)")
-        with open(self.dir / ".lock", "w") as fh:
+        fd = os.open(self.dir / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE)
+        with os.fdopen(fd, "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
@@ -174,7 +177,7 @@ class StateStore:
         with self._locked(create=True):
             state.version = self.version() + 1 if self.exists() else 1
             state.updated = time.time()
-            atomic_write_json(self.path, state.to_json())
+            atomic_write_json(self.path, state.to_json(), mode=PRIVATE_FILE)
         return state
 
     def update(self, change: Callable[[DesiredState], None]) -> DesiredState:
@@ -185,7 +188,7 @@ class StateStore:
             state.validate()
             state.version += 1
             state.updated = time.time()
-            atomic_write_json(self.path, state.to_json())
+            atomic_write_json(self.path, state.to_json(), mode=PRIVATE_FILE)
         return state
 
     def set_weights(self, weights: dict[str, float], *, allow_after_rollback: bool = False) -> DesiredState:
@@ -208,7 +211,7 @@ class StateStore:
         if not 0 < interval_s <= length_s:
             raise InvalidInputError(f"a lease needs 0 < interval_s <= length_s, got {interval_s}, {length_s}")
         lease = Lease(holder, interval_s, length_s, seq, time.time())
-        atomic_write_json(self.lease_path, lease.to_json())
+        atomic_write_json(self.lease_path, lease.to_json(), mode=PRIVATE_FILE)
         return lease
 
     def lease(self) -> Lease | None:
@@ -235,7 +238,7 @@ class StateStore:
 
     # -- per-Envoy status written by the control plane -------------------------------
     def write_status(self, node: str, status: dict[str, Any]) -> None:
-        atomic_write_json(self.dir / STATUS_DIR / f"{_safe(node)}.json", status)
+        atomic_write_json(self.dir / STATUS_DIR / f"{_safe(node)}.json", status, mode=PRIVATE_FILE)
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}

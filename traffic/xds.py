@@ -1,4 +1,9 @@
-"""ADS control plane (state of the world) on loopback, serving any number of Envoys.
+"""ADS control plane (state of the world) on a private Unix socket, serving any number of Envoys.
+
+Only an Envoy that proves its node id is served (``access_control.py``): the stream's first request must carry the
+node's token in its metadata, and the stream keeps that node id, and writes its status under it, for its
+life. Other users of the host cannot connect to the socket at all; a loopback port is opened only where one
+is asked for (``--port``), and serves the same proven nodes only.
 
 The desired state lives in a directory (:mod:`gpumigrate.traffic.state`); this server watches it
 and pushes changes over one aggregated gRPC stream per Envoy. Per stream and per change it keeps
@@ -20,7 +25,7 @@ exists gives it one full length from that moment.
 
 Run it in-process (:class:`ControlPlane`) or as its own process::
 
-    python -m gpumigrate.traffic.xds --state-dir D --port P     # or: gpumigrate traffic serve
+    python -m gpumigrate.traffic.xds --state-dir D [--port P]    # or: gpumigrate traffic serve
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import queue
 import signal
 import threading
@@ -38,7 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpumigrate.control import RefusalLog
 from gpumigrate.errors import TrafficError
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic import resources as res
 from gpumigrate.traffic.state import DesiredState, Lease, StateStore, rollback_to_source
 
@@ -124,6 +132,10 @@ class LeaseWatch:
         return True
 
 
+class _Refused(Exception):
+    """The stream did not prove the node id it claims: it ends UNAUTHENTICATED, having seen nothing."""
+
+
 class _Stream:
     """One Envoy's ADS stream: what it has ACKed, what is in flight, what comes next."""
 
@@ -163,7 +175,12 @@ class _Stream:
                 if req is None:
                     break
                 if req is not False:
-                    self._on_request(req)
+                    try:
+                        self._on_request(req)
+                    except _Refused as exc:
+                        import grpc
+
+                        self.context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
                 if self.inflight is None:
                     step = self._next_step(self.plane.snapshot())
                     if step is not None:
@@ -182,8 +199,9 @@ class _Stream:
                 self._write_status(connected=False)
 
     def _on_request(self, req: Any) -> None:
-        if not self.node and req.node.id:
-            self.node = req.node.id
+        if not self.node:
+            self._prove(str(req.node.id))
+            self.node = req.node.id  # bound to this stream for its life: later requests' node ids are not read
             log.info("envoy %s connected", self.node)
             self._write_status(connected=True)
         type_url = req.type_url
@@ -212,6 +230,20 @@ class _Stream:
             if type_url == RDS:
                 self.route_acked_at = time.monotonic()
         self._write_status(connected=True)
+
+    def _prove(self, node: str) -> None:
+        """The stream's first request names its node, and its metadata carries that node's token (access_control.py)."""
+        metadata = {str(k): v for k, v in (self.context.invocation_metadata() or ())}
+        token = metadata.get(access_control.TOKEN_HEADER)
+        if not node or not access_control.node_proven(
+            self.plane.store.dir, node, token if isinstance(token, str) else None
+        ):
+            why = "no node token" if token is None else "a token that is not this node's"
+            self.plane.refuse(node, why)
+            raise _Refused(
+                f"node {node[:80]!r} is not served: {why} (an Envoy of this front door carries its token in "
+                f"{access_control.TOKEN_HEADER})"
+            )
 
     def _next_step(self, snap: Snapshot | None) -> tuple[str, Any, int] | None:
         if snap is None or snap.version == self.nacked_version:
@@ -260,11 +292,16 @@ def _as_list(type_url: str, resources: Any) -> list[dict[str, Any]]:
 class ControlPlane:
     """The gRPC ADS server plus the watcher of the state directory."""
 
-    def __init__(self, state_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, drain_s: float = 2.0) -> None:
+    def __init__(
+        self, state_dir: str | Path, *, host: str = "127.0.0.1", port: int | None = None, drain_s: float = 2.0
+    ) -> None:
         self.store = StateStore(state_dir)
         self.drain_s = drain_s  # between the route dropping a cluster and the cluster's removal
         self.host = host
-        self.port = port
+        self.port = port  # None: the private socket only; 0: also a free loopback port
+        self.socket_path = access_control.xds_socket(self.store.dir)
+        self.refused = 0  # streams that did not prove their node
+        self._refusal_log = RefusalLog(log)
         self.stopping = threading.Event()
         self._snap: Snapshot | None = None
         self._lock = threading.Lock()
@@ -275,6 +312,11 @@ class ControlPlane:
     def snapshot(self) -> Snapshot | None:
         with self._lock:
             return self._snap
+
+    def refuse(self, node: str, why: str) -> None:
+        with self._lock:
+            self.refused += 1
+        self._refusal_log.warning("refused an xDS stream claiming node %r: %s", node[:80], why)
 
     def _refresh(self) -> None:
         version = self.store.version()
@@ -319,14 +361,20 @@ class ControlPlane:
             options=[("grpc.keepalive_time_ms", 10_000), ("grpc.so_reuseport", 0)],
         )
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(Servicer(), self._server)
-        bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
-        if bound == 0:
-            raise TrafficError(f"control plane cannot listen on {self.host}:{self.port} (port in use?)")
-        self.port = bound
+        self.socket_path = access_control.xds_socket(self.store.dir)  # its private directory again, were it removed
+        if self._server.add_insecure_port(f"unix:{self.socket_path}") == 0:
+            raise TrafficError(f"control plane cannot listen on {self.socket_path}")
+        if self.port is not None:
+            bound = self._server.add_insecure_port(f"{self.host}:{self.port}")
+            if bound == 0:
+                raise TrafficError(f"control plane cannot listen on {self.host}:{self.port} (port in use?)")
+            self.port = bound
         self._server.start()
+        os.chmod(self.socket_path, access_control.PRIVATE_FILE)
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="xds-watch")
         self._watcher.start()
-        log.info("control plane on %s:%d, state %s", self.host, self.port, self.store.dir)
+        where = f"{self.socket_path}" + (f" and {self.host}:{self.port}" if self.port is not None else "")
+        log.info("control plane on %s, state %s", where, self.store.dir)
         return self
 
     def stop(self) -> None:
@@ -336,6 +384,7 @@ class ControlPlane:
             self._server = None
         if self._watcher is not None:
             self._watcher.join(timeout=2)
+        access_control.remove_socket(self.socket_path)
 
     def __enter__(self) -> ControlPlane:
         return self.start()
@@ -344,13 +393,13 @@ class ControlPlane:
         self.stop()
 
 
-def serve(state_dir: str | Path, port: int, host: str = "127.0.0.1") -> None:
-    """Run a control plane until SIGTERM/SIGINT. Prints ``listening <port>`` once ready."""
+def serve(state_dir: str | Path, port: int | None = None, host: str = "127.0.0.1") -> None:
+    """Run a control plane until SIGTERM/SIGINT. Prints ``listening <socket or port>`` once ready."""
     plane = ControlPlane(state_dir, host=host, port=port).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    print(f"listening {plane.port}", flush=True)
+    print(f"listening {plane.port if plane.port is not None else plane.socket_path}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         done.wait()
     plane.stop()
@@ -359,7 +408,7 @@ def serve(state_dir: str | Path, port: int, host: str = "127.0.0.1") -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m gpumigrate.traffic.xds", description=__doc__.splitlines()[0])
     ap.add_argument("--state-dir", required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, default=None, help="also a loopback port (its streams need node tokens too)")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -17,6 +17,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpumigrate import agent_keys, control
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
@@ -86,6 +87,13 @@ def target_launch(ctx: RunContext) -> WorkloadLaunch:
     key = plan.workload.control_key
     if key is not None and key.file:  # an env reference is the target's own variable: never copied here
         contract["GPUMIGRATE_CONTROL_KEY_FILE"] = str(ctx.resolve(key.file))
+    # The target's agent gets an id of the flow's choosing and its own key only (an agent key file), never one
+    # that signs for the source; a cloud target derives the same key from the secret its boot agent fetches.
+    agent_id = agent_keys.target_agent_id(ctx.migration.id)
+    key_file = ctx.migration.dir / "target-agent.key"
+    agent_keys.write_agent_key_file(key_file, control.load_key(target_store.control_ref(ctx)), agent_id)
+    contract.update({agent_keys.AGENT_ID_ENV: agent_id, agent_keys.AGENT_KEY_FILE_ENV: str(key_file)})
+    ctx.update(target_agent_id=agent_id)
     gpus = tuple(plan.target.rank_gpus or ())  # rank r on the target's GPU rank_gpus[r]
     launch = WorkloadLaunch.from_plan(
         plan.workload, plan_dir=ctx.plan_dir, await_restore=True, contract_env=contract, gpus=gpus

@@ -28,16 +28,30 @@ def migrate(
     json_out: bool = typer.Option(False, "--json", help="Print the result JSON as the last line of stdout."),
 ) -> None:
     """Run a migration as a Prefect flow (ephemeral API unless PREFECT_API_URL is set)."""
+    from prefect.exceptions import TerminationSignal
+
     from gpumigrate.cli.live import summary, watching
+    from gpumigrate.flows import stopping
     from gpumigrate.flows.context import RunContext
     from gpumigrate.flows.run import run_migration
+    from gpumigrate.result import MigrationResult
+
+    def show(result: MigrationResult) -> None:
+        summary(result)
+        if json_out:
+            emit_json(result)
 
     mid = RunContext.create(plan_file, migration_id=migration_id, resume=resume).migration.id
-    with watching(mid):
-        result = run_migration(mid)
-    summary(result)
-    if json_out:
-        emit_json(result)
+    # SIGTERM / SIGINT: roll back, record, exit within 10 s even if Prefect's API is gone; a second one at once.
+    with stopping.on_signals(mid, show) as stop:
+        try:
+            with watching(mid):
+                result = run_migration(mid)
+        except TerminationSignal:  # it landed outside the flow's body: the undo and the record, here
+            result = stop.settle_here()
+        stop.finished(result)
+        show(result)
+        stop.leave()  # after a signal: now, with the result's code (Prefect's teardown may wait on a dead API)
     raise typer.Exit(result.exit_code)
 
 

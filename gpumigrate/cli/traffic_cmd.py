@@ -74,7 +74,12 @@ def init(
 @app.command("serve")
 def serve(
     state_dir: Path = STATE_DIR,
-    port: int = typer.Option(18000, "--port", help="gRPC port of the ADS server (0: any free port)."),
+    port: int | None = typer.Option(
+        None,
+        "--port",
+        help="Also serve ADS on this TCP port (0: any free one). Default: only the private socket that "
+        "`traffic envoy --state-dir` finds; every stream must carry its node's token either way.",
+    ),
     host: str = typer.Option("127.0.0.1", "--host"),
 ) -> None:
     """Run the ADS control plane until interrupted. Envoy keeps its config while it is down."""
@@ -88,13 +93,16 @@ def serve(
 
 @app.command("envoy")
 def envoy(
-    xds_port: int = typer.Option(..., "--xds-port", help="Port of the control plane."),
+    state_dir: Path = STATE_DIR,
+    xds_port: int | None = typer.Option(
+        None, "--xds-port", help="The control plane's TCP port, where it serves one (default: its private socket)."
+    ),
     workdir: Path = typer.Option(Path(".gpumigrate/envoy"), "--workdir"),
     listen_port: int = typer.Option(10000, "--listen-port"),
-    admin_port: int = typer.Option(9901, "--admin-port"),
     node_id: str = typer.Option("gpumigrate-envoy", "--node-id"),
 ) -> None:
-    """Run one supervised Envoy bootstrapped to the control plane, until interrupted."""
+    """Run one supervised Envoy bootstrapped to the control plane of --state-dir, until interrupted. Its admin
+    interface is a Unix socket only this user can reach (printed), never a TCP port."""
     from gpumigrate.traffic.envoy import Envoy
 
     def interrupt(*_: object) -> None:
@@ -104,7 +112,7 @@ def envoy(
     # non-interactive shell): Envoy runs in its own session, so dying without stop() would orphan it.
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    e = Envoy(workdir, xds_port=xds_port, node_id=node_id, listen_port=listen_port, admin_port=admin_port).start()
+    e = Envoy(workdir, state_dir=state_dir, xds_port=xds_port, node_id=node_id, listen_port=listen_port).start()
     console.print(f"envoy {node_id}: listener {e.url}, probes {e.probe_url}, admin {e.admin_url}")
     try:
         while e.proc is not None and e.proc.poll() is None:
@@ -172,7 +180,12 @@ def status(state_dir: Path = STATE_DIR, json_out: bool = typer.Option(False, "--
 
 @app.command("watch")
 def watch(
-    admin: str = typer.Option(..., "--admin", help="Envoy admin URL, e.g. http://127.0.0.1:9901"),
+    admin: str | None = typer.Option(
+        None,
+        "--admin",
+        help="Envoy's admin: unix:PATH (a front door's, in its frontdoor.json) or the URL of an Envoy of your own. "
+        "Default: the front door of --state-dir.",
+    ),
     state_dir: Path | None = typer.Option(None, "--state-dir", help="Show the ramp's verdicts and probes too."),
     interval: float = typer.Option(1.0, "--interval", min=0.1, max=60),
     seconds: float | None = typer.Option(None, "--seconds", help="Stop after this long (default: until Ctrl-C)."),
@@ -185,6 +198,12 @@ def watch(
     from gpumigrate.traffic.metrics import TrafficMetrics
     from gpumigrate.traffic.watch import Watcher, render
 
+    if admin is None:
+        if state_dir is None:
+            raise InvalidInputError("give --state-dir (the front door's) or --admin (an Envoy's admin)")
+        from gpumigrate.traffic.frontdoor import read
+
+        admin = read(state_dir).admin_urls[0]
     watcher = Watcher(admin, state_dir=state_dir)
     metrics = TrafficMetrics() if prometheus_port is not None else None
     if metrics is not None:

@@ -49,6 +49,7 @@ class Setup:
     parent: str | None = None  # the image last shipped: a resumed migration ships only what changed since
     target_host: str | None = None
     target_agent: str | None = None  # host:port of the target workload's agent (rank 0's)
+    target_agent_id: str | None = None  # the id the flow gave the target's agent: no other is accepted there
     target_store: str | None = None  # where the target reads the image (default: the plan's store)
     fill_from_source: bool = False  # the target copies the source's tensors out of its memory (one host; agent)
     target_dir: str | None = None  # where a host-level backend unpacks the image (on the target host)

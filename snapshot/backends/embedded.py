@@ -49,7 +49,12 @@ class EmbeddedAgentBackend:
         return address
 
     def _world(self, side: Side, *, timeout_s: float = COMMAND_TIMEOUT_S) -> World:
-        return World.consecutive(self._address(side), self.setup.ranks, timeout_s=timeout_s)
+        # Who may answer there: at the source never a target (it cannot answer for it), at the target only the
+        # agent the flow started there.
+        address, ranks = self._address(side), self.setup.ranks
+        if side == "source":
+            return World.consecutive(address, ranks, timeout_s=timeout_s, source=True)
+        return World.consecutive(address, ranks, timeout_s=timeout_s, agent=self.setup.target_agent_id)
 
     def check(self) -> dict[str, Any]:
         """The source's agents answer on their control addresses, and each reads the image key (the workload
@@ -62,8 +67,9 @@ class EmbeddedAgentBackend:
 
     def facts(self, side: Side) -> dict[str, Any]:
         """The environment rank 0's agent reports (every rank runs on the same software)."""
-        address = self.setup.source_agent if side == "source" else self.setup.target_agent
-        return agent_environment(address)
+        if side == "source":
+            return agent_environment(self.setup.source_agent, source=True)
+        return agent_environment(self.setup.target_agent, agent=self.setup.target_agent_id)
 
     # -- source side
     def precopy(self) -> Round:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpumigrate import control
+from gpumigrate import agent_keys, control
 from gpumigrate.agent.images import make_engine
 from gpumigrate.snapshot.client import AgentClient, parse_address
 from gpumigrate.snapshot.server import AgentServer, serve
@@ -73,27 +73,38 @@ def test_unauthenticated_commands_are_refused_and_recorded(served) -> None:
     assert auth["refused"] == 4 and [r["cmd"] for r in auth["last_refused"]] == list(attacks)
     assert all(r["peer"].startswith("127.0.0.1:") and "no signature" in r["reason"] for r in auth["last_refused"])
     assert SECRET_ARG not in json.dumps(dataclasses.asdict(info), default=str)  # refusals kept without arguments
-    assert auth["key_id"] == control.key_id(control.load_key())
+    # The agent's own key, derived from the deployment's for its id: never the deployment's key itself.
+    assert auth["key_id"] == control.key_id(agent_keys.agent_key(control.load_key(), auth["agent"]))
+    assert auth["key_id"] != control.key_id(control.load_key()) and auth["epoch"] == server.identity.epoch
 
 
 def test_forged_altered_replayed_stale_and_cross_channel_requests_are_refused(served) -> None:
     agent, server, _ = served
-    key = control.load_key()
+    key, aud = server.key, server.identity.audience
     other = bytes(32)
-    _refused(_send(server.address, control.sign_request(other, "agent", {"id": 1, "cmd": "freeze"})), "bad signature")
-    signed = control.sign_request(key, "agent", {"id": 2, "cmd": "ping"})
+    forged = control.sign_request(other, "agent", {"id": 1, "cmd": "freeze"}, audience=aud)
+    _refused(_send(server.address, forged), "bad signature")
+    signed = control.sign_request(key, "agent", {"id": 2, "cmd": "ping"}, audience=aud)
     altered = {**signed, "cmd": "zeroize"}
     _refused(_send(server.address, altered), "bad signature")
-    _refused(_send(server.address, control.sign_request(key, "receiver", {"id": 3, "cmd": "freeze"})), "bad signature")
-    stale = control.sign_request(key, "agent", {"id": 4, "cmd": "freeze"})
+    cross = control.sign_request(key, "receiver", {"id": 3, "cmd": "freeze"}, audience=aud)
+    _refused(_send(server.address, cross), "bad signature")
+    stale = control.sign_request(key, "agent", {"id": 4, "cmd": "freeze"}, audience=aud)
     stale["auth"] = {**stale["auth"], "ts": stale["auth"]["ts"] - 600}
     _refused(_send(server.address, stale), "timestamp")
     first = _send(server.address, signed)
     assert control.verify_reply(key, "agent", signed["auth"]["nonce"], first)["result"] == {"pong": True}
     _refused(_send(server.address, signed), "replayed")
-    _refused(_send(server.address, b"{not json\n"), "not JSON")
+    # Signed with the deployment's key itself, or naming no agent: both void (the agent holds its own key).
+    _refused(
+        _send(
+            server.address, control.sign_request(control.load_key(), "agent", {"id": 5, "cmd": "freeze"}, audience=aud)
+        ),
+        "bad signature",
+    )
+    _refused(_send(server.address, control.sign_request(key, "agent", {"id": 6, "cmd": "freeze"})), "names no server")
     assert not agent.frozen
-    assert server.auth_report()["refused"] == 6
+    assert server.auth_report()["refused"] == 7
 
 
 def test_the_client_refuses_replies_it_cannot_verify(served) -> None:
@@ -101,25 +112,36 @@ def test_the_client_refuses_replies_it_cannot_verify(served) -> None:
     with pytest.raises(control.AuthError, match="refused 'ping'"):
         AgentClient(server.address, key=bytes(range(32))).call("ping")  # another key: the agent refuses it
 
-    # An impostor on the agent's address: answers ok, unsigned, or signed with its own key.
+    # An impostor on the agent's address: its hello unsigned, or signed with a key of its own; or a hello it
+    # relays from the real agent, then a reply to the command that it makes up (unsigned, or signed by the
+    # real agent's hello, which is another kind of message and never passes for a reply).
     listener = socket.create_server(("127.0.0.1", 0))
     address = f"127.0.0.1:{listener.getsockname()[1]}"
     impostor_key = bytes(32)
 
     def impostor() -> None:
-        for signed in (False, True):
+        for how in ("unsigned", "own key", "relayed hello, hello as reply"):
             conn, _ = listener.accept()
             with conn, conn.makefile("rwb") as f:
-                req = json.loads(f.readline())
-                reply: dict[str, Any] = {"id": req["id"], "ok": True, "result": {"frozen": True}}
-                if signed:
-                    reply = control.sign_reply(impostor_key, "agent", req["auth"]["nonce"], reply)
-                f.write((json.dumps(reply) + "\n").encode())
+                hello = json.loads(f.readline())
+                answer: dict[str, Any] = {"id": 0, "ok": True, "result": {"agent": "agent-fake", "epoch": "0" * 16}}
+                if how == "own key":
+                    answer = control.sign_hello(impostor_key, "agent", hello["challenge"], answer)
+                if how.startswith("relayed"):
+                    answer = _send(server.address, hello)
+                f.write((json.dumps(answer) + "\n").encode())
+                f.flush()
+                line = f.readline()
+                if not line:
+                    continue
+                req = json.loads(line)
+                forged = _send(server.address, {**hello, "challenge": req["auth"]["nonce"]})
+                f.write((json.dumps({**forged, "id": req["id"]}) + "\n").encode())
                 f.flush()
 
     t = threading.Thread(target=impostor, daemon=True)
     t.start()
-    for _ in range(2):
+    for _ in range(3):
         with AgentClient(address) as c, pytest.raises(control.AuthError):
             c.call("freeze")
     t.join(10)

@@ -13,7 +13,7 @@ from gpumigrate.agent.images import make_engine
 from gpumigrate.errors import InvalidInputError, NotFoundError, SnapshotError
 from gpumigrate.snapshot.client import AgentClient, parse_address
 from gpumigrate.snapshot.errors import ImageMismatchError
-from gpumigrate.snapshot.server import serve
+from gpumigrate.snapshot.server import AgentServer, serve
 
 
 @pytest.fixture
@@ -21,6 +21,7 @@ def served():
     agent = make_engine()
     agent.track_tensor("t", torch.arange(1000, dtype=torch.float32))
     server = serve(agent, 0)
+    _servers[server.address] = server
     yield agent, server.address
     server.stop()
     agent.close()
@@ -36,23 +37,28 @@ def _raw(address: str, *lines: bytes) -> list[dict]:
         return [json.loads(f.readline()) for _ in lines]
 
 
-def _signed(key: bytes, request: dict) -> tuple[bytes, str]:
-    message = control.sign_request(key, "agent", request)
+_servers: dict[str, AgentServer] = {}
+
+
+def _signed(key: bytes, audience: str, request: dict) -> tuple[bytes, str]:
+    message = control.sign_request(key, "agent", request, audience=audience)
     return (json.dumps(message) + "\n").encode(), message["auth"]["nonce"]
 
 
 def test_framing_and_typed_errors(served) -> None:
     _, address = served
-    key = control.load_key()
+    server = _servers[address]
+    key = server.key  # the agent's own key, derived from the deployment's (gpumigrate/agent_keys.py)
     requests = [
         {"id": 1, "cmd": "ping"},
         {"id": 3, "cmd": "explode"},
         {"id": 4, "cmd": "precopy", "args": {"key_ref": {"env": "X"}}},
         {"id": 5, "cmd": "info"},
     ]
-    signed = [_signed(key, r) for r in requests]
+    signed = [_signed(key, server.identity.audience, r) for r in requests]
     raw = _raw(address, signed[0][0], b"not json\n", *(line for line, _ in signed[1:]))
     assert raw[1]["ok"] is False and "not JSON" in raw[1]["error"]["message"] and "auth" not in raw[1]
+    assert raw[1]["error"]["type"] == "MalformedRequest"
     # Every reply to a signed request is signed, bound to that request's nonce.
     replies = [
         control.verify_reply(key, "agent", nonce, r) for (_, nonce), r in zip(signed, raw[:1] + raw[2:], strict=True)

@@ -119,7 +119,7 @@ class TrafficEnv:
             kill_group(self.plane_proc)
 
     def start_plane(self) -> None:
-        """A new control plane process on the same port, reading the same state directory."""
+        """A new control plane process on the same socket (and port, if any), reading the same state directory."""
         self.plane_proc, _ = start_control_plane_process(
             self.state_dir, self.plane_port, log=self.state_dir.parent / "xds.log"
         )
@@ -145,10 +145,10 @@ def _env(tmp_path: Path, *, external_plane: bool, real: bool | None = None) -> I
         if external_plane:
             proc, port = start_control_plane_process(state_dir, log=tmp_path / "xds.log")
         else:
-            plane = ControlPlane(state_dir).start()
-            port = plane.port
+            plane = ControlPlane(state_dir).start()  # its private socket: Envoy finds it from the state directory
+            port = 0
         env = TrafficEnv(state_dir, store, plane, None, ups, plane_proc=proc, plane_port=port)  # type: ignore[arg-type]
-        envoy = Envoy(tmp_path / "envoy", xds_port=port, node_id="test-envoy").start()
+        envoy = Envoy(tmp_path / "envoy", state_dir=state_dir, node_id="test-envoy").start()
         env.envoy = envoy
         yield env
     finally:
@@ -206,10 +206,12 @@ class TokensComparator:
 def start_control_plane_process(
     state_dir: Path, port: int = 0, *, log: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """``python -m gpumigrate.traffic.xds`` as its own process; returns (process, port). ``log``: its stderr."""
+    """``python -m gpumigrate.traffic.xds`` as its own process, on its private socket (and on ``port`` where one
+    is given); returns (process, port or 0). ``log``: its stderr."""
+    extra = ["--port", str(port)] if port else []
     with open(log, "ab") if log else contextlib.nullcontext(subprocess.DEVNULL) as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir), "--port", str(port)],
+            [sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(state_dir), *extra],
             stdout=subprocess.PIPE,
             stderr=err,
             start_new_session=True,
@@ -218,7 +220,7 @@ def start_control_plane_process(
     if not line.startswith("listening "):
         kill_group(proc)
         raise RuntimeError(f"control plane did not start: {line!r}")
-    return proc, int(line.split()[1])
+    return proc, port
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from gpumigrate.errors import TrafficError
+from gpumigrate.traffic import access_control
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.envoy import EnvoyAdmin, free_port
 from gpumigrate.traffic.loadgen import LoadProcess
@@ -143,18 +144,19 @@ def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) 
         sw = _run(cli_cmd, "set-weight", "--state-dir", str(state), "25", "--json")
         assert sw.returncode == 0, sw.stderr
         assert json.loads(sw.stdout.splitlines()[-1])["weights"] == {"source": 75.0, "target": 25.0}
-        admin_port, listen_port = free_port(), free_port()
+        listen_port = free_port()
+        admin = f"unix:{access_control.admin_socket(tmp_path / 'envoy', 'cli-envoy')}"  # only this user reaches it
         envoy = subprocess.Popen(
             [
                 *cli_cmd,
                 "traffic",
                 "envoy",
+                "--state-dir",  # where its node token comes from (the plane's key): the port alone serves nothing
+                str(state),
                 "--xds-port",
                 line.split()[1],
                 "--workdir",
                 str(tmp_path / "envoy"),
-                "--admin-port",
-                str(admin_port),
                 "--listen-port",
                 str(listen_port),
                 "--node-id",
@@ -168,12 +170,12 @@ def test_serve_init_set_weight_from_the_cli(tmp_path: Path, cli_cmd: list[str]) 
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and "listener" not in (envoy.stderr.readline() if envoy.stderr else ""):
                 pass
-            assert EnvoyAdmin(f"http://127.0.0.1:{admin_port}").live_weights() == {"source": 7500, "target": 2500}
+            assert EnvoyAdmin(admin).live_weights() == {"source": 7500, "target": 2500}
         finally:
             envoy.send_signal(signal.SIGINT)
             envoy.wait(timeout=15)
         with pytest.raises(TrafficError):  # the supervised Envoy went away with its supervisor
-            EnvoyAdmin(f"http://127.0.0.1:{admin_port}", timeout_s=1).stats()
+            EnvoyAdmin(admin, timeout_s=1).stats()
     finally:
         serve.terminate()
         serve.wait(timeout=10)

@@ -74,7 +74,7 @@ def test_nack_keeps_last_good_config_and_is_raised(light_env: Any) -> None:
 
 def test_one_control_plane_serves_several_envoys_and_rollback_from_outside(light_env: Any, tmp_path: Path) -> None:
     env = light_env
-    with Envoy(tmp_path / "e2", xds_port=env.plane.port, node_id="second-envoy") as second:
+    with Envoy(tmp_path / "e2", state_dir=env.state_dir, node_id="second-envoy") as second:
         state = env.store.set_weights(split("source", "target", 100))
         env.store.wait_applied(state.version, [env.envoy.node_id, second.node_id])
         assert second.admin.live_weights() == env.envoy.admin.live_weights() == {"target": 10000}
@@ -161,7 +161,7 @@ def test_max_connection_duration_closes_long_lived_client_connections(light_env:
     import socket
 
     env = light_env
-    with Envoy(tmp_path / "short", xds_port=env.plane.port, node_id="short-envoy", max_connection_s=1.0) as short:
+    with Envoy(tmp_path / "short", state_dir=env.state_dir, node_id="short-envoy", max_connection_s=1.0) as short:
         body = json.dumps(BODY).encode()
         request = (
             f"POST /v1/generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
