@@ -52,8 +52,11 @@ class UpstreamProc:
         return f"http://127.0.0.1:{self.port}"
 
     def fault(self, kind: str, rate: float = 1.0, delay_ms: int = 0) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(self.url + "/admin/fault", json={"kind": kind, "rate": rate, "delay_ms": delay_ms}, timeout=5)
+        """Break (or mend) this upstream; a fault it does not acknowledge fails the test that asked for it."""
+        body = {"kind": kind, "rate": rate, "delay_ms": delay_ms}
+        reply = httpx.post(self.url + "/admin/fault", json=body, timeout=10, trust_env=False)
+        reply.raise_for_status()
+        assert reply.json().get("kind") == kind, f"upstream {self.name} did not take fault {kind}: {reply.text}"
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -81,6 +84,7 @@ def start_upstream(name: str, *, real: bool | None = None) -> UpstreamProc:
             "cpu",
             "--name",
             name,
+            "--enable-faults",  # the ramp and figures tests break these upstreams through POST /admin/fault
         ]
     else:
         cmd = [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port), "--name", name]
