@@ -51,7 +51,9 @@ def run(ctx: RunContext) -> dict[str, Any]:
     if result.status != "completed":
         reason = result.reason or "a gate failed"
         detail = {"reason": reason[:300], "trigger": result.trigger, "seconds_to_detect": result.seconds_to_detect}
-        emit(m, "traffic.rolled_back", {**detail, "applied_s": result.rollback_applied_s})
+        # Written is not applied: ``applied`` says whether every Envoy confirmed the split back to the source.
+        applied = result.rollback_applied_s is not None
+        emit(m, "traffic.rolled_back", {**detail, "applied": applied, "applied_s": result.rollback_applied_s})
         emit(m, f"rollback.{'manual' if result.trigger == 'manual' else 'automatic'}", detail)
         merge_result(m, rollback={"trigger": result.trigger})
         raise RolledBackError(reason, seconds_to_detect=result.seconds_to_detect)
