@@ -154,7 +154,7 @@ def migrate_under_load(cli_cmd: list[str], prefect_api: str) -> Callable[..., tu
             )
         finally:
             lp.stop()
-            report = lp.wait(timeout_s=60)
+            report = lp.wait()
         return out, report
 
     return run

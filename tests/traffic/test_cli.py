@@ -61,7 +61,7 @@ def test_rollback_command_stops_a_running_ramp(light_env: Any, cli_cmd: list[str
         result = ctl.run()
     finally:
         load.stop()
-    report = load.wait(60)
+    report = load.wait()
     out["thread"].join(60)
     proc = out["proc"]
     assert proc.returncode == 0, proc.stderr

@@ -198,7 +198,7 @@ def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: Local
         source.resume_ranks()  # the requests held at the freeze go on: slow for a moment, never failed
         _wait_answered(load, _answered(load) + 20)
     load.stop()
-    report = load.wait(120)
+    report = load.wait()
     assert report.failed == 0 and report.ok >= 40, report.errors
     assert done["freeze"]["steps"] == [done["freeze"]["step"]] * 2
     got = [httpx.post(dst_url + "/v1/generate", json={"prompt": p, "max_new_tokens": 12}).json() for p in prompts]
