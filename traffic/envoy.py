@@ -251,6 +251,13 @@ class Envoy:
         return self.workdir / f"envoy-{self.node_id}.log"
 
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
+        """Start the process and wait until its admin says LIVE."""
+        self.spawn()
+        self.wait_ready(ready_timeout_s)
+        return self
+
+    def spawn(self) -> Envoy:
+        """Start the process, not waiting for it to be ready (a supervisor asks the control plane instead)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
         atomic_write_json(cfg, bootstrap(self))
@@ -274,7 +281,6 @@ class Envoy:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.wait_ready(ready_timeout_s)
         return self
 
     def wait_ready(self, timeout_s: float = 20.0) -> None:
