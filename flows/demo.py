@@ -39,7 +39,7 @@ WORKLOAD = "tiny-lm"
 FAULTS: dict[str, tuple[dict[str, Any], str]] = {
     # --fault name: (target fault body, the event after which it is injected)
     "target-errors": ({"kind": "errors", "rate": 1.0}, "ramp25"),
-    "target-slow": ({"kind": "slow", "delay_ms": 500}, "ramp25"),
+    "target-slow": ({"kind": "slow", "delay_ms": 2000}, "ramp25"),  # far beyond a loaded source's p99
     "target-drift": ({"kind": "drift"}, "ramp25"),
     "target-crash": ({"kind": "crash", "rate": 1.0}, "ramp25"),
 }
