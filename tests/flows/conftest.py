@@ -33,9 +33,10 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 def prefect_api() -> Iterator[str]:
     """The harness's API URL; CLI subprocesses get it as PREFECT_API_URL (the "with a server" path)."""
     from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    from tests.support.prefect import harness
+
+    with harness():
         yield str(PREFECT_API_URL.value())
 
 
