@@ -543,15 +543,33 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     print(text)
     if args.smoke:
-        ok = all(
+        return 0 if smoke_ok(out["runs"]) else 1
+    return 0
+
+
+def smoke_ok(runs: dict[str, Any]) -> bool:
+    """The smoke's verdict: every run bit-identical, answering like the source and ready; the dirty state moved in
+    the final round (less than all of it in the second round); the filled run pulled chunks from the source."""
+    for spec, run in runs.items():
+        ok = (
             "error" not in run
             and all(run["bit_identical"].values())
             and run["same_answer"]
             and run["target_ready_endpoint"]
-            for run in out["runs"].values()
+            and run["downtime"]["restore_chunks_loaded"] >= 1
+            and run["round2"]["stats"]["chunks_dirty"] < run["round2"]["stats"]["chunks_total"]
         )
-        return 0 if ok else 1
-    return 0
+        if ok and spec.endswith(":source"):
+            pulled = run["restore"]["from_source"]
+            ok = (
+                pulled["way"] == "pull"
+                and pulled["chunks"] > 0
+                and run["downtime"]["restore_from_source"]["chunks"] >= 1
+            )
+        if not ok:
+            log(f"smoke: run {spec} is wrong: {json.dumps(run)[:2000]}")
+            return False
+    return len(runs) > 0
 
 
 if __name__ == "__main__":
