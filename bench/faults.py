@@ -614,11 +614,13 @@ def _target_pid(mid: str) -> int | None:
 # ---------------------------------------------------------------- the matrix
 def cells(only: str | None) -> list[tuple[str, str]]:
     if only:
-        picked = [tuple(c.split(":", 1)) for c in only.split(",") if c.strip()]
-        for v, p in picked:
+        picked: list[tuple[str, str]] = []
+        for c in (c.strip() for c in only.split(",") if c.strip()):
+            v, _, p = c.partition(":")
             if v not in VICTIMS or p not in PHASES:
-                raise SystemExit(f"--only {v}:{p}: victims are {', '.join(VICTIMS)}; phases {', '.join(PHASES)}")
-        return [(v, p) for v, p in picked]
+                raise SystemExit(f"--only {c}: VICTIM:PHASE, victims {', '.join(VICTIMS)}; phases {', '.join(PHASES)}")
+            picked.append((v, p))
+        return picked
     return [("none", "finalize"), *((v, p) for v in VICTIMS[1:] for p in PHASES)]
 
 
@@ -686,11 +688,14 @@ def smoke(out: Path) -> int:
     unplanned = [f"{v}:{p}" for v in VICTIMS[1:] for p in PHASES if (v, p) not in planned]
     wrong += [f"{c} is not in the matrix" for c in unplanned]
     wrong += [f"{v}:{p} has no moment" for v, p in planned if p not in MOMENTS]
-    try:
-        cells("nobody:ramp")
-        wrong.append("--only nobody:ramp was accepted")
-    except SystemExit:
-        pass
+    for bad in ("nobody:ramp", "envoy", "envoy:ramp:x"):
+        try:
+            cells(bad)
+            wrong.append(f"--only {bad} was accepted")
+        except SystemExit:
+            pass
+    if cells("envoy:ramp, receiver:transfer") != [("envoy", "ramp"), ("receiver", "transfer")]:
+        wrong.append("--only did not pick exactly the cells it named")
     unharmed: dict[str, Any] = {"source_harmed": False, "bytes_lost": False, "client_requests": 40}
     baseline = Cell("none", "finalize", MOMENTS["finalize"], flow_exit=0, flow_status="completed",
                     final_status="completed", door_serves=True, door_live={"target": 10000}, client_failed=0,
