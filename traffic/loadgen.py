@@ -149,7 +149,7 @@ class LoadGenerator:
                 if delay < -CATCH_UP_S:
                     # This process was not scheduled for a while (a loaded machine): the slots it slept through
                     # are not sent in one burst, which would measure this client's own backlog, not the server.
-                    behind = int(-delay * self.rps)
+                    behind = min(int(-delay * self.rps), n - i)  # never past the run's last slot
                     self.skipped += behind
                     i += behind
                     continue
