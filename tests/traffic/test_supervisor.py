@@ -110,7 +110,10 @@ def test_a_killed_envoy_and_control_plane_come_back_with_the_last_weights(
     assert final.processes["control-plane"] != info.processes["control-plane"] and final.listener == info.listener
 
     stopped = stop_detached(door)
-    assert set(stopped) >= {"frontdoor"} and not any(_alive(pid) for pid in final.processes.values())
+    assert set(stopped) >= {"frontdoor"}
+    # A process past its SIGKILL may still be exiting (its command line already gone, not yet a zombie): a loaded
+    # machine showed one such Envoy right after the stop. What counts is that none of them lives on.
+    _until("every process of the door gone", lambda: not any(_alive(pid) for pid in final.processes.values()))
 
 
 def test_clients_lose_at_most_the_restart_of_a_killed_envoy(door: Path) -> None:
