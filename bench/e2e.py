@@ -453,15 +453,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def smoke_ok(args: argparse.Namespace, out: dict[str, Any]) -> bool:
-    """Every run moved the state bit-identically, the target answered like the source, and the figures the issue
-    asks for are there: the load's windows, every stop-and-copy, the disk's own rate."""
-    for run in out["runs"].values():
-        if "error" in run or not (all(run["bit_identical"].values()) and run["same_answer"]):
-            return False
+    """The smoke's verdict: every run bit-identical, answering like the source and ready; the dirty state moved in
+    the final round (less than all of it in the second round); the filled run pulled chunks from the source; and
+    the figures the issue asks for are there: the load's windows, every stop-and-copy, the disk's own rate."""
+    for spec, run in out["runs"].items():
         windows = (run.get("load") or {}).get("windows") or {}
-        if not run["target_ready_endpoint"] or not {"before", "round1", "round2", "downtime", "after"} <= set(windows):
-            return False
-        if len(run["downtime_repeats_ms"]) != args.repeat or "write_GBps" not in run["disk"]["device"]:
+        ok = (
+            "error" not in run
+            and all(run["bit_identical"].values())
+            and run["same_answer"]
+            and run["target_ready_endpoint"]
+            and run["downtime"]["restore_chunks_loaded"] >= 1
+            and run["round2"]["stats"]["chunks_dirty"] < run["round2"]["stats"]["chunks_total"]
+            and {"before", "round1", "round2", "downtime", "after"} <= set(windows)
+            and len(run["downtime_repeats_ms"]) == args.repeat
+            and "write_GBps" in run["disk"]["device"]
+        )
+        if ok and spec.endswith(":source"):
+            pulled = run["restore"]["from_source"]
+            ok = (
+                pulled["way"] == "pull"
+                and pulled["chunks"] > 0
+                and run["downtime"]["restore_from_source"]["chunks"] >= 1
+            )
+        if not ok:
+            log(f"smoke: run {spec} is wrong: {json.dumps(run)[:2000]}")
             return False
     return bool(out["runs"])
 

@@ -3,10 +3,12 @@
     python bench/faults.py [--only VICTIM:PHASE,...] [--out build/faults] [--json]
 
 Each cell runs the product's own path, as ``gpumigrate demo`` does between two local hosts: the
-reference inference server (tiny model) on a source host, a front door (Envoy and the xDS control
-plane, each its own process so that each can be killed), and the migrate flow in an orchestrator
-process of its own (``RunContext.create`` then ``run_migration``, what ``gpumigrate migrate`` runs),
-reporting to one Prefect server started here. The orchestrator carries a tripwire: it listens to its
+reference inference server (tiny model) on a source host, the front door ``gpumigrate frontdoor up`` starts
+(its supervisor with Envoy and the xDS control plane as children, each its own process so that each can be
+killed, each started again by the supervisor), and the migrate flow in an orchestrator process of its own
+(``RunContext.create`` then ``run_migration``, what ``gpumigrate migrate`` runs), reporting to one Prefect
+server started here. Receiver cells move the image through ``stream://target`` (a receiver the flow starts on
+the target); the others through the demo's ``file://`` store. The orchestrator carries a tripwire: it listens to its
 migration's events (and to two calls that emit none: the target's launch and the source's freeze) and,
 at the cell's moment, SIGKILLs the victim (itself, for the orchestrator). Then the driver probes:
 
@@ -18,9 +20,8 @@ at the cell's moment, SIGKILLs the victim (itself, for the orchestrator). Then t
   ``gpumigrate migrate PLAN --id ID --resume`` is run once, then ``gpumigrate rollback ID`` if needed.
 
 Nothing in a cell is filled in by hand: every verdict is computed from those probes. The results go to
-``OUT/faults.json`` and ``OUT/faults.md`` (FAULTS.md beside this file says how to read them). The
-receiver column is empty by construction: the migrate flow never starts a receiver (stream:// stores
-take an operator-run ``gpumigrate image receive``), so there is no process of the flow to kill.
+``OUT/faults.json`` and ``OUT/faults.md`` (FAULTS.md beside this file says how to read them). A cell whose victim
+does not run at its moment (the receiver before the flow started it or after it stopped it) says so.
 
 ``--smoke`` (CI, seconds, no process started): the driver's plan and report only. Every victim and phase is either
 a cell or named not applicable with its reason, a wrong ``--only`` is refused, and two cells whose probes are given
@@ -55,7 +56,7 @@ MOMENTS = {
     "provision": "target workload launched, not yet ready",
     "snapshot": "first pre-copy round done (source live)",
     "freeze": "source frozen, final round not begun",
-    "transfer": "first chunk pushed to the target's store",
+    "transfer": "phase.transfer.started (image committed, not yet checked where the target reads it)",
     "restore": "phase.restore.started",
     "parity": "phase.parity.started",
     "ramp": "first ramp stage applied (traffic split)",
@@ -64,11 +65,16 @@ MOMENTS = {
 LOAD_RPS = 25.0  # clients through the front door for the whole cell: the ramp's gates need requests to judge
 NOT_APPLICABLE = {
     ("target", "preflight"): "no target process exists before provision",
-    **{("receiver", p): "the migrate flow starts no receiver (file:// store between local hosts)" for p in PHASES},
+    ("receiver", "preflight"): "the flow starts its receiver in provision, after the target's workload",
 }
-FLOW_TIMEOUT_S = 240.0  # one orchestrator run (a hung one is killed and reported as such)
-RESUME_TIMEOUT_S = 240.0
-FREEZE_LEASE_S = 60.0  # the agent's default lease: the inference snapshot phase passes none (see FAULTS.md)
+NO_VICTIM = "not running at that moment"  # the cell's note when the tripwire found no victim process
+# One orchestrator run (a hung one is killed and reported as such), and one --resume: on a 2-core machine that other
+# work loads a whole migration took over 240 s (preflight alone two minutes), which read as hung.
+FLOW_TIMEOUT_S = 900.0
+RESUME_TIMEOUT_S = 900.0
+FREEZE_LEASE_S = (
+    60.0  # the demo plan's freeze lease (snapshot.freeze_lease_s, default 60 s): a frozen source waits that long
+)
 TRAFFIC_LEASE_WAIT_S = 20.0  # the ramp's traffic lease (lease_min_s 10 s) plus slack
 
 
@@ -128,8 +134,8 @@ def prefect_server(log: Path) -> Iterator[str]:
         return False
 
     try:
-        if not wait_until(up, 180, 0.5):
-            raise RuntimeError(f"prefect server did not start; see {log}")
+        if not wait_until(up, 600, 0.5):  # a fresh home migrates its database first; long on a loaded machine
+            raise RuntimeError(f"the prefect server did not answer {url}/health within 600s; see {log}")
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -147,17 +153,26 @@ class Stage:
     agent: str
     workload_pid: int
     traffic_dir: Path
-    plane: subprocess.Popen[bytes]
-    envoy: Any  # gpumigrate.traffic.envoy.Envoy
+    listener: str  # where clients call the front door
+    admin_url: str  # its Envoy's admin (read by the probes, never by the supervisor)
     digest: str
+
+    def door(self) -> Any:  # gpumigrate.traffic.frontdoor.DoorInfo: the children's pids change on each restart
+        from gpumigrate.traffic.frontdoor import read
+
+        return read(self.traffic_dir)
 
     @property
     def pids(self) -> dict[str, int]:
-        return {"source": self.workload_pid, "envoy": self.envoy.proc.pid, "control-plane": self.plane.pid}
+        procs = self.door().processes
+        return {
+            "source": self.workload_pid,
+            "envoy": procs.get("envoy", 0),
+            "control-plane": procs.get("control-plane", 0),
+        }
 
 
 def start_stage(work: Path, n: int) -> Stage:
-    from gpumigrate.atomic import atomic_write_json
     from gpumigrate.flows.demo import ARGV, READY_TIMEOUT_S
     from gpumigrate.infra.launch import service_url, wait_http
     from gpumigrate.infra.local import LocalProvider
@@ -165,8 +180,6 @@ def start_stage(work: Path, n: int) -> Stage:
     from gpumigrate.launch import WorkloadLaunch
     from gpumigrate.parity.environment import fetch_info
     from gpumigrate.traffic import frontdoor
-    from gpumigrate.traffic.envoy import Envoy
-    from gpumigrate.traffic.state import DesiredState, StateStore, Upstream
 
     provider = LocalProvider()  # attached: the source host dies with the driver, whatever ends it
     host = provider.provision(HostSpec(name=f"fm-src-{n}", provider="local", region="local-a"))
@@ -175,47 +188,24 @@ def start_stage(work: Path, n: int) -> Stage:
     host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
     endpoint = service_url(host)
     wait_http(endpoint, path=launch.ready_path, timeout_s=launch.ready_timeout_s)
-    # The front door as FrontDoor.start builds it, but with the control plane in its own process.
+    # The front door as `gpumigrate frontdoor up` starts it: the supervisor, its Envoy and its control plane.
     tdir = work / f"traffic-{n}"
-    tdir.mkdir(parents=True, exist_ok=True)
-    src = frontdoor.SOURCE
-    StateStore(tdir).init(
-        DesiredState(upstreams={src: Upstream(src, host.address, host.ports["service"])}, weights={src: 100.0})
-    )
-    xds_port = free_port()
-    with open(tdir / "control-plane.log", "ab") as sink:
-        plane = subprocess.Popen(
-            [sys.executable, "-m", "gpumigrate.traffic.xds", "--state-dir", str(tdir), "--port", str(xds_port)],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    time.sleep(0.5)
-    node = f"fm-envoy-{n}"
-    envoy = Envoy(tdir / "envoy", state_dir=tdir, xds_port=xds_port, node_id=node).start()
-    atomic_write_json(
-        tdir / frontdoor.FRONTDOOR,
-        {
-            "admin_urls": [envoy.admin_url],
-            "listener": envoy.url,
-            "probe_listener": envoy.probe_url,
-            "nodes": [node],
-            "xds_port": xds_port,
-        },
-    )
-    wait_until(lambda: _post(envoy.url) == 200, 30, 0.3)
+    door, _ = frontdoor.start_detached(tdir, source_host=host.address, source_port=host.ports["service"],
+                                       listen="127.0.0.1:0", node_id=f"fm-envoy-{n}")  # fmt: skip
+    listener = str(door.listener)
+    wait_until(lambda: _post(listener) == 200, 30, 0.3)
     digest = str(fetch_info(endpoint).get("weights_digest") or "")
     agent = f"{host.address}:{host.ports['agent']}"
-    return Stage(host, endpoint, agent, int(host.meta["workload"]["pid"]), tdir, plane, envoy, digest)
+    pid = int(host.meta["workload"]["pid"])
+    return Stage(host, endpoint, agent, pid, tdir.resolve(), listener, door.admin_urls[0], digest)
 
 
 def stop_stage(stage: Stage) -> None:
     from gpumigrate.infra import get_provider
+    from gpumigrate.traffic.frontdoor import stop_detached
 
     with contextlib.suppress(Exception):
-        stage.envoy.stop()
-    with contextlib.suppress(Exception):
-        stage.plane.kill()
-        stage.plane.wait(timeout=10)
+        stop_detached(stage.traffic_dir)
     with contextlib.suppress(Exception):
         get_provider("local").terminate(stage.source)
 
@@ -315,6 +305,7 @@ class Cell:
     door_serves: bool | None = None
     door_weights: dict[str, float] = field(default_factory=dict)  # desired (the control plane's state)
     door_live: dict[str, int] | None = None  # what Envoy runs (its config dump); None: Envoy is down
+    door_restarts: dict[str, int] = field(default_factory=dict)  # children the door's supervisor started again
     client_requests: int | None = None  # through the front door, from before the flow started to the probes
     client_failed: int | None = None
     target_digest_same: bool | None = None
@@ -324,9 +315,10 @@ class Cell:
     recovery: str = ""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    commit: str = ""  # the code the cell ran (git describe of the working tree)
 
 
-def plan_for(stage: Stage, work: Path, mid: str, key_file: Path) -> Path:
+def plan_for(stage: Stage, work: Path, mid: str, key_file: Path, *, store: str | None = None) -> Path:
     import yaml
 
     from gpumigrate.atomic import atomic_write_bytes
@@ -344,6 +336,8 @@ def plan_for(stage: Stage, work: Path, mid: str, key_file: Path) -> Path:
     # Everything else is the demo's plan.
     plan["traffic"]["stages"] = [{"weight": 50, "hold_s": 2}, {"weight": 100, "hold_s": 2}]
     plan["traffic"]["gates"]["max_p99_ratio"] = 20.0
+    if store is not None:  # the receiver's cells: the image through a receiver the flow starts on the target
+        plan["transfer"]["store"] = store
     path = work / mid / "plan.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, yaml.safe_dump(plan, sort_keys=False).encode())
@@ -390,7 +384,8 @@ def run_cell(stage: Stage, work: Path, victim: str, phase: str, key_file: Path) 
     cell = Cell(victim, phase, MOMENTS[phase])
     started = time.monotonic()
     mid = new_migration_id("fm")
-    plan = plan_for(stage, work, mid, key_file)
+    plan = plan_for(stage, work, mid, key_file, store="stream://target" if victim == "receiver" else None)
+    restarts_before = dict(stage.door().restarts)
     trip = work / mid / "trip.json"
     result = work / mid / "result.json"
     args = ["orchestrate", "--plan", str(plan), "--id", mid, "--victim", victim, "--phase", phase]
@@ -399,16 +394,19 @@ def run_cell(stage: Stage, work: Path, victim: str, phase: str, key_file: Path) 
     from gpumigrate.traffic.loadgen import LoadProcess
 
     body = {"prompt": "hello", "max_new_tokens": 4}
-    load = LoadProcess(stage.envoy.url + "/v1/generate", rps=LOAD_RPS, seconds=900, body=body)
+    load = LoadProcess(stage.listener + "/v1/generate", rps=LOAD_RPS, seconds=900, body=body)
     try:
         _run_flow(cell, stage, plan, mid, args, env, trip)
     finally:
         load.stop()
         with contextlib.suppress(Exception):
-            report = load.wait(timeout_s=60)
+            report = load.wait()
             cell.client_requests, cell.client_failed = report.total, report.failed
         load.kill()
     probe(cell, stage, mid)
+    after = stage.door().restarts
+    cell.door_restarts = {k: n - restarts_before.get(k, 0) for k, n in after.items() if n > restarts_before.get(k, 0)}
+    cell.recovery = describe(cell)
     cell.seconds = round(time.monotonic() - started, 1)
     _terminate_targets(mid)
     return cell
@@ -425,10 +423,13 @@ def _run_flow(cell: Cell, stage: Stage, plan: Path, mid: str, args: list[str], e
             proc.kill()
             cell.flow_exit = proc.wait()
             cell.notes.append(f"orchestrator hung: killed after {FLOW_TIMEOUT_S:.0f}s")
-    killed_at = json.loads(trip.read_text())["t"] if trip.exists() else None
+    tripped = json.loads(trip.read_text()) if trip.exists() else {}
+    killed_at = tripped.get("t") if tripped.get("pid") else None
     cell.killed = killed_at is not None
+    if tripped and not tripped.get("pid"):
+        cell.skipped = f"the {victim} was {NO_VICTIM} ({cell.moment}); the migration ran unharmed"
     cell.flow_status = _status(mid)
-    if not cell.killed and victim != "none":
+    if not tripped and victim != "none":
         cell.notes.append("the moment was never reached")
     if victim == "orchestrator" and killed_at is not None:
         cell.source_frozen_after_kill = _frozen(stage.agent)
@@ -452,10 +453,10 @@ def probe(cell: Cell, stage: Stage, mid: str) -> None:
     cell.source_frozen = _frozen(stage.agent)
     digest = _digest(stage.endpoint)
     cell.source_digest_same = None if digest is None else digest == stage.digest
-    door = _post(stage.envoy.url)
+    door = _post(stage.listener)
     cell.door_serves = door == 200
     cell.door_weights = _weights(stage.traffic_dir)
-    cell.door_live = _live(stage.envoy.admin_url)
+    cell.door_live = _live(stage.admin_url)
     tgt = _digest(_target_endpoint(mid))
     cell.target_digest_same = None if tgt is None else tgt == stage.digest
     cell.image_verifies = _image_ok(mid)
@@ -477,8 +478,11 @@ def describe(cell: Cell) -> str:
     if cell.source_serves_again_s is not None:
         how.append(f"source served again {cell.source_serves_again_s}s after the kill")
     how += cell.recovery_steps
+    if cell.door_restarts:
+        again = ", ".join(f"{name} x{n}" for name, n in sorted(cell.door_restarts.items()))
+        how.append(f"the door's supervisor started again: {again}")
     if cell.door_live is None:
-        how.append("Envoy down: clients get no answer until it is restarted (manual)")
+        how.append("Envoy down: clients get no answer")
     elif not cell.door_serves:
         how.append("the side Envoy sends clients to does not answer: clients fail")
     return "; ".join(how)
@@ -495,15 +499,17 @@ def _terminate_targets(mid: str) -> None:
 
 
 def stage_healthy(stage: Stage) -> bool:
+    from gpumigrate.traffic.frontdoor import door_status
+
+    procs = door_status(stage.traffic_dir).get("processes") or {}
     return (
-        stage.envoy.proc is not None
-        and stage.envoy.proc.poll() is None
-        and stage.plane.poll() is None
+        len(procs) == 3
+        and all(p["running"] for p in procs.values())
         and _frozen(stage.agent) is False
         and _post(stage.endpoint) == 200
         and _digest(stage.endpoint) == stage.digest
         and {k: v for k, v in _weights(stage.traffic_dir).items() if v} == {"source": 100.0}
-        and _post(stage.envoy.url) == 200
+        and _post(stage.listener) == 200
     )
 
 
@@ -519,6 +525,7 @@ def orchestrate(a: argparse.Namespace) -> int:
     from gpumigrate.flows.run import run_migration
     from gpumigrate.infra.local import LocalProvider
     from gpumigrate.snapshot.backends.embedded import EmbeddedAgentBackend as AgentBackend
+    from gpumigrate.traffic import frontdoor
 
     pids: dict[str, int] = json.loads(a.pids)
     fired = [False]
@@ -532,17 +539,22 @@ def orchestrate(a: argparse.Namespace) -> int:
             pid = os.getpid()
         elif a.victim == "target":
             pid = target_pid or _target_pid(a.id)
+        elif a.victim == "receiver":
+            pid = target_pid or _receiver_pid(a.id)
+        elif a.victim in ("envoy", "control-plane"):  # the door's children now (the supervisor may have renewed them)
+            pid = frontdoor.read(Path(os.environ["GPUMIGRATE_TRAFFIC_DIR"])).processes.get(a.victim)
         else:
             pid = pids[a.victim]
         atomic_write_json(Path(a.trip), {"t": time.time(), "victim": a.victim, "pid": pid, "phase": a.phase})
         if pid:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)  # the process alone, as a crash would: the supervisor sees its child die
 
     def on_event(event: str, data: dict[str, Any]) -> None:
         due = {
             "preflight": event == "phase.preflight.started",
             "snapshot": event == "snapshot.precopy",
-            "transfer": event == "transfer.progress",
+            # The agent writes the image where the target reads it (its disk, or the receiver): nothing is pushed.
+            "transfer": event == "phase.transfer.started",
             "restore": event == "phase.restore.started",
             "parity": event == "phase.parity.started",
             "ramp": event == "traffic.stage" and float(data.get("weight") or 0) > 0,
@@ -561,7 +573,9 @@ def orchestrate(a: argparse.Namespace) -> int:
 
     def spawn_then_trip(self: LocalProvider, *args: Any, **kw: Any) -> dict[str, Any]:
         reply = spawn(self, *args, **kw)
-        if a.phase == "provision" and kw.get("name") == "workload":
+        # The receiver's provision cell: the receiver the flow starts after the target's workload, once launched.
+        which = "receiver" if a.victim == "receiver" else "workload"
+        if a.phase == "provision" and kw.get("name") == which:
             trip(int(reply["pid"]))
         return reply
 
@@ -575,6 +589,20 @@ def orchestrate(a: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _receiver_pid(mid: str) -> int | None:
+    """The receiver the flow started on the target, while it runs (None before it started or once it stopped)."""
+    from gpumigrate.flows.context import RunContext
+    from gpumigrate.transfer.receiver.host import read_receiver_info
+
+    rt = RunContext.load(mid).runtime
+    if not rt.receiver_dir or rt.receiver_stopped:
+        return None
+    with contextlib.suppress(Exception):
+        info = read_receiver_info(rt.receiver_dir)
+        return info.pid if info.state == "running" else None
+    return None
+
+
 def _target_pid(mid: str) -> int | None:
     from gpumigrate.flows.context import RunContext
 
@@ -586,12 +614,25 @@ def _target_pid(mid: str) -> int | None:
 # ---------------------------------------------------------------- the matrix
 def cells(only: str | None) -> list[tuple[str, str]]:
     if only:
-        picked = [tuple(c.split(":", 1)) for c in only.split(",") if c.strip()]
-        for v, p in picked:
+        picked: list[tuple[str, str]] = []
+        for c in (c.strip() for c in only.split(",") if c.strip()):
+            v, _, p = c.partition(":")
             if v not in VICTIMS or p not in PHASES:
-                raise SystemExit(f"--only {v}:{p}: victims are {', '.join(VICTIMS)}; phases {', '.join(PHASES)}")
-        return [(v, p) for v, p in picked]
+                raise SystemExit(f"--only {c}: VICTIM:PHASE, victims {', '.join(VICTIMS)}; phases {', '.join(PHASES)}")
+            picked.append((v, p))
+        return picked
     return [("none", "finalize"), *((v, p) for v in VICTIMS[1:] for p in PHASES)]
+
+
+def code_version() -> str:
+    """The commit the matrix runs, ``+dirty`` when the working tree differs from it."""
+    git = ["git", "-C", str(REPO)]
+    try:
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _yn(v: bool | None) -> str:
@@ -608,13 +649,13 @@ def markdown(results: list[Cell], seconds: float) -> str:
         "recovery (what ended the episode).",
         "",
         "| victim | phase (moment) | killed | bytes lost | source harmed | source after | front door after "
-        "| client requests failed | recovery |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| client requests failed | recovery | commit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in results:
         where = f"{c.phase} ({c.moment})"
         if c.skipped:
-            lines.append(f"| {c.victim} | {where} | n/a | | | | | | {c.skipped} |")
+            lines.append(f"| {c.victim} | {where} | n/a | | | | | | {c.skipped} | {c.commit} |")
             continue
         src = "serves" if c.source_serves else ("frozen" if c.source_frozen else "down")
         harmed = "killed (the fault)" if c.source_harmed is None and c.victim == "source" else _yn(c.source_harmed)
@@ -634,6 +675,7 @@ def markdown(results: list[Cell], seconds: float) -> str:
             door,
             clients,
             f"{c.final_status}: {rec}",
+            c.commit,
         ]
         lines.append("| " + " | ".join(s.replace("|", "/") for s in row) + " |")
     return "\n".join(lines) + "\n"
@@ -646,19 +688,22 @@ def smoke(out: Path) -> int:
     unplanned = [f"{v}:{p}" for v in VICTIMS[1:] for p in PHASES if (v, p) not in planned]
     wrong += [f"{c} is not in the matrix" for c in unplanned]
     wrong += [f"{v}:{p} has no moment" for v, p in planned if p not in MOMENTS]
-    try:
-        cells("nobody:ramp")
-        wrong.append("--only nobody:ramp was accepted")
-    except SystemExit:
-        pass
+    for bad in ("nobody:ramp", "envoy", "envoy:ramp:x"):
+        try:
+            cells(bad)
+            wrong.append(f"--only {bad} was accepted")
+        except SystemExit:
+            pass
+    if cells("envoy:ramp, receiver:transfer") != [("envoy", "ramp"), ("receiver", "transfer")]:
+        wrong.append("--only did not pick exactly the cells it named")
     unharmed: dict[str, Any] = {"source_harmed": False, "bytes_lost": False, "client_requests": 40}
     baseline = Cell("none", "finalize", MOMENTS["finalize"], flow_exit=0, flow_status="completed",
                     final_status="completed", door_serves=True, door_live={"target": 10000}, client_failed=0,
                     **unharmed)  # fmt: skip
     envoy = Cell("envoy", "ramp", MOMENTS["ramp"], killed=True, flow_exit=3, flow_status="rolled_back",
-                 final_status="rolled_back", source_serves=True, door_serves=False, door_live=None, client_failed=12,
-                 **unharmed)  # fmt: skip
-    skipped = Cell("receiver", "transfer", MOMENTS["transfer"], skipped=NOT_APPLICABLE[("receiver", "transfer")])
+                 final_status="rolled_back", source_serves=True, door_serves=True, door_live={"source": 10000},
+                 door_restarts={"envoy": 1}, client_failed=12, **unharmed)  # fmt: skip
+    skipped = Cell("receiver", "preflight", MOMENTS["preflight"], skipped=NOT_APPLICABLE[("receiver", "preflight")])
     from gpumigrate.atomic import atomic_write_json
 
     out.mkdir(parents=True, exist_ok=True)
@@ -670,8 +715,8 @@ def smoke(out: Path) -> int:
     table = (out / "faults.md").read_text()
     expected = {
         "| none | (no fault: baseline) |": "completed: flow ended completed",
-        "| envoy | ramp (": "Envoy down: clients get no answer until it is restarted (manual)",
-        "| receiver | transfer (": NOT_APPLICABLE[("receiver", "transfer")],
+        "| envoy | ramp (": "the door's supervisor started again: envoy x1",
+        "| receiver | preflight (": NOT_APPLICABLE[("receiver", "preflight")],
     }
     for row, text in expected.items():
         line = next((x for x in table.splitlines() if x.startswith(row)), "")
@@ -695,6 +740,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "build" / "faults"))
     ap.add_argument("--json", action="store_true", help="print the results JSON as the last stdout line")
     ap.add_argument("--render", action="store_true", help="only write OUT/faults.md again from OUT/faults.json")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        help="with --render: the faults.json of a later run (--only) whose cells replace the same cells of OUT's",
+    )
     ap.add_argument("--smoke", action="store_true", help="CI: the plan and the report, no process started")
     a = ap.parse_args(argv)
     if a.cmd == "orchestrate":
@@ -707,9 +758,15 @@ def main(argv: list[str] | None = None) -> int:
 
         doc = json.loads((out / "faults.json").read_text())
         done = [Cell(**c) for c in doc["cells"]]
+        seconds = float(doc["seconds"])
+        for later in a.also:
+            again = json.loads((Path(later) / "faults.json").read_text())
+            redone = {(c["victim"], c["phase"]): Cell(**c) for c in again["cells"]}
+            done = [redone.pop((c.victim, c.phase), c) for c in done] + list(redone.values())
+            seconds += float(again["seconds"])
         for c in done:
             c.recovery = describe(c) if not c.skipped else c.recovery
-        write(out / "faults.md", markdown(done, float(doc["seconds"])).encode())
+        write(out / "faults.md", markdown(done, seconds).encode())
         return 0
     _env_defaults(out)
     work = out / "run" / "cells"
@@ -721,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     if not key_file.exists():
         atomic_write_bytes(key_file, generate_key().encode(), mode=0o600)
     todo = cells(a.only)
+    version = code_version()
     results: list[Cell] = []
     t0 = time.monotonic()
     stage: Stage | None = None
@@ -729,7 +787,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for n, (victim, phase) in enumerate(todo):
                 if (victim, phase) in NOT_APPLICABLE:
-                    results.append(Cell(victim, phase, MOMENTS[phase], skipped=NOT_APPLICABLE[(victim, phase)]))
+                    why = NOT_APPLICABLE[(victim, phase)]
+                    results.append(Cell(victim, phase, MOMENTS[phase], skipped=why, commit=version))
                     continue
                 if stage is not None and not stage_healthy(stage):
                     stop_stage(stage)
@@ -737,8 +796,11 @@ def main(argv: list[str] | None = None) -> int:
                 if stage is None:
                     stage = start_stage(work, n)
                 cell = run_cell(stage, work, victim, phase, key_file)
+                cell.commit = version
                 results.append(cell)
                 print(f"{victim:>13} @ {phase:<9} {cell.final_status}: {cell.recovery}", file=sys.stderr, flush=True)
+                partial = {"seconds": round(time.monotonic() - t0, 1), "moments": MOMENTS, "partial": True}
+                atomic_write_json(out / "faults.json", {**partial, "cells": [asdict(c) for c in results]})
         finally:
             if stage is not None:
                 stop_stage(stage)

@@ -215,7 +215,7 @@ def scenario_ramp(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         result = controller(stack, stages, args).run()
         t_end = load.elapsed()
         load.stop()
-        rep = load.wait(120)
+        rep = load.wait()
     finally:
         stack.close()
     before, during = rep.p99_between(1.0, t_start), rep.p99_between(t_start, t_end)
@@ -268,7 +268,7 @@ def scenario_fault(args: argparse.Namespace, work: Path, kind: str, *, failover:
         time.sleep(1.0)  # let requests in flight at the rollback finish inside the window
         t_end = load.elapsed()
         load.stop()
-        rep = load.wait(120)
+        rep = load.wait()
     finally:
         stack.close()
     failing = [i for i, s in enumerate(result.samples) if s.analysis.get("verdict") == "fail"]
@@ -312,7 +312,7 @@ def scenario_plane_restart(args: argparse.Namespace, work: Path) -> dict[str, An
         stages = tuple((w, args.hold) for w in (5, 25, 50, 100))
         result = controller(stack, stages, args, probes=False, on_interval=chaos).run()
         load.stop()
-        rep = load.wait(120)
+        rep = load.wait()
     finally:
         stack.close()
     return {
@@ -346,7 +346,7 @@ def scenario_manual(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         result = ctl.run()
         acted = time.monotonic()
         load.stop()
-        rep = load.wait(120)
+        rep = load.wait()
     finally:
         stack.close()
     return {

@@ -93,6 +93,9 @@ class Runtime(BaseModel):
     # rollback_refused: an undo found the source gone while the target served, and kept both as they were
     # (flows/undo.py): the migration is then not "rolled back", whatever asked for the rollback.
     rollback_refused: bool = False
+    # rollback_incomplete: the undo steps whose last attempt did not take effect (step -> error: traffic, receiver,
+    # target, source); a later undo that gets a step done drops it. The migration is not "rolled back" while any is.
+    rollback_incomplete: dict[str, str] = {}
 
     # -- where the image lands (provision sets them; the snapshot writes, the transfer checks, the undo stops) --
     # image_store is where the source's agent writes its pre-copy rounds and final image: where the target

@@ -21,7 +21,7 @@ import httpx
 import yaml
 
 from gpumigrate.atomic import atomic_write_bytes
-from gpumigrate.errors import InvalidInputError
+from gpumigrate.errors import GpumigrateError, InvalidInputError
 from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit, listening
 from gpumigrate.flows.report import write_outputs
@@ -39,7 +39,7 @@ WORKLOAD = "tiny-lm"
 FAULTS: dict[str, tuple[dict[str, Any], str]] = {
     # --fault name: (target fault body, the event after which it is injected)
     "target-errors": ({"kind": "errors", "rate": 1.0}, "ramp25"),
-    "target-slow": ({"kind": "slow", "delay_ms": 500}, "ramp25"),
+    "target-slow": ({"kind": "slow", "delay_ms": 2000}, "ramp25"),  # far beyond a loaded source's p99
     "target-drift": ({"kind": "drift"}, "ramp25"),
     "target-crash": ({"kind": "crash", "rate": 1.0}, "ramp25"),
 }
@@ -65,7 +65,11 @@ def golden_inputs(dest: Path) -> Path:
     return dest
 
 
-def demo_plan(*, source: Host, target_host: str, store: Path, key_file: Path, golden: Path) -> dict[str, Any]:
+def demo_plan(
+    *, source: Host, target_host: str, store: Path, key_file: Path, golden: Path, faults: bool = False
+) -> dict[str, Any]:
+    """The demo's plan. ``faults``: the target (and only it) starts with ``--enable-faults``, so the drill can
+    break it through ``POST /admin/fault``; the source never serves that path."""
     return {
         "version": 1,
         "workload": {
@@ -76,7 +80,7 @@ def demo_plan(*, source: Host, target_host: str, store: Path, key_file: Path, go
             "source_region": "local-a",
             "endpoint": service_url(source),
             "agent": f"{source.address}:{source.ports['agent']}",
-            "launch": {"argv": ARGV, "ready_timeout_s": READY_TIMEOUT_S},
+            "launch": {"argv": [*ARGV, "--enable-faults"] if faults else ARGV, "ready_timeout_s": READY_TIMEOUT_S},
         },
         "target": {"provider": "local", "region": "local-b", "host": target_host},
         "data": {"classification": "internal", "allowed_jurisdictions": ["LOCAL"]},
@@ -117,12 +121,19 @@ def demo_plan(*, source: Host, target_host: str, store: Path, key_file: Path, go
 
 
 class FaultInjector:
-    """Listens to the migration's events and breaks the target once, at the planned moment."""
+    """Listens to the migration's events and breaks the target once, at the planned moment.
+
+    The audit gets ``fault.injected`` only once the target acknowledged the fault (it answers with the
+    fault it now runs); any other outcome is recorded as ``fault.failed`` with the reason, and
+    :attr:`failure` says it, so the demo fails instead of showing a migration that nothing broke.
+    """
 
     def __init__(self, migration: Migration, fault: str | None) -> None:
         self.migration = migration
         self.fault = fault
         self.done = False
+        self.acknowledged = False
+        self.failure: str | None = None
         self.endpoint: str | None = None
 
     def on_event(self, event: str, data: dict[str, Any]) -> None:
@@ -132,11 +143,51 @@ class FaultInjector:
             self.endpoint = data.get("endpoint")
         body, moment = FAULTS[self.fault]
         due = moment == "ramp25" and event == "traffic.stage" and float(data.get("weight") or 0) >= 25
-        if due and self.endpoint:
-            self.done = True
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(self.endpoint + "/admin/fault", json=body, timeout=5, trust_env=False)
+        if not due:
+            return
+        self.done = True
+        self.failure = self._inject(body) if self.endpoint else "the target's endpoint was never reported"
+        if self.failure is None:
+            self.acknowledged = True
             emit(self.migration, "fault.injected", {"fault": self.fault, "at": event, **body})
+        else:
+            emit(self.migration, "fault.failed", {"fault": self.fault, "at": event, "reason": self.failure, **body})
+
+    def _inject(self, body: dict[str, Any]) -> str | None:
+        """POST the fault to the target; None once it answered that it runs it, else why not."""
+        url = f"{self.endpoint}/admin/fault"
+        try:
+            reply = httpx.post(url, json=body, timeout=5, trust_env=False)
+        except httpx.HTTPError as exc:
+            return f"POST {url} failed: {type(exc).__name__}: {exc}"
+        if reply.status_code != 200:
+            return f"POST {url} answered {reply.status_code}: {reply.text[:200]}"
+        try:
+            running = reply.json().get("kind")
+        except (ValueError, AttributeError):
+            running = None
+        if running != body["kind"]:
+            return f"POST {url} answered 200 but the target runs fault {running!r}, not {body['kind']!r}"
+        return None
+
+    def check(self, result: MigrationResult) -> None:
+        """Raise when the fault asked for was not injected: a demo of a rollback that nothing caused shows nothing."""
+        if self.fault is None or self.acknowledged:
+            return
+        why = self.failure or "the ramp never reached the moment of the fault (25% of traffic on the target)"
+        raise DemoFaultError(
+            f"--fault {self.fault} was not injected: {why}; the migration {self.migration.id} ended "
+            f"{result.status} without it",
+            result,
+        )
+
+
+class DemoFaultError(GpumigrateError):
+    """The demo's fault could not be injected into its target (exit 1); ``result`` is the migration's own."""
+
+    def __init__(self, message: str, result: MigrationResult) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 def _start_source(provider: Provider, migration_id: str, name: str) -> Host:
@@ -185,6 +236,7 @@ def run_demo(*, fault: str | None = None, watch: Watch | None = None) -> Migrati
             store=mdir / "store",
             key_file=key_file,
             golden=golden_inputs(mdir / "golden.jsonl"),
+            faults=fault is not None,
         )
         plan_path = mdir / "demo-plan.yaml"
         atomic_write_bytes(plan_path, yaml.safe_dump(plan, sort_keys=False).encode())
@@ -204,7 +256,9 @@ def run_demo(*, fault: str | None = None, watch: Watch | None = None) -> Migrati
         with listening(mid, injector.on_event), watch(mid) if watch else contextlib.nullcontext():
             result = run_migration(mid)
         _record_load(m, load)
-        return write_outputs(m, status=result.status, error=result.error)
+        outcome = write_outputs(m, status=result.status, error=result.error)
+        injector.check(outcome)
+        return outcome
     finally:
         if load is not None:
             with contextlib.suppress(Exception):

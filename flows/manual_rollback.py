@@ -72,6 +72,8 @@ def roll_back_here(ctx: RunContext, *, reason: str, actor: str | None, trigger: 
     merge_result(m, rollback={"triggered": True, "reason": reason[:300], "trigger": trigger, "actor": actor})
     if status == "rolled_back":
         emit(m, "rollback.completed", {"reason": reason[:300], "after": after, "trigger": trigger}, actor=actor)
+    else:  # refused, or a step did not take effect: the audit says so, not "completed"
+        emit(m, "rollback.incomplete", {"reason": reason[:300], "after": after, "error": error[:500]}, actor=actor)
     return write_outputs(m, status=status, error=error)
 
 
@@ -131,12 +133,13 @@ def rollback_migration(
             }
         # Its flow ran on another host and did not act within the wait: treat it as gone.
     # No flow is acting on it (it ended, or its process died): undo here, in the same order.
-    roll_back_here(ctx, reason=reason, actor=actor, trigger="manual", after=str(status))
+    result = roll_back_here(ctx, reason=reason, actor=actor, trigger="manual", after=str(status))
+    done = result.status == "rolled_back"
     return {
         "migration_id": m.id,
-        "status": "rolled_back",
-        "how": "traffic to source, target torn down",
-        "exit_code": EXIT_OK,
+        "status": result.status,
+        "how": "traffic to source, target torn down" if done else f"not rolled back: {result.error}",
+        "exit_code": EXIT_OK if done else EXIT_FAILURE,
     }
 
 

@@ -15,8 +15,9 @@ _DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
     "GX_ANALYTICS_ENABLED": "false",
-    # The first start of a fresh home applies all DB migrations: give it time on a busy 2-core box.
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # The first start of a fresh home applies all DB migrations: give it time on a busy 2-core box (a first
+    # `gpumigrate migrate` in a clean shell took over 120 s there while other work loaded both cores).
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300",
 }
 
 # The CLI prints its own progress; Prefect's console lines (and the tracebacks it logs for a task that

@@ -6,6 +6,7 @@ PREFECT_HOME, :mod:`gpumigrate.flows.prefect_env`, configured by the entry point
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, cast
 
 from gpumigrate.errors import GpumigrateError
@@ -38,5 +39,13 @@ def run_migration(migration_id: str) -> MigrationResult:
         ctx = RunContext.load(migration_id)
         undo_all(ctx, reason=f"orchestrator failed: {exc}")
         ctx.migration.update(status="failed")
-        return write_outputs(ctx.migration, status="failed", error=f"orchestrator failed: {type(exc).__name__}: {exc}")
+        error = f"orchestrator failed: {type(exc).__name__}: {exc}"
+        if "ephemeral Prefect API server" in str(exc):  # Prefect's own words say nothing of how long or what to do
+            error += (
+                f" (waited PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="
+                f"{os.environ.get('PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS', '?')}s for its /health; the "
+                "first start of a fresh PREFECT_HOME applies its database migrations: run again, raise that setting, "
+                "or run `prefect server start` and set PREFECT_API_URL)"
+            )
+        return write_outputs(ctx.migration, status="failed", error=error)
     return MigrationResult.model_validate(out)

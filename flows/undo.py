@@ -2,7 +2,11 @@
 
 Every step is idempotent and never raises (a step that fails is logged and the next one still runs):
 they run from the migrate flow's transaction hooks, from the rollback flow, after a failed final
-snapshot, and from the CLI. Each records in the audit log what it did.
+snapshot, and from the CLI. Each records in the audit log what it did, once it took effect, and a step
+that failed as failed (``traffic.rollback_failed``, ``transfer.receiver.stop_failed``,
+``rollback.target_teardown_failed``, ``rollback.source_resume_failed``, with the error); the failed steps
+stay in ``runtime.rollback_incomplete`` until an undo gets them done, and the migration is not "rolled back"
+meanwhile (:func:`rolled_back_or_not`).
 """
 
 from __future__ import annotations
@@ -35,10 +39,29 @@ def quietly(what: str, fn: Callable[[], T]) -> T | None:
         return None
 
 
-def _done(step: Callable[[], None]) -> bool:
-    """Run a step that returns nothing; True once it did (so that ``quietly`` tells success from failure)."""
-    step()
-    return True
+def attempt(what: str, fn: Callable[[], T]) -> tuple[T | None, str | None]:
+    """Run one undo step: ``(its value, None)``, or ``(None, the error)`` when it failed (logged, never raised)."""
+    try:
+        return fn(), None
+    except Exception as exc:
+        _log.warning("undo step %s failed: %s", what, exc)
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _note(ctx: RunContext, step: str, error: str | None) -> None:
+    """Keep ``runtime.rollback_incomplete`` true to the last attempt of ``step`` (failed: its error; done: gone)."""
+
+    def keep() -> None:
+        pending = dict(ctx.runtime.rollback_incomplete)
+        if error is None and step not in pending:
+            return
+        if error is None:
+            pending.pop(step)
+        else:
+            pending[step] = error
+        ctx.update(rollback_incomplete=pending)
+
+    quietly("state", keep)
 
 
 def failure_reason(m: Migration, default: str) -> str:
@@ -60,11 +83,19 @@ def undo_traffic(ctx: RunContext, *, reason: str) -> None:
     """All traffic back to the source in one update, if any ever went elsewhere."""
     m = ctx.migration
     reason = failure_reason(m, reason)
-    weights = quietly("traffic", lambda: traffic_to_source(ctx.traffic_dir(), reason))
-    if weights:
+    weights, error = attempt("traffic", lambda: traffic_to_source(ctx.traffic_dir(), reason))
+    _note(ctx, "traffic", error)
+    if error is not None:
+        quietly("record", lambda: emit(m, "traffic.rollback_failed", {"reason": reason[:300], "error": error}))
+    elif weights:
         # Every Envoy runs it before the target goes: a target torn down first fails the clients still sent to it.
-        quietly("applied", lambda: applied_everywhere(ctx))
-        quietly("record", lambda: emit(m, "traffic.rolled_back", {"reason": reason[:300], "weights": weights}))
+        # Written is not applied: the record says whether every Envoy confirmed it (else a control plane that
+        # comes back applies it, and the traffic lease returns the split by itself).
+        _, unapplied = attempt("applied", lambda: applied_everywhere(ctx))
+        record: dict[str, object] = {"reason": reason[:300], "weights": weights, "applied": unapplied is None}
+        if unapplied is not None:
+            record["apply_error"] = unapplied
+        quietly("record", lambda: emit(m, "traffic.rolled_back", record))
         quietly("state", lambda: m.set_phase("ramp", "rolled_back"))
 
 
@@ -77,15 +108,24 @@ def applied_everywhere(ctx: RunContext, timeout_s: float = 10) -> None:
 
 
 def undo_source(ctx: RunContext) -> None:
-    """The source runs again (a snapshot may have left it frozen). Idempotent; recorded once, by the undo that
-    resumed a source the runtime knew frozen (a second undo of the same failure resumes nothing)."""
+    """The source runs again (a snapshot may have left it frozen), with the work in flight it held for a hand-over
+    (a final image had sealed it). Idempotent; recorded once, by the undo that resumed a source the runtime knew
+    frozen (a second undo of the same failure resumes nothing)."""
     rt = quietly("runtime", lambda: ctx.runtime)
-    was_frozen = rt is None or rt.source_frozen
-    backend = quietly("backend", ctx.backend)
-    if backend is not None and quietly("resume", lambda: _done(backend.resume)):
+    frozen = rt is None or rt.source_frozen
+    backend, error = attempt("backend", ctx.backend)
+    if backend is not None:
+        _, error = attempt("resume", backend.resume)
+    if error is None and backend is not None:
         quietly("state", lambda: ctx.update(source_frozen=False))
-        if was_frozen:
+        if frozen:
             quietly("record", lambda: emit(ctx.migration, "rollback.source_resumed", {"backend": backend.name}))
+    elif error is not None:
+        # A source this migration did not leave frozen runs (or died) whatever the resume says: only a frozen one
+        # keeps the rollback incomplete (its lease resumes it by itself at the latest).
+        record = {"error": error, "frozen": frozen}
+        quietly("record", lambda: emit(ctx.migration, "rollback.source_resume_failed", record))
+    _note(ctx, "source", error if frozen else None)
     taken = quietly("take back", backend.take_back) if backend is not None else None
     if taken:
         quietly("record", lambda: emit(ctx.migration, "rollback.work_taken_back", {"figures": taken.get("figures")}))
@@ -122,13 +162,21 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
         drained = quietly("drain", lambda: drain_target(ctx))
         if drained is not None:
             quietly("record", lambda: emit(m, "rollback.target_drained", dict(drained)))
-        quietly("receiver", lambda: _stop_receiver(ctx))
+        _, error = attempt("receiver", lambda: _stop_receiver(ctx))
+        _note(ctx, "receiver", error)
+        if error is not None:
+            quietly("record", lambda: emit(m, "transfer.receiver.stop_failed", {"host": host.name, "error": error}))
         backend = quietly("backend", ctx.backend)
-        if backend is not None:
-            quietly("discard", backend.discard)
-        if quietly("terminate", lambda: _done(lambda: ctx.provider().terminate(host))):
+        discarded = None if backend is None else attempt("discard", backend.discard)[1]
+        _, error = attempt("terminate", lambda: ctx.provider().terminate(host))
+        _note(ctx, "target", error)
+        if error is None:
             quietly("state", lambda: ctx.update(target_torn_down=True))
-            quietly("record", lambda: emit(m, "rollback.target_torn_down", {"host": host.name, "reason": reason}))
+            record = {"host": host.name, "reason": reason, "discarded": backend is not None and discarded is None}
+            quietly("record", lambda: emit(m, "rollback.target_torn_down", record))
+        else:
+            record = {"host": host.name, "reason": reason, "error": error}
+            quietly("record", lambda: emit(m, "rollback.target_teardown_failed", record))
     for name in PHASES[PHASES.index("provision") :]:
         quietly("state", partial(_mark_rolled_back, m, name))
 
@@ -175,10 +223,20 @@ NOT_ROLLED_BACK = (
 
 
 def rolled_back_or_not(ctx: RunContext, status: str, error: str) -> tuple[str, str]:
-    """``(status, error)`` after an undo: ``failed`` with :data:`NOT_ROLLED_BACK` where the undo refused (a run
-    that reads "rolled back" tells its operator the source serves again, which it does not)."""
-    if status == "rolled_back" and ctx.runtime.rollback_refused:
+    """``(status, error)`` after an undo: ``failed`` with :data:`NOT_ROLLED_BACK` where the undo refused, or with
+    the steps that did not take effect (a run that reads "rolled back" tells its operator the source serves again
+    and nothing of the migration is left, which is then not so)."""
+    if status != "rolled_back":
+        return status, error
+    rt = ctx.runtime
+    if rt.rollback_refused:
         return "failed", f"{error}; {NOT_ROLLED_BACK}"
+    if rt.rollback_incomplete:
+        steps = "; ".join(f"{step}: {why}" for step, why in rt.rollback_incomplete.items())
+        return "failed", (
+            f"{error}; the rollback is incomplete ({steps}): `gpumigrate rollback {ctx.migration.id}` tries the "
+            "failed steps again"
+        )
     return status, error
 
 

@@ -407,7 +407,7 @@ class World:
         lenders = rank_addresses(source, self.size) if source is not None else None
         targets = self.ranks if self.ranks is not None else self.describe()
 
-        def restore_rank(r: int, c: AgentClient) -> dict[str, Any]:
+        def restore_rank(r: int, c: AgentClient) -> Any:
             if lenders is None:
                 return c.call("restore", **args, rank=r)
             grant = c.lend_grant(lenders[r], expect=source_agent)  # source rank r's lend key, sealed to this rank

@@ -22,9 +22,9 @@ from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
-# The reference server serves POST /admin/fault only where faults are enabled (never by default); the
-# fault-injection tests of every area drive it, so processes the tests start get the switch.
-os.environ.setdefault("GPUMIGRATE_ENABLE_FAULTS", "1")
+# No capability a user's shell lacks: the reference server serves POST /admin/fault only in a process
+# started with --enable-faults, so a test that breaks a server starts that one server with the flag.
+os.environ.pop("GPUMIGRATE_ENABLE_FAULTS", None)
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # the shared test helpers: ``from tests.support import ...``

@@ -281,6 +281,13 @@ class Envoy:
         return self.workdir / f"access-{self.node_id}.log"
 
     def start(self, *, ready_timeout_s: float = 20.0) -> Envoy:
+        """Start the process and wait until its admin says LIVE."""
+        self.spawn()
+        self.wait_ready(ready_timeout_s)
+        return self
+
+    def spawn(self) -> Envoy:
+        """Start the process, not waiting for it to be ready (a supervisor asks the control plane instead)."""
         access_control.private_dir(self.workdir)
         cfg = self.workdir / f"envoy-{self.node_id}.json"
         atomic_write_json(cfg, bootstrap(self), mode=access_control.PRIVATE_FILE)  # it holds the node's xDS token
@@ -308,7 +315,6 @@ class Envoy:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.wait_ready(ready_timeout_s)
         return self
 
     def wait_ready(self, timeout_s: float = 20.0) -> None:

@@ -6,26 +6,25 @@ target beside the source at weight 0 before a ramp; :func:`traffic_to_source` se
 to the source in one state update (the first undo step of a rollback).
 
 A front door a user starts (``gpumigrate frontdoor up``) is detached: :func:`start_detached` starts
-one process, ``python -m gpumigrate.traffic.frontdoor`` (:func:`serve`), in its own session, which runs
-the control plane (so the traffic lease is watched even when the orchestrator dies) and Envoy as its
-child, starts Envoy again if it dies, and on SIGTERM stops both and removes ``frontdoor.json``;
-:func:`door_status` and :func:`stop_detached` find it again from the state directory.
+one process, ``python -m gpumigrate.traffic.supervisor``, in its own session, which runs the control plane
+(so the traffic lease is watched even when the orchestrator dies) and Envoy as its children, starts either
+again when it dies (:mod:`gpumigrate.traffic.supervisor`), and on SIGTERM stops both and removes
+``frontdoor.json``; :func:`door_status` and :func:`stop_detached` find it again from the state directory.
 
 ``<state dir>/frontdoor.json`` (format 1, mode 0600): ``{"admin_urls": [Envoy admin URLs: ``unix:PATH``, a
 socket only this user reaches], "listener": "http://host:port", "probe_listener": "http://127.0.0.1:port",
 "nodes": [Envoy node ids], "xds_port": int or null (null: the control plane's private socket only),
-"xds_socket": path, "source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid},
-"access_logs": [paths]}``
-(``probe_listener``: parity probes only, each request naming its side; ``processes``: the detached
-door's process and its Envoy, each recognised by its command line naming this state directory, so a
-reused pid is never signalled). ``GPUMIGRATE_ENVOY_ADMIN`` (comma-separated) overrides ``admin_urls``;
+"xds_socket": path, "source": "http://host:port", "processes": {"frontdoor": pid, "envoy": pid, "control-plane":
+pid}, "restarts": {"envoy": n, "control-plane": n}, "access_logs": [paths]}`` (``probe_listener``: parity probes
+only, each request naming its side; ``processes``: the detached door's supervisor and its two children, each
+recognised by its command line naming this state directory, so a reused pid is never signalled; ``restarts``: how
+often the supervisor started each child again). ``GPUMIGRATE_ENVOY_ADMIN`` (comma-separated) overrides ``admin_urls``;
 ``GPUMIGRATE_TRAFFIC_DIR`` overrides the directory (default ``<state root>/traffic/<workload>``).
 The process's own log is ``<state dir>/frontdoor.log``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -34,7 +33,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,8 +44,11 @@ from gpumigrate.settings import state_root
 from gpumigrate.traffic import access_control
 from gpumigrate.traffic.state import DesiredState, StateStore, Upstream, rollback_to_source
 
+log = logging.getLogger("gpumigrate.traffic.frontdoor")
+
 if TYPE_CHECKING:  # Envoy's and the control plane's modules pull in gRPC: imported when a door starts
     from gpumigrate.traffic.envoy import Envoy
+    from gpumigrate.traffic.supervisor import PlaneProcess
     from gpumigrate.traffic.xds import ControlPlane
 
 FRONTDOOR = "frontdoor.json"
@@ -59,7 +60,6 @@ DEFAULT_LISTEN = "127.0.0.1:10000"
 # while a migration freezes the source (it holds requests and serves them on resume: agent/asgi.py); were it
 # 503 then, Envoy (the source its one upstream, no panic routing) would refuse the clients the safe point holds.
 DEFAULT_HEALTH_PATH = "/readyz"
-log = logging.getLogger("gpumigrate.traffic.frontdoor")
 
 
 def default_dir(workload: str) -> Path:
@@ -136,7 +136,8 @@ class DoorInfo:
     nodes: list[str] = field(default_factory=list)
     xds_port: int | None = None
     source: str | None = None  # the source it fronts (http://host:port)
-    processes: dict[str, int] = field(default_factory=dict)  # a detached door's: {"frontdoor", "envoy"} -> pid
+    processes: dict[str, int] = field(default_factory=dict)  # a detached door's: frontdoor, envoy, control-plane
+    restarts: dict[str, int] = field(default_factory=dict)  # a detached door's: how often each child was restarted
     access_logs: list[str] = field(default_factory=list)  # each Envoy's client requests (traffic/access_log.py)
 
 
@@ -153,6 +154,7 @@ def read(state_dir: Path) -> DoorInfo:
             f"(or set GPUMIGRATE_ENVOY_ADMIN and GPUMIGRATE_TRAFFIC_DIR to an Envoy of your own)"
         )
     nodes, procs, logs = info.get("nodes"), info.get("processes"), info.get("access_logs")
+    restarts = info.get("restarts")
     listener, xds_port, probe = info.get("listener"), info.get("xds_port"), info.get("probe_listener")
     return DoorInfo(
         admin_urls=[str(u) for u in admin],
@@ -163,6 +165,7 @@ def read(state_dir: Path) -> DoorInfo:
         source=str(info["source"]) if info.get("source") else None,
         processes={str(k): v for k, v in procs.items() if isinstance(v, int)} if isinstance(procs, dict) else {},
         access_logs=[str(p) for p in logs] if isinstance(logs, list) and not admin_env else [],
+        restarts={str(k): v for k, v in restarts.items() if isinstance(v, int)} if isinstance(restarts, dict) else {},
     )
 
 
@@ -184,7 +187,7 @@ def check(state_dir: Path) -> DoorInfo:
 @dataclass
 class FrontDoor:
     state_dir: Path
-    plane: ControlPlane
+    plane: ControlPlane | PlaneProcess  # in this process, or the supervisor's child
     envoy: Envoy
     detached: bool = False
 
@@ -234,8 +237,11 @@ class FrontDoor:
         door.write_info()
         return door
 
-    def write_info(self) -> None:
-        """``frontdoor.json`` (again after Envoy was restarted: its pid changed)."""
+    def write_info(
+        self, *, processes: dict[str, int | None] | None = None, restarts: dict[str, int] | None = None
+    ) -> None:
+        """``frontdoor.json`` (again after a child was restarted: its pid changed). ``processes``: a detached door's
+        other children beside its own process and its Envoy; ``restarts``: how often each was started again."""
         source = StateStore(self.state_dir).read().upstreams[SOURCE]
         host = f"[{source.host}]" if ":" in source.host else source.host
         info: dict[str, Any] = {
@@ -249,7 +255,10 @@ class FrontDoor:
             "access_logs": [str(self.envoy.access_log_path)],
         }
         if self.detached and self.envoy.proc is not None:
-            info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid}
+            others = {name: pid for name, pid in (processes or {}).items() if pid}
+            info["processes"] = {"frontdoor": os.getpid(), "envoy": self.envoy.proc.pid, **others}
+        if restarts is not None:
+            info["restarts"] = restarts
         atomic_write_json(self.state_dir / FRONTDOOR, info, mode=access_control.PRIVATE_FILE)
 
     def rotate_access_log(self) -> None:
@@ -389,7 +398,7 @@ def start_detached(
     if not _port_free(listen_host, listen_port):
         raise InvalidInputError(f"cannot listen on {listen}: the address is in use (choose another with --listen)")
     access_control.private_dir(state_dir)
-    argv = [sys.executable, "-m", "gpumigrate.traffic.frontdoor", "--state-dir", str(state_dir),
+    argv = [sys.executable, "-m", "gpumigrate.traffic.supervisor", "--state-dir", str(state_dir),
             "--source", f"{source_host}:{source_port}", "--health-path", health_path, "--listen", listen,
             "--node-id", node_id]  # fmt: skip
     with os.fdopen(access_control.open_private_log(state_dir / LOG), "ab") as out:
@@ -491,49 +500,8 @@ def stop_detached(state_dir: Path) -> list[str]:
         door = read(state_dir)
     except TrafficError:
         return []
-    stopped = [name for name in ("frontdoor", "envoy") if _stop_process(
-        door.processes.get(name, 0), state_dir, group=name == "envoy", grace_s=10)]  # fmt: skip
+    stopped = [name for name in ("frontdoor", "envoy", "control-plane") if _stop_process(
+        door.processes.get(name, 0), state_dir, group=name != "frontdoor", grace_s=10)]  # fmt: skip
     if door.processes:  # a door started by a process of its own (not a demo's or a test's in-process one)
         (state_dir / FRONTDOOR).unlink(missing_ok=True)
     return stopped
-
-
-def serve(state_dir: Path, *, source: str, health_path: str, listen: str, node_id: str) -> None:
-    """The detached door's process: the control plane here, Envoy as a child started again if it dies."""
-    source_host, source_port = parse_listen(source)
-    listen_host, listen_port = parse_listen(listen)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    door = FrontDoor.start(state_dir, source_host=source_host, source_port=source_port, node_id=node_id,
-                           health_path=health_path, listen_host=listen_host, listen_port=listen_port or None,
-                           detached=True)  # fmt: skip
-    log.info("front door up: listener %s, source %s, control plane on %s", door.url, source, door.plane.socket_path)
-    try:
-        while not done.wait(1.0):
-            try:
-                if door.envoy.ensure_running():
-                    log.warning("envoy had exited: started again")
-                    door.write_info()
-                door.rotate_access_log()
-            except TrafficError as exc:  # keep the control plane (and its lease watch) up; try again
-                log.error("envoy could not be started again: %s", exc)
-    finally:
-        door.stop()
-        log.info("front door stopped")
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m gpumigrate.traffic.frontdoor", description=serve.__doc__)
-    ap.add_argument("--state-dir", required=True, type=Path)
-    ap.add_argument("--source", required=True, help="host:port of the source service")
-    ap.add_argument("--health-path", default=DEFAULT_HEALTH_PATH)
-    ap.add_argument("--listen", default=DEFAULT_LISTEN)
-    ap.add_argument("--node-id", default="gpumigrate-envoy")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    serve(args.state_dir, source=args.source, health_path=args.health_path, listen=args.listen, node_id=args.node_id)
-
-
-if __name__ == "__main__":
-    main()

@@ -42,6 +42,7 @@ class LoadReport:
     achieved_rps: float = 0.0
     started_at: float | None = None  # epoch seconds of the first request (to line up fault windows)
     records: list[list[Any]] | None = None  # [start s, latency ms, ok] per request, when asked for
+    skipped: int = 0  # request slots not sent because this generator was not scheduled in time (CATCH_UP_S)
 
     def p99_between(self, t_from: float, t_to: float) -> float | None:
         """p99 of successful requests started in [t_from, t_to) (needs ``records``)."""
@@ -85,6 +86,11 @@ class LoadReport:
         return failed, total
 
 
+REQUEST_TIMEOUT_S = 30.0  # one request's whole deadline (LoadGenerator's default timeout_s)
+REPORT_SLACK_S = 60.0  # what LoadProcess.wait allows beyond that for the process to write its report and exit
+CATCH_UP_S = 1.0  # request slots later than this (the generator itself was not scheduled) are skipped, not burst
+
+
 def _pct(sorted_vals: list[float], q: float) -> float | None:
     if not sorted_vals:
         return None
@@ -102,7 +108,7 @@ class LoadGenerator:
         rps: float,
         seconds: float,
         body: dict[str, Any] | None = None,
-        timeout_s: float = 30.0,
+        timeout_s: float = REQUEST_TIMEOUT_S,
         max_in_flight: int = 4096,
         connections: int = 64,
         bucket_s: float = 1.0,
@@ -121,6 +127,7 @@ class LoadGenerator:
         self.keep_records = keep_records
         self.records: list[tuple[float, float, bool, str]] = []  # (start s, latency ms, ok, error kind)
         self.started_at: float | None = None  # epoch seconds of the first request
+        self.skipped = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.report: LoadReport | None = None
@@ -129,10 +136,14 @@ class LoadGenerator:
     async def _one(self, client: httpx.AsyncClient, t0: float, sem: asyncio.Semaphore) -> None:
         start = time.monotonic()
         try:
-            r = await client.post(self.url, json=self.body)
+            # One deadline for the whole request (httpx's timeout is per phase: a wait for a pooled connection,
+            # then a slow read, could each take it), so the last request ends timeout_s after it started.
+            r = await asyncio.wait_for(client.post(self.url, json=self.body), self.timeout_s)
             ok, kind = r.status_code == 200, ("" if r.status_code == 200 else f"http_{r.status_code}")
         except httpx.HTTPError as exc:
             ok, kind = False, type(exc).__name__
+        except TimeoutError:
+            ok, kind = False, "timeout"
         finally:
             sem.release()
         self.records.append((start - t0, (time.monotonic() - start) * 1000, ok, kind))
@@ -149,12 +160,19 @@ class LoadGenerator:
             # run, and the collector's ever longer sweeps over it show up as client latency.
             tasks: set[asyncio.Task[None]] = set()
             n = int(self.rps * self.seconds)
-            for i in range(n):
-                if self._stop.is_set():
-                    break
+            i = 0
+            while i < n and not self._stop.is_set():
                 delay = t0 + i / self.rps - time.monotonic()
+                if delay < -CATCH_UP_S:
+                    # This process was not scheduled for a while (a loaded machine): the slots it slept through
+                    # are not sent in one burst, which would measure this client's own backlog, not the server.
+                    behind = min(int(-delay * self.rps), n - i)  # never past the run's last slot
+                    self.skipped += behind
+                    i += behind
+                    continue
                 if delay > 0:
                     await asyncio.sleep(delay)
+                i += 1
                 if sem.locked():  # too many in flight: count it as a failure instead of queueing silently
                     self.records.append((time.monotonic() - t0, 0.0, False, "overload"))
                     continue
@@ -162,6 +180,7 @@ class LoadGenerator:
                 task = asyncio.create_task(self._one(client, t0, sem))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                await asyncio.sleep(0)  # let the requests already started make progress between two sends
             if tasks:
                 await asyncio.gather(*tasks)
             self._elapsed = time.monotonic() - t0
@@ -184,10 +203,16 @@ class LoadGenerator:
         self._stop.set()
 
     def wait(self, timeout_s: float | None = None) -> LoadReport:
+        """The report once the run ended; after :meth:`stop`, at most one request timeout away (its last requests),
+        and the default bound leaves a loaded machine a minute more than that."""
+        limit = timeout_s if timeout_s is not None else self.timeout_s + REPORT_SLACK_S
         if self._thread is not None:
-            self._thread.join(timeout_s)
+            self._thread.join(limit)
         if self.report is None:
-            raise RuntimeError("load generator did not finish")
+            raise RuntimeError(
+                f"the load generator did not finish its report within {limit:.0f}s "
+                f"(its requests time out after {self.timeout_s:.0f}s)"
+            )
         return self.report
 
     def elapsed(self) -> float:
@@ -239,6 +264,7 @@ class LoadGenerator:
             achieved_rps=round(len(recs) / self._elapsed, 1) if self._elapsed else 0.0,
             started_at=self.started_at,
             records=[[round(r[0], 4), round(r[1], 3), r[2]] for r in recs] if self.keep_records else None,
+            skipped=self.skipped,
         )
 
 
@@ -249,6 +275,7 @@ class LoadProcess:
         self, url: str, *, rps: float, seconds: float, body: dict[str, Any] | None = None, keep_records: bool = False
     ) -> None:
         cmd = [sys.executable, "-m", "gpumigrate.traffic.loadgen", url, "--rps", str(rps), "--seconds", str(seconds)]
+        self.request_timeout_s = REQUEST_TIMEOUT_S
         if keep_records:
             cmd.append("--records")
         if body is not None:
@@ -268,12 +295,20 @@ class LoadProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGINT)
 
-    def wait(self, timeout_s: float = 60.0) -> LoadReport:
+    def wait(self, timeout_s: float | None = None) -> LoadReport:
+        """The report, once the process printed it and exited. After :meth:`stop` that takes at most one request
+        timeout (its last requests) plus the time to write the report; the default bound leaves a loaded machine
+        a minute more than that."""
+        limit = timeout_s if timeout_s is not None else self.request_timeout_s + REPORT_SLACK_S
         try:
-            out, err = self.proc.communicate(timeout=timeout_s)
+            out, err = self.proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise RuntimeError("load generator did not finish") from None
+            _, err = self.proc.communicate()
+            raise RuntimeError(
+                f"the load generator (pid {self.proc.pid}) did not exit with its report within {limit:.0f}s "
+                f"(its requests time out after {self.request_timeout_s:.0f}s); its stderr: {err.decode()[-500:]!r}"
+            ) from None
         lines = out.decode().strip().splitlines()
         if self.proc.returncode != 0 or not lines:
             raise RuntimeError(f"load generator failed ({self.proc.returncode}): {err.decode()[-500:]}")

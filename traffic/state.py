@@ -240,6 +240,10 @@ class StateStore:
     def write_status(self, node: str, status: dict[str, Any]) -> None:
         atomic_write_json(self.dir / STATUS_DIR / f"{_safe(node)}.json", status, mode=PRIVATE_FILE)
 
+    def status(self, node: str) -> dict[str, Any]:
+        """What the control plane last wrote about ``node`` (``{}``: nothing yet)."""
+        return self.statuses().get(_safe(node), {})
+
     def statuses(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         d = self.dir / STATUS_DIR

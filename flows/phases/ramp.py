@@ -57,7 +57,9 @@ def run(ctx: RunContext) -> dict[str, Any]:
         reason = result.reason or "a gate failed"
         detect = None if result.seconds_to_detect is None else round(result.seconds_to_detect, 3)
         detail = {"reason": reason[:300], "trigger": result.trigger, "seconds_to_detect": detect}
-        emit(m, "traffic.rolled_back", {**detail, "applied_s": result.rollback_applied_s})
+        # Written is not applied: ``applied`` says whether every Envoy confirmed the split back to the source.
+        applied = result.rollback_applied_s is not None
+        emit(m, "traffic.rolled_back", {**detail, "applied": applied, "applied_s": result.rollback_applied_s})
         emit(m, f"rollback.{'manual' if result.trigger == 'manual' else 'automatic'}", detail)
         merge_result(m, rollback={"trigger": result.trigger})
         raise RolledBackError(reason, seconds_to_detect=detect)

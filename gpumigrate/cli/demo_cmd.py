@@ -29,7 +29,8 @@ def demo(
 ) -> None:
     """Two local hosts, the tiny inference server, Envoy, a load generator, then the migrate flow to cutover.
 
-    Prints where the report and the ramp chart are. Exit 0 completed, 3 rolled back.
+    Prints where the report and the ramp chart are. Exit 0 completed, 3 rolled back, 1 when the --fault asked
+    for could not be injected into the target.
     """
     from functools import partial
 
@@ -45,9 +46,13 @@ def demo(
 
         result = run_llm_demo(watch=partial(watching, live=not no_live))
     else:
-        from gpumigrate.flows.demo import run_demo
+        from gpumigrate.flows.demo import DemoFaultError, run_demo
 
-        result = run_demo(fault=fault, watch=partial(watching, live=not no_live))
+        try:
+            result = run_demo(fault=fault, watch=partial(watching, live=not no_live))
+        except DemoFaultError as exc:  # the migration's own outcome first, then why the demo failed (exit 1)
+            summary(exc.result)
+            raise
     summary(result)
     if json_out:
         emit_json(result)

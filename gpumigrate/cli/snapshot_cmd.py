@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from gpumigrate.cli.output import console, emit_json
-from gpumigrate.errors import InvalidInputError
+from gpumigrate.errors import InvalidInputError, SnapshotError
 
 if TYPE_CHECKING:
     from gpumigrate.snapshot.client import AgentClient
@@ -182,7 +182,10 @@ def zeroize(
     from gpumigrate.state import Migration
 
     m = Migration.open(migration) if migration else None  # fails before anything is wiped when the id is unknown
-    record = _client(agent).request_zeroize().record()
-    if m is not None:
-        m.record("source.zeroized", record, actor="cli")
+    zeroized = _client(agent).request_zeroize()
+    record = zeroized.record()
+    if m is not None:  # only what the read-back proved is a zeroize; anything else is recorded as failed
+        m.record("source.zeroized" if zeroized.verified else "source.zeroize_unverified", record, actor="cli")
     _show(record, as_json, json.dumps(record))
+    if not zeroized.verified:
+        raise SnapshotError(f"the agent at {agent} could not verify its zeroize (a read-back found non-zero bytes)")

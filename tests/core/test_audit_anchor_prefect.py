@@ -23,10 +23,10 @@ def prefect_api() -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_API_URL")}
     os.environ.setdefault("PREFECT_HOME", home)  # only when no other test set Prefect up in this process
     os.environ["PREFECT_API_URL"] = os.environ.get("PREFECT_API_URL") or ""
-    from prefect.testing.utilities import prefect_test_harness
+    from tests.support.prefect import harness
 
     try:
-        with prefect_test_harness(server_startup_timeout=180):
+        with harness():
             yield
     finally:
         for k, v in saved.items():

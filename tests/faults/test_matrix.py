@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CELLS = ("orchestrator:freeze", "target:restore", "envoy:ramp")
-FREEZE_LEASE_S = 60.0  # the agent's default lease: the migrate flow's freeze names none (FAULTS.md)
+FREEZE_LEASE_S = 60.0  # the demo plan's freeze lease (snapshot.freeze_lease_s, default 60 s)
 
 pytestmark = pytest.mark.slow
 
@@ -76,12 +76,15 @@ def test_target_killed_at_restore_leaves_the_source_serving(matrix: dict[tuple[s
     assert cell["door_serves"]
 
 
-def test_envoy_killed_during_ramp_rolls_back_and_the_source_keeps_serving(
+def test_envoy_killed_during_ramp_is_started_again_and_clients_lose_only_its_restart(
     matrix: dict[tuple[str, str], dict[str, Any]],
 ) -> None:
     cell = matrix[("envoy", "ramp")]
-    # The ramp can no longer read Envoy: its inconclusive policy rolls back (before the fix it held forever).
-    assert cell["flow_status"] == "rolled_back"
+    # The door's supervisor started Envoy again (with the last weights, from its control plane); the ramp saw a
+    # gap in Envoy's figures and went on or rolled back, never held.
+    assert cell["door_restarts"].get("envoy", 0) >= 1, cell
+    assert cell["flow_status"] in ("completed", "rolled_back"), cell
     _unharmed(cell)
-    # Clients that came through that Envoy get nothing until someone restarts it: the matrix says so.
-    assert cell["door_serves"] is False and cell["door_live"] is None
+    assert cell["door_serves"] is True and cell["door_live"] is not None, cell
+    # What clients lost is the restart: a few seconds of the load, not the rest of the cell.
+    assert cell["client_failed"] <= 0.25 * cell["client_requests"], cell

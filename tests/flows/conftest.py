@@ -34,9 +34,10 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
 def prefect_api() -> Iterator[str]:
     """The harness's API URL; CLI subprocesses get it as PREFECT_API_URL (the "with a server" path)."""
     from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    from tests.support.prefect import harness
+
+    with harness():
         yield str(PREFECT_API_URL.value())
 
 
@@ -155,7 +156,7 @@ def migrate_under_load(cli_cmd: list[str], prefect_api: str) -> Callable[..., tu
             )
         finally:
             lp.stop()
-            report = lp.wait(timeout_s=60)
+            report = lp.wait()
         return out, report
 
     return run

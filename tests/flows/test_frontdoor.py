@@ -70,6 +70,7 @@ def test_up_outlives_the_command_then_status_and_down_find_it(door: Any, service
     assert all(p["running"] for p in status["processes"].values()) and set(status["processes"]) == {
         "frontdoor",
         "envoy",
+        "control-plane",
     }
     # Up again for the same source: the same door, nothing started twice. Another source: refused.
     code, again, _ = door("up", "--source", service, "--workload", "svc", "--listen", "127.0.0.1:0")

@@ -133,7 +133,7 @@ def test_the_minilm_example_migrates_through_the_flow_under_load(
         out = _gm(cli_cmd, user.env, "migrate", str(plan), "--id", "byo-1", "--json")
     finally:
         load.stop()
-        report = load.wait(timeout_s=120)
+        report = load.wait()
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["status"] == "completed", result["error"]

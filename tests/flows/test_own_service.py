@@ -51,7 +51,7 @@ def test_a_service_outside_the_package_migrates_under_load_with_exact_parity(
         code, result, err = _migrate(source, cli_cmd, _plan(source, tmp_path / "plan.yaml", edit), "kv-1")
     finally:
         load.stop()
-        report = load.wait(timeout_s=120)
+        report = load.wait()
     assert code == 0 and result["status"] == "completed", err[-3000:]
     assert result["parity"] == {"passed": True, "cases": 3, "max_abs_err": 0.0}
     assert report.failed == 0 and report.ok > 20, report.errors

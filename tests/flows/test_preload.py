@@ -98,7 +98,7 @@ def test_a_target_killed_during_pre_copy_fails_the_migration_and_the_source_serv
             state = migrate_flow(migration_id=ctx.migration.id, return_state=True)
     finally:
         lp.stop()
-        report = lp.wait(timeout_s=60)
+        report = lp.wait()
     out = state.result(raise_on_failure=False)
     assert killed, "the target was never killed: no pre-copy round ran"
     assert out["status"] == "failed", out

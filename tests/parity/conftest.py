@@ -86,10 +86,10 @@ def _wait_ready(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"{url} not ready within {timeout_s} s")
 
 
-def _inference(seed: int, threads: int, name: str) -> Iterator[Proc]:
+def _inference(seed: int, threads: int, name: str, *extra: str) -> Iterator[Proc]:
     popen = _spawn([sys.executable, "-m", "gpumigrate.workloads.inference", "--host", "127.0.0.1", "--port", "0",
                     "--seed", str(seed), "--size", "tiny", "--device", "cpu", "--threads", str(threads),
-                    "--name", name])  # fmt: skip
+                    "--name", name, *extra])  # fmt: skip
     try:
         port = _read_json_line(popen, START_TIMEOUT_S)["port"]
         url = f"http://127.0.0.1:{port}"
@@ -107,8 +107,8 @@ def source_server() -> Iterator[Proc]:
 
 @pytest.fixture(scope="session")
 def twin_server() -> Iterator[Proc]:
-    """The same weights (seed 0) served with a different thread count."""
-    yield from _inference(seed=0, threads=2, name="parity-twin")
+    """The same weights (seed 0) served with a different thread count; faults enabled (``drifted_twin``)."""
+    yield from _inference(0, 2, "parity-twin", "--enable-faults")
 
 
 @pytest.fixture(scope="session")

@@ -52,8 +52,11 @@ class UpstreamProc:
         return f"http://127.0.0.1:{self.port}"
 
     def fault(self, kind: str, rate: float = 1.0, delay_ms: int = 0) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            httpx.post(self.url + "/admin/fault", json={"kind": kind, "rate": rate, "delay_ms": delay_ms}, timeout=5)
+        """Break (or mend) this upstream; a fault it does not acknowledge fails the test that asked for it."""
+        body = {"kind": kind, "rate": rate, "delay_ms": delay_ms}
+        reply = httpx.post(self.url + "/admin/fault", json=body, timeout=10, trust_env=False)
+        reply.raise_for_status()
+        assert reply.json().get("kind") == kind, f"upstream {self.name} did not take fault {kind}: {reply.text}"
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -61,7 +64,16 @@ class UpstreamProc:
         self.proc.wait(timeout=10)
 
 
+UPSTREAM_READY_S = 180.0  # a tiny model's server imports torch: tens of seconds each on a loaded 2-core machine
+
+
 def start_upstream(name: str, *, real: bool | None = None) -> UpstreamProc:
+    """One upstream, started and answering ``/readyz``."""
+    return wait_upstream(spawn_upstream(name, real=real))
+
+
+def spawn_upstream(name: str, *, real: bool | None = None) -> UpstreamProc:
+    """One upstream's process, started (several start side by side: see :func:`wait_upstream`)."""
     port = free_port()
     real = _use_real() if real is None else real
     if real:
@@ -81,21 +93,26 @@ def start_upstream(name: str, *, real: bool | None = None) -> UpstreamProc:
             "cpu",
             "--name",
             name,
+            "--enable-faults",  # the ramp and figures tests break these upstreams through POST /admin/fault
         ]
     else:
         cmd = [sys.executable, str(HERE / "fake_upstream.py"), "--port", str(port), "--name", name]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    up = UpstreamProc(name, port, proc)
-    deadline = time.monotonic() + 90
+    return UpstreamProc(name, port, proc)
+
+
+def wait_upstream(up: UpstreamProc, timeout_s: float = UPSTREAM_READY_S) -> UpstreamProc:
+    """``up`` once it answers ``GET /readyz`` with 200; killed, and the reason raised, when it does not."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"upstream {name} exited with {proc.returncode}")
+        if up.proc.poll() is not None:
+            raise RuntimeError(f"upstream {up.name} exited with {up.proc.returncode} before it answered /readyz")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(up.url + "/readyz", timeout=1).status_code == 200:
                 return up
         time.sleep(0.1)
     up.kill()
-    raise RuntimeError(f"upstream {name} not ready")
+    raise RuntimeError(f"upstream {up.name} did not answer GET {up.url}/readyz with 200 within {timeout_s:.0f}s")
 
 
 @dataclass
@@ -131,8 +148,10 @@ def _env(tmp_path: Path, *, external_plane: bool, real: bool | None = None) -> I
     plane = envoy = None
     env: TrafficEnv | None = None
     try:
-        for n in ("source", "target"):
-            ups[n] = start_upstream(n, real=real)
+        for n in ("source", "target"):  # both start side by side: each loads its model while the other does
+            ups[n] = spawn_upstream(n, real=real)
+        for u in ups.values():
+            wait_upstream(u)
         state_dir = tmp_path / "xds"
         store = StateStore(state_dir)
         store.init(

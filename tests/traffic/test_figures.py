@@ -176,7 +176,9 @@ def test_envoy_downtime_matches_what_the_clients_measured(light_env: Any) -> Non
     assert outage and result.status == "completed", result.reason
     assert fig is not None
     print(fig, report.downtime_ms, report.failed)
-    assert report.failed > 50  # the outage really happened
+    # The outage really happened (about 100 failures at 100 rps on an idle machine; a loaded one, whose generator
+    # skips the slots it was not scheduled for, sent far fewer: 12 once, of 96).
+    assert report.failed > 0 and fig["failures"] > 0
     # Every failure fell inside the ramp's span: Envoy's count is the clients', give or take the one or
     # two requests in flight at a sample edge (seen once: 132 against 131 over 568 requests).
     assert abs(fig["failures"] - report.failed) <= 2

@@ -48,7 +48,7 @@ def test_full_ramp_at_200_rps_has_no_failed_requests(traffic_env: Any, comparato
         result: RampResult = ctl.run()
     finally:
         load.stop()
-    report = load.wait(60)
+    report = load.wait()
     print(
         json.dumps(
             {
@@ -107,7 +107,7 @@ def test_fault_on_target_at_25_percent_rolls_back_within_two_intervals(
         result = ctl.run()
     finally:
         load.stop()
-    report = load.wait(60)
+    report = load.wait()
     assert "fault" in marks, "the fault was never injected"
     assert result.status == "rolled_back"
     assert result.trigger == "gate"
@@ -145,7 +145,7 @@ def test_manual_rollback_acts_within_one_interval(traffic_env: Any, gm_home: Any
         result = ctl.run()
     finally:
         load.stop()
-    report = load.wait(60)
+    report = load.wait()
     assert result.status == "rolled_back"
     assert result.trigger == "manual"
     assert "operator pressed the button" in (result.reason or "")
@@ -192,7 +192,7 @@ def test_rerun_resumes_at_the_current_weight(light_env: Any) -> None:
         result = ctl.run()
     finally:
         load.stop()
-    report = load.wait(60)
+    report = load.wait()
     assert result.status == "completed", result.reason
     assert [s.weight for s in result.stages] == [25, 100]  # 5% was behind us already
     assert not any(s.stage == -1 for s in result.samples)  # no fresh baseline on a resumed ramp
@@ -223,7 +223,7 @@ def test_no_weight_moves_to_a_target_envoy_never_saw_healthy(light_env: Any) -> 
         result = ctl.run()
     finally:
         load.stop()
-    report = load.wait(60)
+    report = load.wait()
     assert result.status == "rolled_back" and result.trigger == "target_unhealthy", result.reason
     assert result.stages == []  # no stage began
     assert env.envoy.admin.live_weights() == {"source": 10000}

@@ -33,6 +33,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from gpumigrate.traffic.envoy import free_port
+from tests.support.prefect import START_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
@@ -233,14 +234,16 @@ def start_server(root: Path, *, host: str = "127.0.0.1", logs: Path, create_pool
         logs / "server.log",
     )
     server.procs.append(proc)
-    deadline = time.monotonic() + 240  # a fresh home migrates its database first
+    deadline = time.monotonic() + START_TIMEOUT_S  # a fresh home migrates its database first
     while True:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(server.api + "/health", timeout=2).status_code == 200:
                 break
         if proc.proc.poll() is not None or time.monotonic() > deadline:
             stop_server(server)
-            pytest.fail(f"prefect server did not start on {host}:{port}: {proc.tail()}")
+            pytest.fail(
+                f"prefect server on {host}:{port} did not answer /health within {START_TIMEOUT_S}s: {proc.tail()}"
+            )
         time.sleep(0.5)
     if create_pool:
         server.prefect("work-pool", "create", POOL, "--type", "process")

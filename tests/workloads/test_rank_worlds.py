@@ -12,10 +12,6 @@ leaves the job's losses unchanged. Marked ``gpu``: the same over NCCL, restored 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,7 +211,7 @@ def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: Local
         source.resume_ranks()  # the requests held at the freeze go on: slow for a moment, never failed
         _wait_answered(load, _answered(load) + 20)
     load.stop()
-    report = load.wait(120)
+    report = load.wait()
     assert report.failed == 0 and report.ok >= 40, report.errors
     assert done["freeze"]["steps"] == [done["freeze"]["step"]] * 2
     got = [httpx.post(dst_url + "/v1/generate", json={"prompt": p, "max_new_tokens": 12}).json() for p in prompts]
@@ -301,32 +297,3 @@ def test_the_example_plans_name_their_world(name: str) -> None:
         data["workload"]["ranks"] = bad
         with pytest.raises(PlanError, match="workload.ranks"):
             parse_plan(data)
-
-
-@pytest.mark.slow
-def test_the_ranks_benchmark_gives_every_figure_of_its_table_at_a_tiny_size(tmp_path: Path) -> None:
-    """bench/e2e_ranks.py is written for 2 × 16 GiB on two GPUs; here it runs its every part on the CPU, and its
-    one invocation gives every figure of issue 32's table beside its baseline from the same run."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "e2e_ranks.py"), "--device", "cpu", "--state-gb", "0.003", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    figures, parts = result["figures"], result["parts"]
-    assert parts["one"]["ranks"] == 1 and parts["ranks"]["ranks"] == 2
-    assert len(figures["capture_per_gpu"]["vs_one_rank"]) == len(figures["restore_per_gpu"]["vs_one_rank"]) == 2
-    assert figures["training_stop_and_copy_store_ms"]["ms"] > 0
-    assert figures["tp_inference_downtime_ms"]["one_rank_ms"] > 0 and figures["tp_inference_downtime_ms"]["ranks"] == 2
-    assert figures["next_step_losses_identical"] == {"ddp": True, "fsdp": True, "ranks": 2}
-    if parts["safetensors"].get("load_gbps"):
-        assert len(figures["restore_vs_safetensors"]["ratio"]) == 2
-    if "fill" in parts["ranks"]:  # NIXL installed: target rank r filled from source rank r's memory
-        assert figures["training_stop_and_copy_fill_ms"]["without_the_image_in_front_ms"] > 0
-    # the final round captured (nearly) every byte: each training step rewrites the weights and moments
-    many = parts["ranks"]
-    assert all(c > 0.9 * s for c, s in zip(many["captured_bytes_per_rank"], many["state_bytes_per_rank"], strict=True))
-    assert [m["rank"] for m in many["device_map"]] == [0, 1]
