@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, TrafficError
@@ -48,8 +48,17 @@ log = logging.getLogger("gpumigrate.traffic.frontdoor")
 
 if TYPE_CHECKING:  # Envoy's and the control plane's modules pull in gRPC: imported when a door starts
     from gpumigrate.traffic.envoy import Envoy
-    from gpumigrate.traffic.supervisor import PlaneProcess
-    from gpumigrate.traffic.xds import ControlPlane
+
+
+class ControlPlaneHandle(Protocol):
+    """What a door needs of its control plane, which runs in this process (``xds.ControlPlane``) or as the
+    supervisor's child (``supervisor.PlaneProcess``): where it listens, and how to stop it."""
+
+    port: int | None
+    socket_path: Path
+
+    def stop(self) -> None: ...
+
 
 FRONTDOOR = "frontdoor.json"
 LOG = "frontdoor.log"
@@ -187,7 +196,7 @@ def check(state_dir: Path) -> DoorInfo:
 @dataclass
 class FrontDoor:
     state_dir: Path
-    plane: ControlPlane | PlaneProcess  # in this process, or the supervisor's child
+    plane: ControlPlaneHandle  # in this process, or the supervisor's child
     envoy: Envoy
     detached: bool = False
 
