@@ -36,7 +36,7 @@ $(CHROMIUM):
 test: $(STAMP) $(CHROMIUM) typecheck
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=20 tests
 
 # The fast tier, under a minute: no Prefect server, no Envoy, no model-serving workload (the phases run
 # against fakes of the siblings' Protocols: tests/flows/test_phases.py). `make test` runs everything.
