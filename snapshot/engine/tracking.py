@@ -138,8 +138,11 @@ class Tracker:
 
 
 def devices(regions: list[RegionInfo]) -> list[str]:
-    """The devices the tensor regions live on (``cpu`` where there is none)."""
-    return sorted({r.device for r in regions if r.kind != "blob" and r.device}) or ["cpu"]
+    """The accelerators the tensor regions live on (what a restore onto other GPUs maps), or ``["cpu"]`` for a
+    workload on none. Host tensors beside GPU ones (an optimizer's ``step`` counters stay on the CPU) are not a
+    device of the rank: every host has a CPU, and naming it would pair a rank's CPU with another's GPU."""
+    found = {r.device for r in regions if r.kind != "blob" and r.device}
+    return sorted(found - {"cpu"}) or ["cpu"]
 
 
 def _region_fields(
