@@ -28,7 +28,7 @@ def commands(path: Path) -> list[list[str]]:
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
-            argv = shlex.split(line)
+            argv = shlex.split(line, comments=True)  # a trailing "# ..." is a comment, as in sh
             while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):  # VAR=value prefixes
                 argv.pop(0)
             out.append(argv)
