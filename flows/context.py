@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict
 
-from gpumigrate.bounds import TransferBounds
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows.report import Sample
 from gpumigrate.interfaces import Host, HostActions, ImageRef, Provider, SnapshotBackend
@@ -236,7 +235,7 @@ class RunContext:
             # the bounds reach each live pre-copy round's writer in the workload (gpumigrate/bounds.py)
             writer_options={
                 "compression": plan.transfer.compression,
-                **TransferBounds.from_plan(plan.transfer).options(),
+                **plan.transfer.bounds().options(),
             },
             policy=dict(plan.parity.environment),
             source_host=plan.workload.source_host,

@@ -16,10 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from gpumigrate.plan import Transfer
+from typing import Any, Literal
 
 PACING_MODES = ("adaptive", "off")
 Pacing = Literal["adaptive", "off"]
@@ -68,10 +65,6 @@ class TransferBounds:
             parse_rate(self.rate_limit)
         if self.pacing not in PACING_MODES:
             raise ValueError(f"pacing {self.pacing!r}: allowed are {', '.join(PACING_MODES)}")
-
-    @classmethod
-    def from_plan(cls, transfer: Transfer) -> TransferBounds:
-        return cls(transfer.parallelism, transfer.rate_limit, transfer.pacing)
 
     def share(self, parts: int) -> TransferBounds:
         """One of ``parts`` equal shares (ranks of one world on the same host): threads and bytes per second

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from gpumigrate.bounds import parse_rate
+from gpumigrate.bounds import TransferBounds, parse_rate
 from gpumigrate.errors import PlanError
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -477,6 +477,10 @@ class Transfer(_Model):
                 "stream://target / nixl://target (a receiver the flow starts on the target)"
             )
         return v
+
+    def bounds(self) -> TransferBounds:
+        """What a live capture round may take from its host (gpumigrate/bounds.py)."""
+        return TransferBounds(self.parallelism, self.rate_limit, self.pacing)
 
 
 class FieldCheck(_Model):

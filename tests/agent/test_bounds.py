@@ -59,7 +59,7 @@ def test_the_plans_parallelism_and_rate_limit_reach_the_capture(
     url, key_ref = store
     plan = Transfer(store=url, parallelism=THREADS, rate_limit="4MiB/s", pacing="off", compression="none")
     # what the flow sends with each round (flows/context.py builds the same from the plan)
-    options = {"compression": plan.compression, **TransferBounds.from_plan(plan).options()}
+    options = {"compression": plan.compression, **plan.bounds().options()}
     tensors = {f"w{i}": torch.randn(MiB // 4) for i in range(8)}  # eight chunks of 1 MiB
     handle = gm.attach(tensors)
     with AgentClient(handle.address) as c:

@@ -31,11 +31,11 @@ def test_a_bad_rate_says_what_is_allowed(text: object, says: str) -> None:
 
 def test_the_plan_gives_the_bounds_and_their_wire_form() -> None:
     plan = Transfer(store="file:///s", parallelism=8, rate_limit="2GB/s", pacing="adaptive")
-    bounds = TransferBounds.from_plan(plan)
+    bounds = plan.bounds()
     assert bounds == TransferBounds(8, 2_000_000_000, "adaptive")
     assert bounds.options() == {"parallelism": 8, "rate_limit": 2_000_000_000, "pacing": "adaptive"}
     assert TransferBounds.from_options({"compression": "auto", **bounds.options()}) == bounds
-    default = TransferBounds.from_plan(Transfer(store="file:///s"))
+    default = Transfer(store="file:///s").bounds()
     assert default == TransferBounds(4, None, "adaptive")  # the plan's defaults: 4 threads, no cap, adaptive
     assert default.options() == {"parallelism": 4, "pacing": "adaptive"}
 
