@@ -27,7 +27,7 @@ def test_every_public_name() -> None:
     from gpumigrate.agent.lightning import MigrationCallback
 
     functions = {gm.attach, gm.awaiting_restore, gm.current}
-    classes = {gm.Handle, gm.ReadinessMiddleware, gm.Step, gm.Unavailable, gm.AgentAddressError}
+    classes = {gm.Handle, gm.InFlight, gm.ReadinessMiddleware, gm.Step, gm.Unavailable, gm.AgentAddressError}
     assert {getattr(gm, name) for name in gm.__all__} == functions | classes  # the contract, nothing else
     assert all(callable(f) for f in functions) and all(isinstance(c, type) for c in classes)
     assert issubclass(gm.Unavailable, SnapshotError) and callable(MigrationCallback)
