@@ -107,15 +107,19 @@ class Run:
     key_ref: dict[str, str]
     options: dict[str, Any]
     fill: dict[str, str] = field(default_factory=dict)  # restore's "source" where the target fills from it
+    _grant: dict[str, str] | None = None  # the target's grant to ask the source to lend (snapshot/client.py)
 
     def precopy(self, source: Workload) -> dict[str, Any]:
         return dict(source.agent.call("precopy", store=self.store, key_ref=self.key_ref, options=self.options))
 
     def preload(self, target: Workload, image: str, *, ready: bool = False) -> dict[str, Any]:
+        fill: dict[str, Any] = dict(self.fill)
+        if "source" in fill:  # the source's lend key sealed to the target's agent, asked once (the flow does too)
+            if self._grant is None:
+                self._grant = target.agent.lend_grant(fill["source"])
+            fill["grant"] = self._grant
         return dict(
-            target.agent.call(
-                "restore", store=self.store, image_id=image, key_ref=self.key_ref, ready=ready, **self.fill
-            )
+            target.agent.call("restore", store=self.store, image_id=image, key_ref=self.key_ref, ready=ready, **fill)
         )
 
 
