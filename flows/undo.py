@@ -21,6 +21,7 @@ from gpumigrate.flows.context import RunContext
 from gpumigrate.flows.events import emit
 from gpumigrate.flows.freeze_lease import release
 from gpumigrate.infra.launch import answers
+from gpumigrate.interfaces import Host
 from gpumigrate.state import PHASES, Migration
 from gpumigrate.traffic import frontdoor
 from gpumigrate.traffic.frontdoor import traffic_to_source
@@ -158,6 +159,8 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
     reason = failure_reason(m, reason)
     rt = quietly("runtime", lambda: ctx.runtime)
     host = rt.target_host if rt is not None and not rt.target_torn_down else None
+    if host is None and rt is not None and not rt.target_torn_down:
+        host = quietly("find", lambda: _unrecorded_host(ctx))
     if host is not None:
         drained = quietly("drain", lambda: drain_target(ctx))
         if drained is not None:
@@ -179,6 +182,20 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
             quietly("record", lambda: emit(m, "rollback.target_teardown_failed", record))
     for name in PHASES[PHASES.index("provision") :]:
         quietly("state", partial(_mark_rolled_back, m, name))
+
+
+def _unrecorded_host(ctx: RunContext) -> Host | None:
+    """A target host the provision created but had not recorded yet (a stop signal between the two), found by the
+    migration id its provider keeps with it; None when provision never ran or the provider keeps no such id."""
+    from gpumigrate.infra.local import LocalProvider
+
+    provider = ctx.provider()
+    # Only the local provider lists its hosts with their migration; a cloud host created in that window is found by
+    # its tags (`gpumigrate hosts`, `gc`), not here.
+    if not isinstance(provider, LocalProvider) or ctx.migration.phase("provision").get("status") in (None, "pending"):
+        return None
+    mine = [h for h in provider.list_hosts() if (h.meta or {}).get("migration_id") == ctx.migration.id]
+    return mine[0] if mine else None
 
 
 def _stop_receiver(ctx: RunContext) -> None:
