@@ -85,7 +85,7 @@ def test_each_command_parses(argv: list[str]) -> None:
 
 def test_the_sections_say_what_a_new_user_had_to_guess() -> None:
     """Issue 35, findings 7 and 9: what the README used or needed without saying it."""
-    own, training = _section(SECTIONS[0]), _section(SECTIONS[1])
+    own, training = _section("## Migrate your own service"), _section("## Migrate a training job")
     assert "`{plan_dir}` (the\nfolder that holds the plan file)" in own  # the example's cwd used it unexplained
     assert "--health-path" in own  # what the front door checks, and how to change it on a running door
     assert "run_in_threadpool" in own and "`async` handler" in own  # safe points held out of the event loop

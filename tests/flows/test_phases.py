@@ -251,6 +251,10 @@ def plan_doc(source: Workload, **workload: Any) -> dict[str, Any]:
 def make_world(tmp_path: Path, doc: dict[str, Any], target: Workload, **backend: Any) -> World:
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(doc))
+    # A real source's SDK creates the state root's control key as it attaches; this fake source does not.
+    from gpumigrate import control
+
+    control.load_key(create=True)
     provider = FakeProvider(target.port)
     setups: list[Setup] = []
     fake = FakeBackend(Setup(store="file://x"), **backend)
