@@ -208,5 +208,5 @@ def test_a_missing_step_or_a_nan_fails() -> None:
     assert "case step-2: missing on the target" in compare_losses([1.0, 0.9, 0.8], [1.0, 0.9]).failures[0]
     nan = compare_losses([1.0, 0.9], [1.0, float("nan")])
     assert not nan.passed and "non-finite" in nan.failures[0]
-    with pytest.raises(InvalidInputError, match="target loss of step 1 is str"):
+    with pytest.raises(InvalidInputError, match="target loss of step-1 is str, not a number"):
         compare_losses([1.0, 0.9], [1.0, "0.9"])  # type: ignore[list-item]
