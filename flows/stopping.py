@@ -39,9 +39,10 @@ OVERRUN_S = 30.0  # more time for a rollback still running at the promise (see S
 FLOW_GRACE_S = 5.0  # the flow's own rollback gets this long to write the result before the watchdog acts
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 TERMINAL = ("completed", "rolled_back", "failed", "denied")
-# Prefect's loggers that report, with a traceback each, what cannot reach its API: after a signal to the process
-# group its ephemeral API is gone by design, and the migration's own record is our audit, not Prefect's events.
-QUIET_AFTER_SIGNAL = ("prefect.events", "prefect._internal.concurrency")
+# Prefect's loggers that report, with a traceback each, what cannot reach its API, and the task or flow run the
+# stop ended (its RunCancelled, raised through our phase code on purpose): after a signal to the process group its
+# ephemeral API is gone by design, and the migration's own record (audit, result, summary) says what happened.
+QUIET_AFTER_SIGNAL = ("prefect.events", "prefect._internal.concurrency", "prefect.task_runs", "prefect.flow_runs")
 
 _active: Stopper | None = None
 
