@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,9 @@ def main() -> None:
             try:
                 unharmed(src)
                 harmed = ""
-            except AssertionError as exc:
-                harmed = str(exc)[:300] or "the source is harmed"
+            except AssertionError as exc:  # the check that failed, as written, where the assertion says nothing
+                where = traceback.extract_tb(exc.__traceback__)[-1].line or ""
+                harmed = str(exc)[:300] or f"the source is harmed: {where}"
             report[phase] = {
                 "exit_s": round(stopped.seconds, 2),
                 "promise_s": EXIT_WITHIN_S,
