@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -23,7 +23,45 @@ from gpumigrate.interfaces import OutputComparator, ParityReport
 from gpumigrate.traffic.resources import PROBE_HEADER, SIDE_HEADER
 
 
-class Prober:
+class RoundLoop:
+    """A prober's thread: one round every ``every_s`` until stopped, then its client closes. A subclass sets
+    ``every_s``, ``_client`` (an httpx.Client), ``_stop`` and ``_thread`` in its constructor and defines
+    ``run_round``; ``THREAD_NAME`` names the thread."""
+
+    THREAD_NAME = "probes"
+    every_s: float
+    _client: httpx.Client
+    _stop: threading.Event
+    _thread: threading.Thread | None
+
+    def run_round(self) -> object:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.run_round()
+            self._stop.wait(max(0.0, self.every_s - (time.monotonic() - started)))
+        self._client.close()
+
+    def start(self) -> Self:
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=self.THREAD_NAME)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is None:
+            self._client.close()
+        else:
+            # A round stuck on a slow target must not delay the caller (a rollback result); the
+            # daemon thread ends after its current request times out.
+            self._thread.join(timeout=0.5)
+
+
+class Prober(RoundLoop):
+    THREAD_NAME = "parity-probes"
+
     def __init__(
         self,
         probe_url: str,
@@ -100,24 +138,3 @@ class Prober:
             if self._latest is None or self._latest[0] < newer_than:
                 return None
             return self._latest[1]
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self.run_round()
-            self._stop.wait(max(0.0, self.every_s - (time.monotonic() - started)))
-        self._client.close()
-
-    def start(self) -> Prober:
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="parity-probes")
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is None:
-            self._client.close()
-        else:
-            # A round stuck on a slow target must not delay the caller (a rollback result); the
-            # daemon thread ends after its current request times out.
-            self._thread.join(timeout=0.5)

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from gpumigrate.traffic.probes import RoundLoop
 from gpumigrate.traffic.resources import PROBE_HEADER, SIDE_HEADER
 
 KEPT = 2000  # timed streams kept per side
@@ -103,7 +104,9 @@ def _field(event: Any, path: str) -> Any:
     return event
 
 
-class StreamProber:
+class StreamProber(RoundLoop):
+    THREAD_NAME = "stream-probes"
+
     def __init__(
         self,
         probe_url: str,
@@ -201,22 +204,3 @@ class StreamProber:
         """Each side's streams that ended after ``newer_than`` (monotonic seconds)."""
         with self._lock:
             return {side: summarize([t for t in kept if t.at >= newer_than]) for side, kept in self._timings.items()}
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self.run_round()
-            self._stop.wait(max(0.0, self.every_s - (time.monotonic() - started)))
-        self._client.close()
-
-    def start(self) -> StreamProber:
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="stream-probes")
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is None:
-            self._client.close()
-        else:
-            self._thread.join(timeout=0.5)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,11 @@ import httpx
 import pytest
 import yaml
 
+from gpumigrate.traffic.envoy import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 KV = REPO / "tests" / "agent" / "kv_service.py"
 X = [0.1 * i for i in range(16)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

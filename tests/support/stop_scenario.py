@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 
 import httpx
 import yaml
+
+from gpumigrate.traffic.envoy import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 _EXE = Path(sys.executable).parent / "gpumigrate"
@@ -37,12 +38,6 @@ NO_AGENT = (
     "    def log_message(self, *a): pass\n"
     "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -69,7 +64,7 @@ def running_source(home: Path) -> Iterator[Source]:
     env.pop("GPUMIGRATE_AWAIT_RESTORE", None)
     key_file = home / "image.key"
     assert gm(cli, env, "image", "keygen", "--out", str(key_file)).returncode == 0
-    port, agent = _free_port(), f"127.0.0.1:{_free_port()}"
+    port, agent = free_port(), f"127.0.0.1:{free_port()}"
     with open(home / "source.log", "wb") as fh:
         proc = subprocess.Popen(
             [sys.executable, str(KV)], env={**env, "PORT": str(port), "GPUMIGRATE_AGENT_ADDR": agent},
