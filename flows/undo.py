@@ -12,6 +12,7 @@ meanwhile (:func:`rolled_back_or_not`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -28,6 +29,10 @@ from gpumigrate.traffic.frontdoor import traffic_to_source
 from gpumigrate.traffic.state import StateStore
 
 _log = logging.getLogger("gpumigrate.flows")
+# Held by provision from creating the target host until the runtime records it, and by an undo while it reads the
+# runtime's host: a stop's watchdog undoing from another thread then never misses a host created meanwhile.
+HOST_RECORD = threading.Lock()
+HOST_RECORD_WAIT_S = 5.0  # an undo waits this long for a provision in the middle of creating its host
 T = TypeVar("T")
 
 
@@ -157,10 +162,15 @@ def undo_target(ctx: RunContext, *, reason: str) -> None:
     host is torn down."""
     m = ctx.migration
     reason = failure_reason(m, reason)
-    rt = quietly("runtime", lambda: ctx.runtime)
-    host = rt.target_host if rt is not None and not rt.target_torn_down else None
-    if host is None and rt is not None and not rt.target_torn_down:
-        host = quietly("find", lambda: _unrecorded_host(ctx))
+    held = HOST_RECORD.acquire(timeout=HOST_RECORD_WAIT_S)
+    try:
+        rt = quietly("runtime", lambda: ctx.runtime)
+        host = rt.target_host if rt is not None and not rt.target_torn_down else None
+        if host is None and rt is not None and not rt.target_torn_down:
+            host = quietly("find", lambda: _unrecorded_host(ctx))
+    finally:
+        if held:
+            HOST_RECORD.release()
     if host is not None:
         drained = quietly("drain", lambda: drain_target(ctx))
         if drained is not None:

@@ -21,7 +21,7 @@ from gpumigrate import agent_keys, control
 from gpumigrate.errors import InvalidInputError
 from gpumigrate.flows import target_store
 from gpumigrate.flows.context import RunContext
-from gpumigrate.flows.undo import undo_target
+from gpumigrate.flows.undo import HOST_RECORD, undo_target
 from gpumigrate.infra import spec_from_plan
 from gpumigrate.infra.launch import serves_http, service_url
 from gpumigrate.infra.placement import place
@@ -37,15 +37,18 @@ def run(ctx: RunContext) -> dict[str, Any]:
     launch = target_launch(ctx) if ctx.backend().needs_launch else None
     provider = ctx.provider()
     spec = spec_from_plan(plan, migration_id=m.id, launch=launch)
-    host = place(
-        provider,
-        spec,
-        migration_id=m.id,
-        allowed_jurisdictions=plan.data.allowed_jurisdictions,
-        fallback_zones=plan.target.fallback_zones,
-        record=m.record,
-    )
-    ctx.update(target_host=host, target_torn_down=False, receiver_dir=None, receiver_stopped=False)  # undo from here
+    with HOST_RECORD:  # an undo from another thread (a stop's watchdog) waits until the host is recorded
+        host = place(
+            provider,
+            spec,
+            migration_id=m.id,
+            allowed_jurisdictions=plan.data.allowed_jurisdictions,
+            fallback_zones=plan.target.fallback_zones,
+            record=m.record,
+        )
+        ctx.update(
+            target_host=host, target_torn_down=False, receiver_dir=None, receiver_stopped=False
+        )  # undo from here
     host = provider.wait_ready(host, timeout_s=HOST_READY_TIMEOUT_S)
     if launch is not None:
         boot = plan.target.bootstrap
