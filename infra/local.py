@@ -423,8 +423,13 @@ class LocalProvider:
             _ATTACH_PIPES[str(workdir)] = write_fd
         _SUPERVISORS[str(workdir)] = proc
         rec["supervisor"] = {"pid": proc.pid, "socket": sock_name, "attached": self.attached}
-        atomic_write_json(workdir / "host.json", rec)
-        self.wait_ready(self.to_host(rec), timeout_s=60)
+        try:
+            atomic_write_json(workdir / "host.json", rec)
+            self.wait_ready(self.to_host(rec), timeout_s=60)
+        except BaseException:  # never ready, or interrupted (a stop signal): no half-launched host stays behind
+            with contextlib.suppress(Exception):
+                self._teardown(rec)
+            raise
         return rec
 
     def _teardown(self, rec: Mapping[str, Any]) -> None:
