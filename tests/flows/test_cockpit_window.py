@@ -74,7 +74,8 @@ def test_roll_back_from_the_run_page_during_the_rollback_window(
         summary = _latest_artifact(f"summary-{mid}")
         assert "data:image/png;base64," in summary.data and "file://" not in summary.data
         assert "Resume → roll back" in summary.data
-        assert "from Envoy's own stats" in summary.data
+        # The clients' figures and where they come from: the front door, for every request after the freeze.
+        assert "downtime (client-visible stall)" in summary.data and "through the front door" in summary.data
         target = st["runtime"]["target_endpoint"]
         clicked = time.time()
         resume_flow_run(st["flow_run_id"], run_input={"action": "roll back", "acting_as": "sre-ana", "reason": "p99"})
@@ -92,7 +93,7 @@ def test_roll_back_from_the_run_page_during_the_rollback_window(
     assert StateStore(source.door.state_dir).read().weights["source"] == 100.0
     assert not harness.serves(target) and harness.serves(source.door.url)
     # The clients never noticed the rollback: no request from the answer on failed (this test's subject; what
-    # clients saw during the ramp is the Envoy figures above).
+    # clients saw during the ramp is the front door's figures above).
     failed, total = report.count_between(clicked - (report.started_at or 0), float("inf"))
     assert total > 0 and failed == 0, (failed, total, report.errors)
     records = harness.events(source.home, mid)
