@@ -142,8 +142,12 @@ def _warm_capture(device: torch.device) -> None:
     from gpumigrate.transfer.writer import DEFAULT_CHUNK_SIZE
 
     chunk = chunk_size() or DEFAULT_CHUNK_SIZE
-    probe = torch.randn(chunk, device=device).to(torch.bfloat16)  # two chunks of bf16
-    tail = torch.randn(777, device=device).to(torch.bfloat16)  # one short chunk: the short-chunk fingerprint kernel
+    # A generator of its own: drawing from the device's default one would move the workload's random stream
+    # (its dropout masks, its sampling) by however far this thread ran, at whatever step it ran beside, so the
+    # job would no longer take the steps an unmigrated run takes.
+    own = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn(chunk, device=device, generator=own).to(torch.bfloat16)  # two chunks of bf16
+    tail = torch.randn(777, device=device, generator=own).to(torch.bfloat16)  # a short chunk: its own kernel
     with tempfile.TemporaryDirectory(prefix="gm-warm-") as where:
         engine = SnapshotEngine()
         try:

@@ -25,6 +25,21 @@ def test_the_warm_capture_runs_the_real_writer_and_leaves_no_store_behind(
     assert list(scratch.iterdir()) == []  # the probe's store is gone
 
 
+def test_the_warm_capture_draws_none_of_the_workloads_random_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It runs on a thread beside the job's first steps: a draw from the default generator would shift the job's
+    dropout masks and samples (a 2-rank DDP job on GPUs took other losses after its move than its control run)."""
+    from gpumigrate.agent import warmup
+
+    monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    torch.manual_seed(1234)
+    before = torch.get_rng_state().clone()
+    warmup._warm_capture(torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_captures_wait_for_the_warm_up_and_say_how_long(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpumigrate.agent import warmup
 
