@@ -31,8 +31,9 @@ runs. The last stdout line is one JSON object: ``figures`` holds the issue's tab
 its target and what it includes; the parts' raw numbers follow.
 
 ``--smoke`` (CI): the 2-rank parts on the CPU at 3 MB per rank (``ranks``, ``fill`` where NIXL is installed,
-``inference``, ``fsdp``); exits 1 unless the ranks came back where asked, the final rounds moved what a step rewrote
-(training) or what a request changed (inference), and the targets' next-step losses equal the sources'.
+``inference``, ``fsdp``); exits 1 unless the ranks came back where asked, each through the reader's direct placement,
+the final rounds moved what a step rewrote (training) or what a request changed (inference), and the targets'
+next-step losses equal the sources'.
 """
 
 from __future__ import annotations
@@ -192,9 +193,13 @@ class Bench:
             "capture_gbps_per_gpu": [
                 gbps(b, x["stats"]["seconds"]) for b, x in zip(per_rank, final["ranks"], strict=True)
             ],
+            # where each rank's final round went (hash, copy, seal, store, commit: the round's own clock)
+            "final_phases_per_rank": [x["stats"].get("phases") for x in final["ranks"]],
             "restore_s_per_rank": [round(x["seconds"], 3) for x in restored["ranks"]],
             "restore_gbps_per_gpu": [gbps(x["bytes_loaded"], x["seconds"]) for x in restored["ranks"]],
             "restore_phases_per_rank": [x.get("phases") for x in restored["ranks"]],
+            # "direct": the reader filled each tensor where it lives; "ring": chunk by chunk through the host ring
+            "restore_placement_per_rank": [x.get("placement") for x in restored["ranks"]],
             "freeze_ms": ms(t1 - t0),
             "final_ms": ms(t2 - t1),
             "compose_ms": ms(final["compose_seconds"]),
@@ -394,6 +399,7 @@ def figures(parts: dict[str, Any], n: int) -> dict[str, Any]:
         out["restore_per_gpu"] = {
             "gbps": many["restore_gbps_per_gpu"], "one_rank_gbps": base_r,
             "vs_one_rank": [round(x / base_r, 3) for x in many["restore_gbps_per_gpu"]], "target": ">= 0.8x",
+            "placement": many.get("restore_placement_per_rank"), "one_rank_placement": one.get("restore_placement_per_rank"),
         }  # fmt: skip
     st = parts.get("safetensors") or {}
     world = many or one
@@ -442,6 +448,8 @@ def smoke_failures(parts: dict[str, Any]) -> list[str]:
             wrong.append(f"{name}: the final round did not capture the state a training step rewrote")
         if part["losses"]["identical"] is not True:
             wrong.append(f"{name}: the target's next-step losses differ from the source's")
+        if part["restore_placement_per_rank"] != ["direct"] * part["ranks"]:  # a world image is no slower a format
+            wrong.append(f"{name}: a rank's restore did not land through the reader's direct placement")
     filled = parts["ranks"].get("fill")
     if filled is not None and not all(f and f["chunks"] > 0 for f in filled["from_source"]):
         wrong.append("fill: a target rank was not filled from its source rank's memory")

@@ -237,6 +237,7 @@ def restored_of(done: Mapping[str, Any]) -> Restored:
             "bytes_loaded": int(x["bytes_loaded"]),
             "seconds": round(float(x["seconds"]), 4),
             **({"phases": x["phases"]} if x.get("phases") else {}),
+            **({"placement": x["placement"]} if x.get("placement") else {}),
         }
         for r, x in enumerate(ranks)
     )

@@ -28,7 +28,7 @@ from gpumigrate.snapshot.engine.tracking import Tracker
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.fill import Filler, runs_of
-from gpumigrate.snapshot.pipeline import Job
+from gpumigrate.snapshot.pipeline import Job, reads_directly
 from gpumigrate.snapshot.worldimage import RankView, rank_reader
 
 
@@ -128,6 +128,10 @@ class Loader:
             "bytes_loaded": loaded,
             "chunks_loaded": sum(len(j) for j in plan.from_image.values()) + len(plan.from_source),
             "chunks_skipped": plan.skipped,
+            # how chunks read from the image landed: "direct" (the reader fills and verifies each tensor where it
+            # lives) or "ring" (chunk by chunk through the pipeline's host ring): a world's rank restores as directly
+            # as a process restoring its own image (issue 32)
+            "placement": "direct" if reads_directly(reader) else "ring",
             "ready": ready,
             "seconds": clock.seconds(),
             # where the seconds went: opening the reader (the manifest read and its signature checked), waiting
