@@ -1,5 +1,5 @@
 """The plan's ``traffic`` section: the ramp's stages, the gates each analysis interval is judged by, and
-the rollback window (traffic/ramp.py runs them)."""
+the rollback window (traffic/ramp/ runs them)."""
 
 from __future__ import annotations
 

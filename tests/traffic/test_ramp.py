@@ -287,5 +287,5 @@ def test_the_migrations_own_rollback_that_moved_traffic_first_reads_manual(light
     migration.request_rollback("operator typed gpumigrate rollback")
     rollback_to_source(light_env.state_dir, "rollback requested: operator typed gpumigrate rollback")
     with pytest.raises(RolledBack) as raised:
-        ctl._apply(5.0)
+        ctl.steer.apply(5.0)
     assert raised.value.trigger == "manual" and "operator typed gpumigrate rollback" in raised.value.reason

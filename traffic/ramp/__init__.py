@@ -17,7 +17,8 @@ listener's counters several times a second, so every ramp's result carries what 
 (requests, failures, p99, downtime: :class:`~gpumigrate.traffic.stats.ClientFigures`).
 
     settings.py    RampSettings (from the plan's traffic section)
-    controller.py  RampController: the stage loop, the weights and the lease
+    controller.py  RampController: the stage loop
+    steering.py    its hold on the split: the weights, the traffic lease, Envoy's stats, rollback signals
     judgement.py   the window each interval is judged over; when a stage passes or the ramp ends
     records.py     Sample, StageRecord, RampResult; ramp.json, the live progress (PROGRESS_FILE)
     figures.py     what clients saw, sampled from every Envoy on a thread of its own

@@ -1,10 +1,8 @@
 """The ramp's stage loop: measure the source alone, wait until Envoy sees the target healthy, then for each stage
-write its weights, read Envoy's stats every interval, have them judged (judgement.py), record each interval
-(records.py), and on a failed gate, a rollback request or a rollback from outside, send everything back to the
-source in one state version (= one RDS update) and wait for Envoy's ACK.
-
-It renews the traffic lease from this loop itself, never from a helper thread, so a controller that hangs stops
-renewing and the control plane takes the split back by itself.
+write its weights, read Envoy's stats every interval, have them judged (judgement.py) and record each interval
+(records.py); on a failed gate, a rollback request or a rollback from outside, everything goes back to the
+source in one state version (= one RDS update), and the loop waits for Envoy's ACK. Every write and read of the
+split, and the traffic lease, go through :class:`~gpumigrate.traffic.ramp.steering.Steering`.
 """
 
 from __future__ import annotations
@@ -30,8 +28,9 @@ from gpumigrate.traffic.ramp.judgement import (
 )
 from gpumigrate.traffic.ramp.records import RampResult, Sample, StageRecord, write_progress
 from gpumigrate.traffic.ramp.settings import RampSettings
-from gpumigrate.traffic.state import StateStore, rollback_to_source, split
-from gpumigrate.traffic.stats import StatsSnapshot, merge, parse_stats, window
+from gpumigrate.traffic.ramp.steering import Steering
+from gpumigrate.traffic.state import StateStore
+from gpumigrate.traffic.stats import StatsSnapshot, window
 from gpumigrate.traffic.streamprobe import StreamProber, StreamWindow
 
 
@@ -53,92 +52,27 @@ class RampController:
         on_interval: Callable[[Sample], None] | None = None,
         lease_holder: str | None = None,
     ) -> None:
-        self.store = StateStore(state_dir)
-        self.admins = [EnvoyAdmin(u) for u in admin_urls]
+        self.steer = Steering(
+            StateStore(state_dir),
+            [EnvoyAdmin(u) for u in admin_urls],
+            settings,
+            nodes=nodes or [],
+            source=source,
+            target=target,
+            rollback_signal=rollback_signal,
+            lease_holder=lease_holder or f"ramp pid {os.getpid()} on {socket.gethostname()}",
+        )
         self.settings = settings
-        self.nodes = nodes or []
         self.source, self.target = source, target
         self.prober = prober
         self.stream_prober = stream_prober  # streamed requests: time to first token, inter-token gaps (per side)
-        self.rollback_signal = rollback_signal
         self.on_interval = on_interval
         self.samples: list[Sample] = []
         self.stages: list[StageRecord] = []
         self.baseline_p99: float | None = None
-        self._t0 = 0.0
-        self._weight = 0.0
-        self._failover = True
-        self.lease_holder = lease_holder or f"ramp pid {os.getpid()} on {socket.gethostname()}"
-        self._lease_seq = 0
-        self._renewed_at = -1e9
         self._skipped = 0  # stages a resumed ramp finds already behind it
 
-    # -- plumbing ---------------------------------------------------------------------
-    def _now(self) -> float:
-        return time.monotonic() - self._t0
-
-    def _snapshot(self) -> StatsSnapshot:
-        ups = [self.source, self.target]
-        return merge(
-            [parse_stats(a.stats(ups), ups, ts=time.monotonic(), failover=self._failover) for a in self.admins]
-        )
-
-    def _renew(self) -> None:
-        """Renew the traffic lease when half an interval has passed since the last renewal. Called from
-        the controller's own loop (never a helper thread), so a hung controller stops renewing too."""
-        now = time.monotonic()
-        if now - self._renewed_at < self.settings.interval_s / 2:
-            return
-        self._lease_seq += 1
-        try:
-            self.store.renew_lease(
-                self.lease_holder,
-                interval_s=self.settings.interval_s,
-                length_s=self.settings.lease_s,
-                seq=self._lease_seq,
-            )
-            self._renewed_at = now
-        except OSError:  # unrenewed, the lease lapses and the control plane returns traffic: the safe side
-            pass
-
-    def _apply(self, weight: float) -> None:
-        self._renew()
-        try:
-            state = self.store.set_weights(split(self.source, self.target, weight))
-        except TrafficError as exc:  # someone rolled back from outside between two intervals
-            self._check_signals()  # the migration's own rollback request (it moves traffic first) reads as manual
-            raise RolledBack(str(exc), "external", None) from None
-        self._weight = weight
-        if self.nodes:
-            self.store.wait_applied(
-                state.version, self.nodes, timeout_s=self.settings.apply_timeout_s, tick=self._renew
-            )
-
-    def _check_signals(self) -> None:
-        if self.rollback_signal is not None:
-            sig = self.rollback_signal()
-            if sig:
-                why = sig.get("reason") if isinstance(sig, dict) else None
-                asked = sig.get("ts") if isinstance(sig, dict) else None
-                # The request's own timestamp (Migration.request_rollback writes one) gives request → action.
-                since = (
-                    time.monotonic() - max(0.0, time.time() - float(asked)) if isinstance(asked, int | float) else None
-                )
-                raise RolledBack(f"manual rollback: {why or 'requested'}", "manual", since)
-        state = self.store.read()
-        if state.rolled_back:
-            raise RolledBack(
-                f"rolled back from outside: {state.rolled_back.get('reason')}", *rolled_back_outside(state)
-            )
-
-    def _sleep_to(self, deadline: float) -> None:
-        while True:
-            self._renew()
-            left = deadline - self._now()
-            if left <= 0:
-                return
-            time.sleep(min(left, 0.05))
-
+    # -- what it records ---------------------------------------------------------------
     def _record(
         self,
         stage: int,
@@ -151,10 +85,10 @@ class RampController:
         per = {u: w.to_json() for u, w in window(prev, cur).items()}
         for side, figures in zip((self.source, self.target), streams or (), strict=False):
             per.setdefault(side, {})["streams"] = figures.to_json()
-        sample = Sample(self._now(), time.time(), stage, self._weight, per, window_s, analysis.to_json())
+        sample = Sample(self.steer.now(), time.time(), stage, self.steer.weight, per, window_s, analysis.to_json())
         self.samples.append(sample)
         self._progress("running", sample)
-        self._renew()  # between the blocking steps of an interval too, not only while it sleeps
+        self.steer.renew()  # between the blocking steps of an interval too, not only while it sleeps
         if self.on_interval is not None:
             try:
                 self.on_interval(sample)
@@ -163,18 +97,18 @@ class RampController:
         return sample
 
     def _progress(self, status: str, sample: Sample | None, **extra: Any) -> None:
-        write_progress(self.store.dir, status, self._weight, sample, **extra)
+        write_progress(self.steer.store.dir, status, self.steer.weight, sample, **extra)
 
     # -- phases -----------------------------------------------------------------------
     def _baseline(self) -> None:
         """Measure the source alone before any traffic moves: its p99 is the latency baseline."""
         g = self.settings.gates
-        start = self._snapshot()
+        start = self.steer.snapshot()
         prev = start
         for _ in range(self.settings.baseline_intervals):
-            self._sleep_to(self._now() + self.settings.interval_s)
-            self._check_signals()
-            cur = self._snapshot()
+            self.steer.sleep_to(self.steer.now() + self.settings.interval_s)
+            self.steer.check_signals()
+            cur = self.steer.snapshot()
             src = window(start, cur)[self.source]
             if src.requests >= g.min_requests and src.p99_ms is not None:
                 self.baseline_p99 = src.p99_ms
@@ -183,25 +117,25 @@ class RampController:
 
     def _stage(self, index: int, weight: float, hold_s: float) -> None:
         s = self.settings
-        rec = StageRecord(index, weight, hold_s, self._now())
+        rec = StageRecord(index, weight, hold_s, self.steer.now())
         self.stages.append(rec)
-        self._apply(weight)
+        self.steer.apply(weight)
         started = time.monotonic()
         judge = StageJudge(rec, s, started)
-        snaps = [self._snapshot()]
-        next_tick = self._now() + s.interval_s
+        snaps = [self.steer.snapshot()]
+        next_tick = self.steer.now() + s.interval_s
         while True:
-            self._sleep_to(next_tick)
+            self.steer.sleep_to(next_tick)
             next_tick += s.interval_s
-            self._check_signals()
+            self.steer.check_signals()
             try:
-                snaps.append(self._snapshot())
+                snaps.append(self.steer.snapshot())
                 if len(snaps) > 600:  # bound memory on long holds; keep the stage's first snapshot
                     del snaps[1]
             except TrafficError as exc:  # an unreadable admin makes this interval inconclusive, not a pass
                 self.samples.append(
                     Sample(
-                        self._now(),
+                        self.steer.now(),
                         time.time(),
                         index,
                         weight,
@@ -229,7 +163,7 @@ class RampController:
             )
             self._record(index, snaps[-2], snaps[-1], window_s, a, streams)
             if judge.passed(a, window_s):
-                rec.outcome, rec.ended_t = "passed", self._now()
+                rec.outcome, rec.ended_t = "passed", self.steer.now()
                 return
 
     def _streams(self, since: float) -> tuple[StreamWindow, StreamWindow] | None:
@@ -248,47 +182,44 @@ class RampController:
         clients at the first stage. ``healthy`` is None where Envoy reports no membership (nothing to
         wait for); a target that never passes is a failed ramp, rolled back before any client sees it.
         """
-        give_up = self._now() + max(self.settings.target_healthy_wait_s, 3 * self.settings.interval_s)
+        give_up = self.steer.now() + max(self.settings.target_healthy_wait_s, 3 * self.settings.interval_s)
         while True:
-            self._check_signals()
-            healthy = self._snapshot().clusters.get(self.target)
+            self.steer.check_signals()
+            healthy = self.steer.snapshot().clusters.get(self.target)
             if healthy is None or healthy.healthy is None or healthy.healthy >= 1:
                 return
-            if self._now() >= give_up:
+            if self.steer.now() >= give_up:
                 raise RolledBack(
                     "the target never passed Envoy's health check; no traffic was moved to it",
                     "target_unhealthy",
                     None,
                 )
-            self._sleep_to(self._now() + 0.1)
+            self.steer.sleep_to(self.steer.now() + 0.1)
 
     def run(self) -> RampResult:
-        self._t0 = time.monotonic()
-        state = self.store.read()
-        self._weight = state.weights.get(self.target, 0.0)
-        self._failover = state.failover
-        self._skipped = sum(1 for weight, _ in self.settings.stages if weight < self._weight)  # resumed
-        self._renew()  # a resumed ramp takes the lease over at once: the split it finds is its own now
-        sampler = ClientFiguresSampler([a.url for a in self.admins], self.settings.figures_every_s).start()
+        state = self.steer.begin()
+        self._skipped = sum(1 for weight, _ in self.settings.stages if weight < self.steer.weight)  # resumed
+        self.steer.renew()  # a resumed ramp takes the lease over at once: the split it finds is its own now
+        sampler = ClientFiguresSampler([a.url for a in self.steer.admins], self.settings.figures_every_s).start()
         if self.prober is not None:
-            if self._weight <= 0:
+            if self.steer.weight <= 0:
                 # Warm the target's model and Envoy's connections to it through the probe route,
                 # so the first users at 1% do not pay for a cold start.
                 self.prober.run_round()
             self.prober.start()
         if self.stream_prober is not None:
-            if self._weight <= 0:
+            if self.steer.weight <= 0:
                 self.stream_prober.run_round()  # warm, as the parity probes do
             self.stream_prober.start()
         result: RampResult
         try:
             if state.rolled_back:
                 raise RolledBack(f"already rolled back: {state.rolled_back.get('reason')}", *rolled_back_outside(state))
-            if self._weight <= 0:
+            if self.steer.weight <= 0:
                 self._baseline()
                 self._await_target_healthy()
             for i, (weight, hold) in enumerate(self.settings.stages):
-                if weight < self._weight:
+                if weight < self.steer.weight:
                     continue  # resumed: stages already behind us
                 self._stage(i, weight, hold)
             self._progress("completed", self.samples[-1] if self.samples else None)
@@ -297,8 +228,8 @@ class RampController:
                 self.stages,
                 self.samples,
                 self.baseline_p99,
-                seconds=self._now(),
-                final_weight=self._weight,
+                seconds=self.steer.now(),
+                final_weight=self.steer.weight,
                 progress_pct=100.0,
             )
         except RolledBack as rb:
@@ -312,10 +243,10 @@ class RampController:
                 self.prober.stop()
             if self.stream_prober is not None:
                 self.stream_prober.stop()
-            for admin in self.admins:
+            for admin in self.steer.admins:
                 admin.close()
             figures = sampler.stop()
-            self.store.release_lease(self.lease_holder)
+            self.steer.store.release_lease(self.steer.lease_holder)
         result.figures = figures
         if self.stream_prober is not None:
             result.streams = {side: w.to_json() for side, w in self.stream_prober.window().items()}
@@ -323,21 +254,11 @@ class RampController:
 
     def _roll_back(self, rb: RolledBack) -> RampResult:
         decided = time.monotonic()
-        rollback_to_source(self.store.dir, rb.reason, actor="gpumigrate-ramp")
-        rolled_at = time.time()
-        applied: float | None = None
-        try:
-            state = self.store.read()
-            if self.nodes:
-                self.store.wait_applied(state.version, self.nodes, timeout_s=self.settings.apply_timeout_s)
-            applied = round(time.monotonic() - decided, 3)
-        except TrafficError:
-            applied = None  # written; Envoy picks it up when the control plane is back
-        self._weight = 0.0
+        rolled_at, applied = self.steer.return_to_source(rb.reason, decided)
         for rec in self.stages:
             if rec.outcome == "running":
                 rec.outcome = "rolled_back"
-            rec.ended_t = rec.ended_t or self._now()
+            rec.ended_t = rec.ended_t or self.steer.now()
         passed = self._skipped + sum(1 for rec in self.stages if rec.outcome == "passed")
         detect = None if rb.detect_from is None else decided - rb.detect_from
         self._progress("rolled_back", self.samples[-1] if self.samples else None, reason=rb.reason, trigger=rb.trigger)
@@ -351,7 +272,7 @@ class RampController:
             seconds_to_detect=detect,
             rolled_back_at=rolled_at,
             rollback_applied_s=applied,
-            seconds=self._now(),
+            seconds=self.steer.now(),
             final_weight=0.0,
             progress_pct=100.0 * passed / max(1, len(self.settings.stages)),
         )
