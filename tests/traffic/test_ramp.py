@@ -277,7 +277,7 @@ def test_the_migrations_own_rollback_that_moved_traffic_first_reads_manual(light
     """`gpumigrate rollback` moves traffic before the flow's ramp sees the request (issue 35, finding 5): when that
     lands between an interval's check and the next stage's weights, the ramp still says manual, not "external"."""
     from gpumigrate.state import Migration
-    from gpumigrate.traffic.ramp import _RolledBack
+    from gpumigrate.traffic.ramp.judgement import RolledBack
     from gpumigrate.traffic.state import rollback_to_source
 
     migration = Migration.create("m-traffic-first", "workload: x\n")
@@ -286,6 +286,6 @@ def test_the_migrations_own_rollback_that_moved_traffic_first_reads_manual(light
                          rollback_signal=lambda: migration.rollback_requested())  # fmt: skip
     migration.request_rollback("operator typed gpumigrate rollback")
     rollback_to_source(light_env.state_dir, "rollback requested: operator typed gpumigrate rollback")
-    with pytest.raises(_RolledBack) as raised:
-        ctl._apply(5.0)
+    with pytest.raises(RolledBack) as raised:
+        ctl.steer.apply(5.0)
     assert raised.value.trigger == "manual" and "operator typed gpumigrate rollback" in raised.value.reason
