@@ -24,7 +24,9 @@ token shows in both), the stop-and-copy downtime (freeze → target restored and
 inter-token gap any client saw during the migration (vs the downtime + 50 ms and vs 150 ms), the p99 inter-token
 gap over the whole migration vs the p99 before it (target ≤ 1.5x), the gaps of each phase apart
 (``gaps_by_phase``: each pre-copy round's capture, the target's pre-load of it, the stop-and-copy, the hand-over and
-the second after it), and the **re-prefill baseline** from the same
+the second after it), the source engine's steps in each of those phases (``engine_by_phase``: mean step time and the
+share of it the engine's thread was on a CPU: a step waiting for the GIL sleeps, one waiting for the device spins),
+and the **re-prefill baseline** from the same
 run: each request as a replay-based system would resume it on a fresh target (its prompt plus the tokens it had at
 the freeze, as one new prompt, all replayed at once on the target once the streams ended), timed to its first
 token. ``--parallelism`` and ``--pacing`` are the plan's bounds, sent with each pre-copy round as the flow sends
@@ -176,6 +178,20 @@ def run_streams(server: Server, texts: list[str], tokens: int) -> tuple[list[Str
     return streams, threads
 
 
+def engine_sample(server: Server) -> tuple[float, int, float, float]:
+    """(monotonic, steps, every step's wall seconds, their engine-thread CPU seconds) as the server's engine has them."""
+    got = httpx.get(server.url + "/v1/engine", timeout=60, trust_env=False).json()
+    return time.monotonic(), int(got["steps"]), float(got["step_s_total"]), float(got["step_cpu_s_total"])
+
+
+def engine_between(a: tuple[float, int, float, float], b: tuple[float, int, float, float]) -> dict[str, Any]:
+    """The engine's steps between two samples: how many, their mean wall time, and the share of it its thread was on
+    a CPU (a GIL wait sleeps; a device wait spins, on a host with a core to spare)."""
+    steps, wall, cpu = b[1] - a[1], b[2] - a[2], b[3] - a[3]
+    return {"steps": steps, "step_ms": round(wall * 1000 / steps, 2) if steps else None,
+            "cpu_share": round(cpu / wall, 3) if wall > 0 else None}  # fmt: skip
+
+
 def gaps_between(streams: list[Stream], start: float, end: float) -> list[float]:
     """Every gap between two events of one stream whose later event arrived in [start, end], in ms."""
     return [(b - a) * 1000 for s in streams for a, b in zip(s.times, s.times[1:], strict=False) if start <= b <= end]
@@ -209,9 +225,10 @@ def migrate(args: argparse.Namespace, store_dir: Path) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the streams did not all start decoding")
             time.sleep(0.01)
-        t_decoding = time.monotonic()
+        t_decoding, steady = time.monotonic(), engine_sample(source)
         time.sleep(args.before_s)
         out.update(move(args, source, target, store, key_ref))
+        first, engine_phases = out.pop("_engine")
         t_begin, t_end = out.pop("_t_begin"), out.pop("_t_end")
         at_freeze = out.pop("_t_freeze")
         phases = out.pop("_phases")
@@ -236,6 +253,8 @@ def migrate(args: argparse.Namespace, store_dir: Path) -> dict[str, Any]:
             itl_p99_migration_ms=p99(during),
             itl_p99_ratio=_ratio(p99(during), p99(before)),
             gaps_by_phase={name: _gap_figures(gaps_between(streams, a, b)) for name, a, b in phases},
+            engine_by_phase={"before": engine_between(steady, first)}
+            | {name: engine_between(a, b) for name, a, b in engine_phases},
             gaps_include="between two token events of one stream as its client read them; 'migration': events "
             "arriving from the first pre-copy round until 1 s after the hand-over, 'before': the steady state before",
             targets={
@@ -264,17 +283,23 @@ def move(
     """The migration's snapshot, restore and hand-over, through the agents, timed."""
     out: dict[str, Any] = {"_t_begin": time.monotonic()}
     rounds, phases = [], []
+    first = last = engine_sample(source)  # the source's engine at each phase's ends
+    engine_phases = []
     options = {k: v for k, v in (("parallelism", args.parallelism), ("pacing", args.pacing)) if v}  # the plan's bounds
     for n in range(1, args.rounds + 1):
         t0, began = time.perf_counter(), time.monotonic()
         r = source.agent.request_precopy(store, key_ref, options=options)
-        captured = time.monotonic()
+        captured, at_captured = time.monotonic(), engine_sample(source)
         pre = target.agent.request_restore(store, r.image.id, key_ref, ready=False)
+        preloaded = engine_sample(source)
+        engine_phases += [(f"capture_{n}", last, at_captured), (f"preload_{n}", at_captured, preloaded)]
+        last = preloaded
         phases += [(f"capture_{n}", began, captured), (f"preload_{n}", captured, time.monotonic())]
         rounds.append({"bytes_dirty": r.stats.bytes_dirty, "chunks_dirty": r.stats.chunks_dirty,
                        "seconds": round(r.stats.seconds, 3), "preload_s": round(pre.seconds, 3),
                        "wall_s": round(time.perf_counter() - t0, 3), "pacing": r.stats.pacing})  # fmt: skip
     out["precopy"] = rounds
+    out["_engine"] = (first, engine_phases)
     t_freeze = time.monotonic()
     out["_t_freeze"] = t_freeze
     source.agent.request_freeze(lease_s=120)
