@@ -46,14 +46,14 @@ class Side:
         self.engine.close()
 
 
-def _side(store: Path, *, target: bool) -> Side:
+def _side(store: Path, *, target: bool, device: str = "cpu") -> Side:
     def writer(store_url: str, key_ref: Any, parent: str | None, **_: Any) -> ImageWriter:
         return transfer.open_writer(store_url, key=KEY, parent=parent, chunk_size=CHUNK, parallelism=2)
 
     def reader(store_url: str, image_id: str, key_ref: Any) -> ImageReader:
         return transfer.open_reader(store_url, image_id, key=KEY)
 
-    model = build_model(0, "tiny", load_weights=not target)
+    model = build_model(0, "tiny", device=device, load_weights=not target)
     e = engine(model)
     gate = SafePointGate(ready=not target)
     e.step_guard = lambda: gate.safe_point(None)
@@ -69,6 +69,14 @@ def _side(store: Path, *, target: bool) -> Side:
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Side, Side, str]]:
     source, target = _side(tmp_path, target=False), _side(tmp_path, target=True)
+    yield source, target, f"file://{tmp_path / 'store'}"
+    source.close()
+    target.close()
+
+
+@pytest.fixture
+def cuda_pair(tmp_path: Path) -> Iterator[tuple[Side, Side, str]]:
+    source, target = _side(tmp_path, target=False, device="cuda"), _side(tmp_path, target=True, device="cuda")
     yield source, target, f"file://{tmp_path / 'store'}"
     source.close()
     target.close()
@@ -183,7 +191,16 @@ def test_the_engine_decodes_through_a_live_round_and_the_final_round_ships_what_
     """Only the freeze stops decoding: while a live round is in progress (inside it, at its written-ranges report,
     the workload's own callable) the engine takes further steps; the frozen round sees none. The rows those steps
     wrote after the live round took its ranges reach the target through the final round, bit for bit."""
-    source, target, store = pair
+    _decode_through_a_live_round(*pair)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_decodes_through_a_live_round(cuda_pair: tuple[Side, Side, str]) -> None:
+    """The same on a GPU, where the round waits for the device (``settle``) and copies beside the decode kernels."""
+    _decode_through_a_live_round(*cuda_pair)
+
+
+def _decode_through_a_live_round(source: Side, target: Side, store: str) -> None:
     src = source.engine
     submit_all(src, jobs(4, tokens=300))
     wait_for(lambda: src.steps >= 3, "the source to decode")
