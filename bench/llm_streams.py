@@ -2,7 +2,7 @@
 
     python bench/llm_streams.py --json [--size 1b] [--device cuda] [--dtype bfloat16] [--streams 64]
         [--prompt-min 1024] [--prompt-max 4096] [--tokens 768] [--chunk-mb 1] [--runs disk,shm] [--root DIR]
-        [--out FILE]
+        [--target-gpu N] [--parallelism N] [--pacing adaptive|off] [--out FILE]
     python bench/llm_streams.py --smoke      # the tiny config on the CPU; exit 1 unless every check holds
 
 Two reference LLM servers (``python -m gpumigrate.workloads.llm``), each started through the one launcher
@@ -22,10 +22,16 @@ Reported, every figure beside what it includes: streams broken (an error event, 
 text differs from the control run's or whose ``usage.completion_tokens`` is not ``--tokens`` (a lost or repeated
 token shows in both), the stop-and-copy downtime (freeze → target restored and ready) and its parts, the largest
 inter-token gap any client saw during the migration (vs the downtime + 50 ms and vs 150 ms), the p99 inter-token
-gap over the whole migration vs the p99 before it (target ≤ 1.5x), and the **re-prefill baseline** from the same
+gap over the whole migration vs the p99 before it (target ≤ 1.5x), the gaps of each phase apart
+(``gaps_by_phase``: each pre-copy round's capture, the target's pre-load of it, the stop-and-copy, the hand-over and
+the second after it), the source engine's steps in each of those phases (``engine_by_phase``: mean step time and the
+share of it the engine's thread was on a CPU: a step waiting for the GIL sleeps, one waiting for the device spins),
+and the **re-prefill baseline** from the same
 run: each request as a replay-based system would resume it on a fresh target (its prompt plus the tokens it had at
 the freeze, as one new prompt, all replayed at once on the target once the streams ended), timed to its first
-token. The last stdout line is one JSON object.
+token. ``--parallelism`` and ``--pacing`` are the plan's bounds, sent with each pre-copy round as the flow sends
+them; ``--target-gpu`` starts the target on another GPU of the host (by default it shares the source's). The last
+stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ from gpumigrate.settings import state_root
 from gpumigrate.snapshot.client import AgentClient
 
 KEY_ENV = "GM_LLM_BENCH_IMAGE_KEY"
+CONFIG_KEYS = ("size", "dtype", "streams", "prompt_min", "prompt_max", "tokens", "rounds", "chunk_mb", "target_gpu",
+               "parallelism", "pacing")  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -99,6 +107,8 @@ def launch(args: argparse.Namespace, *, await_restore: bool) -> WorkloadLaunch:
     argv += ("--name", "{name}", "--size", args.size, "--device", args.device, "--dtype", args.dtype)
     argv += ("--slots", str(args.streams + args.spare_slots), "--max-context", str(args.prompt_max + args.tokens + 8))
     env = {"OMP_NUM_THREADS": str(args.threads)}
+    if await_restore and args.target_gpu is not None:  # the target on a GPU of its own (the source keeps the first)
+        env["CUDA_VISIBLE_DEVICES"] = str(args.target_gpu)
     if args.chunk_mb:
         env["GPUMIGRATE_SNAPSHOT_CHUNK_MB"] = str(args.chunk_mb)
     contract = {"GPUMIGRATE_HOME": str(state_root()), **({AWAIT_RESTORE_ENV: "1"} if await_restore else {})}
@@ -168,6 +178,20 @@ def run_streams(server: Server, texts: list[str], tokens: int) -> tuple[list[Str
     return streams, threads
 
 
+def engine_sample(server: Server) -> tuple[float, int, float, float]:
+    """(monotonic, steps, every step's wall seconds, their engine-thread CPU seconds) as the server's engine has them."""
+    got = httpx.get(server.url + "/v1/engine", timeout=60, trust_env=False).json()
+    return time.monotonic(), int(got["steps"]), float(got["step_s_total"]), float(got["step_cpu_s_total"])
+
+
+def engine_between(a: tuple[float, int, float, float], b: tuple[float, int, float, float]) -> dict[str, Any]:
+    """The engine's steps between two samples: how many, their mean wall time, and the share of it its thread was on
+    a CPU (a GIL wait sleeps; a device wait spins, on a host with a core to spare)."""
+    steps, wall, cpu = b[1] - a[1], b[2] - a[2], b[3] - a[3]
+    return {"steps": steps, "step_ms": round(wall * 1000 / steps, 2) if steps else None,
+            "cpu_share": round(cpu / wall, 3) if wall > 0 else None}  # fmt: skip
+
+
 def gaps_between(streams: list[Stream], start: float, end: float) -> list[float]:
     """Every gap between two events of one stream whose later event arrived in [start, end], in ms."""
     return [(b - a) * 1000 for s in streams for a, b in zip(s.times, s.times[1:], strict=False) if start <= b <= end]
@@ -201,11 +225,13 @@ def migrate(args: argparse.Namespace, store_dir: Path) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the streams did not all start decoding")
             time.sleep(0.01)
-        t_decoding = time.monotonic()
+        t_decoding, steady = time.monotonic(), engine_sample(source)
         time.sleep(args.before_s)
         out.update(move(args, source, target, store, key_ref))
+        first, engine_phases = out.pop("_engine")
         t_begin, t_end = out.pop("_t_begin"), out.pop("_t_end")
         at_freeze = out.pop("_t_freeze")
+        phases = out.pop("_phases")
         for t in threads:
             t.join()
         broken = [s.error or "no [DONE]" for s in streams if s.error or not s.done]
@@ -226,6 +252,9 @@ def migrate(args: argparse.Namespace, store_dir: Path) -> dict[str, Any]:
             itl_p99_before_ms=p99(before),
             itl_p99_migration_ms=p99(during),
             itl_p99_ratio=_ratio(p99(during), p99(before)),
+            gaps_by_phase={name: _gap_figures(gaps_between(streams, a, b)) for name, a, b in phases},
+            engine_by_phase={"before": engine_between(steady, first)}
+            | {name: engine_between(a, b) for name, a, b in engine_phases},
             gaps_include="between two token events of one stream as its client read them; 'migration': events "
             "arriving from the first pre-copy round until 1 s after the hand-over, 'before': the steady state before",
             targets={
@@ -253,15 +282,24 @@ def move(
 ) -> dict[str, Any]:
     """The migration's snapshot, restore and hand-over, through the agents, timed."""
     out: dict[str, Any] = {"_t_begin": time.monotonic()}
-    rounds = []
-    for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        r = source.agent.request_precopy(store, key_ref)
+    rounds, phases = [], []
+    first = last = engine_sample(source)  # the source's engine at each phase's ends
+    engine_phases = []
+    options = {k: v for k, v in (("parallelism", args.parallelism), ("pacing", args.pacing)) if v}  # the plan's bounds
+    for n in range(1, args.rounds + 1):
+        t0, began = time.perf_counter(), time.monotonic()
+        r = source.agent.request_precopy(store, key_ref, options=options)
+        captured, at_captured = time.monotonic(), engine_sample(source)
         pre = target.agent.request_restore(store, r.image.id, key_ref, ready=False)
+        preloaded = engine_sample(source)
+        engine_phases += [(f"capture_{n}", last, at_captured), (f"preload_{n}", at_captured, preloaded)]
+        last = preloaded
+        phases += [(f"capture_{n}", began, captured), (f"preload_{n}", captured, time.monotonic())]
         rounds.append({"bytes_dirty": r.stats.bytes_dirty, "chunks_dirty": r.stats.chunks_dirty,
                        "seconds": round(r.stats.seconds, 3), "preload_s": round(pre.seconds, 3),
-                       "wall_s": round(time.perf_counter() - t0, 3)})  # fmt: skip
+                       "wall_s": round(time.perf_counter() - t0, 3), "pacing": r.stats.pacing})  # fmt: skip
     out["precopy"] = rounds
+    out["_engine"] = (first, engine_phases)
     t_freeze = time.monotonic()
     out["_t_freeze"] = t_freeze
     source.agent.request_freeze(lease_s=120)
@@ -275,6 +313,11 @@ def move(
     handed = source.agent.request_hand_over(target.url)
     t_handed = time.monotonic()
     out["_t_end"] = t_handed + 1.0
+    out["_phases"] = [
+        *phases,
+        ("stop_and_copy", t_freeze, t_ready),
+        ("hand_over_and_1s_after", t_ready, t_handed + 1.0),
+    ]
     ms = lambda a, b: round((b - a) * 1000, 1)  # noqa: E731
     out["downtime"] = {
         "stop_and_copy_ms": ms(t_freeze, t_ready),
@@ -295,6 +338,11 @@ def move(
     }
     out["handed_over"] = (handed.get("figures") or {}).get("moved")
     return out
+
+
+def _gap_figures(gaps: list[float]) -> dict[str, Any]:
+    """A phase's inter-token gaps (those whose later event arrived in it): how many, their largest and p99, in ms."""
+    return {"gaps": len(gaps), "max_ms": round(max(gaps), 1) if gaps else None, "p99_ms": p99(gaps)}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -349,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--before-s", type=float, default=3.0, help="steady decoding measured before the migration")
     p.add_argument("--chunk-mb", type=int, default=1, help="GPUMIGRATE_SNAPSHOT_CHUNK_MB of both servers (0: default)")
     p.add_argument("--threads", type=int, default=2, help="torch threads per server (CPU)")
+    p.add_argument("--target-gpu", type=int, default=None, help="the target's GPU (default: the one the source uses)")
+    p.add_argument("--parallelism", type=int, default=None, help="the pre-copy rounds' host threads (plan's bound)")
+    p.add_argument("--pacing", choices=("adaptive", "off"), default=None, help="the pre-copy rounds' pacing (plan's)")
     p.add_argument("--runs", default="disk", help="stores, comma-separated: disk (the flow's), shm (/dev/shm)")
     p.add_argument("--root", default=None, help="where the disk store and the hosts live (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600)
@@ -373,10 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "llm_streams",
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "torch": torch.__version__,
-        "config": {
-            k: getattr(args, k)
-            for k in ("size", "dtype", "streams", "prompt_min", "prompt_max", "tokens", "rounds", "chunk_mb")
-        },  # fmt: skip
+        "config": {k: getattr(args, k) for k in CONFIG_KEYS},
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "runs": {},
     }

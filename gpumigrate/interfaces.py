@@ -221,6 +221,10 @@ class LatencySignal(Protocol):
     def in_flight(self) -> int:
         """Requests under way now."""
 
+    def running_for(self, since: float) -> float:
+        """How long the oldest request that began after ``since`` (``time.monotonic()``) and is still under way has
+        run, in seconds (0.0: none)."""
+
 
 @runtime_checkable
 class DirectImageReader(ImageReader, Protocol):

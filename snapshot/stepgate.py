@@ -81,6 +81,7 @@ class SafePointGate:
         self.steps = 0
         self._losses: deque[tuple[int, float]] = deque(maxlen=history)
         self._durations: deque[tuple[float, float]] = deque(maxlen=LATENCIES)  # (end, seconds), monotonic clock
+        self._admitted: list[float] = []  # when each safe point in flight was admitted (monotonic), oldest first
 
     # ------------------------------------------------------------------ state
     @property
@@ -154,8 +155,9 @@ class SafePointGate:
     def _admissible(self) -> bool:
         return self._ready and (not self._frozen or self._budget > 0)
 
-    def enter(self, timeout_s: float | None = None) -> None:
-        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on). A safe point
+    def enter(self, timeout_s: float | None = None) -> float:
+        """Block while frozen or unready; SafePointUnavailable after ``timeout_s`` (None: wait on). Returns when it was
+        admitted (``time.monotonic()``), which ``leave(began=...)`` takes. A safe point
         with a timeout (a service's request) fails at once when the gate is (or, while waiting, becomes)
         retired; one without (a training loop's step) stays parked: a wiped job must take no further step, and
         failing it would crash the user's loop, and with it the process the flow still talks to."""
@@ -183,6 +185,9 @@ class SafePointGate:
             if self._frozen:
                 self._budget -= 1
             self._in_flight += 1
+            admitted = time.monotonic()
+            self._admitted.append(admitted)
+            return admitted
 
     def _ends(self) -> bool:
         """A retired source's parked step ends the process: its lease ran out (the gate reopened)."""
@@ -199,6 +204,10 @@ class SafePointGate:
         """The end of a safe point; ``began`` (``time.monotonic()`` at its admission) records how long it took."""
         with self._cond:
             self._in_flight -= 1
+            if began is not None and began in self._admitted:
+                self._admitted.remove(began)
+            elif self._admitted:
+                self._admitted.pop(0)  # a caller that kept no admission time (one step at a time): the oldest
             if completed:
                 if began is not None:
                     now = time.monotonic()
@@ -210,8 +219,7 @@ class SafePointGate:
 
     @contextmanager
     def safe_point(self, timeout_s: float | None = None) -> Iterator[StepReport]:
-        self.enter(timeout_s)
-        began = time.monotonic()
+        began = self.enter(timeout_s)
         report = StepReport()
         completed = False
         try:
@@ -232,6 +240,14 @@ class SafePointGate:
                 found.append(seconds)
         found.reverse()
         return found
+
+    def running_for(self, since: float) -> float:
+        """How long the oldest safe point admitted after ``since`` (``time.monotonic()``) and still in flight has run,
+        in seconds (0.0: none). An engine loop's step that a live round stalls ends late, or not within the round:
+        the round's pacing reads this beside ``latencies``, so that such a step counts before it ends."""
+        with self._cond:
+            now = time.monotonic()
+            return next((now - t for t in self._admitted if t > since), 0.0)
 
     # ------------------------------------------------------------------ the agent's side
     @property

@@ -13,6 +13,10 @@ passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
   above ``base × (1 + tolerance)`` the round is felt: its rate is cut by ``backoff`` (from the rate it moves at,
   measured, when it is uncapped), never below the floor, and the next verdict waits ``settle_s`` for the cut to
   show; at or below it, the rate grows by ``growth``.
+* A request that began during the round and is still under way for longer than ``overdue`` times the base (and
+  than the slowest request of the baseline) is a verdict by itself: it is cut at once, whatever has ended. An engine loop's safe point is one
+  decode step; a round that stalls the steps (they wait for the GIL or the device beside it) would otherwise be
+  judged only once ``min_samples`` stalled steps had ended, seconds later, after the round it should have slowed.
 * No request ended for ``idle_s`` and none under way: an idle source, the rate grows too.
 * Grown past the highest rate the round moved at uncapped (or to the plan's ``rate_limit``), the cap is lifted
   (back to ``rate_limit``).
@@ -48,6 +52,7 @@ class PacingRules:
     idle_s: float = 0.5
     settle_s: float = 0.2
     floor_fraction: float = 0.02  # of the highest rate: the round always moves (a freeze waits for it)
+    overdue: float = 3.0  # times the base latency: a request under way for longer cuts the rate before it ends
     baseline_s: float = 30.0
 
 
@@ -60,6 +65,7 @@ class PacingReport:
     cuts: int = 0
     raises: int = 0
     idle_raises: int = 0
+    overdue_cuts: int = 0  # cuts for a request still under way (already longer than the overdue bound)
     lowest_rate: float | None = None
     capped_s: float = 0.0  # seconds the round spent under a cap below its top
     changes: list[tuple[float, float | None, str]] = field(default_factory=list)  # (s since start, rate, why)
@@ -72,6 +78,7 @@ class PacingReport:
             "cuts": self.cuts,
             "raises": self.raises,
             "idle_raises": self.idle_raises,
+            "overdue_cuts": self.overdue_cuts,
             "lowest_rate": None if self.lowest_rate is None else round(self.lowest_rate),
             "top_rate": None if top is None else round(top),
             "capped_s": round(self.capped_s, 3),
@@ -98,6 +105,7 @@ class PacingController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._base: float | None = None
+        self._slowest = 0.0  # the slowest request before the round (seconds): a request under way beyond is overdue
         self._peak = 0.0  # the highest rate measured while uncapped (bytes/s)
         now = time.monotonic()
         self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
@@ -110,7 +118,7 @@ class PacingController:
         now = time.monotonic()
         before = self.signal.latencies(now - self.rules.baseline_s)
         if before:
-            self._base = statistics.median(before)
+            self._base, self._slowest = statistics.median(before), max(before)
             self.report.base_latency_ms = round(self._base * 1000, 3)
         self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
         self._tick_bytes = self._verdict_bytes = self.limiter.admitted
@@ -145,6 +153,14 @@ class PacingController:
             self._quiet_since = now
         if now < self._settled:  # a cut has yet to show: what ended meanwhile started before it
             self._window.clear()
+            return
+        running = self.signal.running_for(self._t0)  # a long request from before the round says nothing of it
+        if self._base is not None and running > max(self._base * rules.overdue, self._slowest):
+            self._window.clear()
+            self.report.verdicts += 1
+            self.report.overdue_cuts += 1
+            self._cut(now, f"a request under way for {running * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
+            self._verdict_at, self._verdict_bytes = now, self.limiter.admitted
             return
         if len(self._window) >= rules.min_samples:
             self._verdict(statistics.median(self._window), now)

@@ -54,6 +54,9 @@ class FakeLatency:
     def in_flight(self) -> int:
         return 1 if self.serving else 0
 
+    def running_for(self, since: float) -> float:
+        return self.latency if self.serving else 0.0  # a request under way runs for about as long as they all take
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
@@ -164,3 +167,40 @@ def test_the_safe_point_times_the_requests_it_admits() -> None:
     got = gate.latencies(t0)
     assert len(got) == 1 and got[0] >= 0.02
     assert gate.latencies(time.monotonic()) == [] and gate.in_flight == 0
+
+
+def test_a_step_still_under_way_past_the_overdue_bound_cuts_the_rate_before_it_ends() -> None:
+    """An engine loop's safe point is one decode step: a round that stalls it would end before enough stalled steps
+    ended for a verdict. The real safe point says how long the step under way has run, and that alone cuts; a request
+    that began before the round says nothing about it."""
+    gate = SafePointGate()
+    for _ in range(8):  # the steps before the round: about 5 ms each
+        with gate.safe_point():
+            time.sleep(0.005)
+    limiter = RateLimiter(None)
+    pacer = PacingController(gate, limiter, rules=PacingRules(interval_s=0.02, settle_s=0.05, min_samples=4))
+    mover = Mover(limiter)
+    stuck = threading.Event()
+
+    def stalled_step() -> None:
+        with gate.safe_point():
+            stuck.wait(60)
+
+    step = threading.Thread(target=stalled_step, daemon=True)
+    try:
+        with gate.safe_point():  # a request from before the round, under way throughout
+            round_began = time.monotonic()
+            pacer.start()
+            assert pacer.report.base_latency_ms is not None and pacer.report.base_latency_ms >= 5.0
+            assert gate.running_for(0.0) > 0 and gate.running_for(round_began) == 0.0
+            ended = gate.steps
+            step.start()
+            wait_until("a cut while the step is still under way", lambda: pacer.report.cuts >= 1)
+            assert gate.steps == ended and gate.in_flight == 2  # no step ended: the one under way decided
+            assert limiter.rate is not None and pacer.report.overdue_cuts >= 1
+    finally:
+        stuck.set()
+        step.join(timeout=30)
+        report = pacer.stop()
+        mover.close()
+    assert "under way" in report["changes"][0][2] and gate.in_flight == 0

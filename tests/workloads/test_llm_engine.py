@@ -186,6 +186,19 @@ def test_cancel_frees_the_slot_at_the_next_step() -> None:
         e.close()
 
 
+def test_the_engine_sums_its_steps_wall_and_cpu_time() -> None:
+    """``stats`` says how long the steps took and how much of it the engine's thread ran (a GIL wait sleeps)."""
+    e = engine()
+    try:
+        outs = submit_all(e, jobs(2, tokens=20))
+        wait_for(lambda: all(o.done for o in outs), "both requests to finish")
+        stats = e.stats()
+        assert stats["steps"] >= 20 and stats["step_s_total"] > 0 and stats["step_cpu_s_total"] > 0
+        assert stats["step_cpu_s_total"] <= stats["step_s_total"] * 1.05 + 0.01  # one thread: CPU within its wall
+    finally:
+        e.close()
+
+
 def test_text_holds_back_a_possible_stop_and_joins_split_characters() -> None:
     req = Request("r", encode("x"), SamplingParams(10, stop=("é!",)))
     for token in "aé".encode():  # é is two bytes: two tokens, one character

@@ -10,6 +10,7 @@ on a rollback; every text equals an unmigrated control run's, stop sequences acr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,14 +46,14 @@ class Side:
         self.engine.close()
 
 
-def _side(store: Path, *, target: bool) -> Side:
+def _side(store: Path, *, target: bool, device: str = "cpu") -> Side:
     def writer(store_url: str, key_ref: Any, parent: str | None, **_: Any) -> ImageWriter:
         return transfer.open_writer(store_url, key=KEY, parent=parent, chunk_size=CHUNK, parallelism=2)
 
     def reader(store_url: str, image_id: str, key_ref: Any) -> ImageReader:
         return transfer.open_reader(store_url, image_id, key=KEY)
 
-    model = build_model(0, "tiny", load_weights=not target)
+    model = build_model(0, "tiny", device=device, load_weights=not target)
     e = engine(model)
     gate = SafePointGate(ready=not target)
     e.step_guard = lambda: gate.safe_point(None)
@@ -68,6 +69,14 @@ def _side(store: Path, *, target: bool) -> Side:
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Side, Side, str]]:
     source, target = _side(tmp_path, target=False), _side(tmp_path, target=True)
+    yield source, target, f"file://{tmp_path / 'store'}"
+    source.close()
+    target.close()
+
+
+@pytest.fixture
+def cuda_pair(tmp_path: Path) -> Iterator[tuple[Side, Side, str]]:
+    source, target = _side(tmp_path, target=False, device="cuda"), _side(tmp_path, target=True, device="cuda")
     yield source, target, f"file://{tmp_path / 'store'}"
     source.close()
     target.close()
@@ -174,3 +183,55 @@ def test_a_rollback_takes_the_work_back_and_every_request_goes_on_where_it_stopp
     wait_for(lambda: all(o.done for o in outs), "the source to finish its requests")
     assert {o.id: o.text for o in outs} == expected
     assert source.snap.hand_over("http://t:1")["handed_over"] is False  # nothing is held any more
+
+
+def test_the_engine_decodes_through_a_live_round_and_the_final_round_ships_what_it_wrote_meanwhile(
+    pair: tuple[Side, Side, str],
+) -> None:
+    """Only the freeze stops decoding: while a live round is in progress (inside it, at its written-ranges report,
+    the workload's own callable) the engine takes further steps; the frozen round sees none. The rows those steps
+    wrote after the live round took its ranges reach the target through the final round, bit for bit."""
+    _decode_through_a_live_round(*pair)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_engine_decodes_through_a_live_round(cuda_pair: tuple[Side, Side, str]) -> None:
+    """The same on a GPU, where the round waits for the device (``settle``) and copies beside the decode kernels."""
+    _decode_through_a_live_round(*cuda_pair)
+
+
+def _decode_through_a_live_round(source: Side, target: Side, store: str) -> None:
+    src = source.engine
+    submit_all(src, jobs(4, tokens=300))
+    wait_for(lambda: src.steps >= 3, "the source to decode")
+    _, first = _round(source, store)  # the first round ships everything
+    _load(target, store, first, ready=False)
+
+    seen: list[tuple[bool, int, int]] = []  # (frozen, steps when the round took its ranges, steps when it returned)
+
+    def report_after_steps() -> list[tuple[int, int]]:
+        frozen, taken = source.snap.frozen, src.steps
+        if not frozen:  # a live round waits, in progress, for the engine to step on beside it
+            deadline = time.monotonic() + 120
+            while src.steps < taken + 5 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        ranges = src.cache.take_written()
+        seen.append((frozen, taken, src.steps))
+        return ranges
+
+    source.snap.track_written("state/kv", report_after_steps)
+    _, second = _round(source, store)
+    frozen, taken, after = seen[-1]
+    assert not frozen and after >= taken + 5, f"the engine took {after - taken} step(s) during a live round, not 5"
+    _load(target, store, second, ready=False)
+
+    wait_for(lambda: src.steps >= after + 3, "the source to decode after the live round")
+    source.snap.park(600)  # the freeze: between two decode steps
+    parked_at = src.steps
+    _, final = _round(source, store, final=True)
+    assert seen[-1][0] and src.steps == parked_at  # frozen: the final round read a cache no step was writing
+    target.engine.pause()
+    _load(target, store, final, ready=True)
+    assert torch.equal(target.engine.cache.kv, src.cache.kv)  # the rows written during and after the live round
+    source.snap.unpark()
+    source.snap.hand_over("http://target.example:1")

@@ -73,6 +73,10 @@ class Engine:
         self.on_boundary: list[Callable[[Engine], None]] = []
         self.steps = 0
         self.last_step_s = 0.0
+        # Every step's wall and engine-thread CPU seconds, summed: a step that waits for the GIL sleeps (wall without
+        # CPU), one that waits for the device spins in its synchronisation (CPU time): ``stats`` says which a step is.
+        self.step_s_total = 0.0
+        self.step_cpu_s_total = 0.0
         self.running: dict[int, Request] = {}  # slot -> request
         self.queue: deque[Request] = deque()  # admitted by the scheduler, waiting for a slot
         self.inbox: list[Request] = []  # arrived since the last step began
@@ -135,6 +139,8 @@ class Engine:
                 "arrived": [r.id for r in self.inbox],
                 "aside": [r.id for _, r in self.aside],
                 "last_step_ms": round(self.last_step_s * 1000, 3),
+                "step_s_total": round(self.step_s_total, 6),
+                "step_cpu_s_total": round(self.step_cpu_s_total, 6),
             }
 
     # -- the loop
@@ -159,13 +165,15 @@ class Engine:
                 continue
             try:
                 with self._step_lock:
-                    started = time.perf_counter()
+                    started, cpu = time.perf_counter(), time.thread_time()
                     try:
                         self._step()
                     except Exception:  # a failed step (a device error) must not leave every stream waiting for ever
                         traceback.print_exc(file=sys.stderr)
                         self._fail_all()
                     self.last_step_s = time.perf_counter() - started
+                    self.step_s_total += self.last_step_s
+                    self.step_cpu_s_total += time.thread_time() - cpu
             finally:
                 guard.__exit__(None, None, None)
             for hook in list(self.on_boundary):
