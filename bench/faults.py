@@ -404,6 +404,8 @@ def run_cell(stage: Stage, work: Path, victim: str, phase: str, key_file: Path) 
             cell.client_requests, cell.client_failed = report.total, report.failed
         load.kill()
     probe(cell, stage, mid)
+    if victim == "source" and cell.killed and cell.final_status not in ("completed", "rolled_back", "denied"):
+        _operator_starts_the_source_again(cell, stage, mid, env)
     after = stage.door().restarts
     cell.door_restarts = {k: n - restarts_before.get(k, 0) for k, n in after.items() if n > restarts_before.get(k, 0)}
     cell.recovery = describe(cell)
@@ -444,6 +446,27 @@ def _run_flow(cell: Cell, stage: Stage, plan: Path, mid: str, args: list[str], e
         if _status(mid) not in ("completed", "rolled_back", "denied"):
             rc, _ = _cli(["rollback", mid, "--reason", "fault matrix"], 120, env)
             cell.recovery_steps.append(f"rollback: exit {rc}, status {_status(mid)}")
+
+
+def _operator_starts_the_source_again(cell: Cell, stage: Stage, mid: str, env: dict[str, str]) -> None:
+    """What the rollback's error tells an operator to do when the source died: start it again as it was
+    launched, then `gpumigrate rollback ID` once more. After the probes: the restarted reference server serves the
+    weights its seed gives again, which would hide what the kill lost."""
+    from gpumigrate.flows.demo import ARGV, READY_TIMEOUT_S
+    from gpumigrate.infra.local import LocalProvider
+    from gpumigrate.launch import WorkloadLaunch
+
+    launch = WorkloadLaunch(argv=tuple(ARGV), ready_timeout_s=READY_TIMEOUT_S)
+    try:
+        host = LocalProvider().bootstrap(stage.source, launch, timeout_s=launch.ready_timeout_s)
+    except Exception as exc:
+        cell.recovery_steps.append(f"the source could not be started again: {type(exc).__name__}: {exc}"[:200])
+        return
+    stage.workload_pid = int(host.meta["workload"]["pid"])  # the next source cell kills this one
+    cell.recovery_steps.append("the source started again (as the error says)")
+    rc, _ = _cli(["rollback", mid, "--reason", "fault matrix: the source started again"], 120, env)
+    cell.recovery_steps.append(f"rollback: exit {rc}, status {_status(mid)}")
+    cell.final_status = _status(mid)
 
 
 def probe(cell: Cell, stage: Stage, mid: str) -> None:

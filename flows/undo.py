@@ -260,9 +260,16 @@ def rolled_back_or_not(ctx: RunContext, status: str, error: str) -> tuple[str, s
         return "failed", f"{error}; {NOT_ROLLED_BACK}"
     if rt.rollback_incomplete:
         steps = "; ".join(f"{step}: {why}" for step, why in rt.rollback_incomplete.items())
+        # A source whose agent does not answer stays so however often the rollback asks (a killed workload): the
+        # operator starts it again first, and the retry then finds it running.
+        first = (
+            "start the source workload again if it stopped (as it was launched, with the same control key), then "
+            if "source" in rt.rollback_incomplete
+            else ""
+        )
         return "failed", (
-            f"{error}; the rollback is incomplete ({steps}): `gpumigrate rollback {ctx.migration.id}` tries the "
-            "failed steps again"
+            f"{error}; the rollback is incomplete ({steps}): {first}`gpumigrate rollback {ctx.migration.id}` tries "
+            "the failed steps again"
         )
     return status, error
 

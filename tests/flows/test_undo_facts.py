@@ -134,3 +134,28 @@ def test_a_resume_that_failed_on_a_source_never_frozen_is_recorded_but_leaves_no
     undo_source(w.ctx)
     assert w.data("rollback.source_resume_failed")["frozen"] is False
     assert w.ctx.runtime.rollback_incomplete == {}
+
+
+def test_a_source_that_died_frozen_is_started_again_by_the_operator_and_the_next_rollback_ends_it(
+    world: WorldMaker, tmp_path: Path
+) -> None:
+    """The fault matrix's source cells: a killed source cannot be resumed however often the rollback asks, so the
+    error tells the operator to start it again first; the retry then finds it running and the migration ends."""
+    w = world()
+    _door(tmp_path / "doors")
+    _provisioned(w, tmp_path / "doors")
+    w.ctx.update(source_frozen=True)
+    resume = w.backend.resume
+
+    def refused() -> None:
+        raise SnapshotError("cannot reach the snapshot agent at 127.0.0.1:9: Connection refused")
+
+    w.backend.resume = refused  # type: ignore[method-assign]
+    first = roll_back_here(w.ctx, reason="gate failed", actor="sre", trigger="manual", after="ramp")
+    assert first.status == "failed" and "source: SnapshotError" in (first.error or "")
+    assert "start the source workload again if it stopped" in (first.error or "")
+    assert f"`gpumigrate rollback {w.ctx.migration.id}`" in (first.error or "")
+
+    w.backend.resume = resume  # type: ignore[method-assign]  # the operator started the source again
+    again = roll_back_here(w.ctx, reason="again", actor="sre", trigger="manual", after="failed")
+    assert again.status == "rolled_back" and w.ctx.runtime.rollback_incomplete == {}
