@@ -238,6 +238,10 @@ def undo_all(ctx: RunContext, *, reason: str) -> None:
             ),
         )
         return
+    if quietly("runtime", lambda: ctx.runtime.rollback_refused):
+        # An earlier undo refused while the source was gone; it answers now (restarted): this one goes ahead, and
+        # the run may read "rolled back" again once its steps took effect.
+        quietly("state", lambda: ctx.update(rollback_refused=False))
     undo_traffic(ctx, reason=reason)
     undo_target(ctx, reason=reason)
     undo_source(ctx)

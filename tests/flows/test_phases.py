@@ -555,6 +555,17 @@ def test_undo_keeps_the_target_and_its_traffic_when_the_source_is_gone(
     assert w.ctx.migration.read()["status"] == "failed" and "rollback.completed" not in w.events()
 
 
+def test_a_rollback_refused_while_the_source_was_gone_goes_ahead_once_it_answers_again(world: WorldMaker) -> None:
+    """The fault matrix's source cells: the operator starts the dead source again, as the refusal says, and the next
+    rollback then sends the traffic back, tears the target down and ends the migration rolled back."""
+    w = world()  # its plan's source answers (started again)
+    provision.run(w.ctx)
+    w.ctx.update(rollback_refused=True)  # what the undo that found the source gone left
+    result = roll_back_here(w.ctx, reason="the source started again", actor="sre", trigger="manual", after="failed")
+    assert result.status == "rolled_back", result.error
+    assert not w.ctx.runtime.rollback_refused and w.ctx.runtime.target_torn_down
+
+
 def test_undo_tears_down_a_target_that_never_served_when_the_source_is_gone(
     world: WorldMaker, source: Workload
 ) -> None:
