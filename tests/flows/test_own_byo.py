@@ -108,6 +108,10 @@ def _plan(user: User, path: Path) -> Path:
     doc["workload"]["launch"]["cwd"] = str(BYO)
     doc["target"]["host"] = "own-byo-b"
     doc["parity"]["golden_inputs"] = str(BYO / "golden.jsonl")
+    # The example's p99 gate (3x) judges a GPU host; on a loaded 2-core CI machine the two services and the load share
+    # the cores, and a CPU-bound target's p99 alone rolled the migration back (390 ms against a 49 ms baseline beside
+    # a second test run). This test is about the path, not the gate: the gate stays on, loose enough for contention.
+    doc["traffic"].setdefault("gates", {})["max_p99_ratio"] = 20.0
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
