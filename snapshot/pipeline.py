@@ -22,19 +22,17 @@ destination tensors and verifies them where they landed. The pipeline then only 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import queue
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import torch
 
 from gpumigrate import cudacalls
 from gpumigrate.errors import SnapshotError
-from gpumigrate.interfaces import DirectImageReader, DirectImageWriter, ImageReader, ImageWriter, TensorChunk
+from gpumigrate.interfaces import DirectImageWriter, ImageReader, ImageWriter, TensorChunk, reads_directly
 from gpumigrate.snapshot.chunks import Fingerprints, fingerprint_chunks, fingerprints_to_host
 from gpumigrate.stageclock import STAGES, both_now
 
@@ -277,14 +275,6 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return total
-
-
-def reads_directly(reader: ImageReader) -> TypeGuard[DirectImageReader]:
-    """Whether ``reader`` places chunks itself (a DirectImageReader), decided as ``isinstance`` decides from Python
-    3.12 on, whatever Python runs this: the method must be found statically (``inspect.getattr_static``), not only
-    through a ``__getattr__``. A reader that offered it dynamically took the direct path on 3.11 (CI) and lost it on
-    the GPU machines' 3.12 (issue 32: a rank's restore at 0.15x of one rank's); now both see the same."""
-    return isinstance(reader, DirectImageReader) and callable(inspect.getattr_static(reader, "read_tensors", None))
 
 
 def _check_len(job: Job, got: int, want: int) -> None:

@@ -17,7 +17,15 @@ from dataclasses import replace
 from typing import Any
 
 from gpumigrate.errors import SnapshotError
-from gpumigrate.interfaces import DirectImageReader, ImageReader, ImageRef, ImageWriter, RegionInfo, TensorChunk
+from gpumigrate.interfaces import (
+    DirectImageReader,
+    ImageReader,
+    ImageRef,
+    ImageWriter,
+    RegionInfo,
+    TensorChunk,
+    reads_directly,
+)
 from gpumigrate.snapshot.chunks import chunk_count
 from gpumigrate.snapshot.errors import ImageMismatchError
 
@@ -151,8 +159,9 @@ class DirectRankView(RankView):
 
 
 def rank_view(reader: ImageReader, rank: int) -> RankView:
-    """Rank ``rank``'s part of the world image ``reader`` reads: with direct placement exactly when ``reader`` has it."""
-    return DirectRankView(reader, rank) if isinstance(reader, DirectImageReader) else RankView(reader, rank)
+    """Rank ``rank``'s part of the world image ``reader`` reads: with direct placement exactly when ``reader`` has it
+    (by the same rule as the pipeline's choice of path)."""
+    return DirectRankView(reader, rank) if reads_directly(reader) else RankView(reader, rank)
 
 
 def rank_reader(reader: ImageReader, rank: int | None, own: Mapping[str, int] | None) -> ImageReader:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gpumigrate.errors import SnapshotError
-from gpumigrate.interfaces import ImageReader, RegionInfo
+from gpumigrate.interfaces import ImageReader, RegionInfo, reads_directly
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.chunks import byte_view, chunk_count
 from gpumigrate.snapshot.engine.capture import FORMAT, META_KEY
@@ -28,7 +28,7 @@ from gpumigrate.snapshot.engine.tracking import Tracker
 from gpumigrate.snapshot.environment import check_policy, env_facts
 from gpumigrate.snapshot.errors import ImageMismatchError
 from gpumigrate.snapshot.fill import Filler, runs_of
-from gpumigrate.snapshot.pipeline import Job, reads_directly
+from gpumigrate.snapshot.pipeline import Job
 from gpumigrate.snapshot.worldimage import RankView, rank_reader
 
 

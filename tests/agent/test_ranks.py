@@ -265,8 +265,7 @@ def test_a_rank_reads_its_part_of_a_world_image_through_the_direct_path(
     reader has it. The pipeline sees it as Python 3.12's ``isinstance`` does (attributes looked up statically), on
     any Python: a view offering ``read_tensors`` through ``__getattr__`` passed on 3.11 and lost the direct path on
     the GPU machines' 3.12 (issue 32)."""
-    from gpumigrate.interfaces import TensorChunk
-    from gpumigrate.snapshot.pipeline import reads_directly
+    from gpumigrate.interfaces import TensorChunk, reads_directly
     from gpumigrate.snapshot.worldimage import rank_view
     from gpumigrate.transfer.reader import StoreImageReader
 
