@@ -172,19 +172,24 @@ class Stage:
         }
 
 
-def start_stage(work: Path, n: int) -> Stage:
+def source_launch() -> Any:  # gpumigrate.launch.WorkloadLaunch: the demo's reference server, as the stage starts it
     from gpumigrate.flows.demo import ARGV, READY_TIMEOUT_S
+    from gpumigrate.launch import WorkloadLaunch
+
+    return WorkloadLaunch(argv=tuple(ARGV), ready_timeout_s=READY_TIMEOUT_S)
+
+
+def start_stage(work: Path, n: int) -> Stage:
     from gpumigrate.infra.launch import service_url, wait_http
     from gpumigrate.infra.local import LocalProvider
     from gpumigrate.interfaces import HostSpec
-    from gpumigrate.launch import WorkloadLaunch
     from gpumigrate.parity.environment import fetch_info
     from gpumigrate.traffic import frontdoor
 
     provider = LocalProvider()  # attached: the source host dies with the driver, whatever ends it
     host = provider.provision(HostSpec(name=f"fm-src-{n}", provider="local", region="local-a"))
     host = provider.wait_ready(host, timeout_s=60)
-    launch = WorkloadLaunch(argv=tuple(ARGV), ready_timeout_s=READY_TIMEOUT_S)
+    launch = source_launch()
     host = provider.bootstrap(host, launch, timeout_s=launch.ready_timeout_s)
     endpoint = service_url(host)
     wait_http(endpoint, path=launch.ready_path, timeout_s=launch.ready_timeout_s)
@@ -452,11 +457,9 @@ def _operator_starts_the_source_again(cell: Cell, stage: Stage, mid: str, env: d
     """What the rollback's error tells an operator to do when the source died: start it again as it was
     launched, then `gpumigrate rollback ID` once more. After the probes: the restarted reference server serves the
     weights its seed gives again, which would hide what the kill lost."""
-    from gpumigrate.flows.demo import ARGV, READY_TIMEOUT_S
     from gpumigrate.infra.local import LocalProvider
-    from gpumigrate.launch import WorkloadLaunch
 
-    launch = WorkloadLaunch(argv=tuple(ARGV), ready_timeout_s=READY_TIMEOUT_S)
+    launch = source_launch()
     try:
         host = LocalProvider().bootstrap(stage.source, launch, timeout_s=launch.ready_timeout_s)
     except Exception as exc:
