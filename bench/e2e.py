@@ -22,7 +22,9 @@ phases with a pre-loaded target, each round bounded as the plan's transfer secti
      round's pacing did; ``target_start``: where the target's start went, from its SDK's own timeline);
   2. the target pre-loads round 1 (``restore``, ``ready: false``: restore figure);
   3. requests dirty the source's mutable state; round 2 ships the delta; the target pre-loads it;
-  4. requests dirty it again; freeze → final → target restore(ready) is the downtime;
+  4. requests dirty it again; freeze → final → target restore → ready is the downtime (``--confirm later``, the
+     default: the final round returns before its confirmation of the unchanged chunks ends, the target restores
+     unready beside the source's verdict, then reports ready; ``--confirm wait``: the final round confirms first);
   5. the target's weights and mutable digests and its answer must equal the source's;
   6. the stop-and-copy again, ``--repeat`` times in all, on the same pair (``downtime_repeats_ms``, median, max).
 
@@ -120,7 +122,7 @@ def migrate(args: argparse.Namespace, where: str, codec: str, restore_from: str 
     bounds = {"parallelism": args.workers, "pacing": args.pacing}
     if args.rate_limit:
         bounds["rate_limit"] = args.rate_limit
-    run = Run(args, f"file://{store_dir}", {"env": KEY_ENV}, {"compression": "auto", **bounds})
+    run = Run(args, f"file://{store_dir}", {"env": KEY_ENV}, {"compression": "auto", **bounds}, confirm=args.confirm)
     out: dict[str, Any] = {"store": run.store, "codec": codec, "restore_from": restore_from, "bounds": bounds}
     out["target_starts"] = "after the capture" if args.target_after_capture else "during the capture"
     source: Workload | None = None
@@ -363,6 +365,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-clients", type=int, default=4, help="closed-loop clients measuring the capacity")
     p.add_argument("--window-s", type=float, default=4.0, help="seconds of the capacity, before and after windows")
     p.add_argument("--repeat", type=int, default=5, help="stop-and-copies measured per run (median and max)")
+    p.add_argument(
+        "--confirm",
+        choices=("later", "wait"),
+        default="later",
+        help="the final round's confirmation: beside the target's restore (later) or before the final returns (wait)",
+    )
     p.add_argument("--no-disk-rate", dest="disk_rate", action="store_false", help="skip the disk's own dd/fio rate")
     p.add_argument("--no-driver", dest="driver", action="store_false", help="skip the CUDA driver checkpoint")
     p.add_argument("--no-baselines", dest="baselines", action="store_false")

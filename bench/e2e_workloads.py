@@ -10,6 +10,7 @@ import contextlib
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,7 @@ class Run:
     key_ref: dict[str, str]
     options: dict[str, Any]
     fill: dict[str, str] = field(default_factory=dict)  # restore's "source" where the target fills from it
+    confirm: str = "later"  # the final round's confirm: "later" (beside the target's restore) or "wait"
     _grant: dict[str, str] | None = None  # the target's grant to ask the source to lend (snapshot/client.py)
 
     def precopy(self, source: Workload) -> dict[str, Any]:
@@ -124,42 +126,90 @@ class Run:
 
 
 def stop_and_copy(run: Run, source: Workload, target: Workload) -> dict[str, Any]:
-    """Freeze → final round → the pre-loaded target's restore → ready: the downtime, step by step."""
-    with gc_held():  # the orchestrator's own collector pauses would be downtime too (snapshot/gchold.py)
+    """Freeze → final round → the pre-loaded target's restore → ready: the downtime, step by step.
+
+    With ``--confirm later`` (the default) the final round returns once its dirty set is shipped while it still
+    confirms its cold chunks (snapshot/cutover.py): the target restores that image unready while the source is
+    asked for its verdict, then reports ready (``ready``), or restores the follow-up image the verdict names.
+    ``--confirm wait``: the final round confirms everything before it returns, the target restores with ready."""
+    asking = ThreadPoolExecutor(max_workers=1, thread_name_prefix="e2e-verdict")  # made before the clock starts
+    later = run.confirm == "later"
+    with gc_held(), asking:  # the orchestrator's own collector pauses would be downtime too (snapshot/gchold.py)
         t_freeze = time.perf_counter()
         source.agent.call("freeze")
         t_frozen = time.perf_counter()
-        final = source.agent.call("final", store=run.store, key_ref=run.key_ref, options=run.options)
+        final = source.agent.call(
+            "final",
+            store=run.store,
+            key_ref=run.key_ref,
+            options=run.options,
+            **({"confirm": "later"} if later else {}),
+        )
         t_final = time.perf_counter()
-        done = run.preload(target, final["image"]["id"], ready=True)
+        image = final["image"]["id"]
+        pending = final.get("confirmation") == "pending"
+        verdict: dict[str, Any] | None = None
+        follow_up: dict[str, Any] | None = None
+        readied: dict[str, Any] | None = None
+        if pending:
+            asked = asking.submit(source.agent.call, "confirmed", image_id=image)
+            done = run.preload(target, image, ready=False)
+            t_loaded = time.perf_counter()
+            verdict = asked.result()
+            t_verdict = time.perf_counter()
+            if verdict["follow_up"]:  # a chunk the confirmation caught: its image holds it, the rest is loaded
+                follow_up = run.preload(target, verdict["image"]["id"], ready=True)
+            else:
+                readied = dict(target.agent.call("ready", image_id=image))
+        else:
+            done = run.preload(target, image, ready=True)
+            t_loaded = t_verdict = time.perf_counter()
         t_ready = time.perf_counter()
-    return {
+    out: dict[str, Any] = {
         "ms": round((t_ready - t_freeze) * 1000, 1),
         "t_ready": t_ready,
+        "confirm": run.confirm,
         "freeze_ms": round((t_frozen - t_freeze) * 1000, 1),
         "final_ms": round((t_final - t_frozen) * 1000, 1),
-        "restore_ms": round((t_ready - t_final) * 1000, 1),
+        "restore_ms": round((t_loaded - t_final) * 1000, 1),
+        # the source's verdict beyond the target's restore (asked at the restore's start), then the target's ready
+        # (or the follow-up's restore)
+        "verdict_wait_ms": round((t_verdict - t_loaded) * 1000, 1),
+        "ready_ms": round((t_ready - t_verdict) * 1000, 1),
         "final_stats": final["stats"],
+        "final_confirmation": final.get("confirmation"),
         # where the final call's time went in the source's agent (its round's phases), and the rest of the call:
         # the control channel (request and reply, signed and checked) and the orchestrator
         "final_agent_phases": final["stats"].get("phases"),
         "final_outside_agent_ms": round((t_final - t_frozen - float(final["stats"]["seconds"])) * 1000, 1),
-        "restore_outside_agent_ms": round((t_ready - t_final - float(done["seconds"])) * 1000, 1),
+        "restore_outside_agent_ms": round((t_loaded - t_final - float(done["seconds"])) * 1000, 1),
         "restore_chunks_loaded": done["chunks_loaded"],
         "restore_bytes_loaded": done["bytes_loaded"],
         "restore_from_source": done.get("from_source"),
         "restore_agent_phases": done.get("phases"),
-        "includes": "freeze (request safe point) → final round (fingerprint all, ship the dirty set: the mutable "
-        "state, beside the BLAKE3 confirmation of the rest; commit) → target restore of the changed chunks → "
-        "ready; two processes, agent calls over TCP. final_agent_phases / restore_agent_phases: the agents' own "
-        "steps; *_outside_agent_ms: the rest of each call (control channel, JSON, signatures)",
+        "includes": "freeze (request safe point) → final round (its dirty set: the mutable state the last round "
+        "changed, hashed first and shipped beside the BLAKE3 confirmation of the rest; commit; with confirm later "
+        "it returns before that confirmation ends) → target restore of the changed chunks (unready with confirm "
+        "later, beside the source's verdict) → ready (the target's ready, or the follow-up image's restore); two "
+        "processes, agent calls over TCP. final_agent_phases / restore_agent_phases: the agents' own steps; "
+        "*_outside_agent_ms: the rest of each call (control channel, JSON, signatures); verdict: the source's "
+        "confirmation after the final returned (waited: the source agent's wait for it)",
     }
+    if verdict is not None:
+        out["verdict"] = {k: verdict[k] for k in ("caught", "chunks_confirmed", "follow_up", "waited", "phases")}
+    if readied is not None:
+        out["ready_agent_ms"] = round(float(readied["seconds"]) * 1000, 2)
+    if follow_up is not None:
+        out["follow_up_chunks_loaded"] = follow_up["chunks_loaded"]
+        out["follow_up_agent_phases"] = follow_up.get("phases")
+    return out
 
 
 def stop_and_copy_again(run: Run, source: Workload, target: Workload) -> dict[str, Any]:
     """Another stop-and-copy on the same pair, as the first one came: the source serves on and changes its state,
     round k (pre-loaded into the target, which a ready restore left with nothing pre-loaded: all of it again),
-    round k+1 (its delta pre-loaded), then freeze, final, restore; bit-identical or an error."""
+    round k+1 (its delta pre-loaded), then freeze, final, restore (and the verdict, ready); bit-identical or an
+    error."""
     source.generate()
     run.preload(target, run.precopy(source)["image"]["id"])
     source.generate()

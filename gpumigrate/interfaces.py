@@ -199,14 +199,15 @@ class DirectImageWriter(ImageWriter, Protocol):
     def pacing(self) -> Mapping[str, Any]:
         """What this round's pacing did (transfer/pacing.py: the rates it set and why); empty when unpaced."""
 
-    def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
+    def confirm_chunks(self, runs: Sequence[ChunkRun], *, background: bool = False) -> Callable[[], list[list[bool]]]:
         """Start hashing the runs' chunks where they live (BLAKE3, as chunk ids are); nothing is stored.
 
-        Returns a function that waits and gives, per run and chunk, whether the bytes still have their id.
-        Device work is ordered after what each device's current stream holds when this is called and runs
-        beside what the caller queues next (the frozen round ships its dirty chunks meanwhile: the bytes
-        confirmed are frozen). The frozen final round confirms with it that chunks its fingerprints call
-        unchanged really are.
+        Returns a function that waits and gives, per run and chunk, whether the bytes still have their id (called
+        again, it gives the same answer). Device work is ordered after what each device's current stream holds
+        when this is called and runs beside what the caller queues next (the frozen round ships its dirty chunks
+        meanwhile: the bytes confirmed are frozen); ``background``: behind that work where the device can order
+        it (a lower stream priority), for hashes the round does not wait for before it ships. The frozen final
+        round confirms with it that chunks its fingerprints call unchanged really are.
         """
 
 

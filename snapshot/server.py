@@ -38,7 +38,7 @@ MAX_LINE = 1 << 20
 CHANNEL = "agent"
 REFUSALS_KEPT = 20
 GC_HELD_TO_REPLY = frozenset(
-    {"freeze", "final", "lend", "restore", "hand_over"}
+    {"freeze", "final", "confirmed", "lend", "restore", "ready", "hand_over"}
 )  # commands whose reply is on the downtime's clock
 GRANTED = frozenset({"lend"})  # what a lend key opens: a target asking its source for the bytes of a fill
 MALFORMED = "MalformedRequest"

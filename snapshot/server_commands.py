@@ -3,7 +3,8 @@
 The commands that touch an image take a store URL and a key *reference* (never a key): the engine's
 writer and reader factories, wired by the public SDK (``gpumigrate.agent``), open the image and resolve
 the key in the workload's own process. ``precopy_to``/``final_to`` open a writer and run one capture round
-into it, ``restore_from`` opens a reader and loads it, ``lend_to`` moves tracked bytes into a target's
+into it (``confirmed``: a final round's verdict, where it returned before its confirmation ended),
+``restore_from`` opens a reader and loads it (``ready``: a target loaded unready reports ready), ``lend_to`` moves tracked bytes into a target's
 landing, ``compose_world`` writes rank 0's world image (``worldimage.py``). A bad argument is refused
 with a message naming what is allowed, before anything is touched (PROTOCOL.md names every command).
 """
@@ -18,6 +19,7 @@ from typing import Any
 from gpumigrate import agent_keys
 from gpumigrate.bounds import OPTION_KEYS, TransferBounds
 from gpumigrate.errors import SnapshotError
+from gpumigrate.interfaces import ImageWriter
 from gpumigrate.snapshot.client import parse_address
 from gpumigrate.snapshot.engine import Phases, SnapshotEngine
 from gpumigrate.snapshot.fill import Run, runs_arg
@@ -26,6 +28,7 @@ from gpumigrate.snapshot.worldimage import compose
 
 MAX_CHUNK_SIZE = 256 << 20  # the transfer engine's largest chunk
 WRITER_COMPRESSION = ("auto", "none", "zstd", "byteplane")
+CONFIRM = ("wait", "later")  # final's confirm: every reused chunk confirmed before the commit, or the cold ones after
 
 
 # ----------------------------------------------------------------------------- the image commands
@@ -54,8 +57,11 @@ def final_to(
     parent: str | None = None,
     *,
     options: Mapping[str, Any] | None = None,
+    confirm: str = "wait",
 ) -> dict[str, Any]:
-    """The frozen workload's final round into ``store``: ``{"stats", "image"}``."""
+    """The frozen workload's final round into ``store``: ``{"stats", "image", "confirmation"}``. ``confirm``:
+    ``wait`` (every reused chunk confirmed before the commit) or ``later`` (the cold ones after it: their verdict
+    is ``confirmed``'s; ``confirmation`` says ``pending`` then)."""
     clock = Phases()
     with gc_held(), engine.lock:
         clock.mark("lock")
@@ -63,8 +69,24 @@ def final_to(
             raise SnapshotError("final needs a frozen workload: send freeze first")
         writer = engine.open_writer(store, key_ref, parent, options)
         clock.mark("open")
-        done = engine.capture_final(writer, clock=clock)
-        return {"stats": asdict(done.stats), "image": asdict(done.image)}
+
+        def reopen(parent_id: str) -> ImageWriter:  # the follow-up of chunks the confirmation caught: same store
+            return engine.open_writer(store, key_ref, parent_id, options)
+
+        done = engine.capture_final(writer, clock=clock, reopen=reopen if confirm == "later" else None)
+        pending = engine.capture.pending is not None
+        return {
+            "stats": asdict(done.stats),
+            "image": asdict(done.image),
+            "confirmation": "pending" if pending else "confirmed",
+        }
+
+
+def confirmed(engine: SnapshotEngine, image_id: str) -> dict[str, Any]:
+    """The verdict of the final round that committed ``image_id`` (``confirmation.py``): the image to restore."""
+    t0 = time.perf_counter()
+    verdict = engine.confirmation(image_id)
+    return {**verdict.reply(), "waited": time.perf_counter() - t0}
 
 
 def restore_from(
@@ -163,6 +185,20 @@ def writer_options_arg(value: Any) -> dict[str, Any]:
     except ValueError as exc:
         raise SnapshotError(f"options: {exc}") from None
     return out | {k: v for k, v in bounds.options().items() if k in value}
+
+
+def _confirm_arg(value: Any) -> str:
+    if value is None:
+        return "wait"
+    if value not in CONFIRM:
+        raise SnapshotError(f"confirm {str(value)[:40]!r}: allowed are {', '.join(CONFIRM)}")
+    return str(value)
+
+
+def _image_id_arg(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise SnapshotError("image_id must be an image id (a string)")
+    return value
 
 
 def _steps_arg(value: Any) -> int:
@@ -291,7 +327,10 @@ def handlers(
             key_ref_arg(args.get("key_ref")),
             args.get("parent"),
             options=writer_options_arg(args.get("options")),
+            confirm=_confirm_arg(args.get("confirm")),
         ),
+        "confirmed": lambda: confirmed(engine, _image_id_arg(args["image_id"])),
+        "ready": lambda: engine.mark_ready(_image_id_arg(args["image_id"])),
         "resume": lambda: _resume(engine),
         "restore": lambda: restore_from(
             engine,

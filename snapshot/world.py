@@ -13,7 +13,8 @@ command goes to every rank at once and fails as a whole, naming the rank (the me
   a collective. Any failure resumes every rank: the source is never left half-frozen.
 - ``final_ranks``: each rank's last dirty set (the leases renewed from a second connection meanwhile),
   then the world image; ``restore_ranks``: target rank r loads rank r's part, after its agent said it is
-  rank r of a world of the same size.
+  rank r of a world of the same size; ``ready_ranks``: a target loaded unready reports ready. A final round
+  that returns before its confirmation ends, and the target's restore beside its verdict: ``cutover.py``.
 - ``advance_ranks`` / ``metrics_ranks``: per-rank steps and losses for training parity;
   ``teardown_ranks`` / ``rebuild_ranks`` around an in-place capture (the CUDA driver, CRIU);
   ``resume_ranks``; ``zeroize_ranks``.
@@ -36,42 +37,14 @@ from typing import Any, TypeVar
 
 from gpumigrate.errors import GpumigrateError, InvalidInputError
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
-from gpumigrate.snapshot.client import AgentClient, AgentInfo, parse_address
+from gpumigrate.snapshot.client import AgentClient, AgentInfo
 from gpumigrate.snapshot.precopy import Convergence, converge
+from gpumigrate.snapshot.rankmath import rank_addresses, ranked, shares
+
+__all__ = ["DEFAULT_LEASE_S", "World", "rank_addresses", "shares"]
 
 T = TypeVar("T")
 DEFAULT_LEASE_S = 60.0
-
-
-def rank_addresses(address: str, ranks: int) -> list[str]:
-    """Rank r's agent address: ``address``'s host, its port + r (the SDK's rule for a group); one rank: as spelt."""
-    host, port = parse_address(address)
-    if ranks < 1 or port + ranks - 1 > 65535:
-        raise InvalidInputError(f"{ranks} ranks from {address}: ports past 65535 or no rank at all")
-    return [address] if ranks == 1 else [f"{host}:{port + r}" for r in range(ranks)]
-
-
-def shares(options: Mapping[str, Any], hosts: Sequence[str]) -> list[dict[str, Any]]:
-    """Each rank's part of a round's writer options: the ranks of one host share its bounds (``parallelism``
-    threads, ``rate_limit`` bytes/s) in equal parts, each keeping at least one thread and 1 MiB/s; the other
-    options as they are. ``hosts[r]``: the host rank r runs on."""
-    per_host = {h: hosts.count(h) for h in hosts}
-    out = []
-    for host in hosts:
-        parts, mine = per_host[host], dict(options)
-        if parts > 1 and isinstance(mine.get("parallelism"), int):
-            mine["parallelism"] = max(1, mine["parallelism"] // parts)
-        if parts > 1 and isinstance(mine.get("rate_limit"), int):
-            mine["rate_limit"] = max(1 << 20, mine["rate_limit"] // parts)
-        out.append(mine)
-    return out
-
-
-def _ranked(exc: GpumigrateError, rank: int, address: str) -> GpumigrateError:
-    """The same error, its message naming the rank it came from."""
-    out = type(exc).__new__(type(exc))
-    GpumigrateError.__init__(out, f"rank {rank} ({address}): {exc.message}", hint=exc.hint)
-    return out
 
 
 class World:
@@ -151,7 +124,7 @@ class World:
             try:
                 results.append(fut.result())
             except GpumigrateError as exc:
-                failure = failure or (exc if self.alone else _ranked(exc, r, self.addresses[r]))
+                failure = failure or (exc if self.alone else ranked(exc, r, self.addresses[r]))
         if failure is not None:
             raise failure
         return results
@@ -160,7 +133,7 @@ class World:
         try:
             return self._clients[0].call(cmd, **args)
         except GpumigrateError as exc:
-            raise (exc if self.alone else _ranked(exc, 0, self.addresses[0])) from None
+            raise (exc if self.alone else ranked(exc, 0, self.addresses[0])) from None
 
     # The rank commands carry per-rank members (``rank``, ``world``) that the single-agent typed replies
     # leave out: the world reads the agents' raw replies (snapshot/PROTOCOL.md, "Ranks").
@@ -201,7 +174,8 @@ class World:
         ranks = self.ranks if self.ranks is not None else self.describe()
         return shares(options or {}, [str(r.get("host") or "") for r in ranks])
 
-    def _compose(self, store: str, key_ref: Mapping[str, str], images: list[str]) -> dict[str, Any]:
+    def compose_ranks(self, store: str, key_ref: Mapping[str, str], images: list[str]) -> dict[str, Any]:
+        """The world image of rank r's image ``images[r]``, composed by rank 0's agent."""
         ranks = self.ranks if self.ranks is not None else self.describe()
         out: dict[str, Any] = self._rank0(
             "compose", store=store, key_ref=dict(key_ref), images=images, ranks=ranks, step=self.step
@@ -224,7 +198,7 @@ class World:
             return {"stats": RoundStats(**one["stats"]), "image": one["image"], "ranks": [one], "compose_seconds": 0.0}
         mine = self._shares(options)
         rounds = self._each(lambda r, c: c.call("precopy", store=store, key_ref=dict(key_ref), options=mine[r]))
-        world = self._compose(store, key_ref, [x["image"]["id"] for x in rounds])
+        world = self.compose_ranks(store, key_ref, [x["image"]["id"] for x in rounds])
         stats = [x["stats"] for x in rounds]
         total = RoundStats(
             round=max(s["round"] for s in stats),
@@ -316,27 +290,38 @@ class World:
         *,
         parent: str | None = None,
         options: Mapping[str, Any] | None = None,
+        confirm: str = "wait",
     ) -> dict[str, Any]:
         """Every frozen rank's last dirty set, then the world image to restore (a world of one: its own image,
-        shipped against ``parent``)."""
+        shipped against ``parent``). ``confirm="later"``: each rank may return before the confirmation of its cold
+        chunks ends (``confirmation``: ``pending``); no target may be made ready before its verdict (``cutover.py``)."""
+        extra = {"confirm": confirm} if confirm != "wait" else {}
         with self._kept_alive():
             if self.alone:
                 one = self._rank0(
-                    "final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {})
+                    "final", store=store, key_ref=dict(key_ref), parent=parent, options=dict(options or {}), **extra
                 )
                 finals, image, seconds = [one], one["image"], 0.0
             else:
                 mine = self._shares(options)
-                finals = self._each(lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=mine[r]))
-                world = self._compose(store, key_ref, [x["image"]["id"] for x in finals])
+                finals = self._each(
+                    lambda r, c: c.call("final", store=store, key_ref=dict(key_ref), options=mine[r], **extra)
+                )
+                world = self.compose_ranks(store, key_ref, [x["image"]["id"] for x in finals])
                 image, seconds = world["image"], world["seconds"]
+        pending = any(x.get("confirmation") == "pending" for x in finals)
         return {
             "image": image,
             "step": self.step,
             "ranks": finals,
             "compose_seconds": seconds,
             "bytes_dirty": sum(x["stats"]["bytes_dirty"] for x in finals),
+            "confirmation": "pending" if pending else "confirmed",
         }
+
+    def confirmed_ranks(self, images: Sequence[str]) -> list[dict[str, Any]]:
+        """Rank r's verdict (``confirmed``) of the final round that committed ``images[r]`` (``cutover.py``)."""
+        return self._each(lambda r, c: c.call("confirmed", image_id=images[r]))
 
     def _resume_quietly(self) -> None:
         try:
@@ -425,6 +410,11 @@ class World:
             for r, res in enumerate(results)
         ]
         return {"image": image_id, "ranks": results, "device_map": device_map, **_sums(results)}
+
+    def ready_ranks(self, image_id: str) -> list[dict[str, Any]]:
+        """Every target rank loaded (world) image ``image_id`` unready: each reports ready now, loading nothing
+        (the orchestrator had the source's verdict first: ``cutover.py``)."""
+        return self._each(lambda r, c: c.call("ready", image_id=image_id))
 
 
 def _sums(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -34,10 +34,15 @@ _Member = tuple[int, int, int, "torch.Tensor"]
 # parents' levels take half as much again at most. Fewer, larger launches; a bounded share of a full GPU.
 NODES_BYTES = 64 << 20
 _LEAF = 1024
+HIGH_PRIORITY = -1  # CUDA's higher stream priority (0 is the lowest), as the shipping's hash stream has
 
 
-def start(runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor) -> Callable[[], list[list[bool]]]:
-    """Queue the confirmation of ``runs`` (see the module docstring); the returned function waits for it."""
+def start(
+    runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor, *, background: bool = False
+) -> Callable[[], list[list[bool]]]:
+    """Queue the confirmation of ``runs`` (see the module docstring); the returned function waits for it.
+    ``background``: the side streams at the devices' lowest priority, behind the round's other device work
+    (the shipping's hash stream and a hot confirmation run at the higher one)."""
     on_device: dict[tuple[torch.device, int], list[_Member]] = {}  # (device, length) -> members
     on_host: list[tuple[int, int]] = []
     for r, run in enumerate(runs):
@@ -53,7 +58,7 @@ def start(runs: Sequence[ChunkRun], chunk_size: int, pool: ThreadPoolExecutor) -
             else:
                 on_host.append((r, k))
     after = {device: _current_event(device) for device, _ in on_device}
-    job = pool.submit(_confirm, runs, chunk_size, on_device, on_host, after)
+    job = pool.submit(_confirm, runs, chunk_size, on_device, on_host, after, 0 if background else HIGH_PRIORITY)
     return job.result
 
 
@@ -63,13 +68,14 @@ def _confirm(
     on_device: dict[tuple[torch.device, int], list[_Member]],
     on_host: list[tuple[int, int]],
     after: dict[torch.device, torch.cuda.Event],
+    priority: int,
 ) -> list[list[bool]]:
     import torch
 
     same = [[False] * len(run.indices) for run in runs]
     queued: list[tuple[list[_Member], tuple[torch.Tensor, torch.cuda.Stream]]] = []
     for (device, length), members in on_device.items():
-        side = torch.cuda.Stream(device=device)  # default priority: the shipping's hash stream goes first
+        side = torch.cuda.Stream(device=device, priority=priority)
         side.wait_event(after[device])
         with torch.cuda.stream(side):
             queued.append((members, _hash(members, length)))

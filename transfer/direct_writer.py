@@ -92,9 +92,9 @@ class DirectStoreImageWriter(StoreImageWriter):
         log_stages("capture")
         return super().commit()
 
-    def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
+    def confirm_chunks(self, runs: Sequence[ChunkRun], *, background: bool = False) -> Callable[[], list[list[bool]]]:
         """Device chunks by the BLAKE3 kernels from byte offsets, on one of this writer's threads (``confirm.py``)."""
-        return confirm.start(runs, self.chunk_size, pool(self.parallelism))
+        return confirm.start(runs, self.chunk_size, pool(self.parallelism), background=background)
 
     def _put_host(self, chunk: TensorChunk) -> str:
         return self.put_chunk(chunk.region, chunk.index, memoryview(chunk.data.numpy()))

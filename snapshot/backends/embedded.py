@@ -90,6 +90,11 @@ class EmbeddedAgentBackend:
             return all(bool(r.get("frozen") or r.get("holding")) for r in world.renew_ranks(lease_s))
 
     def final(self) -> ImageRef:
+        # confirm: wait (every reused chunk hashed before the commit). The flow's inference source resumes right
+        # after this, and a resume waits for a pending confirmation anyway; a training target restores in the next
+        # phase, maybe from another process, and must not depend on this source living on to give a verdict.
+        # ``cutover.py`` is the path that takes the confirmation off the downtime, for an orchestrator that drives
+        # the target's restore right after the final round.
         with self._world("source") as world:
             done = world.final_ranks(
                 self.setup.store, self.setup.key_ref, parent=self._parent, options=self.setup.writer_options

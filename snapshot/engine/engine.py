@@ -4,7 +4,8 @@ One small object composing one part per concern, each in its module of this pack
 
 * ``tracking.py``: what is tracked (modules, optimizers, tensors, opaque state, RNG streams) and its regions;
 * ``capture.py``: capture rounds into an image writer, live (only what changed ships) or frozen (the final
-  round, each chunk it reuses confirmed by its BLAKE3);
+  round, each chunk it reuses confirmed by its BLAKE3; ``planning.py`` decides what each region gets, and
+  ``confirmation.py`` holds the verdict of a final round that returned before its confirmation ended);
 * ``loading.py``: loading an image into the tracked state (a pre-load stays unready), filled from the
   source's memory where it can;
 * ``lending.py``: the source's side of that fill;
@@ -22,6 +23,7 @@ engine moves bytes only through the writers, readers and filler it is given: the
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -35,6 +37,7 @@ from gpumigrate.interfaces import ImageReader, ImageRef, ImageWriter, Round
 from gpumigrate.snapshot import tracked as tr
 from gpumigrate.snapshot.engine.capture import CaptureRounds
 from gpumigrate.snapshot.engine.clock import Phases
+from gpumigrate.snapshot.engine.confirmation import Reopen, Verdict
 from gpumigrate.snapshot.engine.dirty import Report
 from gpumigrate.snapshot.engine.freezing import ADVANCE_TIMEOUT_S, Freezing
 from gpumigrate.snapshot.engine.group import GroupControl
@@ -100,7 +103,9 @@ class SnapshotEngine:
             set_ready=set_ready,
             before_ready=self.work.when_ready,
         )
-        self.freezing = Freezing(freezer, self.state, self.ranks, self.lock)
+        # Whatever lets the workload run again, or changes its state, waits for a pending confirmation first: its
+        # hashes read the frozen bytes (confirmation.py)
+        self.freezing = Freezing(freezer, self.state, self.ranks, self.lock, before_running=self.capture.settle)
         if freezer is not None:  # the step counter and reported losses travel with the state
             self.track_state("progress", freezer.progress, freezer.set_progress)
 
@@ -207,7 +212,14 @@ class SnapshotEngine:
             "warming": bool(self.warming()) if self.warming is not None else False,
             "timeline": dict(self.timeline()) if self.timeline is not None else {},
             "work": self.work.figures(),
+            "confirmation": self._confirmation_state(),
         }
+
+    def _confirmation_state(self) -> dict[str, Any] | None:
+        pending, verdict = self.capture.pending, self.capture.verdict
+        if pending is not None:
+            return {"of_image": pending.image.id, "image": None, "pending": True, "caught": 0, "failed": False}
+        return verdict.state() if verdict is not None else None
 
     # ------------------------------------------------------------------ capture (capture.py)
     def open_writer(
@@ -217,6 +229,7 @@ class SnapshotEngine:
         otherwise, and a round on another parent ships everything (that parent holds none of our chunk ids)."""
         if self.writer_factory is None:
             raise SnapshotError("this agent has no image writer: the workload did not wire the transfer engine")
+        self.capture.settle()  # a pending confirmation may leave a follow-up image: the last one then
         last = self.state.last_image
         if parent is None and last is not None and last.store == store:
             parent = last.id
@@ -238,14 +251,27 @@ class SnapshotEngine:
         with self.lock:
             return Round(*self.capture.run(writer, frozen=self.state.frozen, clock=clock))
 
-    def capture_final(self, writer: ImageWriter, *, clock: Phases | None = None) -> Round:
-        """The frozen round: the last dirty set, every reused chunk confirmed by its hash."""
+    def capture_final(self, writer: ImageWriter, *, clock: Phases | None = None, reopen: Reopen | None = None) -> Round:
+        """The frozen round: the last dirty set, every reused chunk confirmed by its hash. With ``reopen`` (the
+        follow-up's writer, from the parent's id) it may commit before the cold chunks' hashes end: their verdict
+        is :meth:`confirmation`'s (confirmation.py)."""
         with gc_held(), self.lock:
             if not self.state.frozen:
                 raise SnapshotError("final needs a frozen workload: send freeze first")
-            done = Round(*self.capture.run(writer, frozen=True, clock=clock))
+            done = Round(*self.capture.run(writer, frozen=True, clock=clock, reopen=reopen))
             self.work.seal(self.lease.lease_s)  # the image holds the work in flight: kept aside until handed over
             return done
+
+    def confirmation(self, image_id: str) -> Verdict:
+        """The verdict of the final round that committed ``image_id``: the image a target may be made ready from
+        (``image_id``'s, or a follow-up with the chunks its confirmation caught). Waits for the hashes outside the
+        lock (a target's fill may ``lend`` meanwhile), then takes the verdict under it."""
+        pending = self.capture.pending
+        if pending is not None and pending.image.id == image_id:
+            with contextlib.suppress(BaseException):  # a failure is the verdict's, taken below
+                pending.wait()
+        with gc_held(), self.lock:
+            return self.capture.confirmation(image_id)
 
     def forget_shipped(self) -> None:
         """The next round ships everything (e.g. a new store that holds none of the earlier chunks)."""
@@ -320,10 +346,16 @@ class SnapshotEngine:
             raise SnapshotError("this agent cannot fill from the source: the workload did not wire the transfer engine")
         clock = clock or Phases()  # restore_from's started before it opened the reader
         with gc_held(), self.lock:
+            self.capture.settle()  # the load rewrites the tracked state a pending confirmation reads
             clock.mark("lock")
             return self.loader.run(
                 reader, policy=policy, ready=ready, rank=rank, source=source, control_key=control_key, clock=clock
             )
+
+    def mark_ready(self, image_id: str) -> dict[str, Any]:
+        """Target: report ready on image ``image_id``, which the last load put here unready (loading.py)."""
+        with gc_held(), self.lock:
+            return self.loader.mark_ready(image_id)
 
     def lend(
         self, landing: str, runs: Sequence[Run], chunk_size: int, *, control_key: bytes, tolerate: bool
@@ -337,6 +369,7 @@ class SnapshotEngine:
     # ------------------------------------------------------------------ after the cut-over (zeroize.py)
     def zeroize(self, *, end_parked: bool = False) -> dict[str, Any]:
         with self.lock:
+            self.capture.settle()  # a pending confirmation reads what is about to be wiped
             return zeroize(self.tracker, self.pipelines, gate=self.freezer, set_ready=self.set_ready,
                            forget=self._forget_memory, end_parked=end_parked)  # fmt: skip
 
@@ -354,5 +387,5 @@ class SnapshotEngine:
     def close(self) -> None:
         self.lease.close()
         self.work.close()
+        self.capture.close()  # waits for a pending confirmation's hashes
         self.pipelines.close()
-        self.capture.close()

@@ -9,6 +9,7 @@ move); ``advance_steps`` lets a parked training source take exactly N more steps
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from gpumigrate.errors import SnapshotError
@@ -25,12 +26,20 @@ class Freezing:
     """The safe point's controls, run under the engine's command lock."""
 
     def __init__(
-        self, gate: SafePointGate | None, state: EngineState, group: GroupControl, lock: threading.RLock
+        self,
+        gate: SafePointGate | None,
+        state: EngineState,
+        group: GroupControl,
+        lock: threading.RLock,
+        *,
+        before_running: Callable[[], object] = lambda: None,
     ) -> None:
         self.gate = gate  # None: a workload without a safe point (a freeze only marks it frozen)
         self.state = state
         self.group = group
         self._lock = lock
+        # run under the lock before a parked workload takes a step again (advance, unpark: a lease running out too)
+        self.before_running = before_running
         self.lease = Lease(lock, self._unpark_locked)
 
     def park(self, lease_s: float | None = None, *, timeout_s: float = 60.0, at_step: int | None = None) -> None:
@@ -86,6 +95,7 @@ class Freezing:
                 raise SnapshotError("advance needs a frozen workload with a safe point: send freeze first")
             if self.group.torn_down:
                 raise SnapshotError("advance needs the process group: send rebuild first")
+            self.before_running()
             try:
                 losses = self.gate.let_through(steps, timeout_s)
             finally:
@@ -111,6 +121,7 @@ class Freezing:
             self._unpark_locked()
 
     def _unpark_locked(self) -> None:
+        self.before_running()
         if self.group.torn_down:
             self.group.rebuild()  # the workload's next step needs its communicators
         self.lease.clear()

@@ -65,6 +65,7 @@ class Loader:
         self.before_ready = before_ready  # the workload takes over its work in flight (work.py) before it is ready
         self.loaded: dict[str, tuple[int, list[str]]] = {}  # region -> (destination data_ptr, chunk ids)
         self._loaded_cs = 0  # chunk size of the pre-loaded image (ids compare only at the same size)
+        self.unready: str | None = None  # the image the last load put here without making it ready
 
     def run(
         self,
@@ -88,7 +89,7 @@ class Loader:
         # The chunk ids by region, read in place: the manifest's own lists, never changed (no copy of a model's many ids).
         table: Mapping[str, list[str]] = meta["chunks"]
         plan = self._plan(reader, regions, meta, table, cs, fill=source is not None)
-        self.loaded = {}  # unknown until this load completes
+        self.loaded, self.unready = {}, None  # unknown until this load completes
         if self.set_ready is not None:
             self.set_ready(False)
         self.state.ready = False
@@ -117,11 +118,9 @@ class Loader:
         self.state.state_version += 1
         clock.mark("after")
         if ready:
-            if self.before_ready is not None:
-                self.before_ready()
-            if self.set_ready is not None:
-                self.set_ready(True)
-            self.state.ready = True
+            self._ready()
+        else:
+            self.unready = reader.ref.id
         clock.mark("ready")
         return {
             "image": reader.ref.id,
@@ -143,9 +142,41 @@ class Loader:
             **({"world": reader.source()} if isinstance(reader, RankView) else {}),
         }
 
+    def mark_ready(self, image_id: str) -> dict[str, Any]:
+        """Report ready on image ``image_id``, which the last load put here unready (the orchestrator restored the
+        final image that way, then had the source's confirmation of it: PROTOCOL.md, ``ready``). Nothing is
+        loaded: that load checked and loaded every chunk. A target already ready on it answers so again."""
+        clock = Phases()
+        last = self.state.last_image
+        if self.state.ready and last is not None and last.id == image_id and self.unready is None:
+            return {"image": image_id, "ready": True, "already": True, "seconds": 0.0, "phases": {}}
+        if self.unready != image_id:
+            now = f"image {self.unready[:16]} is" if self.unready else "no image is"
+            raise SnapshotError(
+                f"image {image_id[:16]} was not loaded here unready ({now}): restore it with ready false first"
+            )
+        self._ready()
+        clock.mark("ready")
+        return {
+            "image": image_id,
+            "ready": True,
+            "already": False,
+            "seconds": clock.seconds(),
+            "phases": clock.phases(),
+        }
+
+    def _ready(self) -> None:
+        """The workload serves (or trains) on the state loaded: its work in flight taken over first (work.py)."""
+        self.loaded, self.unready = {}, None  # it runs now: what a pre-load put where no longer holds
+        if self.before_ready is not None:
+            self.before_ready()
+        if self.set_ready is not None:
+            self.set_ready(True)
+        self.state.ready = True
+
     def forget(self) -> None:
         """Nothing counts as pre-loaded any more (the tracked memory was rewritten)."""
-        self.loaded = {}
+        self.loaded, self.unready = {}, None
 
     def _plan(
         self,

@@ -126,7 +126,7 @@ class MemoryWriter:
             self._serial += 1
             return f"nohash-{id(self)}-{self._serial}"
 
-    def confirm_chunks(self, runs: Sequence[ChunkRun]) -> Callable[[], list[list[bool]]]:
+    def confirm_chunks(self, runs: Sequence[ChunkRun], *, background: bool = False) -> Callable[[], list[list[bool]]]:
         """Chunk ids hashed on the host, on one of the pool's threads (this sink has no device hashing; the
         transfer engine's writer does)."""
         from gpumigrate.snapshot.chunks import host_chunk_ids

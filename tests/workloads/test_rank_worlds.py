@@ -24,6 +24,7 @@ import yaml
 from gpumigrate import transfer
 from gpumigrate.errors import PlanError
 from gpumigrate.plan import load_plan, parse_plan
+from gpumigrate.snapshot.cutover import restore_and_ready
 from gpumigrate.snapshot.gpumap import gpu_pairs, rank_gpu_pairs
 from gpumigrate.snapshot.ranks import visible_gpu_uuids
 from gpumigrate.snapshot.world import World
@@ -89,16 +90,30 @@ def connect(world: LocalWorld, timeout_s: float = 240.0) -> World:
             time.sleep(0.2)
 
 
-def migrate(source: World, target: World, store: tuple[str, dict[str, str]], rounds: int = 2) -> dict[str, Any]:
+def migrate(
+    source: World, target: World, store: tuple[str, dict[str, str]], rounds: int = 2, *, confirm_later: bool = False
+) -> dict[str, Any]:
+    """Pre-copy rounds, the group freeze, the final round, the target's restore. ``confirm_later``: the final round
+    returns before it confirms its cold chunks, the target restores unready beside each rank's verdict and reports
+    ready after it (``snapshot/cutover.py``)."""
     url, key_ref = store
     for _ in range(rounds):  # live rounds, each pre-loaded into the target world (which stays unready)
         image = source.precopy_ranks(url, key_ref)["image"]["id"]
         loaded = target.restore_ranks(url, image, key_ref, ready=False)
         assert all(r["ready"] is False for r in loaded["ranks"])
     frozen = source.freeze_ranks(lease_s=120)
-    final = source.final_ranks(url, key_ref)
-    restored = target.restore_ranks(url, final["image"]["id"], key_ref)
-    assert all(r["ready"] is True for r in restored["ranks"])
+    if confirm_later:
+        final = source.final_ranks(url, key_ref, confirm="later")
+        assert final["confirmation"] == "pending"  # each rank's weights were still being hashed
+        cut = restore_and_ready(source, target, url, key_ref, final)
+        assert cut["verdict"]["follow_up"] is False and [v["caught"] for v in cut["verdict"]["ranks"]] == [0, 0]
+        restored = cut["restored"]
+        assert all(r["ready"] is False for r in restored["ranks"])  # restored unready, beside the verdict
+        assert cut["ready"] is not None and all(r["ready"] is True for r in cut["ready"])
+    else:
+        final = source.final_ranks(url, key_ref)
+        restored = target.restore_ranks(url, final["image"]["id"], key_ref)
+        assert all(r["ready"] is True for r in restored["ranks"])
     # every rank's chunks landed through the store reader's direct placement (on a GPU: into the device tensor,
     # verified there), as one process restoring its own image: a world image is no slower a format (issue 32)
     assert [r["placement"] for r in restored["ranks"]] == ["direct", "direct"]
@@ -209,7 +224,7 @@ def _tp_migration(store: tuple[str, dict[str, str]], src: LocalWorld, dst: Local
     load = LoadGenerator(src_url + "/v1/generate", rps=20, seconds=600, body=body, timeout_s=60).start()
     with connect(src) as source, connect(dst) as target:
         _wait_answered(load, 20)
-        done = migrate(source, target, store)
+        done = migrate(source, target, store, confirm_later=True)
         assert httpx.get(dst_url + "/readyz").status_code == 200
         source.resume_ranks()  # the requests held at the freeze go on: slow for a moment, never failed
         _wait_answered(load, _answered(load) + 20)
