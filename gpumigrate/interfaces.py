@@ -124,6 +124,9 @@ class ImageWriter(Protocol):
 
     def add_region(self, info: RegionInfo) -> None: ...
 
+    def add_regions(self, infos: Iterable[RegionInfo]) -> None:
+        """``add_region`` of each, in order (one call for a round's many)."""
+
     def put_chunk(self, region: str, index: int, data: memoryview) -> str:
         """Hash, compress, encrypt and store chunk ``index`` of ``region``; return its chunk id.
 
@@ -135,6 +138,10 @@ class ImageWriter(Protocol):
 
     def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
         """``reuse_chunk(region, index, chunk_id)`` of each, in order (one call for a round's many)."""
+
+    def reuse_regions(self, regions: Iterable[tuple[str, Sequence[str]]]) -> None:
+        """``reuse_chunk(region, i, ids[i])`` of every chunk of each ``(region, ids)``: regions unchanged since the
+        parent, whole (a writer may take the parent's record of each at once)."""
 
     def set_metadata(self, key: str, value: Any) -> None:
         """Small JSON-able state (step counters, RNG state, environment facts). Never secrets."""

@@ -84,6 +84,8 @@ class Item:
     prefix: str
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """The region names and tensors of this item's state now. Callers never change the mapping: an item may hand
+        out the same one while nothing changed (``ModuleItem``), and the tracker then reuses all it made of it."""
         raise NotImplementedError
 
     def meta(self) -> dict[str, Any]:
@@ -120,7 +122,7 @@ class ModuleItem(Item):
 
     ``state_dict()`` walks every module through its hooks and detaches every tensor: most of a round's bookkeeping
     for a model of 500 tensors, paid again in the frozen final round (downtime) and the target's final restore. Its
-    result is kept and handed out again while :func:`_layout` of the module is the same (the same modules, and
+    result is kept and handed out again (the same mapping) while :func:`_layout` of the module is the same (the same modules, and
     parameters and buffers of the same objects, storage, dtype, shape and strides), which costs a fraction of it.
     A module whose state dict anything customises (hooks, an extra state, its own ``state_dict``) is asked each time.
 
@@ -151,10 +153,10 @@ class ModuleItem(Item):
             return dict(self._last)
         layout = _layout(self.module)
         if layout is not None and layout == self._layout:
-            return dict(self._tensors)
+            return self._tensors  # the very mapping of the last call: the tracker knows it (Item.tensors)
         found = self._read()
         self._layout, self._tensors = layout, found
-        return dict(found)
+        return found
 
 
 _PLAIN_STATE_DICT = (
@@ -167,24 +169,31 @@ _PLAIN_STATE_DICT = (
 def _layout(module: torch.nn.Module) -> tuple[Any, ...] | None:
     """What ``module.state_dict()`` is made of, cheaply: each module's identity, then each parameter's and buffer's
     name, identity, address, dtype, shape and strides (and whether a buffer is persistent). None for a module
-    whose state dict something customises: its state dict must be asked for."""
+    whose state dict something customises: its state dict must be asked for. (Asked of a 500-tensor model in
+    every frozen round and every restore: hence the local names and no work for what a module lacks.)"""
     parts: list[Any] = []
+    append = parts.append
     stack = [module]
+    pop = stack.pop
     while stack:
-        mod = stack.pop()
+        mod = pop()
         cls = type(mod)
         custom = (cls.state_dict, cls._save_to_state_dict, cls.get_extra_state) != _PLAIN_STATE_DICT
         if custom or mod._state_dict_hooks or mod._state_dict_pre_hooks:
             return None
-        parts.append(id(mod))
+        append(id(mod))
         for name, p in mod._parameters.items():
-            parts.append((name, None) if p is None else (name, id(p), p.data_ptr(), p.dtype, p.shape, p.stride()))
-        for name, b in mod._buffers.items():
-            if b is not None:
-                kept = name not in mod._non_persistent_buffers_set
-                parts.append((name, id(b), b.data_ptr(), b.dtype, b.shape, b.stride(), kept))
-        stack.extend(m for m in reversed(mod._modules.values()) if m is not None)
-        parts.append(len(mod._modules))
+            append((name, None) if p is None else (name, id(p), p.data_ptr(), p.dtype, p.shape, p.stride()))
+        buffers = mod._buffers
+        if buffers:
+            skip = mod._non_persistent_buffers_set
+            for name, b in buffers.items():
+                if b is not None:
+                    append((name, id(b), b.data_ptr(), b.dtype, b.shape, b.stride(), name not in skip))
+        children = mod._modules
+        if children:
+            stack.extend([m for m in reversed(children.values()) if m is not None])
+        append(len(children))
     return tuple(parts)
 
 

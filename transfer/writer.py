@@ -13,9 +13,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -71,12 +70,35 @@ def _remember(store_url: str, image_id: str, key_id: str | None, body: dict[str,
             _COMMITTED.popitem(last=False)
 
 
-@dataclass
 class _Region:
-    info: RegionInfo
-    chunks: dict[int, str] = field(default_factory=dict)
-    lengths: dict[int, int] = field(default_factory=dict)
-    planes: codecs.PlanePlan = field(default_factory=codecs.PlanePlan)  # byte-plane sample verdicts
+    """One region of the image being written: its chunks by index, or ``whole``, its parent's entry, where it holds
+    exactly the parent's chunks (:meth:`StoreImageWriter.reuse_regions`: no record per chunk)."""
+
+    __slots__ = ("chunks", "info", "lengths", "planes", "whole")
+
+    def __init__(self, info: RegionInfo) -> None:
+        self.info = info
+        self.chunks: dict[int, str] = {}
+        self.lengths: dict[int, int] = {}
+        self.planes = codecs.PlanePlan()  # byte-plane sample verdicts
+        self.whole: dict[str, Any] | None = None
+
+    def entry(self, chunk_size: int) -> dict[str, Any]:
+        """Its entry in the manifest body (FORMAT.md, Manifest)."""
+        return self.whole if self.whole is not None else region_entry(self.info, self.chunks, self.lengths, chunk_size)
+
+
+def _same_entry(info: RegionInfo, entry: dict[str, Any], ids: Sequence[str]) -> bool:
+    """Whether a parent manifest's region ``entry`` is ``info``'s region holding exactly the chunks ``ids``."""
+    shape, want = entry.get("shape"), info.shape
+    return (
+        entry.get("nbytes") == info.nbytes
+        and entry.get("chunks") == ids
+        and entry.get("dtype") == info.dtype
+        and entry.get("kind") == info.kind
+        and entry.get("device") == info.device
+        and (shape is None if want is None else shape is not None and len(shape) == len(want) and tuple(shape) == want)
+    )
 
 
 class StoreImageWriter:
@@ -118,6 +140,7 @@ class StoreImageWriter:
             for i, cid in enumerate(reg["chunks"]):
                 self._parent_chunks[(reg["name"], i)] = cid
         self._listing: dict[str, int] | None = None
+        self._parent_regions: dict[str, dict[str, Any]] | None = None
         self._regions: dict[str, _Region] = {}
         self._objects: dict[str, list[Any]] = {}
         self._metadata: dict[str, Any] = {}
@@ -153,11 +176,19 @@ class StoreImageWriter:
     # -- regions and metadata
 
     def add_region(self, info: RegionInfo) -> None:
+        self.add_regions((info,))
+
+    def add_regions(self, infos: Iterable[RegionInfo]) -> None:
+        """:meth:`add_region` of each, under one hold of the lock (a round adds a model's hundreds at once)."""
+        added = 0
         with self._lock:
-            if info.name in self._regions:
-                raise InvalidInputError(f"region {info.name!r} was added twice")
-            self._regions[info.name] = _Region(info)
-        self._progress.grow(info.nbytes)
+            regions = self._regions
+            for info in infos:
+                if info.name in regions:
+                    raise InvalidInputError(f"region {info.name!r} was added twice")
+                regions[info.name] = _Region(info)
+                added += info.nbytes
+        self._progress.grow(added)
 
     def set_metadata(self, key: str, value: object) -> None:
         with self._lock:
@@ -174,8 +205,18 @@ class StoreImageWriter:
     def _record(self, region: _Region, index: int, chunk_id: str, length: int) -> None:
         if index < 0:
             raise InvalidInputError(f"chunk index {index} of region {region.info.name!r} is negative")
+        if region.whole is not None:  # a region reused whole gets a chunk of its own: recorded chunk by chunk now
+            self._unwhole(region)
         region.chunks[index] = chunk_id
         region.lengths[index] = length
+
+    def _unwhole(self, region: _Region) -> None:
+        whole, region.whole = region.whole, None
+        assert whole is not None
+        ids, sizes = whole["chunks"], whole.get("sizes")
+        for i, cid in enumerate(ids):
+            region.chunks[i] = cid
+            region.lengths[i] = int(sizes[i]) if sizes else self._chunk_length(region, i)
 
     def _stored_size(self, chunk_id: str) -> int | None:
         if not self.store.prefers_listing:
@@ -388,6 +429,48 @@ class StoreImageWriter:
                 return
             self.reuse_chunk(*missing)
 
+    def reuse_regions(self, regions: Iterable[tuple[str, Sequence[str]]]) -> None:
+        """:meth:`reuse_chunks` of every chunk of each region, ``ids[i]`` at index ``i``: the same image. Where the
+        parent holds the region exactly so (its layout and these ids), its manifest entry is taken whole, with no
+        record per chunk (a final round reuses most of a model's regions so); any other goes chunk by chunk."""
+        self._check_open()
+        parent = self._parent_entries()
+        rest: list[tuple[str, int, str]] = []
+        done = reused = 0
+        with self._lock:
+            known, objects, parent_objects = self._regions, self._objects, self._parent_objects
+            for name, ids in regions:
+                reg = known.get(name) or self._region(name)
+                was = parent.get(name)
+                if was is not None and not reg.chunks and reg.whole is None and _same_entry(reg.info, was, ids):
+                    for cid in ids:
+                        if cid in objects:
+                            continue
+                        entry = parent_objects.get(cid)
+                        if entry is None:  # not the parent's after all: the store is asked, chunk by chunk
+                            break
+                        if entry[2]:
+                            self._add_object(cid, entry)  # and its delta base
+                        else:
+                            objects[cid] = entry
+                    else:
+                        reg.whole = was
+                        reused += len(ids)
+                        done += reg.info.nbytes
+                        continue
+                rest.extend((name, i, cid) for i, cid in enumerate(ids))
+            self.chunks_reused += reused
+            self.bytes_logical += done
+        self._progress.add(done)
+        if rest:
+            self.reuse_chunks(rest)
+
+    def _parent_entries(self) -> dict[str, dict[str, Any]]:
+        """The parent's region entries by name (made once per writer, when first asked)."""
+        if self._parent_regions is None:
+            self._parent_regions = {r["name"]: r for r in (self.parent_body or {}).get("regions", ())}
+        return self._parent_regions
+
     def _chunk_length(self, reg: _Region, index: int) -> int:
         start = index * self.chunk_size
         if start >= reg.info.nbytes:
@@ -418,7 +501,7 @@ class StoreImageWriter:
             self._pool.shutdown(wait=True)
             self._end_pacing()
         self._committed = True
-        regions = [region_entry(r.info, r.chunks, r.lengths, self.chunk_size) for r in self._regions.values()]
+        regions = [r.entry(self.chunk_size) for r in self._regions.values()]
         self.store.flush()
         body: dict[str, Any] = {
             "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

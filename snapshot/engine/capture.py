@@ -22,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -83,8 +84,7 @@ class CaptureRounds:
         live, views, infos = self.tracker.regions()
         # Before any byte is read: a write reported after this belongs to the next round.
         written = self.written.take({n: t for n, (_, t) in live.items()})
-        for info in infos.values():
-            writer.add_region(info)
+        writer.add_regions(infos.values())
         clock.mark("regions")
         by_ranges = {n: r for n, r in written.items() if r is not None and same_layout(self.shipped, n, infos[n], cs)}
         settle(live[n][1] for n in by_ranges)  # the writes reported so far, done on their devices
@@ -127,7 +127,7 @@ class CaptureRounds:
                 clock.mark("confirm")
                 self._settle_runs(writer, plan, cold, cold_oks, cs, by_hash, clock)
             elif deferred:  # referenced now, pending their hashes (confirmation.py)
-                writer.reuse_chunks([(r.region, i, cid) for r in cold for i, cid in zip(r.indices, r.ids, strict=True)])
+                _reference(writer, cold, [None] * len(cold))
                 clock.mark("reuse")
             stats, ref = self._commit(writer, plan, cs, frozen=frozen, clock=clock)
         except BaseException:
@@ -191,8 +191,7 @@ class CaptureRounds:
         stale = {(run.region, i) for run, run_oks in zip(pending.runs, oks, strict=True)
                  for i, ok in zip(run.indices, run_oks, strict=True) if not ok}  # fmt: skip
         writer = pending.reopen(pending.image.id)
-        for info in pending.infos.values():
-            writer.add_region(info)
+        writer.add_regions(pending.infos.values())
         writer.reuse_chunks(
             [(name, i, cid) for name, s in plan.new.items() for i, cid in enumerate(s.ids) if (name, i) not in stale]
         )
@@ -229,14 +228,7 @@ class CaptureRounds:
         """Reference the chunks of ``runs`` the hash confirmed; ship those it found changed."""
         if not runs:
             return
-        writer.reuse_chunks(
-            [
-                (run.region, i, cid)
-                for run, oks in zip(runs, confirmed, strict=True)
-                for i, cid, same in zip(run.indices, run.ids, oks, strict=True)
-                if same
-            ]
-        )
+        _reference(writer, runs, confirmed)
         clock.mark("reuse")
         changed = self._stale_jobs(plan, runs, confirmed, cs, by_hash)
         if changed:
@@ -353,3 +345,23 @@ class CaptureRounds:
         if self._confirmer is None:
             self._confirmer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gm-confirm")
         return self._confirmer.submit(confirm_on_host, runs, cs).result
+
+
+def _reference(writer: ImageWriter, runs: Sequence[ChunkRun], confirmed: Sequence[Sequence[bool] | None]) -> None:
+    """Reference the chunks of ``runs`` the hash confirmed (all of a run whose verdict is None: pending): a run of a
+    whole region, all confirmed, as the region (``reuse_regions``), the others chunk by chunk."""
+    whole: list[tuple[str, Sequence[str]]] = []
+    chunks: list[tuple[str, int, str]] = []
+    for run, oks in zip(runs, confirmed, strict=True):
+        every = oks is None or all(oks)
+        if every and isinstance(run.indices, range) and run.indices.start == 0 and len(run.indices) == len(run.ids):
+            whole.append((run.region, run.ids))
+        elif every:
+            chunks.extend(zip(repeat(run.region), run.indices, run.ids))
+        else:
+            assert oks is not None
+            chunks.extend((run.region, i, cid) for i, cid, same in zip(run.indices, run.ids, oks, strict=True) if same)
+    if whole:
+        writer.reuse_regions(whole)
+    if chunks:
+        writer.reuse_chunks(chunks)

@@ -31,6 +31,7 @@ class Shipped:
     chunk_size: int
     fingerprints: list[int]
     ids: list[str]
+    info: RegionInfo | None = None  # the description it was shipped under (the tracker hands the same one out again)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class RoundPlan:
         if name in self.borrowed:
             self.borrowed.discard(name)
             was = self.new[name] = Shipped(
-                was.nbytes, was.dtype, was.shape, was.chunk_size, list(was.fingerprints), list(was.ids)
+                was.nbytes, was.dtype, was.shape, was.chunk_size, list(was.fingerprints), list(was.ids), was.info
             )
         return was
 
@@ -68,12 +69,11 @@ class RoundPlan:
 def same_layout(shipped: Mapping[str, Shipped], name: str, info: RegionInfo, cs: int) -> bool:
     """Whether the last shipped image holds ``name`` with this layout and these chunk boundaries."""
     prev = shipped.get(name)
-    return prev is not None and (prev.nbytes, prev.dtype, prev.shape, prev.chunk_size) == (
-        info.nbytes,
-        info.dtype,
-        info.shape,
-        cs,
-    )
+    if prev is None or prev.chunk_size != cs:
+        return False
+    if prev.info is info:  # the very description (RegionInfo is frozen): most regions of a model, every round
+        return True
+    return (prev.nbytes, prev.dtype, prev.shape) == (info.nbytes, info.dtype, info.shape)
 
 
 def decided_by_hash(
@@ -149,7 +149,7 @@ def plan_round(
             plan.reused.extend((name, i, ids[i]) for i in kept)
         if dirty:
             plan.ship(name, view, dirty, cs)
-        plan.new[name] = Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids)
+        plan.new[name] = Shipped(info.nbytes, info.dtype, info.shape, cs, list(fps or ()), ids, info)
     return plan
 
 
@@ -169,4 +169,4 @@ def _plan_reported(
     plan.total += count
     if dirty:
         plan.ship(name, view, dirty, cs)
-    plan.new[name] = Shipped(info.nbytes, info.dtype, info.shape, cs, [], ids)
+    plan.new[name] = Shipped(info.nbytes, info.dtype, info.shape, cs, [], ids, info)

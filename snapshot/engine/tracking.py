@@ -9,6 +9,7 @@ round before, and building them is most of a round's bookkeeping.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -20,6 +21,19 @@ from gpumigrate.snapshot.chunks import byte_view
 
 _V = TypeVar("_V")
 Live = dict[str, tuple[tr.Item, torch.Tensor]]
+_Kept = tuple[torch.Tensor, int, torch.dtype, torch.Size, torch.Tensor, RegionInfo]  # tensor, address, ..., view, info
+
+
+@dataclass
+class _ItemRegions:
+    """One item's regions as the last round made them, from the mapping of tensors it handed out then."""
+
+    item: tr.Item
+    tensors: Mapping[str, torch.Tensor]
+    live: Live
+    views: dict[str, torch.Tensor]
+    infos: dict[str, RegionInfo]
+    kept: dict[str, _Kept]
 
 
 class Tracker:
@@ -28,9 +42,10 @@ class Tracker:
     def __init__(self, parked: Callable[[], bool] = lambda: False) -> None:
         self.items: list[tr.Item] = []
         self._infos: dict[str, RegionInfo] = {}  # the last round's region infos (reused where unchanged)
-        # the last round's regions: name -> (tensor, its address, its byte view, its info), reused for the very same
-        # tensor at the same address (a frozen round's, and a frozen source's next, find them all so)
-        self._last: dict[str, tuple[torch.Tensor, int, torch.dtype, torch.Size, torch.Tensor, RegionInfo]] = {}
+        # the last round's regions, by item: each tensor's view and info, reused for the very same tensor at the same
+        # address (a frozen round's, and a frozen source's next, find them all so), the whole item's for the very
+        # same mapping of tensors
+        self._last: dict[int, _ItemRegions] = {}
         self.parked = parked  # whether the workload is parked (no step can be running): a module's safe read
 
     # ------------------------------------------------------------------ what to track
@@ -84,21 +99,34 @@ class Tracker:
         """Every region as a round captures it: its tensor and item (:meth:`live`), its bytes (a flat uint8 view)
         and its :class:`RegionInfo`. The view and info of the very tensor object the last round had, at the same
         address, are that round's: between two rounds of a model nearly every tensor is, and a view and an info per
-        tensor were most of a frozen round's bookkeeping (downtime)."""
-        live = self.live()
+        tensor were most of a frozen round's bookkeeping (downtime). An item that hands out the very mapping of
+        the last round (a module whose layout is unchanged: ``tracked.ModuleItem``) gets all of that round's at once."""
+        live: Live = {}
         views: dict[str, torch.Tensor] = {}
         infos: dict[str, RegionInfo] = {}
-        last, kept = self._last, {}
-        for name, (item, t) in live.items():
-            hit = last.get(name)
-            address, dtype, shape = t.data_ptr(), t.dtype, t.shape
-            if hit is not None and hit[0] is t and hit[1] == address and hit[2] is dtype and hit[3] == shape:
-                view, info = hit[4], hit[5]
+        made: dict[int, _ItemRegions] = {}
+        for item in self.items:
+            tensors = item.tensors()
+            was = self._last.get(id(item))
+            if was is not None and was.item is item and was.tensors is tensors:
+                mine = was
             else:
-                view, info = byte_view(t), self.region_info(name, item, t)
-            views[name], infos[name] = view, info
-            kept[name] = (t, address, dtype, shape, view, info)
-        self._last = kept
+                mine = _ItemRegions(item, tensors, {}, {}, {}, {})
+                last = was.kept if was is not None else {}
+                for name, t in tensors.items():
+                    hit = last.get(name)
+                    address, dtype, shape = t.data_ptr(), t.dtype, t.shape
+                    if hit is not None and hit[0] is t and hit[1] == address and hit[2] is dtype and hit[3] == shape:
+                        view, info = hit[4], hit[5]
+                    else:
+                        view, info = byte_view(t), self.region_info(name, item, t)
+                    mine.live[name], mine.views[name], mine.infos[name] = (item, t), view, info
+                    mine.kept[name] = (t, address, dtype, shape, view, info)
+            live.update(mine.live)
+            views.update(mine.views)
+            infos.update(mine.infos)
+            made[id(item)] = mine
+        self._last = made
         return live, views, infos
 
     @staticmethod

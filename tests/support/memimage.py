@@ -109,6 +109,10 @@ class MemoryWriter:
         self._regions[info.name] = info
         self._ids.setdefault(info.name, {})
 
+    def add_regions(self, infos: Iterable[RegionInfo]) -> None:
+        for info in infos:
+            self.add_region(info)
+
     def put_chunk(self, region: str, index: int, data: memoryview) -> str:
         blob = bytes(data)  # the copy out of the caller's (ring) buffer
         cid = self._id_of(blob)
@@ -190,6 +194,11 @@ class MemoryWriter:
     def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
         for region, index, chunk_id in chunks:
             self.reuse_chunk(region, index, chunk_id)
+
+    def reuse_regions(self, regions: Iterable[tuple[str, Sequence[str]]]) -> None:
+        for region, ids in regions:
+            for index, chunk_id in enumerate(ids):
+                self.reuse_chunk(region, index, chunk_id)
 
     def set_metadata(self, key: str, value: Any) -> None:
         self._meta[key] = value

@@ -221,6 +221,48 @@ def test_reuse_chunks_refuses_what_reuse_chunk_refuses_after_recording_the_chunk
     assert bytes(open_reader(store, w.commit().id, key=key).read_region("w")) == data.tobytes()
 
 
+def test_reuse_regions_writes_the_image_reuse_chunks_writes(store: str, key: bytes) -> None:
+    """Regions the parent holds exactly so are taken whole (its manifest entries); one whose layout or chunks differ
+    from the parent's, or that also gets a chunk of its own, goes chunk by chunk: the same manifest either way."""
+    from gpumigrate.transfer.writer import committed_body
+
+    data = np.frombuffer(os.urandom(3 * CHUNK + 100), dtype=np.uint8)
+    first = open_writer(store, key=key, chunk_size=CHUNK)
+    ids = write_tensor(first, "w", data, "uint8")
+    (s_id,) = write_tensor(first, "s", data[:100].copy(), "uint8")
+    parent = first.commit()
+    changed = bytes(reversed(data[:CHUNK].tobytes()))
+    bodies = []
+    for whole in (False, True):
+        w = open_writer(store, key=key, parent=parent.id)
+        infos = [
+            RegionInfo(name="w", nbytes=data.nbytes, dtype="uint8", shape=data.shape, device="cpu"),
+            RegionInfo(name="s", nbytes=100, dtype="uint8", shape=(100,), device="cpu"),
+            RegionInfo(name="s2", nbytes=100, dtype="uint8", shape=(100,), device="cpu"),  # not in the parent
+        ]
+        w.add_regions(infos)
+        plan = [("w", ids), ("s", [s_id]), ("s2", [s_id])]
+        if whole:
+            w.reuse_regions(plan)
+        else:
+            w.reuse_chunks([(name, i, cid) for name, got in plan for i, cid in enumerate(got)])
+        counts = (w.chunks_reused, w.bytes_logical)  # (before the put: the second run finds its chunk stored)
+        w.put_chunk("w", 0, memoryview(changed))  # after the whole region: recorded chunk by chunk from here
+        ref = w.commit()
+        body = dict(committed_body(store, ref.id, w.sealer.key_id) or {})
+        body.pop("created"), body.pop("sequence")
+        bodies.append((body, counts))
+        reader = open_reader(store, ref.id, key=key)
+        assert bytes(reader.read_region("w")) == changed + data[CHUNK:].tobytes()
+        assert bytes(reader.read_region("s2")) == data[:100].tobytes()
+    assert bodies[0] == bodies[1]
+    w = open_writer(store, key=key, parent=parent.id)  # another shape: not the parent's region, chunk by chunk
+    w.add_region(RegionInfo(name="w", nbytes=data.nbytes, dtype="uint8", shape=(1, data.size), device="cpu"))
+    w.reuse_regions([("w", ids)])
+    entry = next(r for r in (committed_body(store, w.commit().id, w.sealer.key_id) or {})["regions"])
+    assert entry["shape"] == [1, data.size] and entry["chunks"] == ids
+
+
 def test_reuse_of_an_unknown_chunk_and_unknown_region_are_refused(store: str, key: bytes) -> None:
     w = open_writer(store, key=key, chunk_size=CHUNK)
     w.add_region(RegionInfo(name="w", nbytes=CHUNK))
