@@ -2,7 +2,7 @@
 
     python bench/e2e.py --json [--gb 16] [--mutable-mb 256] [--chunk-mb N] [--device cuda]
                         [--runs shm:auto,disk:auto] [--repeat 5] [--load-fraction 0.5] [--pacing adaptive|off]
-                        [--workers N] [--rate-limit 4GB/s] [--root DIR] [--out FILE]
+                        [--workers N] [--rate-limit 4GB/s] [--confirm later|wait] [--root DIR] [--out FILE]
     python bench/e2e.py --json --runs shm:auto,disk:auto --repeat 5 --no-driver   # issue 34's table, one call
 
 Source: the reference inference server (``--params-mb``, ``--device``, bf16, ``--mutable-mb``: state

@@ -15,7 +15,9 @@ before/after figure. One JSON line.
 everything, round 2 after the mutable state changed), then N final rounds of the frozen source, each after
 ``--mutable-mb`` of state tracked as ``attach(state=...)`` tracks it changed again (every byte, as the
 reference server's requests change it). Each is ``final_to`` timed around the call, with the agent's own
-phases; the target's restore is not in it (``bench/e2e.py`` measures the whole downtime). ``--profile F``
+phases; the target's restore is not in it (``bench/e2e.py`` measures the whole downtime). ``--confirm later``: each final round returns before the confirmation
+of its cold chunks ends (``snapshot/cutover.py``), and ``verdict_ms_median`` is the wait for its verdict after it
+returned. ``--profile F``
 records the final rounds alone with py-spy (raw stacks, every thread, idle included) where it is installed;
 ``--trace F`` runs one more under ``torch.profiler`` and writes its Chrome trace (device kernels and copies).
 
@@ -51,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mb", type=int, default=None, help="capture chunk size (default: the SDK's own choice)")
     p.add_argument("--finals", type=int, default=0, help="final rounds of a frozen source, after a round-1/2 chain")
     p.add_argument("--mutable-mb", type=float, default=256, help="state each final round finds changed")
+    p.add_argument(
+        "--confirm",
+        choices=("wait", "later"),
+        default="wait",
+        help="final rounds confirm every reused chunk before they return (wait) or the cold ones after (later)",
+    )
     p.add_argument("--profile", default=None, help="py-spy raw stacks of the final rounds into this file")
     p.add_argument("--trace", default=None, help="one more final round under torch.profiler: a Chrome trace here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else None, help="cuda (default) or cpu")
@@ -169,8 +177,18 @@ def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: arg
             if args.device != "cpu":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            got = final_to(agent, f"file://{store}", key_ref, options=opts)
-            runs.append({"ms": (time.perf_counter() - t) * 1e3, "phases": got["stats"]["phases"]})
+            got = final_to(agent, f"file://{store}", key_ref, options=opts, confirm=args.confirm)
+            took = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()  # the verdict of the cold chunks' confirmation (none pending with --confirm wait)
+            verdict = agent.confirmation(got["image"]["id"])
+            runs.append(
+                {
+                    "ms": took,
+                    "phases": got["stats"]["phases"],
+                    "verdict_ms": (time.perf_counter() - t) * 1e3,
+                    "caught": verdict.caught,
+                }
+            )
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -188,6 +206,10 @@ def _finals(agent: Any, key_ref: dict[str, str], opts: dict[str, Any], args: arg
     return {
         "count": len(runs),
         "mutable_MiB": args.mutable_mb,
+        "confirm": args.confirm,
+        # after each round returned: the wait for its verdict (the cold chunks' hashes it had not waited for)
+        "verdict_ms_median": round(statistics.median(r["verdict_ms"] for r in runs), 2),
+        "caught": sum(r["caught"] for r in runs),
         "ms_median": round(statistics.median(ms), 2),
         "ms_min": round(ms[0], 2),
         "ms_max": round(ms[-1], 2),

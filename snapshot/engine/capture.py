@@ -121,7 +121,8 @@ class CaptureRounds:
                 if job.region not in by_ranges:  # a reported region keeps no fingerprints
                     plan.new[job.region].fingerprints[job.index] = fp
             clock.mark("fingerprint")  # a first round reads them back only now, after its copies
-            self._settle_runs(writer, plan, hot, confirmed, cs, by_hash, clock)
+            unrecorded: list[Job] | None = [] if deferred else None  # recorded at the verdict, still frozen
+            self._settle_runs(writer, plan, hot, confirmed, cs, by_hash, clock, unrecorded)
             if confirming_cold is not None and not deferred:
                 cold_oks, confirming_cold = confirming_cold(), None
                 clock.mark("confirm")
@@ -138,7 +139,9 @@ class CaptureRounds:
             raise
         if deferred:
             assert confirming_cold is not None and reopen is not None
-            self.pending = PendingConfirmation(ref, cold, confirming_cold, reopen, plan, by_hash, infos, cs)
+            self.pending = PendingConfirmation(
+                ref, cold, confirming_cold, reopen, plan, by_hash, infos, cs, unrecorded or []
+            )
         elif frozen:
             self.verdict = Verdict(ref, ref, 0)  # every chunk confirmed before the commit
         return stats, ref
@@ -166,6 +169,8 @@ class CaptureRounds:
         clock = Phases()
         count = sum(len(run.indices) for run in pending.runs)
         try:
+            self._fingerprint_shipped(pending.plan, pending.unrecorded, pending.chunk_size)
+            clock.mark("fingerprint")
             oks = pending.wait()
             clock.mark("confirm")
             caught = sum(not ok for run_oks in oks for ok in run_oks)
@@ -224,6 +229,7 @@ class CaptureRounds:
         cs: int,
         by_hash: set[str],
         clock: Phases,
+        later: list[Job] | None = None,
     ) -> None:
         """Reference the chunks of ``runs`` the hash confirmed; ship those it found changed."""
         if not runs:
@@ -232,7 +238,7 @@ class CaptureRounds:
         clock.mark("reuse")
         changed = self._stale_jobs(plan, runs, confirmed, cs, by_hash)
         if changed:
-            self._ship_changed(writer, plan, changed, cs, by_hash, clock)
+            self._ship_changed(writer, plan, changed, cs, by_hash, clock, later)
 
     def _stale_jobs(
         self, plan: RoundPlan, runs: Sequence[ChunkRun], confirmed: list[list[bool]], cs: int, by_hash: set[str]
@@ -259,19 +265,27 @@ class CaptureRounds:
         cs: int,
         by_hash: set[str],
         clock: Phases,
+        later: list[Job] | None = None,
     ) -> None:
-        """Ship the chunks the hash caught changed; record the fingerprints of what shipped."""
+        """Ship the chunks the hash caught changed; record the fingerprints of what shipped (``later``: leave those of
+        the regions left to the hash in it, for a pending confirmation's verdict to record while still frozen)."""
         self._ship(writer, changed, cs, plan, frozen=True)
         clock.mark("ship")
-        # The next round (after a rollback) compares against the fingerprints of what was shipped; a chunk of a hashed
-        # tensor whose fingerprint did not change with its bytes is a collision all the same.
         hashed = [j for jobs in changed.values() for j in jobs if j.region in by_hash]
+        if later is not None:
+            later.extend(hashed)
+            return
+        self._fingerprint_shipped(plan, hashed, cs)
+        clock.mark("fingerprint")
+
+    def _fingerprint_shipped(self, plan: RoundPlan, hashed: Sequence[Job], cs: int) -> None:
+        """The fingerprints of chunks the hash alone shipped: the next round (after a rollback) compares against
+        them; one whose fingerprint did not change with its bytes is a collision all the same."""
         for job, fp in zip(hashed, chunk_fingerprints([j.data for j in hashed], cs), strict=True):
             shipped = plan.own(job.region)
             if fp == shipped.fingerprints[job.index]:
                 self._collision(job)
             shipped.fingerprints[job.index] = fp
-        clock.mark("fingerprint")
 
     def _commit(
         self, writer: ImageWriter, plan: RoundPlan, cs: int, *, frozen: bool, clock: Phases

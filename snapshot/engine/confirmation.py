@@ -26,6 +26,7 @@ from gpumigrate.interfaces import ChunkRun, ImageRef, ImageWriter, RegionInfo, R
 
 if TYPE_CHECKING:
     from gpumigrate.snapshot.engine.planning import RoundPlan
+    from gpumigrate.snapshot.pipeline import Job
 
 # (the parent image id) -> a writer into the round's store with its key and options: the follow-up's
 Reopen = Callable[[str], ImageWriter]
@@ -43,6 +44,7 @@ class PendingConfirmation:
     by_hash: set[str]  # the regions the round left to the hash alone (no fingerprint pass)
     infos: Mapping[str, RegionInfo]  # the round's regions
     chunk_size: int
+    unrecorded: Sequence[Job] = ()  # chunks the hash alone shipped: their fingerprints, recorded at the verdict
 
 
 @dataclass

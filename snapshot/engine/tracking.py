@@ -47,6 +47,7 @@ class Tracker:
         # same mapping of tensors
         self._last: dict[int, _ItemRegions] = {}
         self.parked = parked  # whether the workload is parked (no step can be running): a module's safe read
+        self._owners: dict[str, str] = {}  # region name -> the prefix of the item that owns it (by_item)
 
     # ------------------------------------------------------------------ what to track
     def track(self, item: tr.Item) -> None:
@@ -145,19 +146,25 @@ class Tracker:
     def by_item(self, regions: Mapping[str, _V]) -> dict[str, dict[str, _V]]:
         """``regions`` split by the tracked item that owns each (its prefix, or a path under it), in their order.
 
-        Prefixes never nest (:meth:`track`), so the owner is the one item prefix among the name and its parents:
-        a few lookups per region, where asking every item about every region cost a model's 500 regions times
-        the items, twice on the freeze → ready path."""
+        Prefixes never nest (:meth:`track`), so the owner is the one item prefix among the name and its parents,
+        and a name keeps the owner once found (items are only ever added): a lookup per region, where asking every
+        item about every region cost a model's 500 regions times the items, twice on the freeze → ready path."""
         out: dict[str, dict[str, _V]] = {item.prefix: {} for item in self.items}
+        owners = self._owners
         for name, value in regions.items():
-            owner = name
-            while owner not in out:
-                cut = owner.rfind("/")
-                if cut < 0:
-                    break
-                owner = owner[:cut]
-            else:
-                out[owner][name] = value
+            owner = owners.get(name)
+            if owner is None:
+                owner = name
+                while owner not in out:
+                    cut = owner.rfind("/")
+                    if cut < 0:
+                        break
+                    owner = owner[:cut]
+                else:
+                    owners[name] = owner
+                    out[owner][name] = value
+                continue
+            out[owner][name] = value
         return out
 
     def metadata(self) -> dict[str, dict[str, Any]]:

@@ -171,6 +171,9 @@ def test_a_resume_before_the_verdict_takes_it_first_and_the_verdict_is_still_giv
     src.tensors["w"].fill_(7)  # the workload runs on and writes: after the verdict, it cannot reach the image
     verdict = src.world.confirmed_ranks([final["image"]["id"]])[0]
     assert verdict["follow_up"] and verdict["caught"] == 1
+    # the hot chunk the round shipped has the fingerprint of its bytes recorded (at the verdict, still frozen)
+    kv_fps = src.engine.capture.shipped["kv"].fingerprints
+    assert kv_fps == fingerprint_chunks(byte_view(src.tensors["kv"]), CHUNK).tolist()
     tgt.world.restore_ranks(store_url, verdict["image"]["id"], {}, ready=True)
     assert torch.equal(tgt.tensors["w"], planted)
     # the next round, after the rollback, starts from the follow-up: it ships what the workload changed since
