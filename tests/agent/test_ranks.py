@@ -319,7 +319,7 @@ def test_a_world_image_refuses_images_of_other_ranks(ranks: list[Rank], store: t
         rounds = [AgentClient(r.server.address).request_precopy(url, key_ref) for r in ranks]
         world.describe()
         with pytest.raises(ImageMismatchError, match="written by rank 1 of 2, not by rank 0 of 2"):
-            world._compose(url, key_ref, [rounds[1].image.id, rounds[0].image.id])
+            world.compose_ranks(url, key_ref, [rounds[1].image.id, rounds[0].image.id])
 
 
 def _gpu(n: int) -> str:
