@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import signal
 import string
+import subprocess
 import sys
 import threading
 import time
@@ -239,3 +242,43 @@ class Clients:
     def join(self) -> None:
         for t in self.threads:
             t.join()
+
+
+class GilProfile:
+    """py-spy recording which threads of a process hold the GIL (``record --gil``, raw stacks, every thread), from
+    :meth:`start` to :meth:`stop`; nothing where py-spy is not installed (a diagnosis tool, not a dependency)."""
+
+    def __init__(self, pid: int, path: str) -> None:
+        self.pid, self.path = pid, path
+        self._spy: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> bool:
+        exe = shutil.which("py-spy")
+        if exe is None:
+            log("py-spy is not installed: the round runs unprofiled")
+            return False
+        cmd = [exe, "record", "--pid", str(self.pid), "--gil", "--threads", "--format", "raw", "--rate", "250"]
+        self._spy = subprocess.Popen(
+            [*cmd, "--output", self.path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        time.sleep(1.0)  # attached before the round starts
+        return True
+
+    def stop(self) -> None:
+        if self._spy is not None:
+            self._spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            self._spy.wait(timeout=60)
+            self._spy = None
+
+
+def failures(run: dict[str, Any]) -> list[str]:
+    """What a run's correctness half says went wrong (empty: nothing)."""
+    if "error" in run:
+        return [run["error"]]
+    checks: list[tuple[bool, str]] = [
+        (run["broken"] == 0, f"{run['broken']} streams broken"),
+        (run["lost_or_duplicated"] == 0, f"{run['lost_or_duplicated']} streams lost or repeated tokens"),
+        (run["freeze_tested"], "no stream was in flight at the freeze: the hand-over was not tested"),
+        (run["reprefill"]["answered"] == run["reprefill"]["replayed"], "the re-prefill baseline went unanswered"),
+    ]
+    return [why for ok, why in checks if not ok]

@@ -2,7 +2,7 @@
 
     python bench/llm_streams.py --json [--size 1b] [--device cuda] [--dtype bfloat16] [--streams 64]
         [--prompt-min 1024] [--prompt-max 4096] [--tokens 768] [--chunk-mb N] [--runs disk,shm] [--root DIR]
-        [--target-gpu N] [--parallelism N] [--pacing adaptive|off] [--margin-s 3] [--refills 2] [--out FILE]
+        [--target-gpu N] [--parallelism N] [--pacing adaptive|off] [--margin-s 3] [--refills 2] [--profile DIR] [--out FILE]
     python bench/llm_streams.py --smoke      # the tiny config on the CPU; exit 1 unless every check holds
 
 Two reference LLM servers (``python -m gpumigrate.workloads.llm``), each started through the one launcher
@@ -40,7 +40,8 @@ CPU: a step waiting for the GIL sleeps, one waiting for the device spins),
 and the **re-prefill baseline** from the same
 run: each request as a replay-based system would resume it on a fresh target (its prompt plus the tokens it had at
 the freeze, as one new prompt, all replayed at once on the target once the streams ended), timed to its first
-token. ``--target-gpu`` starts the target on another GPU of the host (by default it shares the source's). The last
+token. ``--profile DIR`` records which of the source's threads hold the GIL during round 1 (py-spy ``record --gil``,
+raw stacks per thread, ``DIR/capture_1.txt``; py-spy is a diagnosis tool: install it by hand). ``--target-gpu`` starts the target on another GPU of the host (by default it shares the source's). The last
 stdout line is one JSON object.
 """
 
@@ -61,10 +62,12 @@ import httpx
 from llm_clients import (
     Clients,
     EngineSample,
+    GilProfile,
     Window,
     engine_between,
     engine_sample,
     engine_stats,
+    failures,
     gap_figures,
     gaps_between,
     hand_over_figures,
@@ -235,9 +238,14 @@ def move(
 
     def live_round(n: int) -> None:
         nonlocal last
+        spy = GilProfile(source.host.meta["workload"]["pid"], f"{args.profile}/capture_1.txt") if n == 1 else None
+        profiled = bool(args.profile) and spy is not None and spy.start()  # round 1: the one that moves every byte
         t0, began = time.perf_counter(), time.monotonic()
         r = source.agent.request_precopy(store, key_ref, options=options)
-        captured, at_captured = time.monotonic(), engine_sample(source.url)
+        captured = time.monotonic()
+        if profiled and spy is not None:
+            spy.stop()
+        at_captured = engine_sample(source.url)
         pre = target.agent.request_restore(store, r.image.id, key_ref, ready=False)
         preloaded = engine_sample(source.url)
         engine_phases.extend([(f"capture_{n}", last, at_captured), (f"preload_{n}", at_captured, preloaded)])
@@ -337,8 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=None, help="where the disk store and the hosts live (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600)
     p.add_argument("--smoke", action="store_true", help="the tiny config on the CPU; exit 1 unless every check holds")
+    p.add_argument("--profile", default=None, help="a folder: py-spy --gil of the source's round 1 (if installed)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
     import torch
 
     if args.smoke:
@@ -381,23 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
-    failed = [f"{where}: {why}" for where, r in out["runs"].items() for why in _failures(r)]
+    failed = [f"{where}: {why}" for where, r in out["runs"].items() for why in failures(r)]
     if failed:
         log("not every check holds: " + "; ".join(failed))
     return 1 if failed and args.smoke else 0
-
-
-def _failures(run: dict[str, Any]) -> list[str]:
-    """What a run's correctness half says went wrong (empty: nothing)."""
-    if "error" in run:
-        return [run["error"]]
-    checks: list[tuple[bool, str]] = [
-        (run["broken"] == 0, f"{run['broken']} streams broken"),
-        (run["lost_or_duplicated"] == 0, f"{run['lost_or_duplicated']} streams lost or repeated tokens"),
-        (run["freeze_tested"], "no stream was in flight at the freeze: the hand-over was not tested"),
-        (run["reprefill"]["answered"] == run["reprefill"]["replayed"], "the re-prefill baseline went unanswered"),
-    ]
-    return [why for ok, why in checks if not ok]
 
 
 if __name__ == "__main__":
