@@ -240,6 +240,7 @@ def attach_items(
         devices = distributed.cuda_devices({k: t for i in items for k, t in i.tensors().items()})
         # A target awaiting its restore warms what a restore runs; its first capture, if it ever moves on, compiles
         # the rest then (warming it now would hold the GIL and the GPU beside the restore it waits for).
+        warmup.reports_writes(bool(reports))  # the chunk size: before the warm-up page-locks slots at it
         warmup.warm_device_kernels(devices, capture=not awaiting_restore())
         return _current
 

@@ -8,9 +8,12 @@ thread, and captures and restores wait for that thread (:func:`wait_for_kernels`
 beside it. What the warm-up saves is measured by bench/e2e.py and bench/live_round.py (bench/README.md).
 A failure here only means the first capture compiles the kernels after all.
 
-It also decides the chunk size where the tracked state lives on a GPU (:func:`chunk_size`): each chunk costs
+It also decides the chunk size (:func:`chunk_size`). Where the tracked state lives on a GPU, each chunk costs
 the capture's one queueing thread a fixed round of launches and the sealing threads a round of system
-calls, so larger chunks keep those threads from setting the pace (bench/README.md has the figures).
+calls, so larger chunks keep those threads from setting the pace (bench/README.md has the figures). Where the
+workload reports what it writes (``attach(written=...)``: a KV cache, one row per running request a step), a round
+ships every chunk a reported range touches, so the final round costs a chunk per request at least: there small
+chunks keep the downtime short (32 MiB chunks made a 64-stream server's final round 2 GB, 1 MiB ones 64 MB).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ if TYPE_CHECKING:
     import torch
 
 GPU_CHUNK_SIZE = 32 << 20  # for state on a GPU; the image format's 4 MiB default stays for state in host memory
+WRITTEN_CHUNK_SIZE = 1 << 20  # for a workload that reports its writes (a KV cache): the final round's unit
 _state_on_gpu = threading.Event()  # set by warm_device_kernels: the attach found tracked state on a GPU
+_reports_writes = threading.Event()  # set by reports_writes: the attach was given written-range reports
 _warming: list[threading.Thread] = []
 # When this process reached each point of its start (epoch seconds), and what each warm-up step took (seconds):
 # the agent's ``info`` reports them (``timeline``), so a benchmark can say where a target's start-up goes.
@@ -66,13 +71,24 @@ def timeline() -> dict[str, object]:
 
 
 def chunk_size() -> int | None:
-    """``GPUMIGRATE_SNAPSHOT_CHUNK_MB`` where set; else :data:`GPU_CHUNK_SIZE` where the tracked state lives on a GPU;
-    else None (the transfer engine's default, 4 MiB). One process always picks the same: every round of a migration
-    cuts its tensors at the same offsets, which is what lets a round reuse the chunks of the one before."""
+    """``GPUMIGRATE_SNAPSHOT_CHUNK_MB`` where set; else :data:`WRITTEN_CHUNK_SIZE` where the workload reports its
+    writes; else :data:`GPU_CHUNK_SIZE` where the tracked state lives on a GPU; else None (the transfer engine's
+    default, 4 MiB). One process always picks the same (the attach decides before any round): every round of a
+    migration cuts its tensors at the same offsets, which is what lets a round reuse the chunks of the one before."""
     mb = int(os.environ.get("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "0") or 0)
     if mb:
         return mb << 20
+    if _reports_writes.is_set():
+        return WRITTEN_CHUNK_SIZE
     return GPU_CHUNK_SIZE if _state_on_gpu.is_set() else None
+
+
+def reports_writes(given: bool) -> None:
+    """Whether the attach (one a process at a time) was given written-range reports (``attach(written=...)``)."""
+    if given:
+        _reports_writes.set()
+    else:
+        _reports_writes.clear()
 
 
 def warm_device_kernels(devices: list[int] | None, *, capture: bool = True) -> threading.Thread | None:
@@ -181,8 +197,10 @@ def wait_for_kernels(timeout_s: float = 120.0) -> float:
 
 __all__ = [
     "GPU_CHUNK_SIZE",
+    "WRITTEN_CHUNK_SIZE",
     "chunk_size",
     "kernels_warming",
+    "reports_writes",
     "process_started",
     "timeline",
     "wait_for_kernels",

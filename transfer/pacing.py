@@ -8,18 +8,25 @@ passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
 
 * Before the round moves a byte, the requests of the last ``baseline_s`` set the base latency (their median).
   With none (an idle source), the first verdict's requests set it; a lower median seen later lowers it.
+* **Slow start** (as TCP's): a source that serves (a request ended in the last ``idle_s``, or one is under way)
+  gets a round that starts at ``start_rate`` (or the plan's ``rate_limit``, if lower), not uncapped: a round that
+  began at full speed stalled an engine loop's steps for the half second before its first verdict
+  (bench/HISTORY.md, fifteenth session). Each verdict within tolerance multiplies the rate by ``start_growth``
+  until the first cut, ``growth`` after it. An idle source's round starts uncapped: nothing to yield to.
 * Every ``interval_s`` the controller reads the requests that ended since its last verdict. With ``min_samples``
   of them it compares their median with the base:
   above ``base × (1 + tolerance)`` the round is felt: its rate is cut by ``backoff`` (from the rate it moves at,
   measured, when it is uncapped), never below the floor, and the next verdict waits ``settle_s`` for the cut to
   show; at or below it, the rate grows by ``growth``.
 * A request that began during the round and is still under way for longer than ``overdue`` times the base (and
-  than the slowest request of the baseline) is a verdict by itself: it is cut at once, whatever has ended. An engine loop's safe point is one
+  than the baseline's 99th percentile) is a verdict by itself: it is cut at once, whatever has ended (the
+  percentile, not the slowest: an engine loop's baseline holds a few prefill steps many times a decode step's
+  length, and the bound must stay below a stalled decode step). An engine loop's safe point is one
   decode step; a round that stalls the steps (they wait for the GIL or the device beside it) would otherwise be
   judged only once ``min_samples`` stalled steps had ended, seconds later, after the round it should have slowed.
 * No request ended for ``idle_s`` and none under way: an idle source, the rate grows too.
-* Grown past the highest rate the round moved at uncapped (or to the plan's ``rate_limit``), the cap is lifted
-  (back to ``rate_limit``).
+* Grown past the highest rate the round moved at uncapped (or to the plan's ``rate_limit``), or within tolerance
+  while no chunk waited for the cap since the last verdict, the cap is lifted (back to ``rate_limit``).
 
 Token buckets exist as libraries; a controller that steers one from a latency signal does not (asyncio-only
 limiters aside), hence this module, with its rules as data (:class:`PacingRules`).
@@ -54,6 +61,8 @@ class PacingRules:
     floor_fraction: float = 0.02  # of the highest rate: the round always moves (a freeze waits for it)
     overdue: float = 3.0  # times the base latency: a request under way for longer cuts the rate before it ends
     baseline_s: float = 30.0
+    start_rate: float = 64 * (1 << 20)  # bytes/s: a serving source's round starts here (slow start)
+    start_growth: float = 2.0  # the rate's growth per verdict within tolerance until the first cut
 
 
 @dataclass
@@ -68,6 +77,7 @@ class PacingReport:
     overdue_cuts: int = 0  # cuts for a request still under way (already longer than the overdue bound)
     lowest_rate: float | None = None
     capped_s: float = 0.0  # seconds the round spent under a cap below its top
+    start_rate: float | None = None  # the slow start's first rate (None: the source was idle, the round uncapped)
     changes: list[tuple[float, float | None, str]] = field(default_factory=list)  # (s since start, rate, why)
 
     def as_dict(self, top: float | None) -> dict[str, Any]:
@@ -82,6 +92,7 @@ class PacingReport:
             "lowest_rate": None if self.lowest_rate is None else round(self.lowest_rate),
             "top_rate": None if top is None else round(top),
             "capped_s": round(self.capped_s, 3),
+            "start_rate": None if self.start_rate is None else round(self.start_rate),
             "changes": [[round(t, 3), None if r is None else round(r), why] for t, r, why in self.changes],
         }
 
@@ -105,7 +116,9 @@ class PacingController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._base: float | None = None
-        self._slowest = 0.0  # the slowest request before the round (seconds): a request under way beyond is overdue
+        self._slowest = 0.0  # the baseline's 99th percentile (seconds): a request under way for longer is overdue
+        self._slow_start = False  # growing by start_growth until the first cut
+        self._held = limiter.held  # the limiter's held takes at the last verdict
         self._peak = 0.0  # the highest rate measured while uncapped (bytes/s)
         now = time.monotonic()
         self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
@@ -118,10 +131,18 @@ class PacingController:
         now = time.monotonic()
         before = self.signal.latencies(now - self.rules.baseline_s)
         if before:
-            self._base, self._slowest = statistics.median(before), max(before)
+            self._base, self._slowest = statistics.median(before), _percentile(before, 0.99)
             self.report.base_latency_ms = round(self._base * 1000, 3)
         self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
         self._tick_bytes = self._verdict_bytes = self.limiter.admitted
+        self._held = self.limiter.held
+        serving = self.signal.in_flight > 0 or bool(self.signal.latencies(now - self.rules.idle_s))
+        if serving:  # slow start: nothing moves at full speed before a verdict says the source does not feel it
+            first = self.rules.start_rate if self.ceiling is None else min(self.rules.start_rate, self.ceiling)
+            self._slow_start = True
+            self.report.start_rate = first
+            base = "no base yet" if self._base is None else f"base {self._base * 1000:.1f} ms"
+            self._set(first, f"slow start, {base}", now)
         self._thread = threading.Thread(target=self._run, name="gm-pacing", daemon=True)
         self._thread.start()
 
@@ -160,7 +181,7 @@ class PacingController:
             self.report.verdicts += 1
             self.report.overdue_cuts += 1
             self._cut(now, f"a request under way for {running * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
-            self._verdict_at, self._verdict_bytes = now, self.limiter.admitted
+            self._mark_verdict(now)
             return
         if len(self._window) >= rules.min_samples:
             self._verdict(statistics.median(self._window), now)
@@ -170,6 +191,7 @@ class PacingController:
             self._quiet_since = now
             self.report.idle_raises += 1
             self._raise(now, "source idle")
+            self._held = self.limiter.held
 
     def _verdict(self, latency: float, now: float) -> None:
         self.report.verdicts += 1
@@ -180,13 +202,17 @@ class PacingController:
             self._cut(now, f"latency {latency * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
         else:
             self._raise(now, f"latency {latency * 1000:.1f} ms within the base's tolerance")
-        self._verdict_at, self._verdict_bytes = now, self.limiter.admitted
+        self._mark_verdict(now)
+
+    def _mark_verdict(self, now: float) -> None:
+        self._verdict_at, self._verdict_bytes, self._held = now, self.limiter.admitted, self.limiter.held
 
     def _cut(self, now: float, why: str) -> None:
         current = self.limiter.rate if self.limiter.rate is not None else self._moving(now)
         if current <= 0:
             return  # nothing moves: nothing to slow
         self.report.cuts += 1
+        self._slow_start = False
         self._set(max(self._floor(), current * self.rules.backoff), why, now)
         self._settled = now + self.rules.settle_s
 
@@ -194,10 +220,13 @@ class PacingController:
         current = self.limiter.rate
         if current is None or current == self.ceiling:
             return  # already as fast as allowed
-        grown = current * self.rules.growth
+        grown = current * (self.rules.start_growth if self._slow_start else self.rules.growth)
         top = self._top()
+        unheld = self.limiter.held == self._held and not self.limiter.waiting  # no chunk waited for the cap
         self.report.raises += 1
-        self._set(self.ceiling if top is None or grown >= top else grown, why, now)
+        # Lifted at the top (the plan's rate_limit, or the fastest the round moved uncapped), or where the cap holds
+        # nothing back (the round moves slower by itself: growing it further only delays the lift).
+        self._set(self.ceiling if unheld or (top is not None and grown >= top) else grown, why, now)
 
     # ------------------------------------------------------------------ helpers
     def _moving(self, now: float) -> float:
@@ -226,6 +255,12 @@ class PacingController:
             self.report.lowest_rate = rate if self.report.lowest_rate is None else min(self.report.lowest_rate, rate)
         if len(self.report.changes) < LOG_KEPT:
             self.report.changes.append((now - self._t0, rate, why))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank: one of them)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-round(q * 1000) * len(ordered) // 1000) - 1))]
 
 
 def fixed_rate_report(limiter: RateLimiter) -> dict[str, Any]:

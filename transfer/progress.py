@@ -81,6 +81,8 @@ class RateLimiter:
     def __init__(self, bytes_per_s: float | None) -> None:
         self.rate = bytes_per_s or None
         self.admitted = 0
+        self.held = 0  # takes that had to wait for the rate (the cap held the round back), and those waiting now:
+        self.waiting = 0  # the pacing lifts a cap that holds nothing back
         self._cond = threading.Condition()
         self._balance = 0.0  # bytes: negative while a passed take is still being repaid
         self._at = time.monotonic()
@@ -92,12 +94,19 @@ class RateLimiter:
 
     def take(self, nbytes: int) -> None:
         with self._cond:
+            waited = False
             while True:
                 now = time.monotonic()
                 self._refill(now)
                 if self.rate is None or self._balance >= 0:
                     break
+                if not waited:
+                    waited = True
+                    self.held += 1
+                    self.waiting += 1
                 self._cond.wait(-self._balance / self.rate)
+            if waited:
+                self.waiting -= 1
             if self.rate is not None:
                 self._balance -= nbytes
             self.admitted += nbytes

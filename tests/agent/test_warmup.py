@@ -69,6 +69,36 @@ def test_the_chunk_size_follows_where_the_state_lives_unless_the_environment_say
     assert warmup.chunk_size() == 8 << 20
 
 
+def test_a_workload_that_reports_its_writes_gets_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attach(written=...)`` (a KV cache): every round ships each chunk a reported range touches, a chunk per
+    running request at least in the final one, so the SDK cuts 1 MiB chunks there, on a GPU too; an attach without
+    reports after it gets the sizes above again; GPUMIGRATE_SNAPSHOT_CHUNK_MB still decides over both."""
+    import torch
+
+    import gpumigrate.agent as gm
+    from gpumigrate.agent import warmup
+
+    monkeypatch.delenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", raising=False)
+    monkeypatch.setattr(warmup, "_state_on_gpu", threading.Event())
+    monkeypatch.setattr(warmup, "_reports_writes", threading.Event())
+    kv = torch.zeros(4096)
+    handle = gm.attach({"w": torch.ones(8)}, state={"kv": kv}, written={"kv": lambda: []})
+    try:
+        assert warmup.chunk_size() == warmup.WRITTEN_CHUNK_SIZE == 1 << 20
+        warmup._state_on_gpu.set()
+        assert warmup.chunk_size() == 1 << 20  # on a GPU as well
+        monkeypatch.setenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB", "8")
+        assert warmup.chunk_size() == 8 << 20
+    finally:
+        handle.close()
+    monkeypatch.delenv("GPUMIGRATE_SNAPSHOT_CHUNK_MB")
+    handle = gm.attach({"w": torch.ones(8)})
+    try:
+        assert warmup.chunk_size() == warmup.GPU_CHUNK_SIZE
+    finally:
+        handle.close()
+
+
 def test_the_timeline_says_when_this_process_started_and_attached(monkeypatch: pytest.MonkeyPatch) -> None:
     """``info``'s ``timeline``: the process's start as the kernel recorded it (it began before this test did and
     not long before the interpreter's own clock started), and the attach's moment once the SDK warmed up."""

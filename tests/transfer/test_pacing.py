@@ -203,4 +203,73 @@ def test_a_step_still_under_way_past_the_overdue_bound_cuts_the_rate_before_it_e
         step.join(timeout=30)
         report = pacer.stop()
         mover.close()
-    assert "under way" in report["changes"][0][2] and gate.in_flight == 0
+    assert report["changes"][0][2].startswith("slow start")  # the round began at the slow start's rate
+    assert "under way" in report["changes"][1][2] and gate.in_flight == 0
+
+
+def test_a_serving_sources_round_starts_slow_and_doubles_until_the_cap_holds_nothing_back() -> None:
+    """Slow start: the round's first bytes move at ``start_rate``, not uncapped (a round that began at full speed
+    stalled an engine loop before the first verdict); each verdict within tolerance doubles the rate, and once no
+    chunk waits for the cap (the round moves slower by itself) it is lifted."""
+    source = FakeLatency(0.010)
+    limiter = RateLimiter(None)
+    rules = PacingRules(interval_s=0.02, min_samples=3, start_rate=4 * MiB)
+    pacer = PacingController(source, limiter, rules=rules)
+    pacer.start()
+    assert limiter.rate == 4 * MiB and pacer.report.start_rate == 4 * MiB  # before any byte moved
+    mover = Mover(limiter)  # about 100 MB/s at most: a cap above that holds nothing back
+    try:
+        wait_until("the cap lifted", lambda: limiter.rate is None)
+        assert pacer.report.cuts == 0
+    finally:
+        report = pacer.stop()
+        mover.close()
+        source.close()
+    rates = [rate for _, rate, _ in report["changes"]]
+    assert rates[0] == 4 * MiB and report["changes"][0][2] == "slow start, base 10.0 ms"
+    grown = rates[1 : rates.index(None)]
+    assert grown and all(b == 2 * a for a, b in zip([rates[0], *grown], grown, strict=False))  # doubled each verdict
+    assert report["start_rate"] == 4 * MiB
+
+
+def test_the_slow_start_ends_at_the_first_cut() -> None:
+    """A round the source feels from its first bytes is cut from the slow start's rate; from then on it grows by
+    ``growth`` per verdict, not by ``start_growth``."""
+    source = FakeLatency(0.010)
+    source.latency = 0.030  # felt at once
+    limiter = RateLimiter(None)
+    rules = PacingRules(interval_s=0.02, settle_s=0.05, min_samples=3, start_rate=16 * MiB)
+    pacer = PacingController(source, limiter, rules=rules)
+    mover = Mover(limiter)
+    try:
+        pacer.start()
+        wait_until("a cut", lambda: pacer.report.cuts >= 1)
+        source.latency = 0.010
+        wait_until("a raise after the cut", lambda: any(why.startswith("latency 10.0") for _, _, why in
+                                                          pacer.report.changes))  # fmt: skip
+    finally:
+        report = pacer.stop()
+        mover.close()
+        source.close()
+    changes = report["changes"]
+    cut = next(i for i, (_, _, why) in enumerate(changes) if "base 10.0 ms" in why and why.startswith("latency"))
+    raised = next(i for i, (_, _, why) in enumerate(changes) if why.startswith("latency 10.0"))
+    assert changes[cut][1] < 16 * MiB  # cut from the start's rate
+    before, after = changes[raised - 1][1], changes[raised][1]
+    assert after == round(before * rules.growth)  # grown by growth, no longer doubled
+
+
+def test_an_idle_sources_round_starts_uncapped() -> None:
+    """Nothing to yield to (no request ended lately, none under way): the round moves at full speed from the start."""
+    source = FakeLatency(0.010)
+    source.serving = False
+    wait_until("no request ended in the last 0.2 s", lambda: not source.latencies(time.monotonic() - 0.2))
+    limiter = RateLimiter(None)
+    pacer = PacingController(source, limiter, rules=PacingRules(idle_s=0.2))
+    try:
+        pacer.start()
+        assert limiter.rate is None and pacer.report.start_rate is None
+    finally:
+        report = pacer.stop()
+        source.close()
+    assert report["start_rate"] is None and report["changes"] == []

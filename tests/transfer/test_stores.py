@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import boto3
@@ -142,10 +143,43 @@ def test_a_file_store_in_memory_skips_preallocation_and_stores_the_same_bytes(tm
             store = FileStore(where / "s", f"file://{where / 's'}")
             store.put_chunk("ab" * 32, blob)
             if where == Path(root):  # in memory: renamed on the caller's thread, no sync threads
-                assert store.get_chunk("ab" * 32) == blob and store._syncer is None
+                assert store.get_chunk("ab" * 32) == blob and not store._syncer.running
             store.flush()
             stores[where] = (store, store.get_chunk("ab" * 32))
         in_memory = stores[Path(root)][0]
         assert not in_memory._preallocate
         assert stores[tmp_path][0]._preallocate == (filesystem_of(tmp_path) not in MEMORY_FILESYSTEMS)
         assert all(got == blob for _, got in stores.values())
+
+
+def test_the_sync_threads_run_every_job_and_a_wait_reports_what_failed() -> None:
+    """The file store's fdatasync-and-rename jobs (``stores/syncing.py``): ``wait`` returns once every job submitted
+    ran, failed ones included, with their errors in order; ``close`` ends the threads and a later job starts them."""
+    from gpumigrate.transfer.stores.syncing import SyncThreads
+
+    done: list[int] = []
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def job(i: int) -> None:
+        release.wait(30)
+        if i % 10 == 3:
+            raise OSError(f"disk full at {i}")
+        with lock:
+            done.append(i)
+
+    sync = SyncThreads(4, "test-sync")
+    assert sync.running == 0 and sync.wait() == []
+    for i in range(40):
+        sync.submit(lambda i=i: job(i))
+    assert sync.running == 4
+    release.set()
+    errors = sync.wait()
+    assert sorted(done) == [i for i in range(40) if i % 10 != 3]
+    assert sorted(str(e) for e in errors) == sorted(f"disk full at {i}" for i in (3, 13, 23, 33))
+    assert sync.wait() == []  # reported once
+    sync.close()
+    assert sync.running == 0
+    sync.submit(lambda: done.append(99))
+    assert sync.wait() == [] and done[-1] == 99
+    sync.close()

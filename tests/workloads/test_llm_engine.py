@@ -199,6 +199,24 @@ def test_the_engine_sums_its_steps_wall_and_cpu_time() -> None:
         e.close()
 
 
+def test_the_warm_up_leaves_the_cache_and_the_generations_as_they_were() -> None:
+    """The server's warm-up (a prompt chunk and a decode step before it takes requests, so a restored target's first
+    step is not a cold one) writes a free slot and then zeroes it: the cache, its record of written rows and every
+    request's tokens are those of an engine that never warmed up."""
+    js = jobs(3, tokens=30)
+    expected = [o.text for o in control_run(js)]
+    e = engine()
+    try:
+        before = e.cache.kv.clone()
+        assert e.warm_up() > 0 and e.stats()["warm_up_ms"] is not None
+        assert torch.equal(e.cache.kv, before) and e.cache.take_written() == [] and e.cache.free_slots == SLOTS
+        outs = submit_all(e, js)
+        wait_for(lambda: all(o.done for o in outs), "the warmed engine's requests")
+        assert [o.text for o in outs] == expected
+    finally:
+        e.close()
+
+
 def test_text_holds_back_a_possible_stop_and_joins_split_characters() -> None:
     req = Request("r", encode("x"), SamplingParams(10, stop=("é!",)))
     for token in "aé".encode():  # é is two bytes: two tokens, one character

@@ -23,7 +23,6 @@ import stat
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Self
 
@@ -48,6 +47,7 @@ from gpumigrate.transfer.stores.nofollow import (
     open_regular,
     regular_size,
 )
+from gpumigrate.transfer.stores.syncing import SyncThreads
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,7 @@ class FileStore(Store):
         self.url = url
         self.sync = sync
         self._unsynced: set[int] = set()  # directory fds whose new entries flush() makes durable
-        self._syncer: ThreadPoolExecutor | None = None
-        self._sync_futures: list[Future[None]] = []
+        self._syncer = SyncThreads(SYNC_THREADS, "gm-fsync")
         self._lock = threading.Lock()
         self._dirs = DirTree(root, shown=url)  # closed by close(), or when the store is collected
         self._warned: set[str] = set()
@@ -207,10 +206,7 @@ class FileStore(Store):
             self._background(lambda: _fdatasync_at(where, chunk_id))
 
     def _background(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            if self._syncer is None:
-                self._syncer = ThreadPoolExecutor(max_workers=SYNC_THREADS, thread_name_prefix="gm-fsync")
-            self._sync_futures.append(self._syncer.submit(job))
+        self._syncer.submit(job)
 
     def remove_chunk(self, chunk_id: str) -> None:
         """Delete a damaged chunk (a receiver's check of what an earlier run left): the name in its real fan-out
@@ -342,14 +338,10 @@ class FileStore(Store):
         return st.f_bavail * st.f_frsize
 
     def flush(self) -> None:
-        with self._lock:
-            futures, self._sync_futures = self._sync_futures, []
-        errors = []
-        for fut in futures:  # every one, even after a failure: none may still rename after we return
-            try:
-                fut.result()
-            except OSError as exc:
-                errors.append(exc)
+        errors = self._syncer.wait()  # every job, even after a failure: none may still rename after we return
+        for exc in errors:
+            if not isinstance(exc, OSError):
+                raise exc
         if errors:
             raise TransferError(f"making chunks durable in {self.url} failed: {errors[0]}") from errors[0]
         with self._lock:
@@ -360,9 +352,7 @@ class FileStore(Store):
             os.fsync(fd)
 
     def close(self) -> None:
-        if self._syncer is not None:
-            self._syncer.shutdown(wait=True)
-            self._syncer = None
+        self._syncer.close()
         with self._lock:
             self._unsynced = set()
         self._dirs.close()  # a later call opens them again

@@ -77,6 +77,7 @@ class Engine:
         # CPU), one that waits for the device spins in its synchronisation (CPU time): ``stats`` says which a step is.
         self.step_s_total = 0.0
         self.step_cpu_s_total = 0.0
+        self.warm_up_s: float | None = None
         self.running: dict[int, Request] = {}  # slot -> request
         self.queue: deque[Request] = deque()  # admitted by the scheduler, waiting for a slot
         self.inbox: list[Request] = []  # arrived since the last step began
@@ -141,7 +142,26 @@ class Engine:
                 "last_step_ms": round(self.last_step_s * 1000, 3),
                 "step_s_total": round(self.step_s_total, 6),
                 "step_cpu_s_total": round(self.step_cpu_s_total, 6),
+                "warm_up_ms": None if self.warm_up_s is None else round(self.warm_up_s * 1000, 1),
             }
+
+    def warm_up(self) -> float:
+        """One prompt chunk and one decode step on a free slot, before the server takes requests (``Forward.warm_up``
+        says why); the slot's rows are zeroed again and the record of written rows cleared, so the cache is as it was.
+        Returns the seconds it took."""
+        with self._step_lock:
+            started, prompt = time.perf_counter(), min(self.prefill_chunk, self.max_context - 1)
+            if prompt < 1 or not self.cache.free_slots:
+                return 0.0  # no request fits such a cache (or none is free): nothing to warm
+            slot = self.cache.take()
+            try:
+                self.forward.warm_up(slot, prompt)
+            finally:
+                self.cache.kv[slot].zero_()
+                self.cache.give_back(slot)
+                self.cache.take_written()
+            self.warm_up_s = time.perf_counter() - started
+        return self.warm_up_s
 
     # -- the loop
     def _has_work(self) -> bool:

@@ -114,3 +114,13 @@ class Forward:
             self.cache.note_written(slot, positions[slot], positions[slot] + 1)
         logits: torch.Tensor = self.model.lm_head(self.model.model.norm(h[:, 0]))
         return logits.float()
+
+    @torch.no_grad()
+    def warm_up(self, slot: int, prompt: int) -> None:
+        """A prompt chunk of ``prompt`` tokens and a decode step into ``slot``, their greedy picks brought to the host as
+        the sampler brings them: a process's first passes load their kernels (on a GPU also set up cuBLAS and the
+        attention's), so a restored target's first decode step, which every moved stream waits for, runs at speed."""
+        self.prefill(slot, [0] * prompt, 0).argmax().item()
+        positions = [0] * self.cache.slots
+        positions[slot] = prompt
+        self.decode([0] * self.cache.slots, positions, [slot]).argmax(dim=-1).tolist()

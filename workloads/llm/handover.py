@@ -14,6 +14,7 @@ the target of a migration hold the same key. Wire format: DESIGN.md, "Continuati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -60,6 +61,13 @@ class Handover:
             output = self.engine.outputs.get(rid)
             if output is not None:
                 output.move(self.moved_to)
+
+    async def warm(self, url: str) -> None:
+        """One request through the relay's client to this very server (``url``): an HTTP client's first request sets
+        up its machinery (17-20 ms on the CPU, against 2 ms for a request on a new connection after it), which every
+        moved stream would otherwise wait for at the hand-over. The server calls it once it serves."""
+        with contextlib.suppress(httpx.HTTPError):
+            await self._client.get(url + "/healthz")
 
     async def follow(self, output: Output) -> AsyncIterator[Piece]:
         """The request's pieces from here and then, once it moved, from the target's continuation."""

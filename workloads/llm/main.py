@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.seed, args.size, args.dtype, args.device, load_weights=not gm.awaiting_restore())
         name = model_id(args.size, args.dtype, args.seed)
         engine = Engine(model, model_id=name, slots=slots, max_context=max_context, prefill_chunk=args.prefill_chunk)
+        engine.warm_up()  # a target's first decode step after its restore holds every moved stream: not a cold one
         key = control.load_key(None, create=True)
         relay = Handover(engine, key, claim_timeout_s=args.claim_timeout_s)
         streams: list[LLMServer] = []  # the server, once built: its open streams are one of the work's figures

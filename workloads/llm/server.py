@@ -54,6 +54,7 @@ class LLMServer:
         self.created = int(time.time())
         self.handover = relay if relay is not None else Handover(engine, key, claim_timeout_s=claim_timeout_s)
         self.streams = 0  # client requests being answered here (streamed or not), relayed ones included
+        self._warming: asyncio.Task[None] | None = None  # the relay's client, warmed at the first request
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -89,6 +90,10 @@ class LLMServer:
             reason = self.handle.reason() or "not ready"
             return error_response(503, f"this server cannot take requests yet ({reason})")
         output = self.engine.submit(gen.prompt, gen.params)
+        if self._warming is None and isinstance(request.scope.get("server"), tuple | list):
+            host, port = request.scope["server"][:2]
+            where = f"[{host}]" if ":" in str(host) else host
+            self._warming = asyncio.create_task(self.handover.warm(f"http://{where}:{port}"))
         chunks = Chunks(gen, output.id)
         if gen.stream:
             headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
