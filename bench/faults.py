@@ -1,6 +1,6 @@
 """Fault matrix: SIGKILL one process of a real local migration at one phase, then look at what is left.
 
-    python bench/faults.py [--only VICTIM:PHASE,...] [--out build/faults] [--json]
+    python bench/faults.py [--only VICTIM:PHASE,...] [--out build/faults] [--json] [--freeze-lease-s S]
 
 Each cell runs the product's own path, as ``gpumigrate demo`` does between two local hosts: the
 reference inference server (tiny model) on a source host, the front door ``gpumigrate frontdoor up`` starts
@@ -302,6 +302,7 @@ class Cell:
     flow_status: str | None = None  # the migration's recorded status when the orchestrator ended
     source_frozen_after_kill: bool | None = None
     source_serves_again_s: float | None = None  # orchestrator cells: seconds from the kill to a served request
+    freeze_lease_s: float = FREEZE_LEASE_S  # the plan's snapshot.freeze_lease_s: how long a frozen source waits
     recovery_steps: list[str] = field(default_factory=list)
     final_status: str | None = None
     source_serves: bool | None = None
@@ -323,7 +324,15 @@ class Cell:
     commit: str = ""  # the code the cell ran (git describe of the working tree)
 
 
-def plan_for(stage: Stage, work: Path, mid: str, key_file: Path, *, store: str | None = None) -> Path:
+def plan_for(
+    stage: Stage,
+    work: Path,
+    mid: str,
+    key_file: Path,
+    *,
+    store: str | None = None,
+    freeze_lease_s: float = FREEZE_LEASE_S,
+) -> Path:
     import yaml
 
     from gpumigrate.atomic import atomic_write_bytes
@@ -343,6 +352,7 @@ def plan_for(stage: Stage, work: Path, mid: str, key_file: Path, *, store: str |
     plan["traffic"]["gates"]["max_p99_ratio"] = 20.0
     if store is not None:  # the receiver's cells: the image through a receiver the flow starts on the target
         plan["transfer"]["store"] = store
+    plan["snapshot"]["freeze_lease_s"] = freeze_lease_s
     path = work / mid / "plan.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, yaml.safe_dump(plan, sort_keys=False).encode())
@@ -383,13 +393,16 @@ def _target_endpoint(mid: str) -> str | None:
     return None
 
 
-def run_cell(stage: Stage, work: Path, victim: str, phase: str, key_file: Path) -> Cell:
+def run_cell(
+    stage: Stage, work: Path, victim: str, phase: str, key_file: Path, *, freeze_lease_s: float = FREEZE_LEASE_S
+) -> Cell:
     from gpumigrate.state import new_migration_id
 
-    cell = Cell(victim, phase, MOMENTS[phase])
+    cell = Cell(victim, phase, MOMENTS[phase], freeze_lease_s=freeze_lease_s)
     started = time.monotonic()
     mid = new_migration_id("fm")
-    plan = plan_for(stage, work, mid, key_file, store="stream://target" if victim == "receiver" else None)
+    store = "stream://target" if victim == "receiver" else None
+    plan = plan_for(stage, work, mid, key_file, store=store, freeze_lease_s=freeze_lease_s)
     restarts_before = dict(stage.door().restarts)
     trip = work / mid / "trip.json"
     result = work / mid / "result.json"
@@ -440,7 +453,7 @@ def _run_flow(cell: Cell, stage: Stage, plan: Path, mid: str, args: list[str], e
         cell.notes.append("the moment was never reached")
     if victim == "orchestrator" and killed_at is not None:
         cell.source_frozen_after_kill = _frozen(stage.agent)
-        if wait_until(lambda: _post(stage.endpoint, 2) == 200, FREEZE_LEASE_S + 15, 0.5):
+        if wait_until(lambda: _post(stage.endpoint, 2) == 200, cell.freeze_lease_s + 15, 0.5):
             cell.source_serves_again_s = round(time.time() - killed_at, 1)
         if phase in ("ramp", "finalize"):  # the control plane's traffic lease returns the split by itself
             wait_until(lambda: _weights(stage.traffic_dir).get("source", 0) == 100, TRAFFIC_LEASE_WAIT_S, 0.5)
@@ -773,6 +786,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --render: the faults.json of a later run (--only) whose cells replace the same cells of OUT's",
     )
     ap.add_argument("--smoke", action="store_true", help="CI: the plan and the report, no process started")
+    ap.add_argument(
+        "--freeze-lease-s",
+        type=float,
+        default=FREEZE_LEASE_S,
+        help="the plans' snapshot.freeze_lease_s (default: the demo plan's): how long a source frozen by a killed "
+        "orchestrator waits before it serves again",
+    )
     a = ap.parse_args(argv)
     if a.cmd == "orchestrate":
         return orchestrate(a)
@@ -821,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
                     stage = None
                 if stage is None:
                     stage = start_stage(work, n)
-                cell = run_cell(stage, work, victim, phase, key_file)
+                cell = run_cell(stage, work, victim, phase, key_file, freeze_lease_s=a.freeze_lease_s)
                 cell.commit = version
                 results.append(cell)
                 print(f"{victim:>13} @ {phase:<9} {cell.final_status}: {cell.recovery}", file=sys.stderr, flush=True)

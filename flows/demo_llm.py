@@ -164,10 +164,12 @@ def demo_plan(source: Host, target_host: str, store: Path, key_file: Path) -> di
     doc["transfer"].update(store=f"file://{store}", encryption_key={"file": str(key_file)})
     doc["parity"]["golden_inputs"] = str(EXAMPLE / "golden.jsonl")
     doc["traffic"].update(stages=[{"weight": w, "hold_s": 2} for w in (25, 50, 100)], rollback_window_s=0)
-    # As the inference demo's: both servers share this machine's cores, so one interval's gaps say little;
-    # two bad intervals in a row roll back (no false alarm), at looser ratios.
+    # Both servers share this machine's cores (and whatever else runs on it), so a latency ratio measures CPU
+    # contention more than the target: at 4x, a second test run beside the demo rolled it back (the fresh target's
+    # p99 time to first token 7.6x the warm source's, over intervals of 2-3 requests). The demo injects no fault
+    # here; its ratios stay on at 20x (a stalled or broken target still fails them), two bad intervals in a row.
     # A client's stream lasts seconds, so few requests end in one interval: longer intervals, fewer requests each.
-    doc["traffic"]["gates"].update(max_p99_ratio=4.0, max_ttft_ratio=4.0, max_inter_token_ratio=3.0,
+    doc["traffic"]["gates"].update(max_p99_ratio=20.0, max_ttft_ratio=20.0, max_inter_token_ratio=20.0,
                                    failures_to_rollback=2, min_requests=2)  # fmt: skip
     doc["traffic"]["analysis_interval_s"] = 2.0
     return doc

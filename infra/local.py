@@ -37,7 +37,7 @@ from gpumigrate.errors import CapacityError, InvalidInputError, NotFoundError, P
 from gpumigrate.infra import netns as netns_lib
 from gpumigrate.infra import residency
 from gpumigrate.infra.launch import is_up, last_lines, render_for, wait_until_up
-from gpumigrate.infra.supervisor import MARKER_ENV, call_supervisor, kill_owned, owned_by, pid_alive
+from gpumigrate.infra.supervisor import MARKER_ENV, call_supervisor, kill_owned, last_words, owned_by, pid_alive
 from gpumigrate.interfaces import Host, HostSpec, Jurisdiction
 from gpumigrate.launch import WorkloadLaunch
 
@@ -196,10 +196,7 @@ class LocalProvider:
         return [self.to_host(r) for r in self._records()]
 
     def get(self, name: str) -> Host:
-        rec = self._record(name)
-        if rec is None or not self._alive(rec):
-            raise NotFoundError(f"no local host named {name!r} is up; see `gpumigrate hosts list`")
-        return self.to_host(rec)
+        return self.to_host(self._require(name))
 
     # ------------------------------------------------------------------ Provider protocol
     def check_capacity(self, spec: HostSpec) -> None:
@@ -339,7 +336,9 @@ class LocalProvider:
     def _require(self, name: str) -> dict[str, Any]:
         rec = self._record(name)
         if rec is None or not self._alive(rec):
-            raise NotFoundError(f"no local host named {name!r} is up; see `gpumigrate hosts list`")
+            # A record whose supervisor ended says why it ended (its log's last line): a host gone mid-migration.
+            why = "" if rec is None else f" (its supervisor ended: {last_words(rec['workdir'])})"
+            raise NotFoundError(f"no local host named {name!r} is up{why}; see `gpumigrate hosts list`")
         return rec
 
     def _launch(self, spec: HostSpec, migration_id: str | None) -> dict[str, Any]:

@@ -101,6 +101,14 @@ def kill_owned(pid: int, token: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def last_words(workdir: str | Path, limit: int = 300) -> str:
+    """The last line a host's supervisor wrote to its log (why it stopped, or the end of its traceback)."""
+    with contextlib.suppress(OSError):
+        lines = (Path(workdir) / "supervisor.log").read_text(errors="replace").strip().splitlines()
+        return lines[-1][-limit:] if lines else "its log is empty"
+    return "no log"
+
+
 def call_supervisor(sock_name: str, request: Mapping[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
     """One request to a host's supervisor over its abstract Unix socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -131,6 +139,7 @@ class Supervisor:
         self.children: dict[int, dict[str, Any]] = {}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.stopping = False
+        self.stop_reason = "unknown"  # written to the log when the host goes down: local.py quotes it
         self.sel = selectors.DefaultSelector()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + sock_name)
@@ -174,7 +183,8 @@ class Supervisor:
                     preexec_fn=child_preexec(os.getpid(), netns_path),  # single-threaded process: preexec is safe
                     close_fds=True,
                 )
-            except OSError as exc:
+            # A preexec that failed too (SubprocessError): that request fails, never the host and what runs on it.
+            except (OSError, subprocess.SubprocessError) as exc:
                 return {"ok": False, "error": f"cannot start {argv[0]!r}: {exc}"}
         self.procs[proc.pid] = proc
         self.children[proc.pid] = {
@@ -212,7 +222,7 @@ class Supervisor:
         if op == "list":
             return {"ok": True, "children": list(self.children.values())}
         if op == "shutdown":
-            self.stopping = True
+            self.stopping, self.stop_reason = True, "asked to shut down (its host was terminated)"
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}; allowed: ping, spawn, signal, list, shutdown"}
 
@@ -250,7 +260,8 @@ class Supervisor:
                 self.children[pid]["returncode"] = rc
                 changed = True
                 if self.children[pid].get("ends_host"):
-                    self.stopping = True  # the host's work is done (a training job that finished): no idle host
+                    # the host's work is done (a training job that finished): no idle host
+                    self.stopping, self.stop_reason = True, f"its process {pid} ended (the host's job)"
         if changed:
             self._save()
 
@@ -265,7 +276,8 @@ class Supervisor:
                     conn.setblocking(True)
                     self._serve_client(conn)
                 elif key.data == "parent" and self.parent_fd is not None and not os.read(self.parent_fd, 4096):
-                    self.stopping = True  # EOF: the launching process is gone, however it died
+                    # EOF: the launching process is gone, however it died
+                    self.stopping, self.stop_reason = True, "the process that launched it is gone (its pipe closed)"
             self.reap()
         self.shutdown()
 
@@ -309,12 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(args.name, Path(args.workdir), args.socket, args.parent_fd, args.netns)
 
     def on_term(signum: int, frame: FrameType | None) -> None:
-        sup.stopping = True
+        sup.stopping, sup.stop_reason = True, f"signal {signal.Signals(signum).name}"
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     print(json.dumps({"event": "supervising", "pid": os.getpid(), "name": args.name}), flush=True)
     sup.run()
+    print(json.dumps({"event": "stopped", "pid": os.getpid(), "reason": sup.stop_reason}), flush=True)
     return 0
 
 

@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -446,11 +447,12 @@ def source_healthy(state_dir: Path) -> bool:
     return True
 
 
-def wait_source_healthy(state_dir: Path, timeout_s: float) -> bool:
-    """Wait until :func:`source_healthy` (False after ``timeout_s``): until then Envoy answers clients 503."""
+def wait_source_healthy(state_dir: Path, timeout_s: float, *, hopeless: Callable[[], bool] = lambda: False) -> bool:
+    """Wait until :func:`source_healthy` (False after ``timeout_s``, or as soon as ``hopeless()`` says no wait can
+    mend it): until then Envoy answers clients 503."""
     deadline = time.monotonic() + timeout_s
     while not source_healthy(state_dir):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or hopeless():
             return False
         time.sleep(0.1)
     return True

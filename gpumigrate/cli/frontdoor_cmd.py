@@ -9,6 +9,7 @@ up (exit 2, naming the command to start it).
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -28,6 +29,7 @@ WORKLOAD = typer.Option(
     help="The plan's workload.name. Without it: the door any plan whose workload.endpoint is its source uses.",
 )
 HEALTHY_TIMEOUT_S = 30.0  # how long `up` waits for Envoy to route to the source
+REFUSAL_EVERY_S = 0.5
 _NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _PATH = re.compile(r"/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*")
 
@@ -53,6 +55,29 @@ def _source(url: str) -> tuple[str, int]:
             f"--source must be the service's URL, http://HOST:PORT (such as http://127.0.0.1:8000), got {url!r}"
         )
     return parts.hostname, port
+
+
+class _PathRefusal:
+    """Whether the source itself answers the checked path with a client error (4xx): a path it does not serve, which
+    no wait mends (a service still starting answers 5xx, or not at all, and is waited for). Asked every
+    :data:`REFUSAL_EVERY_S`, Envoy's own check interval."""
+
+    def __init__(self, source_url: str, path: str) -> None:
+        self.url, self.status = source_url.rstrip("/") + path, 0
+        self._next = 0.0
+
+    def __call__(self) -> bool:
+        import httpx
+
+        if time.monotonic() < self._next:
+            return False
+        self._next = time.monotonic() + REFUSAL_EVERY_S
+        try:
+            code = httpx.get(self.url, timeout=2.0, trust_env=False).status_code
+        except httpx.HTTPError:
+            return False
+        self.status = code if 400 <= code < 500 and code not in (408, 429) else 0  # those two pass with time
+        return bool(self.status)
 
 
 def _down_command(workload: str | None) -> str:
@@ -87,7 +112,9 @@ def up(
     )  # fmt: skip
     before = None if started else set_health_path(state_dir, health_path)
     checks = checked_path(state_dir) or health_path  # what Envoy runs now, never only what was asked
-    healthy = wait_source_healthy(state_dir, HEALTHY_TIMEOUT_S)  # Envoy answers clients 503 until then
+    refusal = _PathRefusal(door.source or source, checks)
+    # Envoy answers clients 503 until then; a path the source answers 4xx (it does not serve it) ends the wait at once
+    healthy = wait_source_healthy(state_dir, HEALTHY_TIMEOUT_S, hopeless=refusal)
     verb = "up" if started else "already up"
     changed = f"; Envoy now checks GET {esc(checks)} (it checked {esc(before)})" if before else ""
     console.print(
@@ -96,8 +123,9 @@ def up(
         soft_wrap=True,
     )
     if not healthy:
+        why = f" (it answers HTTP {refusal.status}: no such path?)" if refusal.status else " yet"
         console.print(
-            f"[yellow]the source does not pass Envoy's health check (GET {esc(checks)} answering 200) yet:"
+            f"[yellow]the source does not pass Envoy's health check (GET {esc(checks)} answering 200){why}:"
             f" clients get 503 until it does[/]",
             soft_wrap=True,
         )

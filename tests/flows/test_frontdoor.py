@@ -125,12 +125,12 @@ def test_up_with_another_health_path_on_a_running_door_makes_envoy_check_it(
     still checked /readyz (issue 35, finding 7): now Envoy checks the new path, and what `up` says is what it runs."""
 
     def route(method: str, path: str, headers: Mapping[str, str], body: bytes) -> tuple[int, Any]:
-        return (503, {"status": "not this path"}) if path == "/readyz" else (200, {"path": path})
+        return (404, {"status": "not this path"}) if path == "/readyz" else (200, {"path": path})
 
     service = str(json_http(route))
     code, first, err = door("up", "--source", service, "--listen", "127.0.0.1:0")
     assert code == 0 and first["health_path"] == "/readyz" and first["source_healthy"] is False, err
-    assert "GET /readyz answering 200" in err
+    assert "GET /readyz answering 200) (it answers HTTP 404" in err  # said at once: no wait mends a missing path
     code, again, err = door("up", "--source", service, "--listen", "127.0.0.1:0", "--health-path", "/ready")
     assert code == 0 and again["started"] is False and again["processes"] == first["processes"], err
     assert again["health_path"] == "/ready" and again["health_path_before"] == "/readyz"

@@ -10,6 +10,7 @@ import secrets
 import socket
 import stat
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from cloud_harness import (
 
 from gpumigrate.errors import CapacityError
 from gpumigrate.infra import get_provider
-from gpumigrate.infra.bootstrap import BootError, CloudTarget
+from gpumigrate.infra.bootstrap import BootError, CloudTarget, markers
 from gpumigrate.infra.network import source_address_towards
 from gpumigrate.infra.placement import place
 from gpumigrate.interfaces import HostSpec
@@ -38,6 +39,7 @@ from gpumigrate.launch import WorkloadLaunch
 from gpumigrate.plan import TargetBootstrap, TargetNetwork
 
 AMI = "ami-12c6146b"  # one of moto's built-in images
+PLAIN_HTTP = Path(__file__).resolve().parent / "plain_http.py"  # a static service that listens at once in a namespace
 
 
 def _inference_argv() -> tuple[str, ...]:
@@ -405,9 +407,17 @@ def test_public_addressing_as_the_plan_says(
 
 def test_ready_on_the_machine_but_unreachable_names_the_network(ec2: Callable[..., Any], migration_id: str) -> None:
     provider = ec2()
-    static = ("{python}", "-m", "http.server", "{service_port}", "--bind", "{host}")  # "/" answers 200 at once
+    static = ("{python}", str(PLAIN_HTTP), "{host}", "{service_port}")  # "/" answers 200 at once
     serve = launch(static, health_path="/")
     host = provider.provision(replace(aws_spec(), launch=serve), migration_id=migration_id)
+    # The machine reports its workload ready first (the condition the message depends on); then a bootstrap that
+    # looks where nothing listens runs out of a short bound instead of waiting out a long one for it.
+    deadline = time.monotonic() + 180
+    console = provider.console_output(host)
+    while not any(e["event"] == "ready" for e in markers(console)):
+        assert time.monotonic() < deadline, f"the machine never reported its workload ready in 180 s: {console[-2000:]}"
+        time.sleep(0.1)
+        console = provider.console_output(host)
     wrong = replace(host, ports={"service": 8001, "agent": 7071})  # nothing listens there
     with pytest.raises(BootError, match="reports its workload ready, but .* check target.network"):
-        provider.bootstrap(wrong, serve, timeout_s=15)
+        provider.bootstrap(wrong, serve, timeout_s=1)

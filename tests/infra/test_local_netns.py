@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _ok, reason=f"network na
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_local import crash_parent, wait_dead  # noqa: E402
 
+PLAIN_HTTP = Path(__file__).resolve().parent / "plain_http.py"  # listens at once: no name lookup in the namespace
+
 
 def spec(name: str) -> HostSpec:
     return HostSpec(name=name, provider="local", region="local")
@@ -55,10 +57,11 @@ def test_hosts_get_namespaces_that_reach_each_other(provider: LocalProvider) -> 
     text = Path(inside["log"]).read_text()
     assert a.address in text and b.address not in text  # the process runs inside a's namespace
     port = b.ports["service"]
-    provider.spawn(b, [sys.executable, "-m", "http.server", "--bind", b.address, str(port)], name="http")
+    provider.spawn(b, [sys.executable, str(PLAIN_HTTP), b.address, str(port)], name="http")
     probe = f"import time, urllib.request\nfor _ in range(200):\n    try:\n        print(urllib.request.urlopen('http://{b.address}:{port}/').status); break\n    except OSError: time.sleep(0.1)"
     client = provider.spawn(a, [sys.executable, "-c", probe], name="client")
-    assert "200" in _wait_log(client["log"], "200")
+    text = _wait_log(client["log"], "200")
+    assert "200" in text, f"a's client never got 200 from {b.address}:{port} in 30 s; its log: {text[-500:]!r}"
     shaping = subprocess.run(
         ["tc", "qdisc", "show", "dev", f"gmh{a.meta['netns'][3:]}"], capture_output=True, text=True
     ).stdout

@@ -30,7 +30,6 @@ from typing import Any
 
 import httpx
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from gpumigrate.traffic.envoy import free_port
 from tests.support.prefect import START_TIMEOUT_S
@@ -156,25 +155,6 @@ class PrefectServer:
                 raise AssertionError(f"flow run {run_id} still {run['state']['name']} after {timeout_s:.0f}s")
             time.sleep(0.5)
         return run
-
-    def newest_run(self, deployment_id: str, parameters: dict[str, Any], *, wait_s: float = 30.0) -> str:
-        """The newest run of a deployment whose parameters include ``parameters`` (a just-submitted
-        form's run may take a few seconds to appear on a loaded machine: look for ``wait_s``)."""
-        body = {
-            "flow_runs": {"deployment_id": {"any_": [deployment_id]}},
-            "sort": "EXPECTED_START_TIME_DESC",
-            "limit": 20,
-        }
-        deadline = time.monotonic() + wait_s
-        while True:
-            r = httpx.post(f"{self.api}/flow_runs/filter", json=body, timeout=10)
-            r.raise_for_status()
-            for run in r.json():
-                if all(run["parameters"].get(k) == v for k, v in parameters.items()):
-                    return str(run["id"])
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no run of deployment {deployment_id} with {parameters}")
-            time.sleep(0.5)
 
     def artifact(self, key: str) -> dict[str, Any] | None:
         """The latest artifact with ``key``, or None."""
@@ -336,6 +316,7 @@ class PrefectUI:
         self.shots = shots
         self._n = 0
         self.resume_refusals: list[dict[str, Any]] = []
+        self.submit_refusals: list[dict[str, Any]] = []
 
     def shot(self, name: str) -> Path:
         self._n += 1
@@ -343,11 +324,12 @@ class PrefectUI:
         self.page.screenshot(path=str(path), full_page=True)
         return path
 
-    def custom_run(self, deployment: str, params: dict[str, str], *, run_name: str) -> str:
-        """Deployments → ``deployment`` → Run → Custom run; fill ``params`` (str fields); Submit → View run.
+    def custom_run(self, deployment: str, params: dict[str, str], *, run_name: str, tries: int = 3) -> str:
+        """Deployments → ``deployment`` → Run → Custom run; fill ``params`` (str fields); Submit; the run's page.
 
-        Returns the flow run's id, read from the run page the UI opened.
-        """
+        Returns the flow run's id, from the server's answer to the Submit. A loaded machine's SQLite server sometimes
+        refuses the run ("Oops. Something went wrong.", the form left as it was); an SRE submits again, and so does
+        this helper, up to ``tries`` times; ``self.submit_refusals`` keeps what the server answered each time."""
         page = self.page
         dep = self.server.deployment(deployment)
         page.goto(f"{self.server.url}/deployments/deployment/{dep['id']}")
@@ -365,15 +347,17 @@ class PrefectUI:
                 toggle.click()
             prop.locator("textarea, input").first.fill(value)
         self.shot(f"{deployment.replace('/', '-')}-custom-run")
-        page.get_by_role("button", name="Submit").click()
-        try:  # the toast's "View run"; on a loaded machine the toast may be gone before it can be clicked
-            page.locator("#prefect-design-toast-app").get_by_role("button", name="View run").last.click(timeout=20_000)
-            page.wait_for_url(re.compile(r"/runs/flow-run/[0-9a-f-]{36}"))
-            return str(page.url.rstrip("/").split("/")[-1])
-        except PlaywrightTimeout:
-            run_id = self.server.newest_run(dep["id"], params)
-            page.goto(f"{self.server.url}/runs/flow-run/{run_id}")
-            return run_id
+        for _ in range(tries):
+            with page.expect_response(lambda r: r.request.method == "POST" and "/create_flow_run" in r.url) as answer:
+                page.get_by_role("button", name="Submit").click()
+            reply = answer.value
+            if reply.ok:
+                run_id = str(reply.json()["id"])
+                page.goto(f"{self.server.url}/runs/flow-run/{run_id}")  # where the toast's "View run" leads
+                return run_id
+            self.submit_refusals.append({"http_status": reply.status, "body": reply.text()[:500]})
+            self.shot("submit-refused")
+        raise AssertionError(f"the server took none of {tries} submissions of the run: {self.submit_refusals}")
 
     def state_badge(self) -> str:
         return str(self.page.locator(".state-badge").first.inner_text().strip())

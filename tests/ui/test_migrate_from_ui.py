@@ -49,7 +49,13 @@ def test_start_from_the_ui_then_roll_back_from_the_run_page(
         load.stop()
     report = load.wait()
     (ui.shots / "rollback.json").write_text(
-        json.dumps({"click_to_source_s": round(took, 3), "server_refused_first": ui.resume_refusals})
+        json.dumps(
+            {
+                "click_to_source_s": round(took, 3),
+                "server_refused_first": ui.resume_refusals,
+                "run_submissions_refused": ui.submit_refusals,
+            }
+        )
     )
     run = prefect_server.flow_run(run_id)
     assert final == run["state"]["name"] == "RolledBack" and run["state"]["type"] == "FAILED", run["state"]
