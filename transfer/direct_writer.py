@@ -66,7 +66,7 @@ class DirectStoreImageWriter(StoreImageWriter):
         by_device: dict[str, list[int]] = {}
         workers = pool(self.parallelism)
         for i, chunk in enumerate(chunks):
-            self._region(chunk.region)  # unknown regions fail here, not in a worker
+            self.contents.region(chunk.region)  # unknown regions fail here, not in a worker
             if chunk.data.is_cuda:
                 by_device.setdefault(str(chunk.data.device), []).append(i)
             else:
@@ -106,7 +106,7 @@ class DirectStoreImageWriter(StoreImageWriter):
 
         if not (devhash.eligible(chunk.data) and gpucodec.enabled()):  # a coded chunk's plaintext never reaches
             return 0  # the host to hash
-        k = codecs.float_itemsize(self._region(chunk.region).info.dtype)
+        k = codecs.float_itemsize(self.contents.region(chunk.region).info.dtype)
         if k is None:
             return 1 if self.compression == "auto" else 0
         planar = self.compression in ("auto", "byteplane") and k in gpucodec.GPU_ELEMENT_SIZES
@@ -265,8 +265,8 @@ class DirectStoreImageWriter(StoreImageWriter):
             view = slots.view(slot)
             chunk_id = ids.get(k) or chunk_id_of(view[PAYLOAD_AT : PAYLOAD_AT + n])  # odd lengths: on the CPU
             t = STAGES.add("capture.worker.id_wait", t)
-            reg = self._region(chunk.region)
-            if self._claim(reg, chunk.index, chunk_id, n):
+            reg = self.contents.region(chunk.region)
+            if self.contents.claim(reg, chunk.index, chunk_id, n):
                 if coded is not None:
                     with self._lock:
                         self.decoders.add(gpucodec.DECODER)

@@ -6,13 +6,15 @@ release the GIL) and hands the sealed object to a bounded upload pool, so the ca
 free as soon as the object is sealed and network writes overlap the next chunk's CPU work. Local
 stores (``writes_inline``: a page-cache write, syncs already on their own threads) are written on
 the sealing thread instead: no handoff, and the object is still in that core's cache.
+
+What the manifest will list (each region's chunks, the objects they name, what the parent holds) is the writer's
+:class:`~.contents.ImageContents`; the manifests this process committed, and their sequence, are ``committed.py``'s.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -21,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 from gpumigrate.errors import InvalidInputError, TransferError
 from gpumigrate.interfaces import ImageRef, LatencySignal, RegionInfo
 from gpumigrate.transfer.buffers import POOL
+from gpumigrate.transfer.committed import committed_body, next_sequence, remember
+from gpumigrate.transfer.contents import ImageContents, Region
 from gpumigrate.transfer.format import codecs
-from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, parse_header, sealed_size
-from gpumigrate.transfer.format.manifest import region_entry, seal_manifest
+from gpumigrate.transfer.format.chunkobj import HEADER_SIZE, MAX_RAW_LEN, Sealer, chunk_id_of, sealed_size
+from gpumigrate.transfer.format.manifest import seal_manifest
 from gpumigrate.transfer.pacing import PacingController, fixed_rate_report
 from gpumigrate.transfer.progress import ProgressCallback, ProgressCounter, RateLimiter
 from gpumigrate.transfer.stores import Store
@@ -31,74 +35,13 @@ from gpumigrate.transfer.stores import Store
 if TYPE_CHECKING:
     from gpumigrate.transfer.reader import StoreImageReader
 
+# committed_body stays importable from here, where callers found it
+__all__ = ["BUFFERS", "DEFAULT_CHUNK_SIZE", "UPLOADS", "StoreImageWriter", "committed_body"]
+
 DEFAULT_CHUNK_SIZE = 4 << 20
 UPLOADS = 4  # upload threads (connections, requests in flight) to a remote store when no parallelism is given
 # Encoding scratch and sealed objects live in recycled buffers (buffers.py says why).
 BUFFERS = POOL
-# Manifests this process committed, by (store URL, image id, key id): the next round's writer takes its
-# parent from here instead of reading the manifest back and checking its signature (on the freeze → ready
-# path). It is the very body this process signed and stored.
-_COMMITTED: OrderedDict[tuple[str, str, str | None], dict[str, Any]] = OrderedDict()
-_COMMITTED_KEPT = 4
-_COMMITTED_LOCK = threading.Lock()
-_LAST_SEQUENCE = 0  # the last sequence this process gave a manifest (under _COMMITTED_LOCK)
-
-
-def next_sequence(parent: dict[str, Any] | None) -> int:
-    """A new manifest's ``sequence`` (FORMAT.md, Manifest): the clock in microseconds since the epoch, raised past
-    the parent's sequence and past every sequence this process gave before. So an image always sorts after its
-    parent and after this process's earlier images, and images of different writers sort as their clocks do."""
-    global _LAST_SEQUENCE
-    seq = (parent or {}).get("sequence")
-    after = seq + 1 if type(seq) is int else 0
-    with _COMMITTED_LOCK:
-        _LAST_SEQUENCE = max(time.time_ns() // 1000, after, _LAST_SEQUENCE + 1)
-        return _LAST_SEQUENCE
-
-
-def committed_body(store_url: str, image_id: str, key_id: str | None) -> dict[str, Any] | None:
-    """The body of a manifest this process committed to ``store_url`` with the key ``key_id``, if kept."""
-    with _COMMITTED_LOCK:
-        return _COMMITTED.get((store_url, image_id, key_id))
-
-
-def _remember(store_url: str, image_id: str, key_id: str | None, body: dict[str, Any]) -> None:
-    with _COMMITTED_LOCK:
-        _COMMITTED[(store_url, image_id, key_id)] = body
-        _COMMITTED.move_to_end((store_url, image_id, key_id))
-        while len(_COMMITTED) > _COMMITTED_KEPT:
-            _COMMITTED.popitem(last=False)
-
-
-class _Region:
-    """One region of the image being written: its chunks by index, or ``whole``, its parent's entry, where it holds
-    exactly the parent's chunks (:meth:`StoreImageWriter.reuse_regions`: no record per chunk)."""
-
-    __slots__ = ("chunks", "info", "lengths", "planes", "whole")
-
-    def __init__(self, info: RegionInfo) -> None:
-        self.info = info
-        self.chunks: dict[int, str] = {}
-        self.lengths: dict[int, int] = {}
-        self.planes = codecs.PlanePlan()  # byte-plane sample verdicts
-        self.whole: dict[str, Any] | None = None
-
-    def entry(self, chunk_size: int) -> dict[str, Any]:
-        """Its entry in the manifest body (FORMAT.md, Manifest)."""
-        return self.whole if self.whole is not None else region_entry(self.info, self.chunks, self.lengths, chunk_size)
-
-
-def _same_entry(info: RegionInfo, entry: dict[str, Any], ids: Sequence[str]) -> bool:
-    """Whether a parent manifest's region ``entry`` is ``info``'s region holding exactly the chunks ``ids``."""
-    shape, want = entry.get("shape"), info.shape
-    return (
-        entry.get("nbytes") == info.nbytes
-        and entry.get("chunks") == ids
-        and entry.get("dtype") == info.dtype
-        and entry.get("kind") == info.kind
-        and entry.get("device") == info.device
-        and (shape is None if want is None else shape is not None and len(shape) == len(want) and tuple(shape) == want)
-    )
 
 
 class StoreImageWriter:
@@ -131,7 +74,6 @@ class StoreImageWriter:
             )
         self.source = source
         self.parent_id = parent_id
-        self._parent_objects: dict[str, list[Any]] = dict((parent or {}).get("objects", {}))
         self.parent_body: dict[str, Any] | None = parent  # the verified parent manifest body, if any
         self._parent_reader = parent_reader if delta else None
         # The parent's chunk at each index: delta bases, so only a delta writer needs them (one entry per chunk).
@@ -139,12 +81,9 @@ class StoreImageWriter:
         for reg in (parent or {}).get("regions", []) if self._parent_reader is not None else ():
             for i, cid in enumerate(reg["chunks"]):
                 self._parent_chunks[(reg["name"], i)] = cid
-        self._listing: dict[str, int] | None = None
-        self._parent_regions: dict[str, dict[str, Any]] | None = None
-        self._regions: dict[str, _Region] = {}
-        self._objects: dict[str, list[Any]] = {}
         self._metadata: dict[str, Any] = {}
-        self._lock = threading.RLock()  # re-entered when an object's delta base is looked up
+        # one lock for the writer and its contents (re-entered when an object's delta base is looked up)
+        self._lock = threading.RLock()
         # parallelism: the threads this writer seals and stores with (None: a direct writer's one per core; uploads
         # to a remote store then use UPLOADS connections)
         self.parallelism = parallelism
@@ -160,11 +99,9 @@ class StoreImageWriter:
         self._errors: list[BaseException] = []
         self._committed = False
         self._t0 = time.monotonic()
-        self.bytes_sent = 0
-        self.bytes_logical = 0
-        self.chunks_new = 0
-        self.chunks_reused = 0
         self._progress = ProgressCounter(progress, 0)
+        # the regions and objects the manifest will list, under this writer's lock
+        self.contents = ImageContents(store, self.chunk_size, parent, self._lock, self._progress)
         self.decoders: set[str] = set()  # optional decoders a reader needs (FORMAT.md, "decoders")
         self._opened()
         if self._pacer is not None:
@@ -173,6 +110,24 @@ class StoreImageWriter:
     def _opened(self) -> None:
         """A subclass's own set-up, once the writer is ready (the direct writer's slots and queue)."""
 
+    # -- what the image holds (the contents count it)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.contents.bytes_sent
+
+    @property
+    def bytes_logical(self) -> int:
+        return self.contents.bytes_logical
+
+    @property
+    def chunks_new(self) -> int:
+        return self.contents.chunks_new
+
+    @property
+    def chunks_reused(self) -> int:
+        return self.contents.chunks_reused
+
     # -- regions and metadata
 
     def add_region(self, info: RegionInfo) -> None:
@@ -180,80 +135,17 @@ class StoreImageWriter:
 
     def add_regions(self, infos: Iterable[RegionInfo]) -> None:
         """:meth:`add_region` of each, under one hold of the lock (a round adds a model's hundreds at once)."""
-        added = 0
-        with self._lock:
-            regions = self._regions
-            for info in infos:
-                if info.name in regions:
-                    raise InvalidInputError(f"region {info.name!r} was added twice")
-                regions[info.name] = _Region(info)
-                added += info.nbytes
-        self._progress.grow(added)
+        self.contents.add_regions(infos)
 
     def set_metadata(self, key: str, value: object) -> None:
         with self._lock:
             self._metadata[key] = value
 
-    def _region(self, name: str) -> _Region:
-        try:
-            return self._regions[name]
-        except KeyError:
-            raise InvalidInputError(f"unknown region {name!r}: call add_region first") from None
-
     # -- chunks
-
-    def _record(self, region: _Region, index: int, chunk_id: str, length: int) -> None:
-        if index < 0:
-            raise InvalidInputError(f"chunk index {index} of region {region.info.name!r} is negative")
-        if region.whole is not None:  # a region reused whole gets a chunk of its own: recorded chunk by chunk now
-            self._unwhole(region)
-        region.chunks[index] = chunk_id
-        region.lengths[index] = length
-
-    def _unwhole(self, region: _Region) -> None:
-        whole, region.whole = region.whole, None
-        assert whole is not None
-        ids, sizes = whole["chunks"], whole.get("sizes")
-        for i, cid in enumerate(ids):
-            region.chunks[i] = cid
-            region.lengths[i] = int(sizes[i]) if sizes else self._chunk_length(region, i)
-
-    def _stored_size(self, chunk_id: str) -> int | None:
-        if not self.store.prefers_listing:
-            return self.store.chunk_size(chunk_id)
-        with self._lock:
-            if self._listing is None:
-                self._listing = self.store.list_chunks()  # once per writer, not one request per chunk
-            return self._listing.get(chunk_id)
-
-    def _known_entry(self, chunk_id: str) -> list[Any] | None:
-        """An object the image can reference without sending: already in it, in the parent, or in the store."""
-        entry = self._objects.get(chunk_id) or self._parent_objects.get(chunk_id)
-        if entry is not None:
-            return entry
-        size = self._stored_size(chunk_id)
-        if size is None:
-            return None
-        header = parse_header(self.store.chunk_header(chunk_id, HEADER_SIZE), chunk_id)
-        return [size, header.codec, header.base]
-
-    def _add_object(self, chunk_id: str, entry: list[Any]) -> None:
-        self._objects[chunk_id] = entry
-        base = entry[2]
-        if base and base not in self._objects:
-            base_entry = self._parent_objects.get(base)
-            if base_entry is None:
-                size = self._stored_size(base)
-                if size is None:
-                    raise TransferError(
-                        f"delta base {base[:16]} of chunk {chunk_id[:16]} is missing from {self.store.url}"
-                    )
-                base_entry = [size, codecs.NONE, None]
-            self._objects[base] = base_entry
 
     def put_chunk(self, region: str, index: int, data: memoryview | bytes | bytearray) -> str:
         self._check_open()
-        reg = self._region(region)
+        reg = self.contents.region(region)
         view = memoryview(data)
         if not view.c_contiguous:
             raise InvalidInputError(
@@ -267,32 +159,17 @@ class StoreImageWriter:
             )
         self._limiter.take(len(view))
         chunk_id = chunk_id_of(view)
-        if self._claim(reg, index, chunk_id, len(view)):
+        if self.contents.claim(reg, index, chunk_id, len(view)):
             self._send(reg, index, chunk_id, view)
         self._progress.add(len(view))
         return chunk_id
 
-    def _claim(self, reg: _Region, index: int, chunk_id: str, length: int) -> bool:
-        """Record chunk ``index`` as ``chunk_id``; True when its bytes must be sent (nothing holds them yet)."""
-        with self._lock:
-            self._record(reg, index, chunk_id, length)
-            self.bytes_logical += length
-            if chunk_id in self._objects:
-                return False
-        entry = self._known_entry(chunk_id)
-        if entry is None:
-            return True
-        with self._lock:
-            self.chunks_reused += 1
-            self._add_object(chunk_id, entry)
-        return False
-
-    def _send(self, reg: _Region, index: int, chunk_id: str, view: memoryview) -> None:
+    def _send(self, reg: Region, index: int, chunk_id: str, view: memoryview) -> None:
         base_id = None
         payload_src = view
         if self._parent_reader is not None:
             parent_cid = self._parent_chunks.get((reg.info.name, index))
-            parent_entry = self._parent_objects.get(parent_cid or "")
+            parent_entry = self.contents.parent_objects.get(parent_cid or "")
             if parent_cid and parent_cid != chunk_id and parent_entry and not parent_entry[2]:
                 base_plain = self._parent_reader.read_object(parent_cid)
                 payload_src = codecs.xor_with_base(view, base_plain).data
@@ -313,13 +190,9 @@ class StoreImageWriter:
         except BaseException:
             BUFFERS.give(buf)
             raise
-        with self._lock:
-            if chunk_id in self._objects:  # another thread sent the same content meanwhile
-                BUFFERS.give(buf)
-                return
-            self._add_object(chunk_id, [len(blob), codec, base_id])
-            self.chunks_new += 1
-            self.bytes_sent += len(blob)
+        if not self.contents.add_new(chunk_id, [len(blob), codec, base_id]):  # another thread sent the same content
+            BUFFERS.give(buf)
+            return
         if self.store.writes_inline:
             self._store_inline(chunk_id, blob, buf)
             return
@@ -353,12 +226,8 @@ class StoreImageWriter:
         """
         payload = out[HEADER_SIZE : HEADER_SIZE + payload_len]
         blob = self.sealer.seal(chunk_id, codec, raw_len, payload, None, out=out, in_place=True)
-        with self._lock:
-            if chunk_id in self._objects:  # another thread sent the same content meanwhile
-                return
-            self._add_object(chunk_id, [len(blob), codec, None])
-            self.chunks_new += 1
-            self.bytes_sent += len(blob)
+        if not self.contents.add_new(chunk_id, [len(blob), codec, None]):  # another thread sent the same content
+            return
         try:
             self._put_object(chunk_id, blob, None)
         except BaseException as exc:
@@ -381,101 +250,19 @@ class StoreImageWriter:
     def reuse_chunk(self, region: str, index: int, chunk_id: str, length: int | None = None) -> None:
         """Reference a chunk the parent (or the store) holds. ``length`` is needed for variable-size chunks."""
         self._check_open()
-        reg = self._region(region)
-        with self._lock:
-            entry = self._objects.get(chunk_id) or self._parent_objects.get(chunk_id)
-        if entry is None:
-            entry = self._known_entry(chunk_id)
-        if entry is None:
-            raise InvalidInputError(
-                f"reuse_chunk: chunk {chunk_id[:16]} ({region}[{index}]) is neither in the parent image nor in {self.store.url}"
-            )
-        if length is None:
-            length = self._chunk_length(reg, index)
-        with self._lock:
-            self._record(reg, index, chunk_id, length)
-            self._add_object(chunk_id, entry)
-            self.chunks_reused += 1
-            self.bytes_logical += length
-        self._progress.add(length)
+        self.contents.reuse_chunk(region, index, chunk_id, length)
 
     def reuse_chunks(self, chunks: Iterable[tuple[str, int, str]]) -> None:
-        """:meth:`reuse_chunk` of each (region, index, chunk id) of fixed-size chunks, in order: the same records,
-        checks and errors, under one hold of the lock (a final round reuses thousands of chunks while the workload
-        is frozen). A chunk neither in this image nor in its parent goes through :meth:`reuse_chunk` itself,
-        with the lock released: it may ask the store."""
+        """:meth:`reuse_chunk` of each (region, index, chunk id) of fixed-size chunks, in order, under one hold of
+        the lock (:meth:`ImageContents.reuse_chunks`)."""
         self._check_open()
-        todo = iter(chunks)
-        while True:
-            done, missing = 0, None
-            try:
-                with self._lock:
-                    regions, objects, parent = self._regions, self._objects, self._parent_objects
-                    for region, index, chunk_id in todo:
-                        reg = regions.get(region) or self._region(region)
-                        entry = objects.get(chunk_id) or parent.get(chunk_id)
-                        if entry is None:
-                            missing = (region, index, chunk_id)
-                            break
-                        length = self._chunk_length(reg, index)
-                        self._record(reg, index, chunk_id, length)
-                        self._add_object(chunk_id, entry)
-                        self.chunks_reused += 1
-                        self.bytes_logical += length
-                        done += length
-            finally:
-                self._progress.add(done)
-            if missing is None:
-                return
-            self.reuse_chunk(*missing)
+        self.contents.reuse_chunks(chunks)
 
     def reuse_regions(self, regions: Iterable[tuple[str, Sequence[str]]]) -> None:
-        """:meth:`reuse_chunks` of every chunk of each region, ``ids[i]`` at index ``i``: the same image. Where the
-        parent holds the region exactly so (its layout and these ids), its manifest entry is taken whole, with no
-        record per chunk (a final round reuses most of a model's regions so); any other goes chunk by chunk."""
+        """:meth:`reuse_chunks` of every chunk of each region, ``ids[i]`` at index ``i``; a region the parent holds
+        exactly so is taken whole, as its manifest entry (:meth:`ImageContents.reuse_regions`)."""
         self._check_open()
-        parent = self._parent_entries()
-        rest: list[tuple[str, int, str]] = []
-        done = reused = 0
-        with self._lock:
-            known, objects, parent_objects = self._regions, self._objects, self._parent_objects
-            for name, ids in regions:
-                reg = known.get(name) or self._region(name)
-                was = parent.get(name)
-                if was is not None and not reg.chunks and reg.whole is None and _same_entry(reg.info, was, ids):
-                    for cid in ids:
-                        if cid in objects:
-                            continue
-                        entry = parent_objects.get(cid)
-                        if entry is None:  # not the parent's after all: the store is asked, chunk by chunk
-                            break
-                        if entry[2]:
-                            self._add_object(cid, entry)  # and its delta base
-                        else:
-                            objects[cid] = entry
-                    else:
-                        reg.whole = was
-                        reused += len(ids)
-                        done += reg.info.nbytes
-                        continue
-                rest.extend((name, i, cid) for i, cid in enumerate(ids))
-            self.chunks_reused += reused
-            self.bytes_logical += done
-        self._progress.add(done)
-        if rest:
-            self.reuse_chunks(rest)
-
-    def _parent_entries(self) -> dict[str, dict[str, Any]]:
-        """The parent's region entries by name (made once per writer, when first asked)."""
-        if self._parent_regions is None:
-            self._parent_regions = {r["name"]: r for r in (self.parent_body or {}).get("regions", ())}
-        return self._parent_regions
-
-    def _chunk_length(self, reg: _Region, index: int) -> int:
-        start = index * self.chunk_size
-        if start >= reg.info.nbytes:
-            raise InvalidInputError(f"chunk index {index} is past the end of region {reg.info.name!r}")
-        return min(self.chunk_size, reg.info.nbytes - start)
+        self.contents.reuse_regions(regions)
 
     # -- commit
 
@@ -501,7 +288,8 @@ class StoreImageWriter:
             self._pool.shutdown(wait=True)
             self._end_pacing()
         self._committed = True
-        regions = [r.entry(self.chunk_size) for r in self._regions.values()]
+        regions = self.contents.region_entries()
+        objects = self.contents.objects
         self.store.flush()
         body: dict[str, Any] = {
             "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -512,16 +300,16 @@ class StoreImageWriter:
             "encryption": "aes-256-gcm" if self.sealer.encrypted else "none",
             "key_id": self.sealer.key_id,
             "regions": regions,
-            "objects": dict(self._objects),  # in any order: the manifest's bytes sort its keys
+            "objects": dict(objects),  # in any order: the manifest's bytes sort its keys
             "metadata": self._metadata,
         }
         if self.decoders:  # only when needed: images without them keep the manifest of earlier versions
             body["decoders"] = sorted(self.decoders)
         image_id, data = seal_manifest(body, self.sealer)
         self.store.put_manifest(image_id, data)
-        _remember(self.store.url, image_id, self.sealer.key_id, body)
+        remember(self.store.url, image_id, self.sealer.key_id, body)
         self._progress.finish()
-        bytes_stored = sum(e[0] for e in self._objects.values())
+        bytes_stored = sum(e[0] for e in objects.values())
         return ImageRef(
             id=image_id,
             store=self.store.url,
