@@ -31,7 +31,7 @@ WHERE = {
 }
 SLOW = {"e2e", "e2e_ranks", "parity", "live_round", "llm_streams", "stop"}  # more than ~30 s on two busy cores
 NEEDS_NETNS = {"transfer_link"}  # two network namespaces joined by a shaped link (root)
-LIBRARIES = {"benchlib", "e2e_parts", "e2e_workloads"}  # shared code, not a benchmark
+LIBRARIES = {"benchlib", "e2e_parts", "e2e_workloads", "llm_clients"}  # shared code, not a benchmark
 TIMEOUT_S = 600
 
 

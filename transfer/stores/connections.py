@@ -77,6 +77,13 @@ class Conn:
     inflight: int = 0
     broken: BaseException | None = None
     extra: object = None  # a subclass's per-connection state (nixl://: this connection's landing slots)
+    # poll, not select: select() refuses a descriptor numbered 1024 or more, and the process this runs in (a
+    # serving workload's agent, a long test session) may well hold that many files.
+    readable: select.poll = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.readable = select.poll()
+        self.readable.register(self.sock, select.POLLIN)
 
 
 class ReceiverConnections:
@@ -279,7 +286,7 @@ class ReceiverConnections:
 
     def _drain_ready(self, conn: Conn) -> None:
         """Read the replies that have already arrived, without waiting for more."""
-        while conn.pending and (conn.sock.pending() or select.select([conn.sock], [], [], 0)[0]):
+        while conn.pending and (conn.sock.pending() or conn.readable.poll(0)):
             self._read_reply(conn)
 
     def _send(self, conn: Conn, kind: int, ident: bytes, payload: bytes | bytearray | memoryview, p: Pending) -> None:
