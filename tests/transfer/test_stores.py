@@ -183,3 +183,29 @@ def test_the_sync_threads_run_every_job_and_a_wait_reports_what_failed() -> None
     sync.submit(lambda: done.append(99))
     assert sync.wait() == [] and done[-1] == 99
     sync.close()
+
+
+def test_a_file_store_let_go_without_close_gives_back_its_directories_and_threads(tmp_path: Path) -> None:
+    """A store nobody closes (a reader opened for one image, an agent's store after a migration) is collected with
+    its directory fds and sync threads: a long-lived process that opens store after store must not run out of file
+    descriptors (CI once did, after 1,000 of them: select() then refused every socket)."""
+    import gc
+
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    def sync_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("gm-fsync")]
+
+    before, threads_before = fds(), len(sync_threads())
+    store = open_store(f"file://{tmp_path / 's'}")
+    for n in range(16):
+        store.put_chunk(f"{n:02x}" + "cd" * 31, os.urandom(4096))
+    store.flush()
+    assert len(fds() - before) >= 16  # a directory fd per fan-out directory, held while the store lives
+    del store
+    gc.collect()
+    assert not fds() - before, "the collected store's directory fds are still open"
+    for t in sync_threads()[threads_before:]:
+        t.join(timeout=30)
+        assert not t.is_alive(), f"{t.name} still runs after its store was collected"

@@ -96,7 +96,7 @@ class FileStore(Store):
         self._lock = threading.Lock()
         self._dirs = DirTree(root, shown=url)  # closed by close(), or when the store is collected
         self._warned: set[str] = set()
-        weakref.finalize(self, self._dirs.close)
+        weakref.finalize(self, _release, self._syncer, self._dirs)
         # In memory (tmpfs, /dev/shm) fallocate allocates and zeroes every page that write() then fills again, a
         # large share of a GPU capture's sealing threads' time (bench/README.md). Only real disks get it.
         self._in_memory = filesystem_of(root) in MEMORY_FILESYSTEMS
@@ -356,6 +356,12 @@ class FileStore(Store):
         with self._lock:
             self._unsynced = set()
         self._dirs.close()  # a later call opens them again
+
+
+def _release(syncer: SyncThreads, dirs: DirTree) -> None:
+    """A collected store's clean-up: its sync threads end after their jobs, its directory fds close."""
+    syncer.release()
+    dirs.close()
 
 
 def _unlink_quietly(dir_fd: int, name: str) -> int:

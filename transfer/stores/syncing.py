@@ -62,6 +62,9 @@ class SyncThreads:
                 with self._lock:
                     self._errors.append(exc)
             finally:
+                # A job closes over its store: a thread waiting for the next job must not keep the last one (and
+                # with it the store, its directory fds and these threads) alive.
+                job = None
                 with self._lock:
                     self._pending -= 1
                     if self._pending == 0:
@@ -74,6 +77,14 @@ class SyncThreads:
         with self._lock:
             errors, self._errors = self._errors, []
         return errors
+
+    def release(self) -> None:
+        """End the threads once the jobs given so far have run, without waiting for them: a collected store's
+        finalizer, which may run on one of these threads."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._jobs.put(_STOP)
 
     def close(self) -> None:
         """Wait for the jobs, then end the threads (a later submit starts new ones)."""
