@@ -263,6 +263,12 @@ def _no_stream_broken(e: Env, streamers: list[Streamer]) -> int:
     return sum(len(s.done) for s in streamers)
 
 
+def _why(result: dict[str, Any]) -> str:
+    """What a failed migration's result says about why, before the rest of it (pytest cuts a long dict short)."""
+    failed = {n: p for n, p in result.get("phases", {}).items() if p.get("status") != "completed"}
+    return json.dumps({"rollback": result.get("rollback"), "error": result.get("error"), "failed": failed})[:3000]
+
+
 def _audit(e: Env, mid: str) -> list[dict[str, Any]]:
     path = e.home / "migrations" / mid / "audit.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -288,7 +294,7 @@ def test_streams_in_flight_survive_a_whole_migration(llm: Env, tmp_path: Path) -
     from gpumigrate.traffic.state import StateStore
 
     code, result, streamers = _migrate_with_streams(llm, _plan(llm, tmp_path / "plan.yaml", lambda d: None), "llm-1")
-    assert code == 0 and result["status"] == "completed", result
+    assert code == 0 and result["status"] == "completed", _why(result)
     ran = _no_stream_broken(llm, streamers)
     assert ran >= 2 * CLIENTS
     assert result["parity"]["passed"] is True and result["parity"]["cases"] == 3
