@@ -122,6 +122,26 @@ def test_fault_on_target_at_25_percent_rolls_back_within_two_intervals(
         assert report.failed <= 0.001 * window_total, report.errors
 
 
+def test_a_source_whose_requests_outlast_the_baseline_intervals_still_gets_a_baseline(traffic_env: Any) -> None:
+    """An LLM's streams on a loaded host last seconds: none ends within the baseline's two intervals. The baseline
+    measures on until min_requests ended (CI once rolled a healthy LLM migration back: at 100% the source takes no
+    new requests, so 'no baseline p99 yet' stayed inconclusive until the policy rolled back)."""
+    # Both answer alike, slowly, one request at a time (the server's safe point): a request every 2 s, each 1.2 s.
+    for name in ("source", "target"):
+        traffic_env.upstreams[name].fault("slow", 1.0, 1200)
+    ctl = _controller(traffic_env, ((100, 2.0),), min_requests=3)
+    load = LoadProcess(traffic_env.url, rps=0.5, seconds=60, body=BODY)
+    try:
+        result = ctl.run()
+    finally:
+        load.stop()
+    load.wait()
+    assert result.status == "completed", result.reason
+    baseline = [s for s in result.samples if s.stage == -1]
+    assert len(baseline) > 2, "the baseline ended after its two intervals without a p99"
+    assert ctl.baseline_p99 is not None and ctl.baseline_p99 >= 1200
+
+
 def test_manual_rollback_acts_within_one_interval(traffic_env: Any, gm_home: Any) -> None:
     from gpumigrate.state import Migration
 

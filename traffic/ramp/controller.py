@@ -70,6 +70,7 @@ class RampController:
         self.samples: list[Sample] = []
         self.stages: list[StageRecord] = []
         self.baseline_p99: float | None = None
+        self.last_source_p99: float | None = None  # the source's p99 in the last window of the ramp that had one
         self._skipped = 0  # stages a resumed ramp finds already behind it
 
     # -- what it records ---------------------------------------------------------------
@@ -105,7 +106,12 @@ class RampController:
         g = self.settings.gates
         start = self.steer.snapshot()
         prev = start
-        for _ in range(self.settings.baseline_intervals):
+        measured = 0
+        until = self.steer.now() + self.settings.baseline_max_s
+        while measured < self.settings.baseline_intervals or (
+            self.baseline_p99 is None and self.steer.now() + self.settings.interval_s <= until
+        ):
+            measured += 1
             self.steer.sleep_to(self.steer.now() + self.settings.interval_s)
             self.steer.check_signals()
             cur = self.steer.snapshot()
@@ -149,7 +155,11 @@ class RampController:
                 continue
             w, window_s = analysis_window(snaps, self.target, s.gates.min_requests)
             src = w[self.source]
-            base = src.p99_ms if src.requests >= s.gates.min_requests and src.p99_ms is not None else self.baseline_p99
+            if src.requests >= s.gates.min_requests and src.p99_ms is not None:
+                base: float | None = src.p99_ms
+                self.last_source_p99 = src.p99_ms
+            else:  # at 100% the source takes no new requests: the baseline, or the source's last p99 in the ramp
+                base = self.baseline_p99 if self.baseline_p99 is not None else self.last_source_p99
             probe = self.prober.latest(newer_than=started) if self.prober else None
             streams = self._streams(started)
             a = analyze(

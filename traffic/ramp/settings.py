@@ -18,6 +18,9 @@ class RampSettings:
     interval_s: float = 2.0
     gates: GateSettings = field(default_factory=GateSettings)
     baseline_intervals: int = 2
+    # A source whose requests last seconds (an LLM's streams, on a loaded host) may end fewer than min_requests in
+    # those intervals: the baseline then goes on measuring until it has them, for this long at most.
+    baseline_max_s: float = 10.0
     max_inconclusive: int = 20
     inconclusive_policy: Literal["rollback", "hold"] = "rollback"
     apply_timeout_s: float = 20.0
