@@ -31,6 +31,7 @@ from gpumigrate.interfaces import ImageRef, Restored, Round, SnapshotBackend
 from gpumigrate.parity.urls import redact_url
 from gpumigrate.snapshot.client import parse_address
 from gpumigrate.snapshot.precopy import Convergence, converge
+from gpumigrate.snapshot.rankmath import rank_addresses
 from gpumigrate.transfer.format.keys import resolve_key
 from gpumigrate.transfer.push import check_landed
 
@@ -73,19 +74,21 @@ def precopy_rounds(ctx: RunContext, backend: SnapshotBackend, *, max_rounds: int
 
 
 def wait_for_target(ctx: RunContext, timeout_s: float | None = None) -> None:
-    """The target's agent accepts connections (provision started the workload awaiting its restore; a
-    workload's health path may answer a moment before its agent listens)."""
+    """Every rank's agent on the target accepts connections (provision started the workload awaiting its restore;
+    a workload's health path may answer a moment before its agent listens, and rank 0's before rank 1's: CI once
+    pre-loaded a 2-rank world whose rank 1 did not listen yet)."""
     timeout_s = TARGET_AGENT_WAIT_S if timeout_s is None else timeout_s
-    address = ctx.need(ctx.runtime.target_agent, "the target's agent")
-    host, port = parse_address(address)
+    first = ctx.need(ctx.runtime.target_agent, "the target's agent")
     deadline = time.monotonic() + timeout_s
-    while not accepts(host, port):
-        if time.monotonic() > deadline:
-            raise SnapshotError(
-                f"the target's agent at {address} does not accept connections after {timeout_s:g} s: the target "
-                "must be started, awaiting its restore, before the first pre-copy round is loaded into it"
-            )
-        time.sleep(POLL_S)
+    for address in rank_addresses(first, ctx.plan.workload.ranks):
+        host, port = parse_address(address)
+        while not accepts(host, port):
+            if time.monotonic() > deadline:
+                raise SnapshotError(
+                    f"the target's agent at {address} does not accept connections after {timeout_s:g} s: the "
+                    "target must be started, awaiting its restore, before the first pre-copy round is loaded into it"
+                )
+            time.sleep(POLL_S)
 
 
 def preload(ctx: RunContext, backend: SnapshotBackend, image: ImageRef, *, round_no: int | None = None) -> Restored:

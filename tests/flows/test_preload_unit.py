@@ -178,3 +178,32 @@ def test_a_backend_that_does_not_preload_runs_its_rounds_as_before(bench: Bench)
     assert not bench.events("image.verified") and "preloaded" not in bench.ctx.migration.read().get("result", {}).get(
         "bytes", {}
     )
+
+
+def test_every_ranks_agent_is_waited_for_before_the_first_round(
+    bench: Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A world's ranks start their agents one by one (rank r at the first rank's port + r): the first pre-load must
+    wait for rank 1's too, not only rank 0's (CI once pre-loaded a 2-rank world whose rank 1 did not listen yet)."""
+    import threading
+
+    doc = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    doc["workload"]["ranks"] = 2
+    (tmp_path / "plan2.yaml").write_text(yaml.safe_dump(doc))
+    ctx = RunContext.create(tmp_path / "plan2.yaml", migration_id="m-preload-ranks", resume=False)
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("127.0.0.1", 0))
+        base = first.getsockname()[1]
+        try:
+            second.bind(("127.0.0.1", base + 1))
+        except OSError:
+            pytest.skip(f"port {base + 1} is taken here: rank 1's port must be rank 0's + 1")
+        first.listen()
+        ctx.update(target_agent=f"127.0.0.1:{base}")
+        monkeypatch.setattr(preload, "TARGET_AGENT_WAIT_S", 0.5)
+        with pytest.raises(SnapshotError, match=f"127.0.0.1:{base + 1} does not accept connections"):
+            preload.wait_for_target(ctx)  # rank 0 listens, rank 1 not yet
+        later = threading.Timer(0.2, second.listen)
+        later.start()
+        preload.wait_for_target(ctx, timeout_s=30)  # returns once rank 1 listens too
+        later.join()
