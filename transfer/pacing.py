@@ -6,8 +6,15 @@ workload's SDK times it (:class:`~gpumigrate.interfaces.LatencySignal`: the safe
 service needs no setup beyond the SDK. Its lever is the round's :class:`~.progress.RateLimiter`, which every chunk
 passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
 
-* Before the round moves a byte, the requests of the last ``baseline_s`` set the base latency (their median).
-  With none (an idle source), the first verdict's requests set it; a lower median seen later lowers it.
+* Before the round moves a byte, the requests of the last ``baseline_s`` set the base latency (their median) and
+  the source's own noise: the ``noise_quantile`` of the medians of ``min_samples`` consecutive baseline requests,
+  what a verdict's window reads with no round beside it. A verdict is "felt" only above both that and
+  ``base × (1 + tolerance)``: a source under an open-loop load queues, so the median of a few of its requests
+  swings well past 10% by itself, and a bound inside that swing cut a round that nothing felt down to the floor
+  (bench/HISTORY.md, sixteenth session: 328 cuts in 339 verdicts, 0.5 GiB in 486 s). With too few requests
+  before the round (an idle source), the first verdict's requests set the base; a lower median seen later lowers
+  it. A base from a baseline is not lowered: the lowest of many noisy medians is below the source's typical
+  latency, and every verdict after it would read as felt.
 * **Slow start** (as TCP's): a source that serves (a request ended in the last ``idle_s``, or one is under way)
   gets a round that starts at ``start_rate`` (or the plan's ``rate_limit``, if lower), not uncapped: a round that
   began at full speed stalled an engine loop's steps for the half second before its first verdict
@@ -19,7 +26,9 @@ passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
   measured, when it is uncapped), never below the floor, and the next verdict waits ``settle_s`` for the cut to
   show; at or below it, the rate grows by ``growth``.
 * A request that began during the round and is still under way for longer than ``overdue`` times the base (and
-  than the baseline's 99th percentile) is a verdict by itself: it is cut at once, whatever has ended (the
+  than the baseline's 99th percentile, with the tolerance) is a verdict by itself: it is cut at once, whatever has
+  ended, once per request (the next overdue cut needs a request admitted after this one: one slow request is one
+  piece of evidence, not one per ``settle_s`` while it runs) (the
   percentile, not the slowest: an engine loop's baseline holds a few prefill steps many times a decode step's
   length, and the bound must stay below a stalled decode step). An engine loop's safe point is one
   decode step; a round that stalls the steps (they wait for the GIL or the device beside it) would otherwise be
@@ -63,6 +72,7 @@ class PacingRules:
     baseline_s: float = 30.0
     start_rate: float = 64 * (1 << 20)  # bytes/s: a serving source's round starts here (slow start)
     start_growth: float = 2.0  # the rate's growth per verdict within tolerance until the first cut
+    noise_quantile: float = 0.9  # of the baseline's window medians: a verdict above it is felt (a false cut 1 in 10)
 
 
 @dataclass
@@ -117,11 +127,14 @@ class PacingController:
         self._thread: threading.Thread | None = None
         self._base: float | None = None
         self._slowest = 0.0  # the baseline's 99th percentile (seconds): a request under way for longer is overdue
+        self._noise = 0.0  # the baseline's noise_quantile of window medians (seconds): a verdict above it is felt
+        self._base_fixed = False  # the base came from a baseline: later medians do not lower it
         self._slow_start = False  # growing by start_growth until the first cut
         self._held = limiter.held  # the limiter's held takes at the last verdict
         self._peak = 0.0  # the highest rate measured while uncapped (bytes/s)
         now = time.monotonic()
         self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
+        self._overdue_at = now  # the round's start, then the last overdue cut: the next needs a request admitted after
         self._tick_bytes = self._verdict_bytes = limiter.admitted
         self._window: list[float] = []  # latencies since the last verdict
         self._capped_from: float | None = None
@@ -132,8 +145,11 @@ class PacingController:
         before = self.signal.latencies(now - self.rules.baseline_s)
         if before:
             self._base, self._slowest = statistics.median(before), _percentile(before, 0.99)
+            self._noise = _window_noise(before, self.rules.min_samples, self.rules.noise_quantile)
+            self._base_fixed = len(before) >= 2 * self.rules.min_samples
             self.report.base_latency_ms = round(self._base * 1000, 3)
         self._t0 = self._seen = self._quiet_since = self._settled = self._tick_at = self._verdict_at = now
+        self._overdue_at = now
         self._tick_bytes = self._verdict_bytes = self.limiter.admitted
         self._held = self.limiter.held
         serving = self.signal.in_flight > 0 or bool(self.signal.latencies(now - self.rules.idle_s))
@@ -175,11 +191,13 @@ class PacingController:
         if now < self._settled:  # a cut has yet to show: what ended meanwhile started before it
             self._window.clear()
             return
-        running = self.signal.running_for(self._t0)  # a long request from before the round says nothing of it
-        if self._base is not None and running > max(self._base * rules.overdue, self._slowest):
+        # A long request from before the round says nothing of it; one that already cut says nothing more.
+        running = self.signal.running_for(self._overdue_at)
+        if self._base is not None and running > max(self._base * rules.overdue, self._slowest * (1 + rules.tolerance)):
             self._window.clear()
             self.report.verdicts += 1
             self.report.overdue_cuts += 1
+            self._overdue_at = now
             self._cut(now, f"a request under way for {running * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
             self._mark_verdict(now)
             return
@@ -195,10 +213,10 @@ class PacingController:
 
     def _verdict(self, latency: float, now: float) -> None:
         self.report.verdicts += 1
-        if self._base is None or latency < self._base:
+        if self._base is None or (latency < self._base and not self._base_fixed):
             self._base = latency
             self.report.base_latency_ms = round(latency * 1000, 3)
-        if latency > self._base * (1 + self.rules.tolerance):
+        if latency > max(self._base * (1 + self.rules.tolerance), self._noise):
             self._cut(now, f"latency {latency * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
         else:
             self._raise(now, f"latency {latency * 1000:.1f} ms within the base's tolerance")
@@ -255,6 +273,15 @@ class PacingController:
             self.report.lowest_rate = rate if self.report.lowest_rate is None else min(self.report.lowest_rate, rate)
         if len(self.report.changes) < LOG_KEPT:
             self.report.changes.append((now - self._t0, rate, why))
+
+
+def _window_noise(values: list[float], size: int, q: float) -> float:
+    """The ``q`` quantile of the medians of ``size`` consecutive ``values``: how high a verdict's window reads with
+    nothing but the source's own noise (0.0: too few values to tell)."""
+    if size < 1 or len(values) < size:
+        return 0.0
+    medians = [statistics.median(values[i : i + size]) for i in range(len(values) - size + 1)]
+    return _percentile(medians, q)
 
 
 def _percentile(values: list[float], q: float) -> float:
