@@ -27,10 +27,10 @@ passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
   show; at or below it, the rate grows by ``growth``.
 * A request that began during the round and is still under way for longer than ``overdue`` times the base (and
   than the baseline's 99th percentile, with the tolerance) is a verdict by itself: it is cut at once, whatever has
-  ended, once per request (the next overdue cut needs a request admitted after this one: one slow request is one
-  piece of evidence, not one per ``settle_s`` while it runs) (the
-  percentile, not the slowest: an engine loop's baseline holds a few prefill steps many times a decode step's
-  length, and the bound must stay below a stalled decode step). An engine loop's safe point is one
+  ended, once per request: the next overdue cut needs a request admitted after this one (one slow request is one
+  piece of evidence, not one per ``settle_s`` while it runs). The bound reads the percentile, not the slowest: an
+  engine loop's baseline holds a few prefill steps many times a decode step's length, and the bound must stay
+  below a stalled decode step. An engine loop's safe point is one
   decode step; a round that stalls the steps (they wait for the GIL or the device beside it) would otherwise be
   judged only once ``min_samples`` stalled steps had ended, seconds later, after the round it should have slowed.
 * No request ended for ``idle_s`` and none under way: an idle source, the rate grows too.
@@ -216,10 +216,13 @@ class PacingController:
         if self._base is None or (latency < self._base and not self._base_fixed):
             self._base = latency
             self.report.base_latency_ms = round(latency * 1000, 3)
-        if latency > max(self._base * (1 + self.rules.tolerance), self._noise):
-            self._cut(now, f"latency {latency * 1000:.1f} ms, base {self._base * 1000:.1f} ms")
+        bound = max(self._base * (1 + self.rules.tolerance), self._noise)
+        # The reason names the bound that judged it: the base's tolerance, or the source's own noise above it.
+        judged = f"bound {bound * 1000:.1f} ms ({'noise' if self._noise > self._base * (1 + self.rules.tolerance) else 'tolerance'})"
+        if latency > bound:
+            self._cut(now, f"latency {latency * 1000:.1f} ms, base {self._base * 1000:.1f} ms, {judged}")
         else:
-            self._raise(now, f"latency {latency * 1000:.1f} ms within the base's tolerance")
+            self._raise(now, f"latency {latency * 1000:.1f} ms within {judged}")
         self._mark_verdict(now)
 
     def _mark_verdict(self, now: float) -> None:
