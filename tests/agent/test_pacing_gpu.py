@@ -76,5 +76,7 @@ def test_an_adaptive_round_on_a_gpu_reads_the_sources_requests_and_lets_them_run
         assert pacing["top_rate"] is not None and pacing["top_rate"] <= rate_limit, pacing
         assert all(rate is None or rate <= rate_limit for _, rate, _ in pacing["changes"]), pacing
     assert stats["chunks_total"] == stats["chunks_dirty"] > 0  # round 1 ships everything
-    assert stats["bytes_dirty"] == TENSORS * 64 * MiB
+    # Every tensor's bytes, and beside them the SDK's own small regions (the RNG states it carries), also dirty
+    tensor_bytes = TENSORS * 64 * MiB
+    assert tensor_bytes <= stats["bytes_dirty"] < tensor_bytes + MiB, stats["bytes_dirty"]
     assert info["rounds"] == 1

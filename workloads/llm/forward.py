@@ -70,7 +70,8 @@ class Forward:
             # multi-head attention over the cache's strided view and copies nothing.
             grouped = q.reshape(batch, self.kv_heads, self.group * steps, self.head_dim)
             out = F.scaled_dot_product_attention(grouped, K, V, attn_mask=group_mask, scale=self.scale)
-            out = out.view(batch, self.heads, steps, self.head_dim)
+            # reshape, not view: on CUDA the fused kernels may return the grouped rows strided (a prefill crashed so)
+            out = out.reshape(batch, self.heads, steps, self.head_dim)
             h = h + attn.o_proj(out.transpose(1, 2).reshape(batch, steps, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h
