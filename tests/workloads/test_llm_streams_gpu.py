@@ -1,9 +1,9 @@
 """The correctness half of ``bench/llm_streams.py`` on the lent GPU (``pytest -m gpu tests/workloads``).
 
-The ~1.09 B bf16 server moved with 16 streams in flight (prompts of 1-2k tokens, 768 tokens each) through the real capture and
-restore path (pre-copy of the KV cache's written rows, freeze, final round, restore, hand-over): no stream breaks,
-every stream's text equals the unmigrated control run's and has its full token count, and the re-prefill baseline
-answers every replay. Timings are the bench's to report, never judged here.
+The ~1.09 B bf16 server moved with 16 streams in flight (prompts of 1-2k tokens, 768 tokens each) through the
+real capture and restore path (pre-copy of the KV cache's written rows, freeze, final round, restore, hand-over): no
+stream breaks, every stream's text equals the unmigrated control run's and has its full token count, and the
+re-prefill baseline answers every replay. Timings are the bench's to report, never judged here.
 """
 
 from __future__ import annotations
