@@ -31,6 +31,7 @@ from typing import Any, NoReturn
 
 from prefect.exceptions import TerminationSignal
 
+from gpumigrate import filelock
 from gpumigrate.errors import EXIT_FAILURE
 from gpumigrate.result import MigrationResult
 
@@ -109,7 +110,10 @@ class Stopper:
         )
         threading.Thread(target=self._watch, name="gm-stop-watchdog", daemon=True).start()
         threading.Thread(target=self._deadline, name="gm-stop-deadline", daemon=True).start()
-        raise TerminationSignal(signal=signum)  # where the flow is: its Cancel path rolls back (flowrun.py)
+        stop = TerminationSignal(signal=signum)  # where the flow is: its Cancel path rolls back (flowrun.py)
+        if filelock.defer(stop):  # not inside a state or audit lock: raised as it is let go (gpumigrate/filelock.py)
+            return
+        raise stop
 
     def _claim(self, owner: str) -> bool:
         """Whether ``owner`` ends the run (the first to claim it does; the other stands aside)."""
@@ -174,9 +178,11 @@ class Stopper:
             time.sleep(0.25)
             code = self._final_code()
         if code is None:
+            from gpumigrate.flows.undo import running_steps
+
             _say(
-                f"the rollback did not finish within {EXIT_WITHIN_S + OVERRUN_S:.0f} s of the signal: exiting; finish "
-                f"it with `gpumigrate rollback {self.migration_id}`"
+                f"the rollback did not finish within {EXIT_WITHIN_S + OVERRUN_S:.0f} s of the signal (undo steps still "
+                f"running: {running_steps()}): exiting; finish it with `gpumigrate rollback {self.migration_id}`"
             )
             _exit(EXIT_FAILURE)
         if self._claim("deadline"):

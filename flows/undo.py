@@ -34,24 +34,30 @@ _log = logging.getLogger("gpumigrate.flows")
 HOST_RECORD = threading.Lock()
 HOST_RECORD_WAIT_S = 5.0  # an undo waits this long for a provision in the middle of creating its host
 T = TypeVar("T")
+_running: dict[str, float] = {}  # the undo steps running now (any thread), with their monotonic start
+
+
+def running_steps() -> str:
+    """The undo steps running now and for how long, for a message that says what a late rollback waits on."""
+    now = time.monotonic()
+    return ", ".join(f"{what} (for {now - since:.1f} s)" for what, since in list(_running.items())) or "none"
 
 
 def quietly(what: str, fn: Callable[[], T]) -> T | None:
     """Run one undo step; a failure is logged, never raised (the steps after it must still run)."""
-    try:
-        return fn()
-    except Exception as exc:
-        _log.warning("undo step %s failed: %s", what, exc)
-        return None
+    return attempt(what, fn)[0]
 
 
 def attempt(what: str, fn: Callable[[], T]) -> tuple[T | None, str | None]:
     """Run one undo step: ``(its value, None)``, or ``(None, the error)`` when it failed (logged, never raised)."""
+    _running[what] = time.monotonic()
     try:
         return fn(), None
     except Exception as exc:
         _log.warning("undo step %s failed: %s", what, exc)
         return None, f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        _running.pop(what, None)
 
 
 def _note(ctx: RunContext, step: str, error: str | None) -> None:

@@ -11,7 +11,6 @@ does not verify. Secrets never go here: callers pass identifiers and digests, ne
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
@@ -28,6 +27,7 @@ from typing import Any
 from gpumigrate.audit_anchor import configured_anchors
 from gpumigrate.audit_key import key_id, load_audit_key
 from gpumigrate.errors import GpumigrateError, IntegrityError, InvalidInputError
+from gpumigrate.filelock import FileLock
 from gpumigrate.interfaces import AuditAnchor
 from gpumigrate.settings import identity, state_root
 
@@ -129,13 +129,8 @@ class AuditLog:
     @contextmanager
     def _locked(self) -> Iterator[int]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with FileLock(self.path, append=True) as fd:  # a stop signal cannot leave it held (filelock.py)
             yield fd
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
     def append(self, event: str, data: dict[str, Any] | None = None, *, actor: str | None = None) -> ChainHead:
         """Append one record under an exclusive lock and anchor the new head; returns it.

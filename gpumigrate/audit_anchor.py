@@ -16,7 +16,6 @@ The flows publish a head to an anchor of their choice (a Prefect artifact at eac
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +28,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from gpumigrate.errors import InvalidInputError
+from gpumigrate.filelock import FileLock
 from gpumigrate.interfaces import AuditAnchor
 from gpumigrate.settings import state_root, user_state_dir
 
@@ -85,13 +85,9 @@ class LocalFileAnchor:
         path = self._path(log, chain)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         line = json.dumps(dict(head), sort_keys=True, separators=(",", ":")).encode() + b"\n"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with FileLock(path, mode=0o600, append=True) as fd:
             os.write(fd, line)
             os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def heads(self, log: str, chain: str) -> list[dict[str, Any]]:
         path = self._path(log, chain)

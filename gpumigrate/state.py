@@ -14,9 +14,7 @@ and a small ``result`` dict; a re-run with the same id skips phases already comp
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import time
 import uuid
@@ -28,6 +26,7 @@ from typing import Any
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.audit import AuditLog, ChainHead, Verification
 from gpumigrate.errors import InvalidInputError, NotFoundError
+from gpumigrate.filelock import FileLock
 from gpumigrate.interfaces import AuditAnchor
 from gpumigrate.settings import identity, migrations_dir, operator
 
@@ -113,13 +112,8 @@ class Migration:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Serialise read-modify-write of state.json across threads and processes (CLI, flow, rollback)."""
-        fd = os.open(self.dir / ".state.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with FileLock(self.dir / ".state.lock"):  # a stop signal cannot leave it held (filelock.py)
             yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
     def mutate(self, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
         """Apply ``change`` to the state under the lock and write it atomically; returns the new state."""

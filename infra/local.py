@@ -14,7 +14,6 @@ finishes the cleanup for any host whose supervisor is gone.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +33,7 @@ from typing import Any
 from gpumigrate import settings
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import CapacityError, InvalidInputError, NotFoundError, ProviderError
+from gpumigrate.filelock import FileLock
 from gpumigrate.infra import netns as netns_lib
 from gpumigrate.infra import residency
 from gpumigrate.infra.launch import is_up, last_lines, render_for, wait_until_up
@@ -143,12 +143,8 @@ class LocalProvider:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self.root().mkdir(parents=True, exist_ok=True)
-        with open(self.root() / ".lock", "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with FileLock(self.root() / ".lock"):  # a stop signal cannot leave it held (gpumigrate/filelock.py)
+            yield
 
     def _records(self) -> list[dict[str, Any]]:
         out = []

@@ -9,9 +9,7 @@ writers never lose each other's update and a restarted control plane resends exa
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +19,7 @@ from typing import Any
 
 from gpumigrate.atomic import atomic_write_json
 from gpumigrate.errors import InvalidInputError, TrafficError
+from gpumigrate.filelock import FileLock
 from gpumigrate.traffic.access_control import PRIVATE_FILE, private_dir
 
 DESIRED = "desired.json"
@@ -163,13 +162,8 @@ class StateStore:
             private_dir(self.dir)  # the door's state: this user's only (access_control.py)
         elif not self.path.exists():
             raise TrafficError(f"no traffic state in {self.dir} (nothing was set up there)")
-        fd = os.open(self.dir / ".lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, PRIVATE_FILE)
-        with os.fdopen(fd, "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+        with FileLock(self.dir / ".lock", mode=PRIVATE_FILE, nofollow=True):  # a stop signal cannot leave it held
+            yield
 
     def init(self, state: DesiredState) -> DesiredState:
         """Write the first state (or replace the upstreams of an existing one), bumping the version."""

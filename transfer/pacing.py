@@ -7,8 +7,12 @@ service needs no setup beyond the SDK. Its lever is the round's :class:`~.progre
 passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
 
 * Before the round moves a byte, the requests of the last ``baseline_s`` set the base latency (their median) and
-  the source's own noise: the ``noise_quantile`` of the medians of ``min_samples`` consecutive baseline requests,
-  what a verdict's window reads with no round beside it. A verdict is "felt" only above both that and
+  the source's own noise (or those of the last ``baseline_max_s``, when fewer than ``2 × min_samples`` ended in the
+  short window: a source with few requests). The short window first, because a load that changed shortly before
+  the round, a burst and then a steady load, would otherwise set a base the source no longer has: on an H100 a 30 s
+  window took in such a burst, read a base of 65 ms for a source at 39 ms, and judged every verdict of a round that
+  doubled the p99 "within" (bench/HISTORY.md, seventeenth session). The noise is the ``noise_quantile`` of the
+  medians of ``min_samples`` consecutive baseline requests, what a verdict's window reads with no round beside it. A verdict is "felt" only above both that and
   ``base × (1 + tolerance)``: a source under an open-loop load queues, so the median of a few of its requests
   swings well past 10% by itself, and a bound inside that swing cut a round that nothing felt down to the floor
   (bench/HISTORY.md, sixteenth session: 328 cuts in 339 verdicts, 0.5 GiB in 486 s). With too few requests
@@ -69,7 +73,8 @@ class PacingRules:
     settle_s: float = 0.2
     floor_fraction: float = 0.02  # of the highest rate: the round always moves (a freeze waits for it)
     overdue: float = 3.0  # times the base latency: a request under way for longer cuts the rate before it ends
-    baseline_s: float = 30.0
+    baseline_s: float = 5.0  # the source's latency now: the requests that ended this recently set the base
+    baseline_max_s: float = 30.0  # the window for a source with fewer than 2 × min_samples requests in baseline_s
     start_rate: float = 64 * (1 << 20)  # bytes/s: a serving source's round starts here (slow start)
     start_growth: float = 2.0  # the rate's growth per verdict within tolerance until the first cut
     noise_quantile: float = 0.9  # of the baseline's window medians: a verdict above it is felt (a false cut 1 in 10)
@@ -143,6 +148,8 @@ class PacingController:
     def start(self) -> None:
         now = time.monotonic()
         before = self.signal.latencies(now - self.rules.baseline_s)
+        if len(before) < 2 * self.rules.min_samples:
+            before = self.signal.latencies(now - self.rules.baseline_max_s)
         if before:
             self._base, self._slowest = statistics.median(before), _percentile(before, 0.99)
             self._noise = _window_noise(before, self.rules.min_samples, self.rules.noise_quantile)

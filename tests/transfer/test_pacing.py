@@ -324,3 +324,45 @@ def test_a_source_whose_latency_swings_by_itself_keeps_the_round_near_full_speed
         mover.close()
     assert report["cuts"] <= report["verdicts"] // 4, report  # a false cut now and then, not one a verdict
     assert report["lowest_rate"] >= 4 * MiB * PacingRules().backoff ** 3, report  # never near the floor
+
+
+class ChangedLoad:
+    """A source whose load changed shortly before the round: 2,000 requests of 60 ms (a closed-loop burst) that
+    ended 7 s ago, then 300 of 10 ms (the steady load it serves now), all within 30 s."""
+
+    def __init__(self) -> None:
+        now = time.monotonic()
+        self._ended = [(now - 17 + i * 0.005, 0.060) for i in range(2000)] + [
+            (now - 3 + i * 0.01, 0.010) for i in range(300)
+        ]
+
+    def latencies(self, since: float) -> list[float]:
+        return [d for end, d in self._ended if end > since]
+
+    @property
+    def in_flight(self) -> int:
+        return 1
+
+    def running_for(self, since: float) -> float:
+        return 0.0
+
+
+def test_the_base_is_the_sources_latency_now_not_a_load_it_had_before() -> None:
+    limiter = RateLimiter(None)
+    pacer = PacingController(ChangedLoad(), limiter, rules=PacingRules(interval_s=3600))
+    try:
+        pacer.start()
+    finally:
+        report = pacer.stop()
+    assert report["base_latency_ms"] == 10.0, report  # the last 5 s, not the 30 s window's median (60 ms)
+
+
+def test_a_source_with_few_recent_requests_takes_its_base_from_the_longer_window() -> None:
+    source = ChangedLoad()
+    source._ended = source._ended[:2000] + source._ended[-3:]  # 3 requests in the last 5 s: too few to judge by
+    pacer = PacingController(source, RateLimiter(None), rules=PacingRules(interval_s=3600))
+    try:
+        pacer.start()
+    finally:
+        report = pacer.stop()
+    assert report["base_latency_ms"] == 60.0, report
