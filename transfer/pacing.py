@@ -12,13 +12,13 @@ passes before its device copy is queued (``writer.py``, ``direct_writer.py``).
   the round, a burst and then a steady load, would otherwise set a base the source no longer has: on an H100 a 30 s
   window took in such a burst, read a base of 65 ms for a source at 39 ms, and judged every verdict of a round that
   doubled the p99 "within" (bench/HISTORY.md, seventeenth session). The noise is the ``noise_quantile`` of the
-  medians of ``min_samples`` consecutive baseline requests, what a verdict's window reads with no round beside it. A verdict is "felt" only above both that and
-  ``base × (1 + tolerance)``: a source under an open-loop load queues, so the median of a few of its requests
-  swings well past 10% by itself, and a bound inside that swing cut a round that nothing felt down to the floor
-  (bench/HISTORY.md, sixteenth session: 328 cuts in 339 verdicts, 0.5 GiB in 486 s). With too few requests
-  before the round (an idle source), the first verdict's requests set the base; a lower median seen later lowers
-  it. A base from a baseline is not lowered: the lowest of many noisy medians is below the source's typical
-  latency, and every verdict after it would read as felt.
+  medians of ``min_samples`` consecutive baseline requests, what a verdict's window reads with no round beside it.
+  A verdict is "felt" only above both that and ``base × (1 + tolerance)``: a source under an open-loop load
+  queues, so the median of a few of its requests swings well past 10% by itself, and a bound inside that swing
+  cut a round that nothing felt down to the floor (bench/HISTORY.md, sixteenth session: 328 cuts in 339 verdicts,
+  0.5 GiB in 486 s). With too few requests before the round (an idle source), the first verdict's requests set the
+  base; a lower median seen later lowers it. A base from a baseline is not lowered: the lowest of many noisy
+  medians is below the source's typical latency, and every verdict after it would read as felt.
 * **Slow start** (as TCP's): a source that serves (a request ended in the last ``idle_s``, or one is under way)
   gets a round that starts at ``start_rate`` (or the plan's ``rate_limit``, if lower), not uncapped: a round that
   began at full speed stalled an engine loop's steps for the half second before its first verdict
