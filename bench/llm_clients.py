@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from gpumigrate.transfer.pacing import PacingRules
+
 Window = tuple[float, float]  # (start, end), time.monotonic()
 EngineSample = tuple[float, int, float, float]  # (monotonic, steps, step wall seconds, step CPU seconds), summed
 
@@ -230,7 +232,10 @@ class Clients:
         for t in self.threads:
             t.join()
         self.start_wave()
-        time.sleep(self.args.before_s)  # the new wave's steady decoding, before the round that ships its prefill
+        # The new wave's steady decoding before the round that ships its prefill, and for as long as the pacing's
+        # base window (transfer/pacing.py, ``baseline_s``): a base that still held the wave's prefill steps (many
+        # times a decode step) read a noise bound that let the round stall the decode steps unjudged.
+        time.sleep(max(self.args.before_s, PacingRules().baseline_s))
 
     def decoding_left_s(self, step_s: float) -> float:
         """How long the soonest-ending stream under way will still decode at ``step_s`` a step (0: none is)."""

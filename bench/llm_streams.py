@@ -1,8 +1,9 @@
 """An LLM server moved with its streams in flight: what the clients see, beside the stop-and-copy and a re-prefill.
 
     python bench/llm_streams.py --json [--size 1b] [--device cuda] [--dtype bfloat16] [--streams 64]
-        [--prompt-min 1024] [--prompt-max 4096] [--tokens 768] [--chunk-mb N] [--runs disk,shm] [--root DIR]
-        [--target-gpu N] [--parallelism N] [--pacing adaptive|off] [--margin-s 3] [--refills 2] [--profile DIR] [--out FILE]
+        [--prompt-min 1024] [--prompt-max 4096] [--tokens 2048] [--chunk-mb N] [--runs disk,shm] [--root DIR]
+        [--target-gpu N] [--parallelism N] [--pacing adaptive|off] [--rounds 3] [--max-downtime-ms 500]
+        [--margin-s 3] [--refills 2] [--profile DIR] [--out FILE]
     python bench/llm_streams.py --smoke      # the tiny config on the CPU; exit 1 unless every check holds
 
 Two reference LLM servers (``python -m gpumigrate.workloads.llm``), each started through the one launcher
@@ -11,9 +12,10 @@ Two reference LLM servers (``python -m gpumigrate.workloads.llm``), each started
 as the **control run** (unmigrated: each request's text), then again as the **measured run**: one client per
 request reads its stream (``/v1/completions``, ``stream: true``) and timestamps every event as it arrives. Once
 every stream decodes, the bench waits ``--before-s`` (the steady state) and migrates the server through the real
-capture/restore path, driving the two agents as the flow's agent backend does: a live pre-copy round (the KV
-cache's rows shipped by the engine's written-ranges report) pre-loaded into the target, a second one, the
-freeze between two decode steps, the final round (the KV delta and the engine's requests), the source's resume,
+capture/restore path, driving the two agents as the flow's agent backend does: live pre-copy rounds (the KV
+cache's rows shipped by the engine's written-ranges report), each pre-loaded into the target, until the flow's own
+rule stops them (``snapshot/precopy.py``: the dirty set fits ``--max-downtime-ms``, stopped shrinking, or
+``--rounds`` ran; both the plan's defaults), the freeze between two decode steps, the final round (the KV delta and the engine's requests), the source's resume,
 the target's restore (it imports the requests and generates on), and the hand-over (the source relays its
 clients' streams from the target). The store is the one the flow gives a local target: a ``file://`` directory
 on disk (``<target workdir>/store``; run ``disk``); ``shm`` is /dev/shm beside it, labelled so.
@@ -23,8 +25,8 @@ What a user's migration does: each pre-copy round carries the plan's defaults fo
 core) or ``--pacing`` say otherwise, and the chunk size is the SDK's own choice for a server that reports its KV
 writes (``--chunk-mb`` sets another). The freeze must land mid-generation: when the streams would end within
 ``--margin-s`` of decoding (a paced round can outlast them), the bench waits for them to end, starts the same prompts
-again (a new wave; their control texts are known) and runs one more live round (it ships the wave's prefill), at
-most ``--refills`` times; the gaps of a refill are not the migration's and are left out of its figures. A run with
+again (a new wave; their control texts are known) and runs the rule's rounds again (the first ships the wave's
+prefill), at most ``--refills`` times; the gaps of a refill are not the migration's and are left out of its figures. A run with
 no stream in flight at the freeze says so (``freeze_tested``: false) and fails ``--smoke``.
 
 Reported, every figure beside what it includes: streams broken (an error event, no ``[DONE]``), streams whose
@@ -40,8 +42,8 @@ CPU: a step waiting for the GIL sleeps, one waiting for the device spins),
 and the **re-prefill baseline** from the same
 run: each request as a replay-based system would resume it on a fresh target (its prompt plus the tokens it had at
 the freeze, as one new prompt, all replayed at once on the target once the streams ended), timed to its first
-token. ``--profile DIR`` records which of the source's threads hold the GIL during round 1 (py-spy ``record --gil``,
-raw stacks per thread, ``DIR/capture_1.txt``; py-spy is a diagnosis tool: install it by hand). ``--target-gpu`` starts the target on another GPU of the host (by default it shares the source's). The last
+token. ``--profile DIR`` records which of the source's threads hold the GIL during each capture (py-spy ``record
+--gil``, raw stacks per thread, ``DIR/capture_N.txt``; py-spy is a diagnosis tool: install it by hand). ``--target-gpu`` starts the target on another GPU of the host (by default it shares the source's). The last
 stdout line is one JSON object.
 """
 
@@ -83,14 +85,15 @@ from gpumigrate import control
 from gpumigrate.bounds import TransferBounds
 from gpumigrate.infra.launch import service_url
 from gpumigrate.infra.local import LocalProvider
-from gpumigrate.interfaces import Host, HostSpec
+from gpumigrate.interfaces import Host, HostSpec, Round
 from gpumigrate.launch import AWAIT_RESTORE_ENV, WorkloadLaunch
-from gpumigrate.plan import Transfer
+from gpumigrate.plan import Snapshot, Transfer
 from gpumigrate.settings import state_root
 from gpumigrate.snapshot.client import AgentClient
+from gpumigrate.snapshot.precopy import converge
 
 KEY_ENV = "GM_LLM_BENCH_IMAGE_KEY"
-CONFIG_KEYS = ("size", "dtype", "streams", "prompt_min", "prompt_max", "tokens", "rounds", "chunk_mb", "target_gpu",
+CONFIG_KEYS = ("size", "dtype", "streams", "prompt_min", "prompt_max", "tokens", "rounds", "max_downtime_ms", "chunk_mb", "target_gpu",
                "parallelism", "pacing", "compression", "margin_s", "refills")  # fmt: skip
 # What a migration's flow sends with each pre-copy round when the plan leaves transfer's bounds unset: the plan's own
 # defaults, read from its model (flows/context.py sends compression and the bounds' options).
@@ -227,7 +230,7 @@ def move(
 ) -> dict[str, Any]:
     """The migration's snapshot, restore and hand-over, through the agents, timed. Before the freeze, streams that
     would end before the hand-over and the second after it (``--margin-s``) are refilled (up to ``--refills``
-    times), each refill followed by one more live round: it ships the new wave's prefill."""
+    times), each refill followed by the rule's rounds again: the first ships the new wave's prefill."""
     out: dict[str, Any] = {"_t_begin": time.monotonic()}
     rounds: list[dict[str, Any]] = []
     phases: list[tuple[str, float, float]] = []
@@ -236,10 +239,10 @@ def move(
     first = last = engine_sample(source.url)  # the source's engine at each phase's ends
     options = {"compression": args.compression, **TransferBounds(args.parallelism or None, None, args.pacing).options()}
 
-    def live_round(n: int) -> None:
+    def live_round(n: int) -> Round:
         nonlocal last
-        spy = GilProfile(source.host.meta["workload"]["pid"], f"{args.profile}/capture_1.txt") if n == 1 else None
-        profiled = bool(args.profile) and spy is not None and spy.start()  # round 1: the one that moves every byte
+        spy = GilProfile(source.host.meta["workload"]["pid"], f"{args.profile}/capture_{n}.txt")
+        profiled = bool(args.profile) and spy.start()
         t0, began = time.perf_counter(), time.monotonic()
         r = source.agent.request_precopy(store, key_ref, options=options)
         captured = time.monotonic()
@@ -254,14 +257,21 @@ def move(
         rounds.append({"bytes_dirty": r.stats.bytes_dirty, "chunks_dirty": r.stats.chunks_dirty,
                        "seconds": round(r.stats.seconds, 3), "preload_s": round(pre.seconds, 3),
                        "wall_s": round(time.perf_counter() - t0, 3), "pacing": r.stats.pacing,
-                       "after_refill": n > args.rounds})  # fmt: skip
+                       "wave": clients.wave})  # fmt: skip
+        return r
 
     def step_s() -> float:  # the slower of the steady state's steps and the last phase's
         times = [x["step_ms"] for x in (engine_between(first, last), engine_between(*engine_phases[-1][1:]))]
         return max([t for t in times if t] or [50.0]) / 1000
 
-    for n in range(1, args.rounds + 1):
-        live_round(n)
+    def wave_rounds(wave: int) -> None:  # the flow's own rule (snapshot/precopy.py), as its snapshot phase runs it
+        conv = converge(lambda: live_round(len(rounds) + 1), max_rounds=args.rounds,
+                        max_downtime_ms=args.max_downtime_ms)  # fmt: skip
+        stops.append({"wave": wave, "rounds": len(conv.rounds), "reason": conv.reason,
+                      "predicted_downtime_ms": conv.predicted_downtime_ms})  # fmt: skip
+
+    stops: list[dict[str, Any]] = []
+    wave_rounds(1)
     while clients.decoding_left_s(step_s()) < args.margin_s and len(refills) < args.refills:
         log(f"the streams would end before the hand-over: refill {len(refills) + 1} ...")
         a, before_refill = time.monotonic(), engine_sample(source.url)
@@ -270,8 +280,9 @@ def move(
         phases.append((f"refill_{len(refills)}", *refills[-1]))
         last = engine_sample(source.url)
         engine_phases.append((f"refill_{len(refills)}", before_refill, last))
-        live_round(len(rounds) + 1)
+        wave_rounds(len(refills) + 1)
     out["precopy"] = rounds
+    out["precopy_stops"] = stops
     out["_engine"] = (first, engine_phases)
     out["_refills"] = refills
     t_freeze = time.monotonic()
@@ -327,8 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spare-slots", type=int, default=4, help="slots beyond the streams (new requests at the freeze)")
     p.add_argument("--prompt-min", type=int, default=1024)
     p.add_argument("--prompt-max", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=768, help="tokens per stream")
-    p.add_argument("--rounds", type=int, default=2, help="live pre-copy rounds before the freeze (and any refill's)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per stream (long enough to outlast a paced round)")
+    p.add_argument("--rounds", type=int, default=Snapshot().precopy_rounds,
+                   help="the most live pre-copy rounds of each wave (default: the plan's precopy_rounds)")  # fmt: skip
+    p.add_argument("--max-downtime-ms", type=float, default=Snapshot().max_downtime_ms,
+                   help="the rounds of a wave stop once the dirty set fits this (default: the plan's)")  # fmt: skip
     p.add_argument("--before-s", type=float, default=3.0, help="steady decoding measured before the migration")
     p.add_argument("--margin-s", type=float, default=3.0,
                    help="decoding the streams must have left at the freeze, else a refill")  # fmt: skip
