@@ -1,7 +1,7 @@
 """An LLM server moved with its streams in flight: what the clients see, beside the stop-and-copy and a re-prefill.
 
     python bench/llm_streams.py --json [--size 1b] [--device cuda] [--dtype bfloat16] [--streams 64]
-        [--prompt-min 1024] [--prompt-max 4096] [--tokens 2048] [--chunk-mb N] [--runs disk,shm] [--root DIR]
+        [--prompt-min 1024] [--prompt-max 4096] [--tokens 4096] [--chunk-mb N] [--runs disk,shm] [--root DIR]
         [--target-gpu N] [--parallelism N] [--pacing adaptive|off] [--rounds 3] [--max-downtime-ms 500]
         [--margin-s 3] [--refills 2] [--profile DIR] [--out FILE]
     python bench/llm_streams.py --smoke      # the tiny config on the CPU; exit 1 unless every check holds
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spare-slots", type=int, default=4, help="slots beyond the streams (new requests at the freeze)")
     p.add_argument("--prompt-min", type=int, default=1024)
     p.add_argument("--prompt-max", type=int, default=4096)
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per stream (long enough to outlast a paced round)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per stream (outlasting the paced rounds)")
     p.add_argument("--rounds", type=int, default=Snapshot().precopy_rounds,
                    help="the most live pre-copy rounds of each wave (default: the plan's precopy_rounds)")  # fmt: skip
     p.add_argument("--max-downtime-ms", type=float, default=Snapshot().max_downtime_ms,
