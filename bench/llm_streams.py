@@ -9,42 +9,41 @@
 Two reference LLM servers (``python -m gpumigrate.workloads.llm``), each started through the one launcher
 (``LocalProvider.bootstrap``) as a migration starts a workload, the target awaiting its restore. The source serves
 ``--streams`` greedy requests with prompts of ``--prompt-min``..``--prompt-max`` bytes (one token per byte), first
-as the **control run** (unmigrated: each request's text), then again as the **measured run**: one client per
-request reads its stream (``/v1/completions``, ``stream: true``) and timestamps every event as it arrives. Once
-every stream decodes, the bench waits ``--before-s`` (the steady state) and migrates the server through the real
-capture/restore path, driving the two agents as the flow's agent backend does: live pre-copy rounds (the KV
-cache's rows shipped by the engine's written-ranges report), each pre-loaded into the target, until the flow's own
-rule stops them (``snapshot/precopy.py``: the dirty set fits ``--max-downtime-ms``, stopped shrinking, or
-``--rounds`` ran; both the plan's defaults), the freeze between two decode steps, the final round (the KV delta and the engine's requests), the source's resume,
-the target's restore (it imports the requests and generates on), and the hand-over (the source relays its
-clients' streams from the target). The store is the one the flow gives a local target: a ``file://`` directory
-on disk (``<target workdir>/store``; run ``disk``); ``shm`` is /dev/shm beside it, labelled so.
+as the **control run** (unmigrated: each request's text), then again as the **measured run**: one client per request
+reads its stream (``/v1/completions``, ``stream: true``) and timestamps every event as it arrives. Once every stream
+decodes, the bench waits ``--before-s`` (the steady state) and migrates the server through the real capture/restore
+path, driving the two agents as the flow's agent backend does: live pre-copy rounds (the KV cache's rows shipped by
+the engine's written-ranges report), each pre-loaded into the target, until the flow's own rule stops them
+(``snapshot/precopy.py``: the dirty set fits ``--max-downtime-ms``, stopped shrinking, or ``--rounds`` ran; both the
+plan's defaults), the freeze between two decode steps, the final round (the KV delta and the engine's requests), the
+source's resume, the target's restore (it imports the requests and generates on), and the hand-over (the source
+relays its clients' streams from the target). The store is the one the flow gives a local target: a ``file://``
+directory on disk (``<target workdir>/store``; run ``disk``); ``shm`` is /dev/shm beside it, labelled so.
 
 What a user's migration does: each pre-copy round carries the plan's defaults for ``transfer`` (``parallelism``,
 ``pacing``, ``compression``, read from ``gpumigrate.plan.Transfer``) unless ``--parallelism`` (0: one thread per
 core) or ``--pacing`` say otherwise, and the chunk size is the SDK's own choice for a server that reports its KV
 writes (``--chunk-mb`` sets another). The freeze must land mid-generation: when the streams would end within
-``--margin-s`` of decoding (a paced round can outlast them), the bench waits for them to end, starts the same prompts
-again (a new wave; their control texts are known) and runs the rule's rounds again (the first ships the wave's
-prefill), at most ``--refills`` times; the gaps of a refill are not the migration's and are left out of its figures. A run with
-no stream in flight at the freeze says so (``freeze_tested``: false) and fails ``--smoke``.
+``--margin-s`` of decoding (a paced round can outlast them), the bench waits for them to end, starts the same
+prompts again (a new wave; their control texts are known) and runs the rule's rounds again (the first ships the
+wave's prefill), at most ``--refills`` times; the gaps of a refill are not the migration's and are left out of its
+figures. A run with no stream in flight at the freeze says so (``freeze_tested``: false) and fails ``--smoke``.
 
-Reported, every figure beside what it includes: streams broken (an error event, no ``[DONE]``), streams whose
-text differs from the control run's or whose ``usage.completion_tokens`` is not ``--tokens`` (a lost or repeated
-token shows in both), the stop-and-copy downtime (freeze → target restored and ready) and its parts, the largest
-inter-token gap any client saw during the migration (vs the downtime + 50 ms and vs 150 ms), the p99 inter-token
-gap over the whole migration vs the p99 before it (target ≤ 1.5x), the gaps of each phase apart
-(``gaps_by_phase``: each pre-copy round's capture, the target's pre-load of it, any refill, the stop-and-copy, the
-hand-over and the second after it), what a moved stream saw across the move (``hand_over``: its gap, and its first
-event after the hand-over), the source engine's steps in each of those phases and the target's from the hand-over
-to a second after it (``engine_by_phase``: mean step time and the share of it the engine's thread was on a
-CPU: a step waiting for the GIL sleeps, one waiting for the device spins),
-and the **re-prefill baseline** from the same
-run: each request as a replay-based system would resume it on a fresh target (its prompt plus the tokens it had at
-the freeze, as one new prompt, all replayed at once on the target once the streams ended), timed to its first
-token. ``--profile DIR`` records which of the source's threads hold the GIL during each capture (py-spy ``record
---gil``, raw stacks per thread, ``DIR/capture_N.txt``; py-spy is a diagnosis tool: install it by hand). ``--target-gpu`` starts the target on another GPU of the host (by default it shares the source's). The last
-stdout line is one JSON object.
+Reported, every figure beside what it includes: streams broken (an error event, no ``[DONE]``), streams whose text
+differs from the control run's or whose ``usage.completion_tokens`` is not ``--tokens`` (a lost or repeated token
+shows in both), the stop-and-copy downtime (freeze → target restored and ready) and its parts, the largest
+inter-token gap any client saw during the migration (vs the downtime + 50 ms and vs 150 ms), the p99 inter-token gap
+over the whole migration vs the p99 before it (target ≤ 1.5x), the gaps of each phase apart (``gaps_by_phase``: each
+pre-copy round's capture, the target's pre-load of it, any refill, the stop-and-copy, the hand-over and the second
+after it), what a moved stream saw across the move (``hand_over``: its gap, and its first event after the
+hand-over), the source engine's steps in each of those phases and the target's from the hand-over to a second after
+it (``engine_by_phase``: mean step time and the share of it the engine's thread was on a CPU: a step waiting for the
+GIL sleeps, one waiting for the device spins), and the **re-prefill baseline** from the same run: each request as a
+replay-based system would resume it on a fresh target (its prompt plus the tokens it had at the freeze, as one new
+prompt, all replayed at once on the target once the streams ended), timed to its first token. ``--profile DIR``
+records which of the source's threads hold the GIL during each capture (py-spy ``record --gil``, raw stacks per
+thread, ``DIR/capture_N.txt``; py-spy is a diagnosis tool: install it by hand). ``--target-gpu`` starts the target
+on another GPU of the host (by default it shares the source's). The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -93,8 +92,8 @@ from gpumigrate.snapshot.client import AgentClient
 from gpumigrate.snapshot.precopy import converge
 
 KEY_ENV = "GM_LLM_BENCH_IMAGE_KEY"
-CONFIG_KEYS = ("size", "dtype", "streams", "prompt_min", "prompt_max", "tokens", "rounds", "max_downtime_ms", "chunk_mb", "target_gpu",
-               "parallelism", "pacing", "compression", "margin_s", "refills")  # fmt: skip
+CONFIG_KEYS = ("size", "dtype", "streams", "prompt_min", "prompt_max", "tokens", "rounds", "max_downtime_ms",
+               "chunk_mb", "target_gpu", "parallelism", "pacing", "compression", "margin_s", "refills")  # fmt: skip
 # What a migration's flow sends with each pre-copy round when the plan leaves transfer's bounds unset: the plan's own
 # defaults, read from its model (flows/context.py sends compression and the bounds' options).
 PLAN_DEFAULTS = {k: Transfer.model_fields[k].default for k in ("parallelism", "pacing", "compression")}
