@@ -15,6 +15,7 @@ Health comes from the endpoint cluster ``X``: ``membership_healthy`` and outlier
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,6 +237,26 @@ def settled_reading(read: Callable[[], IngressCounters], tries: int = 4, gap_s: 
     return best
 
 
+def baseline_reading(read: Callable[[], IngressCounters], reads: int = 12, gap_s: float = 0.003) -> IngressCounters:
+    """The reading a span starts from: what ended unanswered before it, which every later failure is counted above.
+
+    A :func:`settled_reading` can still read one low when every one of its reads lands while an answer is counted
+    in flight (long streams keep requests in flight all the time, and on a loaded host Envoy's worker may take
+    tens of milliseconds to let go of a finished stream): as the span's base, that one request was then counted
+    lost in every later window, a failure no client saw (CI, an LLM migration with eight streams in flight).
+    A read can also read one high (a request arriving between Envoy's read of its gauge and of its counter).
+    Both are brief, so the base is the count most of ``reads`` reads ``gap_s`` apart agree on (the latest of
+    those), once per span: a request that really ended unanswered during them stays in every read after it.
+    """
+    seen = [read()]
+    for _ in range(reads - 1):
+        time.sleep(gap_s)
+        seen.append(read())
+    votes = Counter(r.unanswered for r in seen)
+    most = max(votes.values())
+    return [r for r in seen if votes[r.unanswered] == most][-1]
+
+
 def parse_ingress(stats_json: dict[str, Any], ts: float | None = None) -> IngressCounters:
     """Pick ``http.ingress.*`` out of ``/stats?format=json&histogram_buckets=cumulative``."""
     out = IngressCounters(ts if ts is not None else time.time())
@@ -283,8 +304,8 @@ class ClientFigures:
     Envoy's reset counters also count streams closed after their answer, so a request that ended
     unanswered is read as arrived − answered − in flight. Envoy reads those counters one by one while
     requests come and go, so one read can be off by the few requests that moved during it. Feed
-    :func:`settled_reading` samples: the span's first two readings set what ended unanswered before it
-    (the lower of the two), and a reading one low there would count a request no client missed. An
+    :func:`settled_reading` samples, the first a :func:`baseline_reading`: that first reading sets what ended
+    unanswered before the span, and a reading one low there would count a request no client missed. An
     increase counts only once the next sample confirms it, and each window is judged one sample late.
     Call :meth:`close` after the last sample.
     """
@@ -323,7 +344,7 @@ class ClientFigures:
         )
         window = _Window(dt, xx5, answered - xx5, cur.total > prev.total or prev.active > 0, cur.unanswered)
         if self._lost_high is None:  # the span's first window: what ended unanswered before it is not its own
-            self._lost_high = min(prev.unanswered, window.lost)
+            self._lost_high = prev.unanswered
         if self._pending is not None:
             confirmed = min(self._pending.lost, window.lost)
             self._judge(self._pending, max(0, confirmed - self._lost_high))

@@ -302,5 +302,6 @@ def test_streams_in_flight_survive_a_whole_migration(llm: Env, tmp_path: Path) -
     assert streams["handed_over"] >= 1 and streams["handover_ms"] > 0
     assert {"source", "target"} <= set(streams["probes"]) and streams["probes"]["target"]["itl_p99_ms"] is not None
     assert StateStore(llm.home / "traffic" / "llm").read().weights == {"source": 0.0, "target": 100.0}
+    assert result["requests"]["failed"] == 0  # the front door's access log: every request, one by one
     stages = [x["data"] for x in _audit(llm, "llm-1") if x["event"] == "traffic.figures"]
-    assert stages and stages[-1]["failures"] == 0
+    assert stages and stages[-1]["failures"] == 0  # Envoy's counters, sampled through the ramp, agree

@@ -11,7 +11,13 @@ import pytest
 from gpumigrate.traffic.analysis import GateSettings
 from gpumigrate.traffic.loadgen import LoadGenerator
 from gpumigrate.traffic.ramp import RampController, RampSettings
-from gpumigrate.traffic.stats import ClientFigures, IngressCounters, client_figures, settled_reading
+from gpumigrate.traffic.stats import (
+    ClientFigures,
+    IngressCounters,
+    baseline_reading,
+    client_figures,
+    settled_reading,
+)
 
 BODY = {"prompt": "hello", "max_new_tokens": 1}
 
@@ -140,6 +146,32 @@ def test_an_answer_read_as_still_in_flight_at_the_span_start_is_not_a_failure() 
         [(3.0, 300, 299, 0, 0)],
     ]
     assert _run_settled(lost).failures == 1
+
+
+def test_the_span_base_is_the_count_most_reads_agree_on_even_with_streams_always_in_flight() -> None:
+    # Seen in CI (an LLM migration, eight streams in flight all along): every read of the span's first sample
+    # caught one answer still counted in flight; taken as the base, each later window counted one request lost.
+    # 108 arrived, 8 in flight: one answered but still counted in flight reads 101 answered and 8 in flight.
+    reads = [IngressCounters(i * 0.003, 108, 101, 0, 8) for i in range(5)]  # unanswered -1: read low
+    reads += [IngressCounters(0.015 + i * 0.003, 108, 101, 0, 7) for i in range(7)]  # the stream let go of
+    it = iter(reads)
+    base = baseline_reading(lambda: next(it), gap_s=0.0)
+    assert (base.unanswered, base.ts) == (0, reads[-1].ts)
+    # One read high (a request counted arrived, not yet in flight) among agreeing ones: not the base either.
+    high = [IngressCounters(0.0, 10, 5, 0, 5)] * 3 + [IngressCounters(0.01, 11, 5, 0, 5)]
+    high += [IngressCounters(0.02, 11, 5, 0, 6)] * 8
+    it = iter(high)
+    assert baseline_reading(lambda: next(it), gap_s=0.0).unanswered == 0
+
+
+def test_a_second_reading_that_reads_low_does_not_lower_the_span_base() -> None:
+    # The base was once the lower of the span's first two readings: a second reading one low (an answer still
+    # counted in flight) then made every later, true reading one request lost.
+    samples = [(0.0, 108, 100, 0, 8), (1.0, 208, 201, 0, 8), (2.0, 308, 300, 0, 8), (3.0, 408, 400, 0, 8)]
+    assert _run(samples).failures == 0
+    # A request that really ended unanswered in the first window still counts, once.
+    lost = [(0.0, 108, 100, 0, 8), (1.0, 208, 199, 0, 8), (2.0, 308, 299, 0, 8), (3.0, 408, 399, 0, 8)]
+    assert _run(lost).failures == 1
 
 
 def test_counters_that_restart_start_a_new_count_and_an_open_outage_counts_to_the_end() -> None:

@@ -10,7 +10,14 @@ from typing import Any
 
 from gpumigrate.errors import TrafficError
 from gpumigrate.traffic.envoy import EnvoyAdmin
-from gpumigrate.traffic.stats import ClientFigures, IngressCounters, client_figures, parse_ingress, settled_reading
+from gpumigrate.traffic.stats import (
+    ClientFigures,
+    IngressCounters,
+    baseline_reading,
+    client_figures,
+    parse_ingress,
+    settled_reading,
+)
 
 
 def _read_ingress(admin: EnvoyAdmin) -> IngressCounters:
@@ -18,8 +25,9 @@ def _read_ingress(admin: EnvoyAdmin) -> IngressCounters:
 
 
 class ClientFiguresSampler:
-    """Reads every Envoy's client-listener counters every ``every_s`` on its own thread (each sample a
-    :func:`~gpumigrate.traffic.stats.settled_reading`, which does not read the unanswered count low)."""
+    """Reads every Envoy's client-listener counters every ``every_s`` on its own thread (the first sample a
+    :func:`~gpumigrate.traffic.stats.baseline_reading`, each later one a
+    :func:`~gpumigrate.traffic.stats.settled_reading`)."""
 
     def __init__(self, admin_urls: list[str], every_s: float) -> None:
         self.admins = [EnvoyAdmin(u, timeout_s=max(1.0, every_s * 4)) for u in admin_urls]
@@ -33,8 +41,9 @@ class ClientFiguresSampler:
     def sample(self) -> None:
         with self._lock:
             for admin, fig in zip(self.admins, self.figures, strict=True):
+                take = baseline_reading if fig.prev is None else settled_reading  # the span's base: most reads agree
                 try:
-                    fig.add(settled_reading(partial(_read_ingress, admin)))
+                    fig.add(take(partial(_read_ingress, admin)))
                     self.reads += 1
                 except (TrafficError, ValueError):  # a missed read widens one window; the resolution says so
                     continue
