@@ -6,7 +6,7 @@ agent's id and epoch, signed with its agent key and bound to a fresh challenge),
 than the one it was told to expect (``agent=``), then signs every request with that agent's key
 (``gpumigrate.agent_keys``, derived from the control key) for that agent's ``id#epoch`` only, and accepts
 only replies signed bound to that request; an unsigned or forged reply is a failure. Its typed wrappers are
-named ``request_<command>``: each sends one command and decodes the reply.
+named ``request_<command>``: each sends one command and decodes the reply (``replies.py``).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import secrets
 import socket
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpumigrate import agent_keys, control, errors
 from gpumigrate.errors import GpumigrateError, SnapshotError
-from gpumigrate.interfaces import ImageRef, RegionInfo, Restored, Round, RoundStats, StepLosses
+from gpumigrate.interfaces import Restored, Round, StepLosses
 from gpumigrate.snapshot.errors import AgentUnreachableError, EnvironmentMismatchError, ImageMismatchError
 from gpumigrate.snapshot.precopy import Convergence, converge
+from gpumigrate.snapshot.replies import AgentInfo, Zeroized, decode_round, decode_steps
 
 _ERRORS: dict[str, type[GpumigrateError]] = {
     "AuthError": control.AuthError,
@@ -357,86 +357,6 @@ class AgentClient:
             devices=tuple(reply.get("devices") or ()),
             seconds=float(reply["seconds"]),
         )
-
-
-# ----------------------------------------------------------------------------- typed replies
-
-
-def decode_round(reply: Mapping[str, Any]) -> Round:
-    """``{"stats": RoundStats, "image": ImageRef}`` as PROTOCOL.md gives them."""
-    return Round(stats=RoundStats(**reply["stats"]), image=ImageRef(**reply["image"]))
-
-
-@dataclass(frozen=True)
-class AgentInfo:
-    """The agent's ``info``: what it tracks and where it stands."""
-
-    regions: tuple[RegionInfo, ...]
-    bytes_total: int
-    environment: Mapping[str, Any]
-    frozen: bool
-    ready: bool | None
-    rounds: int
-    last_image: str | None
-    lease: Mapping[str, float] | None = None  # {"lease_s", "expires_in_s"} while frozen under a lease
-    lease_expiries: int = 0  # freezes that ended because nobody renewed them
-    fingerprint_collisions: int = 0  # chunks the final round's full hash caught
-    steps: int = 0  # safe points passed (training steps, or requests)
-    warming: bool = False  # the SDK's background warm-up (kernel compiles) still runs
-    auth: Mapping[str, Any] = field(default_factory=dict)  # {"key_id", "refused", "last_refused"}
-
-    @classmethod
-    def decode(cls, reply: Mapping[str, Any]) -> AgentInfo:
-        regions = tuple(
-            RegionInfo(**{**r, "shape": tuple(r["shape"]) if r.get("shape") is not None else None})
-            for r in reply["regions"]
-        )
-        return cls(
-            regions=regions,
-            bytes_total=int(reply["bytes_total"]),
-            environment=dict(reply.get("environment") or {}),
-            frozen=bool(reply["frozen"]),
-            ready=reply.get("ready"),
-            rounds=int(reply["rounds"]),
-            last_image=reply.get("last_image"),
-            warming=bool(reply.get("warming", False)),
-            lease=reply.get("lease"),
-            lease_expiries=int(reply.get("lease_expiries") or 0),
-            fingerprint_collisions=int(reply.get("fingerprint_collisions") or 0),
-            steps=int(reply.get("steps") or 0),
-            auth=dict(reply.get("auth") or {}),
-        )
-
-
-def decode_steps(reply: Mapping[str, Any]) -> StepLosses:
-    """An ``advance`` or ``metrics`` reply: the steps taken and the losses reported for them."""
-    return StepLosses(
-        steps=int(reply["steps"]),
-        losses=tuple((int(s), float(loss)) for s, loss in reply.get("losses") or ()),
-        frozen=reply.get("frozen"),
-        ready=reply.get("ready"),
-    )
-
-
-@dataclass(frozen=True)
-class Zeroized:
-    """The audit record of a zeroize: tracked memory overwritten with zeros and read back."""
-
-    regions: int
-    bytes: int
-    verified: bool
-    devices: tuple[str, ...]
-    seconds: float
-
-    def record(self) -> dict[str, Any]:
-        """The fields the audit log keeps (``source.zeroized``), under the names PROTOCOL.md uses."""
-        return {
-            "zeroized_regions": self.regions,
-            "zeroized_bytes": self.bytes,
-            "verified": self.verified,
-            "devices": ",".join(self.devices),
-            "seconds": round(self.seconds, 3),
-        }
 
 
 def agent_environment(

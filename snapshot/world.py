@@ -37,9 +37,10 @@ from typing import Any, TypeVar
 
 from gpumigrate.errors import GpumigrateError, InvalidInputError
 from gpumigrate.interfaces import ImageRef, Round, RoundStats
-from gpumigrate.snapshot.client import AgentClient, AgentInfo
+from gpumigrate.snapshot.client import AgentClient
 from gpumigrate.snapshot.precopy import Convergence, converge
 from gpumigrate.snapshot.rankmath import rank_addresses, ranked, shares
+from gpumigrate.snapshot.replies import AgentInfo
 
 __all__ = ["DEFAULT_LEASE_S", "World", "rank_addresses", "shares"]
 

@@ -21,8 +21,9 @@ from typing import Any
 from gpumigrate.errors import InvalidInputError, SnapshotError
 from gpumigrate.interfaces import ImageRef, Restored, Round, Side, StepLosses
 from gpumigrate.snapshot.backends import Setup
-from gpumigrate.snapshot.client import Zeroized, agent_environment, decode_steps
+from gpumigrate.snapshot.client import agent_environment
 from gpumigrate.snapshot.errors import AgentUnreachableError, TrainingLoopError
+from gpumigrate.snapshot.replies import Zeroized, decode_steps
 from gpumigrate.snapshot.world import World
 
 COMMAND_TIMEOUT_S = 600.0  # one command (a round, a restore); a stalled agent fails it rather than hanging
