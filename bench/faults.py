@@ -184,7 +184,7 @@ def start_stage(work: Path, n: int) -> Stage:
     from gpumigrate.infra.local import LocalProvider
     from gpumigrate.interfaces import HostSpec
     from gpumigrate.parity.environment import fetch_info
-    from gpumigrate.traffic import frontdoor
+    from gpumigrate.traffic import detached
 
     provider = LocalProvider()  # attached: the source host dies with the driver, whatever ends it
     host = provider.provision(HostSpec(name=f"fm-src-{n}", provider="local", region="local-a"))
@@ -195,7 +195,7 @@ def start_stage(work: Path, n: int) -> Stage:
     wait_http(endpoint, path=launch.ready_path, timeout_s=launch.ready_timeout_s)
     # The front door as `gpumigrate frontdoor up` starts it: the supervisor, its Envoy and its control plane.
     tdir = work / f"traffic-{n}"
-    door, _ = frontdoor.start_detached(tdir, source_host=host.address, source_port=host.ports["service"],
+    door, _ = detached.start_detached(tdir, source_host=host.address, source_port=host.ports["service"],
                                        listen="127.0.0.1:0", node_id=f"fm-envoy-{n}")  # fmt: skip
     listener = str(door.listener)
     wait_until(lambda: _post(listener) == 200, 30, 0.3)
@@ -207,7 +207,7 @@ def start_stage(work: Path, n: int) -> Stage:
 
 def stop_stage(stage: Stage) -> None:
     from gpumigrate.infra import get_provider
-    from gpumigrate.traffic.frontdoor import stop_detached
+    from gpumigrate.traffic.detached import stop_detached
 
     with contextlib.suppress(Exception):
         stop_detached(stage.traffic_dir)
@@ -538,7 +538,7 @@ def _terminate_targets(mid: str) -> None:
 
 
 def stage_healthy(stage: Stage) -> bool:
-    from gpumigrate.traffic.frontdoor import door_status
+    from gpumigrate.traffic.detached import door_status
 
     procs = door_status(stage.traffic_dir).get("processes") or {}
     return (

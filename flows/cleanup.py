@@ -131,7 +131,7 @@ def _records() -> Iterator[Leftover]:
 
 
 def _doors() -> Iterator[Leftover]:
-    from gpumigrate.traffic.frontdoor import door_status
+    from gpumigrate.traffic.detached import door_status
 
     base = state_root() / "traffic"
     if not base.is_dir():

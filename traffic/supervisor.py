@@ -2,7 +2,7 @@
 it dies, so that a dead Envoy costs its restart time, not an operator's page.
 
 ``gpumigrate frontdoor up`` starts this process (``python -m gpumigrate.traffic.supervisor``, in its own
-session; :func:`gpumigrate.traffic.frontdoor.start_detached`). It runs
+session; :func:`gpumigrate.traffic.detached.start_detached`). It runs
 
 * the xDS control plane as a child process (``python -m gpumigrate.traffic.xds``) on its private socket (a
   path derived from the state directory, ``access_control.py``): a restarted one listens where Envoy's bootstrap

@@ -99,8 +99,9 @@ def up(
 ) -> None:
     """Start the front door for SOURCE, detached; for the same source already up, idempotent (with another
     --health-path, Envoy checks that path from then on)."""
+    from gpumigrate.traffic.detached import start_detached
     from gpumigrate.traffic.frontdoor import health_path as checked_path
-    from gpumigrate.traffic.frontdoor import set_health_path, start_detached, wait_source_healthy
+    from gpumigrate.traffic.frontdoor import set_health_path, wait_source_healthy
 
     host, port = _source(source)
     if not _PATH.fullmatch(health_path):
@@ -139,7 +140,7 @@ def up(
 def status(workload: str | None = WORKLOAD, json_out: bool = typer.Option(False, "--json")) -> None:
     """Whether the front door is up, what it fronts, its processes and the live weights.
     Exit 0 up, 1 a part of it is down, 2 none."""
-    from gpumigrate.traffic.frontdoor import door_status
+    from gpumigrate.traffic.detached import door_status
 
     state_dir = _state_dir(workload)
     out = door_status(state_dir)
@@ -166,7 +167,7 @@ def status(workload: str | None = WORKLOAD, json_out: bool = typer.Option(False,
 @app.command("down")
 def down(workload: str | None = WORKLOAD, json_out: bool = typer.Option(False, "--json")) -> None:
     """Stop the front door started by `frontdoor up` (Envoy and its control plane). Idempotent."""
-    from gpumigrate.traffic.frontdoor import stop_detached
+    from gpumigrate.traffic.detached import stop_detached
 
     state_dir = _state_dir(workload)
     stopped = stop_detached(state_dir)

@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpumigrate.traffic.detached import start_detached, stop_detached
 from gpumigrate.traffic.envoy import EnvoyAdmin
-from gpumigrate.traffic.frontdoor import DoorInfo, read, start_detached, stop_detached
+from gpumigrate.traffic.frontdoor import DoorInfo, read
 from gpumigrate.traffic.state import StateStore, Upstream, split
 
 from .conftest import UpstreamProc, kill_group, start_upstream
