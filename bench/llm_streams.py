@@ -365,9 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     import torch
 
-    if args.smoke:
+    if args.smoke:  # 3,000 tokens: a wave outlasts its rounds and a refill's wait for the pacing's base window
         args.size, args.device, args.dtype, args.streams = "tiny", "cpu", "float32", 6
-        args.prompt_min, args.prompt_max, args.tokens, args.before_s, args.chunk_mb = 40, 160, 500, 0.5, 0
+        args.prompt_min, args.prompt_max, args.tokens, args.before_s, args.chunk_mb = 40, 160, 3000, 0.5, 0
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     from gpumigrate.transfer import generate_key
 
