@@ -242,8 +242,8 @@ def baseline_reading(read: Callable[[], IngressCounters], reads: int = 12, gap_s
 
     A :func:`settled_reading` can still read one low when every one of its reads lands while an answer is counted
     in flight (long streams keep requests in flight all the time, and on a loaded host Envoy's worker may take
-    tens of milliseconds to let go of a finished stream): as the span's base, that one request was then counted
-    lost in every later window, a failure no client saw (CI, an LLM migration with eight streams in flight).
+    tens of milliseconds to let go of a finished stream): as the span's base, that one request would be counted
+    lost in every later window, a failure no client saw.
     A read can also read one high (a request arriving between Envoy's read of its gauge and of its counter).
     Both are brief, so the base is the count most of ``reads`` reads ``gap_s`` apart agree on (the latest of
     those), once per span: a request that really ended unanswered during them stays in every read after it.

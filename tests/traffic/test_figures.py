@@ -149,11 +149,11 @@ def test_an_answer_read_as_still_in_flight_at_the_span_start_is_not_a_failure() 
 
 
 def test_the_span_base_is_the_count_most_reads_agree_on_even_with_streams_always_in_flight() -> None:
-    # Seen in CI (an LLM migration, eight streams in flight all along): every read of the span's first sample
-    # caught one answer still counted in flight; taken as the base, each later window counted one request lost.
-    # 108 arrived, 8 in flight: one answered but still counted in flight reads 101 answered and 8 in flight.
+    # With streams in flight all along no read finds nothing in flight, and an answer still counted in flight can
+    # last through all four reads of a settled reading; a base one low counts one request lost in every later
+    # window. 108 arrived, 8 in flight: an answer still counted in flight reads 101 answered and 8 in flight.
     reads = [IngressCounters(i * 0.003, 108, 101, 0, 8) for i in range(5)]  # unanswered -1: read low
-    reads += [IngressCounters(0.015 + i * 0.003, 108, 101, 0, 7) for i in range(7)]  # the stream let go of
+    reads += [IngressCounters(0.015 + i * 0.003, 108, 101, 0, 7) for i in range(7)]  # no longer counted in flight
     it = iter(reads)
     base = baseline_reading(lambda: next(it), gap_s=0.0)
     assert (base.unanswered, base.ts) == (0, reads[-1].ts)
